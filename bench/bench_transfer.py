@@ -1,0 +1,112 @@
+"""Tensor transfer between two processes over ZMQ, against an in-process memcpy.
+
+A sender process encodes a float32 tensor with omnistage.protocol (msgpack header + raw frame,
+sent without copying) to a receiver process, which decodes it into a numpy view and acks. The
+baseline is a single-process memcpy of the same size (numpy.copyto into a preallocated buffer).
+Prints one line: GB/s per size and the ratio to memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from omnistage import protocol as p  # noqa: E402
+
+SIZES_MB = (1, 16, 64)
+
+
+def _receiver(endpoint: str, ready: mp.Event) -> None:  # type: ignore[valid-type]
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(endpoint)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        msg = p.decode(frames[1:])
+        if msg.type == "stop":
+            break
+        arr = msg.tensors["x"].numpy()  # zero-copy view over the received frame
+        sock.send_multipart([frames[0].bytes, p.encode({"t": "ack", "n": int(arr.size)})[0]])
+    sock.close(0)
+    ctx.term()
+
+
+def _memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _zmq_gbps(endpoint: str, nbytes: int, reps: int) -> float:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(endpoint)
+    x = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+    best = float("inf")
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        sock.send_multipart(p.encode({"t": "data"}, {"x": x}), copy=False)
+        sock.recv()
+        if i:  # the first round warms up connections and allocators
+            best = min(best, time.perf_counter() - t0)
+    sock.close(0)
+    ctx.term()
+    return nbytes / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp")
+    args = ap.parse_args()
+    import zmq
+
+    endpoint = (
+        "tcp://127.0.0.1:0" if args.transport == "tcp" else f"ipc:///tmp/omnistage-bench-{id(ap)}"
+    )
+    if args.transport == "tcp":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ready = mp.Event()
+    proc = mp.Process(target=_receiver, args=(endpoint, ready), daemon=True)
+    proc.start()
+    ready.wait(10)
+    parts = []
+    for mb in SIZES_MB:
+        nbytes = mb * 1024 * 1024
+        z = _zmq_gbps(endpoint, nbytes, args.reps)
+        m = _memcpy_gbps(nbytes, args.reps)
+        parts.append(f"{mb}MB={z:.2f}GB/s ({z / m:.2f}x memcpy {m:.2f}GB/s)")
+    ctx = zmq.Context()
+    stop = ctx.socket(zmq.DEALER)
+    stop.connect(endpoint)
+    stop.send_multipart(p.encode({"t": "stop"}))
+    proc.join(5)
+    stop.close(0)
+    print(f"zmq_tensor_transfer[{args.transport}]: " + " ".join(parts) + " (goal 64MB >=0.3x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,930 @@
+"""Pipeline spec: the OmniPipeline manifest as pydantic models.
+
+One document describes a pipeline. ``omnistage serve FILE`` runs it locally and
+``kubectl apply -f FILE`` runs it on a cluster, so these models are the single source of truth:
+the runtime parses them here and the CRD OpenAPI schema is generated from them. That is why every
+field has a description, uses a camelCase alias, forbids unknown keys (typos are errors) and keeps
+to JSON-schema friendly types (Literals for enums, explicit bounds, optional values instead of
+unions).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "API_VERSION",
+    "BUILTIN_MODELS",
+    "DEFAULT_IMAGE",
+    "KIND",
+    "MAX_REPLICAS",
+    "MAX_STAGES",
+    "STAGE_KINDS",
+    "AdmissionOptions",
+    "EngineOptions",
+    "Metadata",
+    "OmniPipeline",
+    "OrchestratorResources",
+    "OrchestratorSpec",
+    "PipelineSpec",
+    "Placement",
+    "SpecError",
+    "Stage",
+    "StageResources",
+    "Toleration",
+    "load_pipeline",
+    "parse_pipeline",
+]
+
+API_VERSION = "omnistage.io/v1alpha1"
+KIND = "OmniPipeline"
+DEFAULT_IMAGE = "ghcr.io/omnistage/omnistage:0.1.0"
+#: Upper bounds shared with the CRD's CEL rules, so the API server and the runtime agree.
+MAX_STAGES = 16
+MAX_REPLICAS = 64
+#: Built-in tiny models and the stage kind each one serves.
+BUILTIN_MODELS: dict[str, str] = {"tiny-llama": "ar", "tiny-unet": "diffusion"}
+
+StageKind = Literal["ar", "diffusion", "echo"]
+STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
+ApiSurface = Literal["chat", "images", "generic"]
+
+# A stage name becomes part of pod names (<pipeline>-<stage>-<ordinal>), hence the short limits.
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# The pipeline name prefixes Service names, which must be DNS-1035 labels (leading letter).
+DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+PIPELINE_NAME_MAX = 40
+# Pod names are <pipeline>-<stage>-<ordinal>; keep them within one 63-character DNS label.
+POD_NAME_MAX = 63
+STAGE_NAME_MAX = 20
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
+_LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+
+_PATTERN_HELP = {
+    DNS_LABEL_PATTERN: "must be a DNS-1123 label: lowercase letters, digits and '-', "
+    "starting and ending with a letter or digit",
+    DNS1035_LABEL_PATTERN: "must be a DNS-1035 label: lowercase letters, digits and '-', "
+    "starting with a letter and ending with a letter or digit",
+    QUANTITY_PATTERN: "must be a Kubernetes quantity such as '500m', '2', '1.5' or '4Gi'",
+}
+
+
+def _collapse_nullable(schema: dict[str, Any], _cls: Any = None) -> None:
+    """Turn ``anyOf: [X, null]`` into plain X so the CRD schema stays structural.
+
+    Optional fields are simply omitted in manifests; a null default carries no information.
+    """
+    for prop in schema.get("properties", {}).values():
+        branches = prop.get("anyOf")
+        if branches and len(branches) == 2 and {"type": "null"} in branches:
+            other = next(b for b in branches if b != {"type": "null"})
+            del prop["anyOf"]
+            prop.update(other)
+        if "default" in prop and prop["default"] is None:
+            del prop["default"]
+
+
+class _Model(BaseModel):
+    """Shared config: camelCase keys, unknown keys rejected, CRD-friendly schema."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=_collapse_nullable,
+    )
+
+
+def _number_to_str(value: Any) -> Any:
+    """YAML reads ``cpu: 1`` as an int; Kubernetes quantities are int-or-string."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN), BeforeValidator(_number_to_str)]
+StageName = Annotated[
+    str, Field(pattern=DNS_LABEL_PATTERN, min_length=1, max_length=STAGE_NAME_MAX)
+]
+_SET = {"x-kubernetes-list-type": "set"}
+
+
+def _is_local_path(value: str) -> bool:
+    return value.startswith(_LOCAL_PATH_PREFIXES)
+
+
+# --------------------------------------------------------------------------- stage parts
+
+
+class EngineOptions(_Model):
+    """Executor options; each kind reads the ones that apply to it and ignores the rest."""
+
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="Weight and activation dtype. float32 is safest on CPU."
+    )
+    max_tokens: int = Field(
+        16, ge=0, le=4096, description="ar: default number of new tokens when a request omits it."
+    )
+    temperature: float = Field(
+        0.0, ge=0.0, le=10.0, description="ar: default sampling temperature; 0 is greedy."
+    )
+    return_hidden_states: bool = Field(
+        False,
+        description="ar: also emit last-layer hidden states so downstream stages can condition "
+        "on them (an AR encoder feeding a diffusion stage).",
+    )
+    height: int = Field(
+        32, ge=8, le=1024, multiple_of=8, description="diffusion: default image height in pixels."
+    )
+    width: int = Field(
+        32, ge=8, le=1024, multiple_of=8, description="diffusion: default image width in pixels."
+    )
+    num_inference_steps: int = Field(
+        4, ge=1, le=200, description="diffusion: default number of denoising steps."
+    )
+    guidance_scale: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="diffusion: classifier-free guidance scale; above 1 enables guidance, which "
+        "runs a negative-prompt companion request.",
+    )
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Default random seed, so tiny models are reproducible."
+    )
+    echo_delay_ms: int = Field(
+        0, ge=0, le=60_000, description="echo: artificial latency added to every request."
+    )
+
+
+class StageResources(_Model):
+    """Per-replica resources; on Kubernetes these become requests and limits."""
+
+    gpus: int = Field(
+        0, ge=0, le=16, description="GPUs per replica (nvidia.com/gpu). 0 runs on CPU."
+    )
+    cpu: Quantity = Field("1", description="CPU per replica, a Kubernetes quantity.")
+    memory: Quantity = Field("2Gi", description="Memory per replica, a Kubernetes quantity.")
+
+
+class OrchestratorResources(_Model):
+    """Resources of one orchestrator replica; it never needs a GPU."""
+
+    cpu: Quantity = Field("1", description="CPU per orchestrator replica, a Kubernetes quantity.")
+    memory: Quantity = Field(
+        "1Gi", description="Memory per orchestrator replica, a Kubernetes quantity."
+    )
+
+
+class Toleration(_Model):
+    """A Kubernetes toleration, so stages can land on tainted (for example GPU) nodes."""
+
+    key: str | None = Field(
+        None, description="Taint key to tolerate; omit with operator Exists to match every taint."
+    )
+    operator: Literal["Exists", "Equal"] = Field(
+        "Equal", description="Equal matches key and value; Exists matches any value of key."
+    )
+    value: str | None = Field(None, description="Taint value to match when operator is Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match; omit to match all effects."
+    )
+    toleration_seconds: int | None = Field(
+        None,
+        ge=0,
+        description="With effect NoExecute: how long the pod stays bound after the taint appears.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Toleration:
+        """Mirror the API server's own toleration rules so errors surface before apply."""
+        if self.operator == "Exists" and self.value:
+            raise PydanticCustomError(
+                "spec_field",
+                "{message}",
+                {"message": f"value must be empty when operator is Exists (got {self.value!r})"},
+            )
+        if not self.key and self.operator != "Exists":
+            raise PydanticCustomError(
+                "spec_field", "{message}", {"message": "an empty key requires operator Exists"}
+            )
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise PydanticCustomError(
+                "spec_field",
+                "{message}",
+                {"message": "tolerationSeconds only applies with effect NoExecute"},
+            )
+        return self
+
+
+class Placement(_Model):
+    """Scheduling hints; locally they are ignored, on Kubernetes they shape the pods."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels a replica's node must have."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the replicas tolerate."
+    )
+    colocate_with: list[StageName] = Field(
+        default_factory=list,
+        description="Other stages whose replicas these replicas should share a node with "
+        "(preferred pod affinity), for example to keep hidden states off the network.",
+        json_schema_extra=_SET,
+    )
+    spread_across_nodes: bool = Field(
+        True,
+        description="Spread replicas across nodes (topology spread by hostname), so losing one "
+        "node does not take the whole stage down.",
+    )
+
+
+class AdmissionOptions(_Model):
+    """Worker admission budgets; beyond them a replica refuses work instead of queueing forever."""
+
+    max_requests: int = Field(
+        64, ge=1, le=65_536, description="Outstanding requests admitted per replica."
+    )
+    max_cost: int | None = Field(
+        None,
+        ge=1,
+        description="Optional cost budget per replica: tokens for ar, pixels x steps for "
+        "diffusion. A request costing more than the whole budget is refused, never clamped.",
+    )
+    max_queue: int = Field(
+        256, ge=1, le=1_000_000, description="Requests allowed to wait in the scheduler queue."
+    )
+    default_deadline_seconds: float = Field(
+        60.0, gt=0, le=86_400, description="Deadline for requests that do not carry their own."
+    )
+
+
+class Stage(_Model):
+    """One logical stage: a model, its engine options and its pool of replicas."""
+
+    name: StageName = Field(
+        description="Stage name, unique in the pipeline; a DNS-1123 label of at most "
+        f"{STAGE_NAME_MAX} characters because it becomes part of pod names."
+    )
+    kind: StageKind = Field(
+        description="Executor kind: ar (autoregressive LLM), diffusion, or echo (no model; "
+        "for tests and benchmarks). Immutable once created."
+    )
+    model: str | None = Field(
+        None,
+        validate_default=True,
+        description="Built-in model name (ar: tiny-llama; diffusion: tiny-unet) or a local path "
+        "starting with /, ./, ../ or ~ (relative paths are relative to the pipeline file). "
+        "Required for ar and diffusion; omit (or 'none') for echo.",
+    )
+    engine: EngineOptions = Field(
+        default_factory=EngineOptions, description="Executor options for this stage."
+    )
+    inputs: list[StageName] = Field(
+        default_factory=list,
+        description="Upstream stages whose outputs this stage consumes; it runs once all of them "
+        "have produced output. Entry stages have none and receive the request itself.",
+        json_schema_extra=_SET,
+    )
+    final_output: bool = Field(
+        False, description="Whether this stage's output is returned to the client."
+    )
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Number of replicas of this stage.")
+    resources: StageResources = Field(
+        default_factory=StageResources, description="Resources of each replica."
+    )
+    placement: Placement = Field(
+        default_factory=Placement, description="Scheduling hints for the replicas."
+    )
+    admission: AdmissionOptions = Field(
+        default_factory=AdmissionOptions, description="Admission budgets of each replica."
+    )
+    drain_timeout_seconds: int = Field(
+        30,
+        ge=0,
+        le=3600,
+        description="How long a retiring replica may finish in-flight work before it is stopped.",
+    )
+    max_unavailable: int = Field(
+        1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="PodDisruptionBudget maxUnavailable for this stage's replicas.",
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Resolve the model against the kind, so a wrong name fails at load, not at start."""
+        kind = info.data.get("kind")
+        if kind is None:  # the kind itself was invalid and is reported on its own
+            return value
+        if kind == "echo":
+            if value is None or value.strip().lower() in ("", "none"):
+                return None
+            raise _field_error(
+                f"echo stages take no model; omit it or set it to none (got {value!r})"
+            )
+        if value is None or value.strip().lower() in ("", "none"):
+            builtins = _builtins_for(kind)
+            raise _field_error(
+                f"a model is required for kind {kind!r} (built-ins: {builtins}, "
+                "or a local path starting with / or ./)"
+            )
+        if _is_local_path(value):
+            return value
+        builtin_kind = BUILTIN_MODELS.get(value)
+        if builtin_kind is None:
+            raise _field_error(
+                f"unknown built-in model {value!r} for kind {kind!r} "
+                f"(built-ins: {_builtins_for(kind)}); use a local path starting with / or ./ "
+                "for your own weights"
+            )
+        if builtin_kind != kind:
+            raise _field_error(
+                f"built-in model {value!r} is a {builtin_kind!r} model, not {kind!r} "
+                f"(built-ins for {kind!r}: {_builtins_for(kind)})"
+            )
+        return value
+
+    def model_ref(self) -> tuple[Literal["builtin", "path", "none"], str | None]:
+        """Classify the model so executors know whether to build a tiny model or load weights."""
+        if self.model is None:
+            return ("none", None)
+        if _is_local_path(self.model):
+            return ("path", self.model)
+        return ("builtin", self.model)
+
+    def model_path(self, base_dir: Path | None = None) -> Path | None:
+        """Absolute path of a local model (relative ones resolve against base_dir), else None."""
+        kind, ref = self.model_ref()
+        if kind != "path" or ref is None:
+            return None
+        path = Path(ref).expanduser()
+        if not path.is_absolute():
+            path = (base_dir or Path.cwd()) / path
+        return path
+
+
+def _builtins_for(kind: str) -> str:
+    names = [name for name, k in BUILTIN_MODELS.items() if k == kind]
+    return ", ".join(names) or "none"
+
+
+def _path_errors(errors: list[tuple[str, str]], *, relative: bool = True) -> PydanticCustomError:
+    """Several errors in one, each with its own path (relative to the validated model's
+    location, or absolute), so cross-field problems are all reported at once."""
+    return PydanticCustomError(
+        "spec_errors",
+        "{summary}",
+        {
+            "summary": "; ".join(f"{p}: {m}" for p, m in errors),
+            "errors": errors,
+            "relative": relative,
+        },
+    )
+
+
+def _field_error(message: str) -> PydanticCustomError:
+    """A validation error whose message is shown as-is (no 'Value error,' prefix)."""
+    return PydanticCustomError("spec_field", "{message}", {"message": message})
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+class OrchestratorSpec(_Model):
+    """The API front door: it routes every request through the stage graph."""
+
+    replicas: int = Field(1, ge=0, le=16, description="Number of orchestrator replicas.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API.")
+    api: list[ApiSurface] = Field(
+        default_factory=lambda: ["chat", "images", "generic"],
+        min_length=1,
+        description="API surface to serve: chat (/v1/chat/completions), images "
+        "(/v1/images/generations) and generic (/v1/pipelines/{name}/requests).",
+        json_schema_extra=_SET,
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="Model name reported by /v1/models and accepted in requests; defaults to "
+        "metadata.name.",
+    )
+    chat_stage: StageName | None = Field(
+        None,
+        description="The ar stage that answers /v1/chat/completions; defaults to the first ar "
+        "stage in topological order.",
+    )
+    request_timeout_seconds: float = Field(
+        300.0, gt=0, le=86_400, description="Upper bound on a request's lifetime end to end."
+    )
+    resources: OrchestratorResources = Field(
+        default_factory=OrchestratorResources, description="Resources of each orchestrator replica."
+    )
+
+    @field_validator("api")
+    @classmethod
+    def _unique_api(cls, value: list[str]) -> list[str]:
+        """A repeated surface is almost certainly a typo for another one."""
+        _reject_duplicates(value)
+        return value
+
+
+def _reject_duplicates(values: list[str]) -> None:
+    seen: set[str] = set()
+    for item in values:
+        if item in seen:
+            raise _field_error(f"duplicate entry {item!r}")
+        seen.add(item)
+
+
+class PipelineSpec(_Model):
+    """The desired pipeline: the stage graph and the orchestrator in front of it."""
+
+    image: str = Field(
+        DEFAULT_IMAGE, min_length=1, description="Container image for stage and orchestrator pods."
+    )
+    orchestrator: OrchestratorSpec = Field(
+        default_factory=OrchestratorSpec, description="The orchestrator (API front door)."
+    )
+    stages: list[Stage] = Field(
+        min_length=1,
+        max_length=MAX_STAGES,
+        description="The stages, a directed acyclic graph through their inputs.",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+    )
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> PipelineSpec:
+        """Cross-field rules: report every problem at once, each with its own path."""
+        errors = _graph_errors(self)
+        if errors:
+            raise _path_errors(errors)
+        return self
+
+    # -- helpers (valid specs only) ---------------------------------------------------------
+
+    def stage(self, name: str) -> Stage:
+        """The stage called name; KeyError names the known stages."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"unknown stage {name!r} (stages: {', '.join(self.stage_names())})")
+
+    def stage_names(self) -> list[str]:
+        """Stage names in declaration order."""
+        return [s.name for s in self.stages]
+
+    def topo_order(self) -> list[str]:
+        """Stages in dependency order; ties keep declaration order so the result is stable."""
+        placed: set[str] = set()
+        order: list[str] = []
+        remaining = list(self.stages)
+        while remaining:
+            for stage in remaining:
+                if all(i in placed for i in stage.inputs):
+                    order.append(stage.name)
+                    placed.add(stage.name)
+                    remaining.remove(stage)
+                    break
+            else:  # unreachable after validation; guards direct construction
+                raise ValueError("stage graph has a cycle")
+        return order
+
+    def downstream(self, name: str) -> list[str]:
+        """Stages that consume name's output, in declaration order."""
+        self.stage(name)
+        return [s.name for s in self.stages if name in s.inputs]
+
+    def entry_stages(self) -> list[str]:
+        """Stages without inputs: they receive the client request."""
+        return [s.name for s in self.stages if not s.inputs]
+
+    def final_stages(self) -> list[str]:
+        """Stages whose output goes back to the client."""
+        return [s.name for s in self.stages if s.final_output]
+
+    def chat_stage(self) -> str | None:
+        """The ar stage behind /v1/chat/completions, or None if the pipeline has no ar stage."""
+        if self.orchestrator.chat_stage is not None:
+            return self.orchestrator.chat_stage
+        for name in self.topo_order():
+            if self.stage(name).kind == "ar":
+                return name
+        return None
+
+
+def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
+    """All cross-field problems as (path relative to spec, message)."""
+    errors: list[tuple[str, str]] = []
+    index: dict[str, int] = {}
+    for i, stage in enumerate(spec.stages):
+        if stage.name in index:
+            errors.append(
+                (
+                    f"stages[{i}].name",
+                    f"duplicate stage name {stage.name!r} (also stages[{index[stage.name]}])",
+                )
+            )
+        else:
+            index[stage.name] = i
+    known = ", ".join(index)
+
+    for i, stage in enumerate(spec.stages):
+        seen: set[str] = set()
+        for j, upstream in enumerate(stage.inputs):
+            path = f"stages[{i}].inputs[{j}]"
+            if upstream == stage.name:
+                errors.append((path, f"stage {upstream!r} cannot consume its own output"))
+            elif upstream not in index:
+                errors.append((path, f"unknown stage {upstream!r} (stages: {known})"))
+            elif upstream in seen:
+                errors.append((path, f"duplicate input {upstream!r}"))
+            seen.add(upstream)
+        seen = set()
+        for j, other in enumerate(stage.placement.colocate_with):
+            path = f"stages[{i}].placement.colocateWith[{j}]"
+            if other == stage.name:
+                errors.append((path, f"stage {other!r} cannot colocate with itself"))
+            elif other not in index:
+                errors.append((path, f"unknown stage {other!r} (stages: {known})"))
+            elif other in seen:
+                errors.append((path, f"duplicate entry {other!r}"))
+            seen.add(other)
+
+    errors.extend(_cycle_errors(spec, index))
+
+    if not any(not s.inputs for s in spec.stages):
+        errors.append(
+            ("stages", "no entry stage: every stage has inputs, so none can receive requests")
+        )
+    if not any(s.final_output for s in spec.stages):
+        errors.append(
+            (
+                "stages",
+                "no final-output stage: set finalOutput: true on the stage(s) whose "
+                "output the client receives",
+            )
+        )
+
+    chat = spec.orchestrator.chat_stage
+    if chat is not None:
+        if chat not in index:
+            errors.append(("orchestrator.chatStage", f"unknown stage {chat!r} (stages: {known})"))
+        elif (kind := spec.stages[index[chat]].kind) != "ar":
+            errors.append(
+                (
+                    "orchestrator.chatStage",
+                    f"stage {chat!r} has kind {kind!r}; the chat stage must be an 'ar' stage",
+                )
+            )
+    return errors
+
+
+def _cycle_errors(spec: PipelineSpec, index: dict[str, int]) -> list[tuple[str, str]]:
+    """Find cycles by DFS along data flow and name each one once, e.g. 'a -> b -> a'."""
+    consumers: dict[str, list[str]] = {name: [] for name in index}
+    for stage in spec.stages:
+        if index.get(stage.name) is None:
+            continue
+        for upstream in stage.inputs:
+            if upstream in consumers and upstream != stage.name:
+                if stage.name not in consumers[upstream]:
+                    consumers[upstream].append(stage.name)
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+    found: list[tuple[str, str]] = []
+    reported: set[frozenset[str]] = set()
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for nxt in consumers[name]:
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt]
+                key = frozenset(cycle)
+                if key not in reported:
+                    reported.add(key)
+                    closing = cycle[-2]  # nxt lists closing among its inputs
+                    target = spec.stages[index[nxt]]
+                    path = f"stages[{index[nxt]}].inputs[{target.inputs.index(closing)}]"
+                    found.append((path, "cycle detected: " + " -> ".join(cycle)))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[name] = 2
+
+    for name in index:
+        if name not in state:
+            visit(name)
+    return found
+
+
+class Metadata(BaseModel):
+    """Kubernetes object metadata; other keys (uid, resourceVersion, ...) pass through.
+
+    The operator parses live objects, so server-populated fields must not be errors here.
+    """
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="allow",
+        json_schema_extra=_collapse_nullable,
+    )
+
+    name: str = Field(
+        pattern=DNS1035_LABEL_PATTERN,
+        min_length=1,
+        max_length=PIPELINE_NAME_MAX,
+        description="Pipeline name; a DNS-1035 label (it prefixes Service names) of at most "
+        f"{PIPELINE_NAME_MAX} characters so derived pod names fit.",
+    )
+    namespace: str | None = Field(None, description="Namespace of the pipeline on Kubernetes.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+
+
+class OmniPipeline(_Model):
+    """An OmniPipeline manifest: the same document runs locally and on Kubernetes."""
+
+    api_version: Literal["omnistage.io/v1alpha1"] = Field(description=f"Must be {API_VERSION}.")
+    kind: Literal["OmniPipeline"] = Field(description=f"Must be {KIND}.")
+    metadata: Metadata = Field(description="Object metadata; name is required.")
+    spec: PipelineSpec = Field(description="The desired pipeline.")
+    status: dict[str, Any] | None = Field(
+        None,
+        description="Observed state, written by the operator; the runtime ignores it.",
+    )
+
+    @model_validator(mode="after")
+    def _check_pod_names(self) -> OmniPipeline:
+        """Pod names combine pipeline and stage names, so their lengths are checked together."""
+        ordinal = len(str(MAX_REPLICAS - 1))
+        errors = []
+        for i, stage in enumerate(self.spec.stages):
+            pod = f"{self.metadata.name}-{stage.name}-{'9' * ordinal}"
+            if len(pod) > POD_NAME_MAX:
+                errors.append(
+                    (
+                        f"spec.stages[{i}].name",
+                        f"pod names '{self.metadata.name}-{stage.name}-<ordinal>' would exceed "
+                        f"{POD_NAME_MAX} characters; shorten the stage or pipeline name",
+                    )
+                )
+        if errors:
+            raise _path_errors(errors, relative=False)
+        return self
+
+    def served_model_name(self) -> str:
+        """Model name the API reports: spec.orchestrator.servedModelName or metadata.name."""
+        return self.spec.orchestrator.served_model_name or self.metadata.name
+
+    def to_manifest(self) -> dict[str, Any]:
+        """JSON-ready manifest with camelCase keys; parse_pipeline(to_manifest()) == self."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --------------------------------------------------------------------------- errors & loading
+
+
+class SpecError(ValueError):
+    """An invalid pipeline; .errors lists (path, message), str() shows one per line."""
+
+    def __init__(self, errors: list[tuple[str, str]], *, source: str | None = None) -> None:
+        self.errors = list(errors)
+        self.source = source
+        super().__init__(str(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Keep .errors intact when the error crosses a process boundary."""
+        return (_rebuild_spec_error, (self.errors, self.source))
+
+    def __str__(self) -> str:
+        prefix = f"{self.source}: " if self.source else ""
+        return "\n".join(f"{prefix}{path}: {message}" for path, message in self.errors)
+
+
+def _rebuild_spec_error(errors: list[tuple[str, str]], source: str | None) -> SpecError:
+    return SpecError(errors, source=source)
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """Strip Optional/Annotated; return (inner type, whether a container index follows)."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            annotation = args[0] if len(args) == 1 else Any
+        elif origin in (list, dict):
+            return typing.get_args(annotation)[-1], True
+        else:
+            return annotation, False
+
+
+def _field_of(model: type[BaseModel], key: str) -> tuple[str, Any] | None:
+    for name, info in model.model_fields.items():
+        if key in (name, info.alias):
+            return info.alias or name, info.annotation
+    return None
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    """k8s-style path using camelCase names: ('spec','stages',1,'replicas') -> spec.stages[1]..."""
+    parts: list[str] = []
+    current: Any = OmniPipeline
+    index_next = False
+    for item in loc:
+        if index_next or isinstance(item, int):
+            parts.append(f"[{item}]")
+            index_next = False
+            continue
+        key = str(item)
+        is_model = isinstance(current, type) and issubclass(current, BaseModel)
+        field = _field_of(current, key) if is_model else None
+        if field is None:
+            parts.append(f".{key}" if parts else key)
+            current = Any
+            continue
+        alias, annotation = field
+        parts.append(f".{alias}" if parts else alias)
+        current, index_next = _unwrap(annotation)
+    return "".join(parts)
+
+
+def _join(base: str, rel: str) -> str:
+    if not base:
+        return rel
+    return f"{base}{rel}" if rel.startswith("[") else f"{base}.{rel}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _convert(exc: ValidationError) -> list[tuple[str, str]]:
+    """Pydantic errors to (k8s path, readable message) pairs that quote the bad value."""
+    out: list[tuple[str, str]] = []
+    for err in exc.errors():
+        path = _format_loc(tuple(err["loc"]))
+        kind = err["type"]
+        ctx = err.get("ctx") or {}
+        value = err.get("input")
+        if kind == "spec_errors":
+            base = path if ctx.get("relative", True) else ""
+            out.extend((_join(base, rel), msg) for rel, msg in ctx["errors"])
+            continue
+        if kind == "spec_field":
+            message = ctx["message"]
+        elif kind == "extra_forbidden":
+            key = str(err["loc"][-1])
+            message = f"unknown field {key!r}"
+            model = _model_at(tuple(err["loc"][:-1]))
+            if model is not None:
+                allowed = [info.alias or n for n, info in model.model_fields.items()]
+                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+                if close:
+                    message += f" (did you mean {close[0]!r}?)"
+                else:
+                    message += f" (allowed: {', '.join(allowed)})"
+        elif kind == "missing":
+            message = "required field is missing"
+        elif kind == "literal_error":
+            message = f"invalid value {_short(value)} (expected {ctx.get('expected')})"
+        elif kind == "string_pattern_mismatch":
+            help_text = _PATTERN_HELP.get(ctx.get("pattern", ""), err["msg"].lower())
+            message = f"{help_text} (got {_short(value)})"
+        else:
+            message = err["msg"]
+            if kind in ("too_long", "too_short"):
+                pass  # the message already counts the items
+            elif kind not in ("model_type", "model_attributes_type", "dict_type", "list_type"):
+                message += f" (got {_short(value)})"
+            else:
+                message += f" (got {type(value).__name__})"
+        out.append((path or "(root)", message))
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class found at loc, for typo suggestions."""
+    current: Any = OmniPipeline
+    index_next = False
+    for item in loc:
+        if index_next or isinstance(item, int):
+            index_next = False
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = _field_of(current, str(item))
+        if field is None:
+            return None
+        current, index_next = _unwrap(field[1])
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return current
+    return None
+
+
+def parse_pipeline(
+    doc: dict[str, Any], *, check_paths: bool = False, base_dir: Path | None = None
+) -> OmniPipeline:
+    """Validate a manifest mapping; every problem becomes a field-pathed SpecError entry.
+
+    check_paths also requires local model paths to exist (relative to base_dir, default cwd);
+    the operator leaves it off because paths refer to the pod's filesystem.
+    """
+    if not isinstance(doc, dict):
+        raise SpecError([("(root)", f"expected a mapping, got {type(doc).__name__}")])
+    try:
+        pipeline = OmniPipeline.model_validate(doc)
+    except ValidationError as exc:
+        raise SpecError(_convert(exc)) from None
+    if check_paths:
+        missing = []
+        for i, stage in enumerate(pipeline.spec.stages):
+            path = stage.model_path(base_dir)
+            if path is not None and not path.exists():
+                missing.append(
+                    (f"spec.stages[{i}].model", f"model path {stage.model!r} does not exist")
+                )
+        if missing:
+            raise SpecError(missing)
+    return pipeline
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which PyYAML would otherwise silently drop."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    mapping: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in mapping:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        mapping[key] = loader.construct_object(value_node, deep=True)
+    return mapping
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_pipeline(path: str | Path, *, check_paths: bool = True) -> OmniPipeline:
+    """Read one OmniPipeline from a YAML file; errors name the file."""
+    file = Path(path)
+    source = str(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([("(file)", "pipeline file not found")], source=source) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([("(file)", f"cannot read pipeline file: {exc}")], source=source) from None
+    try:
+        docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([("(file)", f"invalid YAML{where}: {problem}")], source=source) from None
+    if not docs:
+        raise SpecError([("(file)", "file is empty; expected one OmniPipeline")], source=source)
+    if len(docs) > 1:
+        raise SpecError(
+            [("(file)", f"expected exactly one YAML document, found {len(docs)}")], source=source
+        )
+    try:
+        return parse_pipeline(docs[0], check_paths=check_paths, base_dir=file.parent.resolve())
+    except SpecError as exc:
+        raise SpecError(exc.errors, source=source) from None

@@ -1,0 +1,1 @@
+"""The stage worker process: one replica of one stage."""

@@ -1,0 +1,410 @@
+"""One replica of one stage: a ZMQ ROUTER in front of admission control and an executor.
+
+The event loop only moves messages; model work runs on the SerialScheduler's worker thread.
+Every submit gets exactly one terminal reply (see protocol.TERMINAL_REPLIES).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from omnistage import protocol as p
+from omnistage.admission import (
+    BoundedAdmission,
+    DeadlineExceeded,
+    ExecutionCancelled,
+    ExecutionContext,
+    Overloaded,
+    SerialScheduler,
+)
+from omnistage.executors import BadRequest, Executor, Outcome, create_executor
+
+log = logging.getLogger("omnistage.worker")
+
+
+@dataclass
+class WorkerConfig:
+    stage: str
+    kind: str
+    model: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    replica_id: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    http_port: int = 0
+    max_requests: int = 64
+    max_cost: int | None = None
+    max_queue: int = 256
+    default_deadline: float = 60.0
+    drain_timeout: float = 30.0
+    device: str | None = None
+    port_file: str | None = None
+
+    def __post_init__(self) -> None:
+        self.replica_id = self.replica_id or f"{self.stage}-{os.getpid()}"
+
+
+@dataclass
+class _Request:
+    ident: bytes
+    rid: str
+    ctx: ExecutionContext
+    started: float = field(default_factory=time.monotonic)
+
+
+class StageWorker:
+    def __init__(self, cfg: WorkerConfig, executor: Executor | None = None) -> None:
+        self.cfg = cfg
+        self.executor = executor
+        self.admission = BoundedAdmission(cfg.max_requests, cfg.max_cost)
+        self.scheduler = SerialScheduler(max_pending=cfg.max_queue)
+        self.requests: dict[tuple[bytes, str], _Request] = {}
+        self.loaded = False
+        self.load_error: str | None = None
+        self.draining = False
+        self.paused = False
+        self.asleep = False
+        self.counters: dict[str, int] = {
+            "admitted": 0,
+            "rejected_budget": 0,
+            "rejected_queue": 0,
+            "rejected_draining": 0,
+            "malformed": 0,
+            "late_aborts": 0,
+        }
+        self.outcomes: dict[str, int] = {}
+        self.exec_seconds = 0.0  # request latency inside the worker, admission to reply
+        self._exit = asyncio.Event()
+        self._quiet = asyncio.Event()  # set whenever a request or task finishes
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.zmq_endpoint = ""
+        self.http_url = ""
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def serve(self) -> int:
+        """Run until drained; returns the process exit code."""
+        from omnistage.worker.http import start_http
+
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        zctx = zmq.asyncio.Context()
+        self.sock = zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        if self.cfg.port:
+            self.sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
+        else:
+            self.sock.bind_to_random_port(f"tcp://{self.cfg.host}")
+        self.zmq_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        runner, self.http_url = await start_http(self, self.cfg.host, self.cfg.http_port)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
+        self._write_port_file()
+        log.info("replica %s of stage %s (%s) zmq=%s http=%s", self.cfg.replica_id,
+                 self.cfg.stage, self.cfg.kind, self.zmq_endpoint, self.http_url)
+        recv = asyncio.create_task(self._recv_loop())
+        load = asyncio.create_task(self._load())
+        try:
+            await self._exit.wait()
+        finally:
+            recv.cancel()
+            load.cancel()
+            for t in (recv, load):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await runner.cleanup()
+            self.sock.close(linger=2000)
+            zctx.term()
+            self.scheduler.close()
+        log.info("replica %s exited after drain", self.cfg.replica_id)
+        return 1 if self.load_error else 0
+
+    def _write_port_file(self) -> None:
+        if not self.cfg.port_file:
+            return
+        path = Path(self.cfg.port_file)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"zmq": self.zmq_endpoint, "http": self.http_url,
+                                   "pid": os.getpid()}))
+        tmp.replace(path)
+
+    async def _load(self) -> None:
+        try:
+            t0 = time.monotonic()
+            await asyncio.to_thread(self._load_blocking)
+            self.loaded = True
+            log.info("model loaded and warmed up in %.2fs", time.monotonic() - t0)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("model load failed: %s\n%s", self.load_error, traceback.format_exc())
+            self._exit.set()
+
+    def _load_blocking(self) -> None:
+        """Import, load and warm up off the event loop, so /livez answers meanwhile."""
+        if self.executor is None:
+            device = None
+            if self.cfg.kind != "echo":  # echo never imports torch: it starts in ms
+                from omnistage.devices import configure_threads, select_device
+
+                configure_threads()
+                device = select_device(self.cfg.device)
+            self.executor = create_executor(self.cfg.kind, self.cfg.model, self.cfg.engine, device)
+        self.executor.load()
+        self.executor.warmup()
+
+    def begin_drain(self, reason: str = "drain") -> None:
+        """Stop admitting; exit once in-flight work is done. Safe to call repeatedly."""
+        if self.draining:
+            log.info("already draining (%s ignored)", reason)
+            return
+        self.draining = True
+        log.info("draining (%s): %d in flight", reason, len(self.requests))
+        if self.asleep:  # no model to finish queued work with: abort it now
+            for req in list(self.requests.values()):
+                req.ctx.cancel()
+        self.scheduler.resume()  # admitted work finishes even if the replica was paused
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.wait_for(self._wait_idle(), self.cfg.drain_timeout)
+        except TimeoutError:
+            log.warning("drain timeout %.1fs: aborting %d requests", self.cfg.drain_timeout,
+                        len(self.requests))
+            for req in list(self.requests.values()):
+                req.ctx.cancel()
+            self.scheduler.resume()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wait_idle(), 10)
+        # Let the final replies leave the socket before it closes.
+        await asyncio.sleep(0.05)
+        self._exit.set()
+
+    async def _wait_idle(self) -> None:
+        while self.requests or self._tasks:
+            self._quiet.clear()
+            await self._quiet.wait()
+        await self.scheduler.wait_idle()
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded and not self.draining
+
+    # ---- message handling ----------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            ident = frames[0].bytes
+            try:
+                self._dispatch(ident, frames[1:])
+            except p.ProtocolError as exc:
+                self.counters["malformed"] += 1
+                log.warning("malformed message from %r: %s", ident, exc)
+                self._send(ident, {"t": p.ERROR, "code": "malformed", "message": str(exc)})
+            except Exception as exc:  # never let one message stop the worker
+                self.counters["malformed"] += 1
+                log.exception("failed to handle message")
+                self._send(ident, {"t": p.ERROR, "code": "internal", "message": str(exc)})
+
+    def _dispatch(self, ident: bytes, frames: list[Any]) -> None:
+        msg = p.decode(frames)
+        t = msg.type
+        if t == p.SUBMIT:
+            self._submit(ident, msg)
+        elif t == p.ABORT:
+            rid = p.require_str(msg.header, "id")
+            req = self.requests.get((ident, rid))
+            if req is None:
+                self.counters["late_aborts"] += 1
+            else:
+                req.ctx.cancel()
+        elif t == p.PING:
+            self._send(ident, {"t": p.PONG, "cid": msg.header.get("cid"), **self.state()})
+        elif t == p.CONTROL:
+            cid = p.require_str(msg.header, "cid")
+            op = msg.header.get("op")
+            if op not in p.CONTROL_OPS:
+                raise p.ProtocolError(f"control op {op!r} is not one of {sorted(p.CONTROL_OPS)}")
+            self._spawn(self._control(ident, cid, str(op)))
+        else:
+            raise p.ProtocolError(f"unknown message type {t!r}; expected {sorted(p.REQUEST_TYPES)}")
+
+    def _submit(self, ident: bytes, msg: p.Message) -> None:
+        rid = p.require_str(msg.header, "id")
+        params = msg.header.get("params") or {}
+        if not isinstance(params, dict):
+            raise p.ProtocolError("header field 'params' must be a map")
+        base = {"id": rid, "replica": self.cfg.replica_id}
+        if self.draining:
+            self.counters["rejected_draining"] += 1
+            return self._reply(ident, p.DRAINING, base, message="replica is draining")
+        if not self.loaded or self.executor is None:
+            return self._reply(ident, p.ERROR, base, code="not_ready",
+                               message="model is still loading")
+        if (ident, rid) in self.requests:
+            return self._reply(ident, p.ERROR, base, code="bad_request",
+                               message=f"id: request {rid!r} is already in flight")
+        timeout = msg.header.get("timeout_s", self.cfg.default_deadline)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            return self._reply(ident, p.ERROR, base, code="bad_request",
+                               message=f"timeout_s must be a positive number, got {timeout!r}")
+        try:
+            job = self.executor.prepare(params, msg.tensors)
+            cost = self.executor.cost(job)
+        except BadRequest as exc:
+            return self._reply(ident, p.ERROR, base, code="bad_request", message=str(exc))
+        permit = self.admission.try_admit(cost)
+        if permit is None:
+            self.counters["rejected_budget"] += 1
+            return self._reply(ident, p.OVERLOADED, base, retry_after=1.0,
+                               message=f"admission budget full (cost {cost})")
+        self.counters["admitted"] += 1
+        ctx = ExecutionContext.with_timeout(float(timeout), permits=[permit])
+        req = _Request(ident, rid, ctx)
+        self.requests[(ident, rid)] = req
+        self._spawn(self._run(req, job))
+
+    async def _run(self, req: _Request, job: Any) -> None:
+        base = {"id": req.rid, "replica": self.cfg.replica_id}
+        seq = 0
+
+        def emit(fields: dict[str, Any]) -> None:  # called on the worker thread
+            nonlocal seq
+            seq += 1
+            header = {"t": p.DELTA, "id": req.rid, "seq": seq, **fields}
+            self._loop.call_soon_threadsafe(self._send, req.ident, header)
+
+        assert self.executor is not None
+        with req.ctx.hold():
+            try:
+                outcome: Outcome = await self.scheduler.run_with_context(
+                    req.ctx, self.executor.execute, job, req.ctx, emit
+                )
+            except ExecutionCancelled:
+                outcome = self.executor.aborted_before_start(job)
+            except DeadlineExceeded as exc:
+                self._reply(req.ident, p.DEADLINE, base, message=str(exc) or "deadline exceeded")
+                return self._finish(req)
+            except Overloaded as exc:
+                self.counters["rejected_queue"] += 1
+                self._reply(req.ident, p.OVERLOADED, base, retry_after=1.0,
+                            message=str(exc) or "execution queue full")
+                return self._finish(req)
+            except BadRequest as exc:
+                self._reply(req.ident, p.ERROR, base, code="bad_request", message=str(exc))
+                return self._finish(req)
+            except Exception as exc:
+                log.exception("request %s failed", req.rid)
+                self._reply(req.ident, p.ERROR, base, code="internal",
+                            message=f"{type(exc).__name__}: {exc}")
+                return self._finish(req)
+            kind = p.ABORTED if outcome.aborted else p.FINAL
+            self.outcomes[kind] = self.outcomes.get(kind, 0) + 1
+            self._send(req.ident, {"t": kind, **base, "seq": seq + 1, **outcome.fields},
+                       outcome.tensors)
+            self._finish(req)
+
+    def _finish(self, req: _Request) -> None:
+        self.exec_seconds += time.monotonic() - req.started
+        self.requests.pop((req.ident, req.rid), None)
+        self._quiet.set()
+
+    def _reply(self, ident: bytes, t: str, base: dict[str, Any], **fields: Any) -> None:
+        """Send a terminal reply and count it by type (for /metrics)."""
+        self.outcomes[t] = self.outcomes.get(t, 0) + 1
+        self._send(ident, {"t": t, **base, **fields})
+
+    def _send(self, ident: bytes, header: dict[str, Any], tensors: Any = None) -> None:
+        try:
+            fut = self.sock.send_multipart([ident, *p.encode(header, tensors)], copy=False)
+        except zmq.ZMQError as exc:  # the peer went away; its requests are its problem
+            log.warning("dropping reply %s for gone peer: %s", header.get("t"), exc)
+            return
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(_log_send_failure)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        self._quiet.set()
+
+    # ---- control -------------------------------------------------------------------------
+
+    async def _control(self, ident: bytes, cid: str, op: str) -> None:
+        try:
+            result = await self.control(op)
+            reply = {"t": p.CONTROL_REPLY, "cid": cid, "op": op, "ok": True, "result": result}
+        except Exception as exc:
+            reply = {"t": p.CONTROL_REPLY, "cid": cid, "op": op, "ok": False,
+                     "error": {"type": type(exc).__name__, "message": str(exc)}}
+        self._send(ident, reply)
+
+    async def control(self, op: str) -> dict[str, Any]:
+        """Apply a control RPC; exceptions propagate to the caller's reply."""
+        if op == "pause":
+            self.scheduler.pause()
+            self.paused = True
+        elif op == "resume":
+            if self.asleep:
+                raise RuntimeError("resume: replica is asleep; call wake_up first")
+            self.scheduler.resume()
+            self.paused = False
+        elif op == "sleep":
+            busy = len(self.requests)
+            if busy:
+                raise RuntimeError(f"sleep: {busy} requests in flight; pause and let them finish")
+            if not self.asleep:
+                self.scheduler.pause()
+                self.paused = True
+                if self.executor is not None:
+                    await asyncio.to_thread(self.executor.sleep)
+                self.asleep = True
+        elif op == "wake_up":
+            # Waking does not resume admission: the caller resumes explicitly.
+            if self.asleep and self.executor is not None:
+                await asyncio.to_thread(self.executor.wake_up)
+            self.asleep = False
+        elif op == "drain":
+            self.begin_drain("drain rpc")
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.cfg.replica_id,
+            "stage": self.cfg.stage,
+            "kind": self.cfg.kind,
+            "ready": self.ready,
+            "loaded": self.loaded,
+            "draining": self.draining,
+            "paused": self.paused,
+            "asleep": self.asleep,
+            "in_flight": len(self.requests),
+            "queued": self.scheduler.queued,
+            "pid": os.getpid(),
+        }
+
+
+def _log_send_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("reply not delivered: %s", fut.exception())

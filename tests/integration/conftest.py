@@ -1,0 +1,48 @@
+"""Fixtures that start real stage worker processes and connect real ZMQ channels to them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from omnistage.client import ReplicaChannel
+from omnistage.procs import WorkerProcess, spawn_worker
+
+StartWorker = Callable[..., WorkerProcess]
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[StartWorker]:
+    """Start `omnistage stage` processes; every one is killed at teardown."""
+    started: list[WorkerProcess] = []
+
+    def start(kind: str, *args: str, name: str | None = None, ready: bool = True,
+              timeout: float = 180.0) -> WorkerProcess:
+        name = name or f"{kind}-{len(started)}"
+        w = spawn_worker(name, ["--stage", kind, "--kind", kind, *args], log_dir=tmp_path)
+        started.append(w)
+        if ready:
+            w.wait_ready(timeout)
+        return w
+
+    yield start
+    for w in started:
+        if w.proc.poll() is None:
+            w.kill()
+
+
+@pytest.fixture
+async def channels() -> AsyncIterator[Callable[[WorkerProcess], ReplicaChannel]]:
+    """Open DEALER channels to workers; all are closed at teardown."""
+    opened: list[ReplicaChannel] = []
+
+    def open_(w: WorkerProcess) -> ReplicaChannel:
+        ch = ReplicaChannel(w.zmq, name=w.name)
+        opened.append(ch)
+        return ch
+
+    yield open_
+    for ch in opened:
+        await ch.close()

@@ -1,0 +1,347 @@
+"""Real `omnistage stage` processes over real ZMQ: every executor and every reply type."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from omnistage import protocol as p
+from omnistage.client import ControlError, ReplicaChannel
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def _state(w) -> dict:
+    return json.loads((await asyncio.to_thread(_get, w.http + "/state"))[1])
+
+
+async def _wait_inflight(w, n: int, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if (await _state(w))["in_flight"] >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never reached {n} in flight: {await _state(w)}")
+
+
+# ---- AR ------------------------------------------------------------------------------------
+
+
+async def test_ar_streams_token_deltas(start_worker, channels) -> None:
+    w = start_worker("ar", "--model", "tiny-llama")
+    ch = channels(w)
+    params = {"prompt": "Hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
+    deltas, final = await ch.request("r1", params)
+    assert final.type == p.FINAL, final.header
+    assert len([d for d in deltas if d.header["token_ids"]]) == 8
+    assert [d.header["seq"] for d in deltas] == list(range(1, len(deltas) + 1))
+    streamed_ids = [t for d in deltas for t in d.header["token_ids"]]
+    assert streamed_ids == final.header["token_ids"]
+    assert "".join(d.header["text"] for d in deltas) == final.header["text"]
+    assert final.header["finish_reason"] == "length"
+    assert final.header["completion_tokens"] == 8
+    # Greedy decoding of a seeded model is deterministic across requests.
+    _, again = await ch.request("r2", {**params, "stream": False})
+    assert again.header["token_ids"] == final.header["token_ids"]
+
+
+async def test_ar_abort_mid_stream_returns_prefix(start_worker, channels) -> None:
+    w = start_worker("ar", "--model", "tiny-llama")
+    ch = channels(w)
+    q = ch.submit("long", {"prompt": "x", "max_tokens": 1000, "stream": True,
+                           "ignore_eos": True})
+    seen: list[int] = []
+    while len(seen) < 5:
+        msg = await asyncio.wait_for(q.get(), 30)
+        assert msg.type == p.DELTA, msg.header
+        seen.extend(msg.header["token_ids"])
+    ch.abort("long")
+    while True:
+        msg = await asyncio.wait_for(q.get(), 30)
+        if msg.type != p.DELTA:
+            break
+        seen.extend(msg.header["token_ids"])
+    assert msg.type == p.ABORTED, msg.header
+    assert msg.header["finish_reason"] == "abort"
+    prefix = msg.header["token_ids"]
+    assert 5 <= len(prefix) < 1000
+    assert prefix == seen  # the prefix is exactly what was streamed
+    assert msg.header["text"]
+
+
+async def test_ar_hidden_states_condition_diffusion_image(start_worker, channels) -> None:
+    ar = start_worker("ar", "--model", "tiny-llama", "--engine",
+                      '{"returnHiddenStates": true, "maxTokens": 2}')
+    dif = start_worker("diffusion", "--model", "tiny-unet")
+    ar_ch, dif_ch = channels(ar), channels(dif)
+    _, enc = await ar_ch.request("enc", {"prompt": "a red square"})
+    assert enc.type == p.FINAL
+    hidden = enc.tensors["hidden_states"]
+    assert hidden.dtype == "float32" and hidden.shape[1] == 64
+    assert hidden.shape[0] == len("a red square") + 2  # prompt tokens + generated tokens
+    params = {"height": 32, "width": 48, "num_inference_steps": 2}
+    _, img = await dif_ch.request("img", params, {"encoder_hidden_states": hidden})
+    assert img.type == p.FINAL, img.header
+    pixels = img.tensors["image"].numpy()
+    assert pixels.shape == (32, 48, 3) and pixels.dtype == np.uint8
+    # Conditioning matters: other hidden states give another image from the same seed.
+    zeros = np.zeros(hidden.shape, dtype=np.float32)
+    _, other = await dif_ch.request("img2", params, {"encoder_hidden_states": zeros})
+    assert not np.array_equal(other.tensors["image"].numpy(), pixels)
+    # A wrong conditioning width is a request-scoped error naming the tensor.
+    _, bad = await dif_ch.request("bad", params, {"encoder_hidden_states":
+                                                  np.zeros((3, 7), np.float32)})
+    assert bad.type == p.ERROR and bad.header["code"] == "bad_request"
+    assert "encoder_hidden_states" in bad.header["message"]
+
+
+async def test_diffusion_abort_drops_sample(start_worker, channels) -> None:
+    w = start_worker("diffusion", "--model", "tiny-unet")
+    ch = channels(w)
+    q = ch.submit("big", {"height": 256, "width": 256, "num_inference_steps": 200})
+    await _wait_inflight(w, 1)
+    await asyncio.sleep(0.3)
+    ch.abort("big")
+    msg = await asyncio.wait_for(q.get(), 60)
+    assert msg.type == p.ABORTED
+    assert msg.tensors == {}  # the whole sample is dropped
+
+
+async def test_model_loads_from_local_dir_via_from_pretrained(
+    start_worker, channels, tmp_path: Path
+) -> None:
+    dest = tmp_path / "my-llama"
+    subprocess.run([sys.executable, "-m", "omnistage.cli", "models", "save", "tiny-llama",
+                    str(dest)], check=True, capture_output=True)
+    assert (dest / "config.json").exists() and (dest / "tokenizer.json").exists()
+    w = start_worker("ar", "--model", str(dest))
+    _, final = await channels(w).request("r", {"prompt": "hi", "max_tokens": 3,
+                                               "ignore_eos": True})
+    assert final.type == p.FINAL and final.header["completion_tokens"] == 3
+
+
+def test_missing_model_dir_fails_startup_with_reason(start_worker, tmp_path: Path) -> None:
+    w = start_worker("ar", "--model", str(tmp_path / "nope"), ready=False)
+    assert w.proc.wait(120) != 0
+    assert "is not a directory" in w.log_tail()
+
+
+# ---- admission, deadlines, cancellation ---------------------------------------------------
+
+
+async def test_overload_reply_when_budget_full(start_worker, channels) -> None:
+    w = start_worker("echo", "--max-requests", "2")
+    ch = channels(w)
+    slow = {"prompt": "s", "delay_ms": 800}
+    q1, q2 = ch.submit("a", slow), ch.submit("b", slow)
+    await _wait_inflight(w, 2)
+    _, third = await ch.request("c", slow)
+    assert third.type == p.OVERLOADED and third.header["retry_after"] > 0
+    assert (await q1.get()).type == p.FINAL and (await q2.get()).type == p.FINAL
+    _, status = await asyncio.to_thread(_get, w.http + "/metrics")
+    assert 'omnistage_worker_rejected_total{stage="echo",replica="echo-0",reason="budget"} 1' \
+        in status
+
+
+async def test_overload_reply_when_queue_full(start_worker, channels) -> None:
+    w = start_worker("echo", "--max-queue", "1")
+    ch = channels(w)
+    q = ch.submit("a", {"prompt": "s", "delay_ms": 800})
+    await _wait_inflight(w, 1)
+    _, second = await ch.request("b", {"prompt": "s"})
+    assert second.type == p.OVERLOADED
+    assert (await q.get()).type == p.FINAL
+
+
+async def test_deadline_reply_while_running_and_while_queued(start_worker, channels) -> None:
+    w = start_worker("echo")
+    ch = channels(w)
+    running = ch.submit("run", {"prompt": "s", "delay_ms": 3000}, timeout_s=0.5)
+    await _wait_inflight(w, 1)
+    _, queued = await ch.request("queued", {"prompt": "q"}, timeout_s=0.2)
+    assert queued.type == p.DEADLINE
+    msg = await asyncio.wait_for(running.get(), 10)
+    assert msg.type == p.DEADLINE
+
+
+async def test_abort_while_queued_never_runs(start_worker, channels) -> None:
+    w = start_worker("echo")
+    ch = channels(w)
+    first = ch.submit("first", {"prompt": "1", "delay_ms": 600})
+    await _wait_inflight(w, 1)
+    second = ch.submit("second", {"prompt": "2", "stream": True})
+    await _wait_inflight(w, 2)
+    ch.abort("second")
+    msg = await asyncio.wait_for(second.get(), 5)
+    assert msg.type == p.ABORTED  # no delta came first: it never ran
+    assert (await first.get()).type == p.FINAL
+
+
+async def test_distinct_reply_types(start_worker, channels) -> None:
+    """Overload, deadline, cancel and drain are told apart by type, not by text."""
+    assert len({p.OVERLOADED, p.DEADLINE, p.ABORTED, p.DRAINING, p.ERROR, p.FINAL}) == 6
+    w = start_worker("echo")
+    _, bad = await channels(w).request("x", {"prompt": 5})
+    assert bad.type == p.ERROR and bad.header["code"] == "bad_request"
+    assert "params.prompt" in bad.header["message"]
+
+
+# ---- protocol robustness --------------------------------------------------------------------
+
+
+async def test_malformed_frames_get_error_and_worker_keeps_serving(start_worker, channels) -> None:
+    w = start_worker("echo")
+    ch = channels(w)
+    enc = msgspec.msgpack.encode
+    bad_messages = [
+        [b"\xc1not msgpack"],
+        [enc([1, 2, 3])],
+        [enc({"no_type": 1})],
+        [enc({"t": "launch_missiles"})],
+        [enc({"t": "submit"})],  # no id
+        [enc({"t": "submit", "id": "x", "tensors": [{"name": "a", "dtype": "float32",
+                                                     "shape": [4]}]}), b"123"],
+        [enc({"t": "submit", "id": "y", "tensors": [{"name": "a", "dtype": "complex",
+                                                     "shape": [1]}]}), b"1234"],
+        [enc({"t": "submit", "id": "z", "tensors": [{}]})],
+        [enc({"t": "control", "cid": "c", "op": "self_destruct"})],
+    ]
+    for frames in bad_messages:
+        ch.send_raw(frames)
+        reply = await asyncio.wait_for(ch.unsolicited.get(), 5)
+        assert reply.type == p.ERROR and reply.header["code"] == "malformed", reply.header
+    _, ok = await ch.request("fine", {"prompt": "still here"})
+    assert ok.type == p.FINAL and ok.header["text"] == "still here"
+    assert w.proc.poll() is None
+
+
+async def test_two_clients_share_one_worker(start_worker) -> None:
+    w = start_worker("echo")
+    a, b = ReplicaChannel(w.zmq, name="a"), ReplicaChannel(w.zmq, name="b")
+    try:
+        (_, ra), (_, rb) = await asyncio.gather(
+            a.request("same-id", {"prompt": "from a", "delay_ms": 100}),
+            b.request("same-id", {"prompt": "from b", "delay_ms": 100}),
+        )
+        assert ra.header["text"] == "from a" and rb.header["text"] == "from b"
+    finally:
+        await a.close()
+        await b.close()
+
+
+# ---- control RPCs -----------------------------------------------------------------------
+
+
+async def test_control_rpcs_and_error_propagation(start_worker, channels) -> None:
+    w = start_worker("echo")
+    ch = channels(w)
+    busy = ch.submit("busy", {"prompt": "b", "delay_ms": 500})
+    await _wait_inflight(w, 1)
+    with pytest.raises(ControlError) as err:
+        await ch.control("sleep")
+    assert err.value.type == "RuntimeError" and "in flight" in err.value.message
+    assert (await busy.get()).type == p.FINAL
+
+    assert (await ch.control("pause"))["paused"] is True
+    held = ch.submit("held", {"prompt": "h"})
+    await asyncio.sleep(0.3)
+    assert held.empty()  # paused: admitted but not dispatched
+    assert (await ch.control("resume"))["paused"] is False
+    assert (await asyncio.wait_for(held.get(), 5)).type == p.FINAL
+
+    assert (await ch.control("sleep"))["asleep"] is True
+    with pytest.raises(ControlError, match="asleep"):
+        await ch.control("resume")
+    woke = await ch.control("wake_up")
+    assert woke["asleep"] is False and woke["paused"] is True  # wake_up does not resume
+    after = ch.submit("after", {"prompt": "a"})
+    await asyncio.sleep(0.2)
+    assert after.empty()
+    await ch.control("resume")
+    assert (await asyncio.wait_for(after.get(), 5)).type == p.FINAL
+
+
+# ---- HTTP side port -----------------------------------------------------------------------
+
+
+async def test_http_side_port(start_worker, channels) -> None:
+    w = start_worker("ar", "--model", "tiny-llama", ready=False)
+    # /livez answers while the model is still loading; /readyz only after load + warmup.
+    saw_not_ready = False
+    for _ in range(2000):
+        if w.port_file.exists():
+            info = json.loads(w.port_file.read_text())
+            live = await asyncio.to_thread(_get, info["http"] + "/livez")
+            ready = await asyncio.to_thread(_get, info["http"] + "/readyz")
+            assert live[0] == 200
+            if ready[0] == 503:
+                saw_not_ready = True
+                assert ready[1] == "loading"
+            elif ready[0] == 200:
+                break
+        await asyncio.sleep(0.01)
+    assert saw_not_ready
+    w.wait_ready()
+    await channels(w).request("m", {"prompt": "hi", "max_tokens": 2})
+    status, text = await asyncio.to_thread(_get, w.http + "/metrics")
+    assert status == 200
+    for name in ("omnistage_worker_queue_depth", "omnistage_worker_inflight_requests",
+                 "omnistage_worker_admitted_total", "omnistage_worker_rejected_total",
+                 "omnistage_worker_execution_seconds_sum"):
+        assert name in text
+    assert 'omnistage_worker_admitted_total{stage="ar",replica="ar-0"} 1' in text
+    state = await _state(w)
+    assert state["replica_id"] == "ar-0" and state["in_flight"] == 0
+    assert state["draining"] is False and state["queued"] == 0
+
+
+# ---- draining -----------------------------------------------------------------------------
+
+
+async def test_sigterm_drains_inflight_then_exits_zero(start_worker, channels) -> None:
+    w = start_worker("echo")
+    ch = channels(w)
+    queues = [ch.submit(f"r{i}", {"prompt": f"p{i}", "delay_ms": 300}) for i in range(5)]
+    await _wait_inflight(w, 5)
+    w.proc.send_signal(signal.SIGTERM)
+    for _ in range(100):
+        if (await _state(w))["draining"]:
+            break
+        await asyncio.sleep(0.02)
+    _, late = await ch.request("late", {"prompt": "late"})
+    assert late.type == p.DRAINING
+    w.proc.send_signal(signal.SIGTERM)  # a second SIGTERM is harmless
+    results = [await asyncio.wait_for(q.get(), 10) for q in queues]
+    assert [r.type for r in results] == [p.FINAL] * 5
+    assert [r.header["text"] for r in results] == [f"p{i}" for i in range(5)]
+    assert await asyncio.to_thread(w.proc.wait, 15) == 0
+
+
+async def test_drain_rpc(start_worker, channels) -> None:
+    w = start_worker("echo")
+    ch = channels(w)
+    q = ch.submit("r", {"prompt": "x", "delay_ms": 300})
+    await _wait_inflight(w, 1)
+    assert (await ch.control("drain"))["draining"] is True
+    assert (await ch.control("drain"))["draining"] is True  # repeated drain is harmless
+    status, reason = await asyncio.to_thread(_get, w.http + "/readyz")
+    assert status == 503 and reason == "draining"
+    assert (await q.get()).type == p.FINAL
+    assert await asyncio.to_thread(w.proc.wait, 15) == 0

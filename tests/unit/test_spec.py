@@ -1,0 +1,530 @@
+"""Unit tests for the pipeline spec: examples, validation messages and graph helpers."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnistage.spec import (
+    API_VERSION,
+    BUILTIN_MODELS,
+    DEFAULT_IMAGE,
+    KIND,
+    MAX_REPLICAS,
+    MAX_STAGES,
+    OmniPipeline,
+    SpecError,
+    load_pipeline,
+    parse_pipeline,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def stage(name: str, kind: str = "echo", **extra: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": name, "kind": kind}
+    if kind == "ar":
+        doc["model"] = "tiny-llama"
+    elif kind == "diffusion":
+        doc["model"] = "tiny-unet"
+    doc.update(extra)
+    return doc
+
+
+def manifest(*stages: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": "demo"},
+        "spec": {"stages": list(stages), **spec},
+    }
+
+
+def chain() -> dict[str, Any]:
+    """a (ar) -> b (echo) -> c (diffusion, final)."""
+    return manifest(
+        stage("a", "ar"),
+        stage("b", inputs=["a"]),
+        stage("c", "diffusion", inputs=["b"], finalOutput=True),
+    )
+
+
+def errors_of(doc: dict[str, Any], **kwargs: Any) -> str:
+    with pytest.raises(SpecError) as info:
+        parse_pipeline(doc, **kwargs)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@pytest.mark.parametrize("name", ["text-to-image", "chat", "echo"])
+def test_examples_load_with_path_checks(name: str) -> None:
+    pipeline = load_pipeline(EXAMPLES / f"{name}.yaml", check_paths=True)
+    assert pipeline.metadata.name == name
+    assert pipeline.spec.final_stages()
+
+
+def test_text_to_image_example_shape() -> None:
+    spec = load_pipeline(EXAMPLES / "text-to-image.yaml").spec
+    assert spec.topo_order() == ["encoder", "denoiser"]
+    encoder, denoiser = spec.stage("encoder"), spec.stage("denoiser")
+    assert (encoder.kind, encoder.model, encoder.replicas) == ("ar", "tiny-llama", 2)
+    assert encoder.engine.return_hidden_states and encoder.engine.max_tokens == 8
+    assert (denoiser.kind, denoiser.model, denoiser.inputs) == (
+        "diffusion",
+        "tiny-unet",
+        ["encoder"],
+    )
+    assert denoiser.final_output and denoiser.engine.num_inference_steps == 4
+    assert encoder.resources.gpus == 0 and denoiser.resources.gpus == 0
+    assert spec.chat_stage() == "encoder"
+
+
+def test_chat_and_echo_example_shape() -> None:
+    chat = load_pipeline(EXAMPLES / "chat.yaml").spec
+    assert [(s.name, s.kind, s.final_output) for s in chat.stages] == [("llm", "ar", True)]
+    echo = load_pipeline(EXAMPLES / "echo.yaml").spec
+    assert echo.topo_order() == ["a", "b"] and echo.final_stages() == ["b"]
+    assert echo.stage("a").model is None and echo.chat_stage() is None
+
+
+# --------------------------------------------------------------------------- defaults & helpers
+
+
+def test_defaults() -> None:
+    pipeline = parse_pipeline(manifest(stage("llm", "ar", finalOutput=True)))
+    spec = pipeline.spec
+    assert spec.image == DEFAULT_IMAGE
+    assert spec.orchestrator.replicas == 1 and spec.orchestrator.port == 8000
+    assert spec.orchestrator.api == ["chat", "images", "generic"]
+    assert spec.orchestrator.request_timeout_seconds == 300
+    llm = spec.stage("llm")
+    assert llm.replicas == 1 and llm.resources.gpus == 0 and llm.resources.memory == "2Gi"
+    assert llm.admission.max_requests == 64 and llm.admission.max_cost is None
+    assert llm.drain_timeout_seconds == 30 and llm.max_unavailable == 1
+    assert llm.placement.spread_across_nodes is True
+    assert pipeline.served_model_name() == "demo"
+
+
+def test_graph_helpers() -> None:
+    doc = manifest(
+        stage("d", inputs=["b", "c"], finalOutput=True),
+        stage("c", inputs=["a"]),
+        stage("b", "ar", inputs=["a"], finalOutput=True),
+        stage("a"),
+        stage("e"),
+    )
+    spec = parse_pipeline(doc).spec
+    assert spec.topo_order() == ["a", "c", "b", "d", "e"]
+    assert spec.downstream("a") == ["c", "b"]
+    assert spec.downstream("d") == []
+    assert spec.entry_stages() == ["a", "e"]
+    assert spec.final_stages() == ["d", "b"]
+    assert spec.chat_stage() == "b"
+    with pytest.raises(KeyError, match="'zz'"):
+        spec.stage("zz")
+
+
+def test_chat_stage_explicit_and_served_model_name() -> None:
+    doc = manifest(
+        stage("a", "ar"),
+        stage("b", "ar", inputs=["a"], finalOutput=True),
+        orchestrator={"chatStage": "b", "servedModelName": "my-model"},
+    )
+    pipeline = parse_pipeline(doc)
+    assert pipeline.spec.chat_stage() == "b"
+    assert pipeline.served_model_name() == "my-model"
+
+
+def test_model_ref() -> None:
+    doc = manifest(
+        stage("a", "ar"),
+        stage("b", "ar", model="./weights/llm", inputs=["a"]),
+        stage("c", model="none", inputs=["b"], finalOutput=True),
+    )
+    spec = parse_pipeline(doc).spec
+    assert spec.stage("a").model_ref() == ("builtin", "tiny-llama")
+    assert spec.stage("b").model_ref() == ("path", "./weights/llm")
+    assert spec.stage("c").model_ref() == ("none", None)
+    assert spec.stage("b").model_path(Path("/base")) == Path("/base/weights/llm")
+    assert set(BUILTIN_MODELS) == {"tiny-llama", "tiny-unet"}
+
+
+def test_round_trip_to_manifest() -> None:
+    pipeline = load_pipeline(EXAMPLES / "text-to-image.yaml")
+    doc = pipeline.to_manifest()
+    assert doc["apiVersion"] == API_VERSION and doc["kind"] == KIND
+    assert "finalOutput" in doc["spec"]["stages"][1]
+    assert "maxCost" not in doc["spec"]["stages"][0]["admission"]  # None is omitted
+    assert parse_pipeline(doc) == pipeline
+    assert parse_pipeline(copy.deepcopy(doc)).to_manifest() == doc
+
+
+def test_live_object_metadata_and_status_are_tolerated() -> None:
+    doc = chain()
+    doc["metadata"].update(
+        uid="1234",
+        resourceVersion="42",
+        generation=3,
+        creationTimestamp="2026-01-01T00:00:00Z",
+        managedFields=[{"manager": "kubectl"}],
+        namespace="ml",
+    )
+    doc["status"] = {"phase": "Ready", "observedGeneration": 3}
+    pipeline = parse_pipeline(doc)
+    assert pipeline.metadata.namespace == "ml"
+    assert pipeline.to_manifest()["metadata"]["resourceVersion"] == "42"
+
+
+def test_snake_case_names_are_accepted() -> None:
+    doc = manifest(stage("a", "ar", final_output=True, drain_timeout_seconds=5))
+    assert parse_pipeline(doc).spec.stage("a").drain_timeout_seconds == 5
+
+
+def test_numeric_quantities_are_coerced() -> None:
+    doc = manifest(stage("a", finalOutput=True, resources={"cpu": 2, "memory": "512Mi"}))
+    assert parse_pipeline(doc).spec.stage("a").resources.cpu == "2"
+
+
+def test_json_schema_is_crd_friendly() -> None:
+    schema = OmniPipeline.model_json_schema()
+    text = str(schema)
+    assert "anyOf" not in text and "'null'" not in text
+    stages = schema["$defs"]["PipelineSpec"]["properties"]["stages"]
+    assert stages["maxItems"] == MAX_STAGES and stages["x-kubernetes-list-map-keys"] == ["name"]
+    stage_props = schema["$defs"]["Stage"]["properties"]
+    assert stage_props["replicas"]["maximum"] == MAX_REPLICAS
+    assert stage_props["inputs"]["x-kubernetes-list-type"] == "set"
+    assert "pattern" in schema["$defs"]["StageResources"]["properties"]["cpu"]
+    for name, model in schema["$defs"].items():
+        for prop, body in model.get("properties", {}).items():
+            assert body.get("description"), f"{name}.{prop} has no description"
+
+
+# --------------------------------------------------------------------------- field errors
+
+
+def test_unknown_field_typo_names_field_and_suggests() -> None:
+    doc = chain()
+    doc["spec"]["stages"][1]["replica"] = 2
+    message = errors_of(doc)
+    assert "spec.stages[1].replica: unknown field 'replica'" in message
+    assert "did you mean 'replicas'" in message
+
+
+def test_final_output_typo() -> None:
+    doc = manifest(stage("a", finalOuput=True), stage("b", inputs=["a"], finalOutput=True))
+    assert "spec.stages[0].finalOuput: unknown field 'finalOuput'" in errors_of(doc)
+
+
+def test_unknown_top_level_and_nested_fields() -> None:
+    doc = chain()
+    doc["spce"] = {}
+    doc["spec"]["orchestrator"] = {"prot": 80}
+    doc["spec"]["stages"][0]["engine"] = {"maxToken": 3}
+    message = errors_of(doc)
+    assert "spce: unknown field 'spce'" in message
+    assert "spec.orchestrator.prot: unknown field 'prot'" in message
+    assert "spec.stages[0].engine.maxToken: unknown field 'maxToken'" in message
+
+
+def test_negative_replicas() -> None:
+    doc = chain()
+    doc["spec"]["stages"][2]["replicas"] = -1
+    message = errors_of(doc)
+    assert "spec.stages[2].replicas:" in message and "-1" in message
+
+
+def test_too_many_replicas() -> None:
+    doc = chain()
+    doc["spec"]["stages"][0]["replicas"] = MAX_REPLICAS + 1
+    assert f"spec.stages[0].replicas: Input should be less than or equal to {MAX_REPLICAS}" in (
+        errors_of(doc)
+    )
+
+
+def test_negative_gpus() -> None:
+    doc = chain()
+    doc["spec"]["stages"][0]["resources"] = {"gpus": -1}
+    message = errors_of(doc)
+    assert "spec.stages[0].resources.gpus:" in message and "-1" in message
+
+
+def test_bad_quantity() -> None:
+    doc = chain()
+    doc["spec"]["stages"][1]["resources"] = {"memory": "2 gigs"}
+    message = errors_of(doc)
+    assert "spec.stages[1].resources.memory: must be a Kubernetes quantity" in message
+    assert "'2 gigs'" in message
+
+
+def test_unknown_kind_lists_allowed_kinds() -> None:
+    doc = chain()
+    doc["spec"]["stages"][1]["kind"] = "tts"
+    message = errors_of(doc)
+    assert "spec.stages[1].kind:" in message and "'tts'" in message
+    for kind in ("ar", "diffusion", "echo"):
+        assert repr(kind) in message
+
+
+def test_wrong_api_version_and_kind() -> None:
+    doc = chain()
+    doc["apiVersion"] = "omnistage.io/v1"
+    doc["kind"] = "Pipeline"
+    message = errors_of(doc)
+    assert "apiVersion: invalid value 'omnistage.io/v1'" in message
+    assert "kind: invalid value 'Pipeline'" in message
+
+
+def test_bad_names() -> None:
+    doc = chain()
+    doc["metadata"]["name"] = "Bad_Name"
+    doc["spec"]["stages"][0]["name"] = "x" * 21
+    message = errors_of(doc)
+    assert "metadata.name: must be a DNS-1035 label" in message and "'Bad_Name'" in message
+    assert "spec.stages[0].name:" in message and "at most 20" in message
+    doc = chain()
+    doc["metadata"]["name"] = "1pipe"  # DNS-1123 but not a valid Service name prefix
+    assert "metadata.name: must be a DNS-1035 label" in errors_of(doc)
+
+
+def test_pod_names_must_fit_a_dns_label() -> None:
+    doc = chain()
+    doc["metadata"]["name"] = "p" * 40
+    doc["spec"]["stages"][2]["name"] = "c" * 20
+    doc["spec"]["stages"][2]["inputs"] = ["b"]
+    message = errors_of(doc)
+    assert f"spec.stages[2].name: pod names '{'p' * 40}-{'c' * 20}-<ordinal>' would exceed 63" in (
+        message
+    )
+    doc["spec"]["stages"][2]["name"] = "c" * 19
+    assert parse_pipeline(doc)
+
+
+def test_missing_required_fields() -> None:
+    message = errors_of({"apiVersion": API_VERSION, "kind": KIND, "metadata": {}, "spec": {}})
+    assert "metadata.name: required field is missing" in message
+    assert "spec.stages: required field is missing" in message
+
+
+def test_unknown_builtin_model() -> None:
+    doc = chain()
+    doc["spec"]["stages"][0]["model"] = "foo"
+    message = errors_of(doc)
+    assert (
+        "spec.stages[0].model: unknown built-in model 'foo' for kind 'ar' (built-ins: tiny-llama);"
+        " use a local path starting with / or ./ for your own weights"
+    ) in message
+
+
+def test_builtin_of_wrong_kind() -> None:
+    doc = chain()
+    doc["spec"]["stages"][2]["model"] = "tiny-llama"
+    message = errors_of(doc)
+    assert "spec.stages[2].model: built-in model 'tiny-llama' is a 'ar' model" in message
+
+
+def test_ar_stage_requires_model() -> None:
+    doc = chain()
+    del doc["spec"]["stages"][0]["model"]
+    assert "spec.stages[0].model: a model is required for kind 'ar'" in errors_of(doc)
+
+
+def test_echo_stage_rejects_model() -> None:
+    doc = chain()
+    doc["spec"]["stages"][1]["model"] = "tiny-llama"
+    message = errors_of(doc)
+    assert (
+        "spec.stages[1].model: echo stages take no model" in message and "'tiny-llama'" in message
+    )
+
+
+def test_missing_model_path_with_check_paths(tmp_path: Path) -> None:
+    doc = chain()
+    doc["spec"]["stages"][0]["model"] = "/no/such/model"
+    parse_pipeline(doc)  # structure alone is valid
+    message = errors_of(doc, check_paths=True)
+    assert "spec.stages[0].model: model path '/no/such/model' does not exist" in message
+
+
+def test_relative_model_path_resolves_against_base_dir(tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
+    doc = chain()
+    doc["spec"]["stages"][0]["model"] = "./weights"
+    assert parse_pipeline(doc, check_paths=True, base_dir=tmp_path)
+    doc["spec"]["stages"][0]["model"] = "./other"
+    assert "model path './other' does not exist" in errors_of(
+        doc, check_paths=True, base_dir=tmp_path
+    )
+
+
+def test_bad_toleration_and_api_entries() -> None:
+    doc = chain()
+    doc["spec"]["stages"][0]["placement"] = {
+        "tolerations": [{"key": "gpu", "operator": "Sometimes"}]
+    }
+    doc["spec"]["orchestrator"] = {"api": ["chat", "chat"]}
+    message = errors_of(doc)
+    assert "spec.stages[0].placement.tolerations[0].operator: invalid value 'Sometimes'" in message
+    assert "spec.orchestrator.api: duplicate entry 'chat'" in message
+
+
+# --------------------------------------------------------------------------- graph errors
+
+
+def test_duplicate_stage_names() -> None:
+    doc = manifest(stage("a"), stage("a", finalOutput=True))
+    assert "spec.stages[1].name: duplicate stage name 'a' (also stages[0])" in errors_of(doc)
+
+
+def test_unknown_input() -> None:
+    doc = manifest(stage("a"), stage("b", inputs=["a", "ghost"], finalOutput=True))
+    assert "spec.stages[1].inputs[1]: unknown stage 'ghost' (stages: a, b)" in errors_of(doc)
+
+
+def test_self_reference() -> None:
+    doc = manifest(stage("a"), stage("b", inputs=["b"], finalOutput=True))
+    assert "spec.stages[1].inputs[0]: stage 'b' cannot consume its own output" in errors_of(doc)
+
+
+def test_duplicate_input() -> None:
+    doc = manifest(stage("a"), stage("b", inputs=["a", "a"], finalOutput=True))
+    assert "spec.stages[1].inputs[1]: duplicate input 'a'" in errors_of(doc)
+
+
+def test_cycle_is_named() -> None:
+    doc = manifest(
+        stage("src"),
+        stage("a", inputs=["src", "c"]),
+        stage("b", inputs=["a"]),
+        stage("c", inputs=["b"], finalOutput=True),
+    )
+    message = errors_of(doc)
+    assert "spec.stages[1].inputs[1]: cycle detected: a -> b -> c -> a" in message
+    assert message.count("cycle detected") == 1
+
+
+def test_two_stage_cycle_has_no_entry_stage() -> None:
+    doc = manifest(stage("a", inputs=["b"]), stage("b", inputs=["a"], finalOutput=True))
+    message = errors_of(doc)
+    assert "cycle detected: a -> b -> a" in message
+    assert "spec.stages: no entry stage" in message
+
+
+def test_no_final_output_stage() -> None:
+    doc = manifest(stage("a"), stage("b", inputs=["a"]))
+    assert "spec.stages: no final-output stage" in errors_of(doc)
+
+
+def test_no_stages_and_too_many_stages() -> None:
+    assert "spec.stages:" in errors_of(manifest())
+    many = [stage(f"s{i}", finalOutput=True) for i in range(MAX_STAGES + 1)]
+    message = errors_of(manifest(*many))
+    assert f"spec.stages: List should have at most {MAX_STAGES} items" in message
+
+
+def test_colocate_with_unknown_and_self() -> None:
+    doc = manifest(
+        stage("a", placement={"colocateWith": ["a", "zz"]}),
+        stage("b", inputs=["a"], finalOutput=True, placement={"colocateWith": ["a"]}),
+    )
+    message = errors_of(doc)
+    assert "spec.stages[0].placement.colocateWith[0]: stage 'a' cannot colocate with itself" in (
+        message
+    )
+    assert "spec.stages[0].placement.colocateWith[1]: unknown stage 'zz'" in message
+
+
+def test_chat_stage_unknown_or_not_ar() -> None:
+    doc = chain()
+    doc["spec"]["orchestrator"] = {"chatStage": "nope"}
+    assert "spec.orchestrator.chatStage: unknown stage 'nope'" in errors_of(doc)
+    doc["spec"]["orchestrator"] = {"chatStage": "c"}
+    message = errors_of(doc)
+    assert "spec.orchestrator.chatStage: stage 'c' has kind 'diffusion'" in message
+
+
+def test_all_graph_errors_reported_at_once() -> None:
+    doc = manifest(stage("a", inputs=["x"]), stage("a", inputs=["a"]))
+    with pytest.raises(SpecError) as info:
+        parse_pipeline(doc)
+    paths = [path for path, _ in info.value.errors]
+    assert "spec.stages[1].name" in paths and "spec.stages[0].inputs[0]" in paths
+    assert len(str(info.value).splitlines()) == len(info.value.errors)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(SpecError, match="pipeline file not found") as info:
+        load_pipeline(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_load_yaml_syntax_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: [unclosed\n")
+    with pytest.raises(SpecError, match="invalid YAML at line") as info:
+        load_pipeline(bad)
+    assert str(bad) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("- a\n- b\n", "expected a mapping, got list"),
+        ("", "file is empty"),
+        ("a: 1\n---\nb: 2\n", "expected exactly one YAML document, found 2"),
+        ("kind: OmniPipeline\nkind: OmniPipeline\n", "duplicate key 'kind'"),
+    ],
+)
+def test_load_bad_documents(tmp_path: Path, text: str, expected: str) -> None:
+    file = tmp_path / "p.yaml"
+    file.write_text(text)
+    with pytest.raises(SpecError, match=expected) as info:
+        load_pipeline(file)
+    assert str(info.value).startswith(str(file))
+
+
+def test_load_validation_error_names_file_and_path(tmp_path: Path) -> None:
+    file = tmp_path / "p.yaml"
+    file.write_text(
+        "apiVersion: omnistage.io/v1alpha1\nkind: OmniPipeline\nmetadata: {name: p}\n"
+        "spec:\n  stages:\n    - {name: a, kind: echo, finalOutput: true, replicas: -1}\n"
+    )
+    with pytest.raises(SpecError) as info:
+        load_pipeline(file)
+    assert str(info.value).startswith(f"{file}: spec.stages[0].replicas:")
+    assert info.value.errors[0][0] == "spec.stages[0].replicas"
+
+
+def test_load_relative_model_path_is_relative_to_file(tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
+    text = (
+        "apiVersion: omnistage.io/v1alpha1\nkind: OmniPipeline\nmetadata: {name: p}\n"
+        "spec:\n  stages:\n    - {name: a, kind: ar, model: ./weights, finalOutput: true}\n"
+    )
+    file = tmp_path / "p.yaml"
+    file.write_text(text)
+    assert load_pipeline(file).spec.stage("a").model == "./weights"
+    elsewhere = tmp_path / "sub" / "p.yaml"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(text)
+    with pytest.raises(SpecError, match=re.escape("model path './weights' does not exist")):
+        load_pipeline(elsewhere)
+    assert load_pipeline(elsewhere, check_paths=False).spec.stage("a").model == "./weights"
+
+
+def test_spec_error_pickles() -> None:
+    err = SpecError([("spec.stages", "boom")], source="p.yaml")
+    again = pickle.loads(pickle.dumps(err))
+    assert again.errors == [("spec.stages", "boom")] and str(again) == "p.yaml: spec.stages: boom"
