@@ -1,0 +1,667 @@
+"""The orchestrator engine: per-request state, DAG routing across stage pools, one terminal outcome.
+
+The orchestrator alone decides which stage runs next. Each request has children (one per
+parallel sample); each child walks the needed part of the stage DAG, one task per stage, and a
+task is bound to the replica that took it. Everything runs on one event loop, so request state
+needs no locks; replies from workers arrive through ReplicaChannel callbacks.
+
+Terminal state is monotonic: once a child or request is terminal its tasks are detached, and any
+late reply, delta or abort for them is dropped and counted, never forwarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import msgspec
+import zmq.asyncio
+
+from omnistage import protocol as p
+from omnistage.client import ReplicaChannel
+from omnistage.metrics import Family, render
+from omnistage.orchestrator.membership import Membership, ReplicaInfo
+from omnistage.orchestrator.pools import Replica, StagePool
+from omnistage.orchestrator.requests import (
+    ABORT,
+    FATAL,
+    OK,
+    REQUEST_ERROR,
+    ChildOutcome,
+    Delta,
+    Event,
+    Outcome,
+    PipelineRequest,
+    RequestError,
+    StageOutput,
+)
+from omnistage.spec import OmniPipeline
+
+log = logging.getLogger("omnistage.orchestrator")
+
+CONTROL_OPS = ("sleep", "wake_up", "pause", "resume")
+MAX_N = 64
+_seq = itertools.count(1)
+
+
+@dataclass(eq=False)
+class _Task:
+    """One stage of one child, bound to one replica at a time."""
+
+    wire_id: str
+    child: _Child
+    stage: str
+    companion: bool = False
+    replica: Replica | None = None
+    tried: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Child:
+    request: _Request
+    index: int
+    running: dict[tuple[str, bool], _Task] = field(default_factory=dict)
+    started: set[tuple[str, bool]] = field(default_factory=set)
+    done: dict[str, p.Message] = field(default_factory=dict)
+    companion_done: dict[str, p.Message] = field(default_factory=dict)
+    outputs: dict[str, StageOutput] = field(default_factory=dict)
+    abort_requested: bool = False
+    aborted: bool = False
+    outcome: ChildOutcome | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    req: PipelineRequest
+    finals: list[str]
+    order: list[str]  # needed stages in topological order
+    companions: set[str]  # AR stages that also run the negative prompt
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    children: list[_Child] = field(default_factory=list)
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    outcome: Outcome | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+class RequestHandle:
+    """The caller's side of one request: events in order, then exactly one Outcome."""
+
+    def __init__(self, orch: Orchestrator, request: _Request) -> None:
+        self._orch = orch
+        self._request = request
+        self.id = request.id
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._request.queue.get()
+            yield event
+            if isinstance(event, Outcome):
+                return
+
+    async def outcome(self) -> Outcome:
+        async for event in self.events():
+            if isinstance(event, Outcome):
+                return event
+        raise RuntimeError("event stream ended without an outcome")
+
+    def abort(self, child: int | None = None) -> None:
+        self._orch.abort(self.id, child)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        pipeline: OmniPipeline,
+        membership: Membership,
+        *,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 3.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.spec = pipeline.spec
+        self.name = pipeline.metadata.name
+        self.membership = membership
+        self.kinds = {s.name: s.kind for s in self.spec.stages}
+        self.inputs = {s.name: list(s.inputs) for s in self.spec.stages}
+        self.topo = self.spec.topo_order()
+        self.pools = {s.name: StagePool(s.name) for s in self.spec.stages}
+        self.requests: dict[str, _Request] = {}
+        self.tasks: dict[str, _Task] = {}
+        self.accepting = False
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.counters: dict[str, float] = {
+            "late_messages": 0,
+            "late_aborts": 0,
+            "replicas_lost": 0,
+            "latency_sum": 0.0,
+        }
+        self.outcomes: dict[str, int] = {}
+        self._zctx: zmq.asyncio.Context | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._stopped: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None  # set when the last request ends (for stop)
+        self._closing: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._zctx = zmq.asyncio.Context()
+        self._stopped = asyncio.Event()
+        await self.membership.start(self._on_member)
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+        self.accepting = True
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish, then close. Idempotent."""
+        if self._stopped is None:
+            return
+        if not self.accepting and self._heartbeat is None:
+            await self._stopped.wait()
+            return
+        self.accepting = False
+        log.info("orchestrator stopping: %d requests in flight", len(self.requests))
+        self._idle = asyncio.Event()
+        if self.requests:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain_timeout)
+        for rid in list(self.requests):
+            request = self.requests[rid]
+            for child in request.children:
+                self._fail_child(child, RequestError("shutting_down", "orchestrator shut down"))
+        hb, self._heartbeat = self._heartbeat, None
+        if hb is not None:
+            hb.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hb
+        await self.membership.stop()
+        for pool in self.pools.values():
+            for replica in list(pool.replicas.values()):
+                await replica.channel.close()
+            pool.replicas.clear()
+        if self._zctx is not None:
+            self._zctx.term()
+        self._stopped.set()
+
+    # ---- membership and liveness -----------------------------------------------------------
+
+    def _on_member(self, info: ReplicaInfo) -> None:
+        pool = self.pools.get(info.stage)
+        if pool is None:
+            log.warning("ignoring replica %s of unknown stage %r", info.name, info.stage)
+            return
+        current = pool.replicas.get(info.name)
+        if info.state == "gone":
+            if current is not None:
+                self._lose(current, "replica left the membership")
+            return
+        if current is not None and current.info.endpoint != info.endpoint:
+            self._lose(current, f"replaced by a new instance at {info.endpoint}")
+            current = None
+        if current is not None:
+            if current.info.state != info.state:
+                log.info("replica %s: %s -> %s", info.name, current.info.state, info.state)
+            current.info = info
+            return
+        replica = Replica(info)
+        replica.channel = ReplicaChannel(
+            info.endpoint, name=info.name, zctx=self._zctx,
+            on_message=partial(self._on_message, replica),
+        )
+        pool.replicas[info.name] = replica
+        log.info("replica %s of stage %s joined at %s (%s)", info.name, info.stage,
+                 info.endpoint, info.state)
+
+    def _lose(self, replica: Replica, reason: str) -> None:
+        """Remove a replica from routing and fail exactly the tasks bound to it."""
+        if not replica.alive:
+            return
+        replica.alive = False
+        self.counters["replicas_lost"] += 1
+        self.pools[replica.info.stage].remove(replica.name)
+        log.warning("replica %s lost (%s): failing %d bound tasks", replica.name, reason,
+                    len(replica.bound))
+        for task in list(replica.bound):
+            self._detach(task)
+            child = task.child
+            if child.outcome is not None:
+                continue
+            if child.abort_requested:
+                child.aborted = True
+                self._settle(child)
+            else:
+                self._fail_child(child, RequestError(
+                    "replica_lost",
+                    f"replica {replica.name} of stage {task.stage} was lost: {reason}",
+                    task.stage,
+                ))
+        closing = asyncio.ensure_future(replica.channel.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            now = time.monotonic()
+            for pool in self.pools.values():
+                for replica in list(pool.replicas.values()):
+                    if now - replica.last_seen > self.heartbeat_timeout:
+                        self._lose(replica, f"no heartbeat for {now - replica.last_seen:.1f}s")
+                        continue
+                    with contextlib.suppress(Exception):
+                        replica.channel.send({"t": p.PING, "cid": f"hb-{next(_seq)}"})
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, req: PipelineRequest) -> RequestHandle:
+        rid = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        timeout = req.timeout_s or float(self.spec.orchestrator.request_timeout_seconds)
+        request = _Request(rid, req, [], [], set(), time.monotonic() + timeout)
+        handle = RequestHandle(self, request)
+        error = self._plan(request)
+        if error is not None:
+            self._finish_early(request, error)
+            return handle
+        self.requests[rid] = request
+        request.timer = asyncio.get_running_loop().call_later(timeout, self._on_deadline, request)
+        request.children = [_Child(request, i) for i in range(req.n)]
+        for child in request.children:
+            self._advance(child)
+        return handle
+
+    def _plan(self, request: _Request) -> RequestError | None:
+        """Resolve finals and needed stages; refuse at once what cannot be served."""
+        req = request.req
+        if not self.accepting:
+            return RequestError("shutting_down", "orchestrator is not accepting requests")
+        if isinstance(req.n, bool) or not isinstance(req.n, int) or not 1 <= req.n <= MAX_N:
+            return RequestError("bad_request", f"n must be an integer in [1, {MAX_N}]")
+        finals = list(req.finals) if req.finals else self.spec.final_stages()
+        unknown = [s for s in finals if s not in self.pools]
+        if unknown:
+            return RequestError("bad_request", f"finals: unknown stage(s) {unknown}")
+        unknown = [s for s in req.params if s != "*" and s not in self.pools]
+        if unknown:
+            return RequestError("bad_request", f"params: unknown stage(s) {unknown}")
+        needed: set[str] = set()
+        stack = list(finals)
+        while stack:
+            stage = stack.pop()
+            if stage not in needed:
+                needed.add(stage)
+                stack.extend(self.inputs[stage])
+        request.finals = finals
+        request.order = [s for s in self.topo if s in needed]
+        for stage in request.order:
+            if not self.pools[stage].routable():
+                return RequestError("no_replica", f"stage {stage!r} has no live replica", stage)
+        if req.negative_prompt is not None:
+            request.companions = {
+                s for s in request.order
+                if self.kinds[s] == "ar"
+                and any(self.kinds[d] == "diffusion" and s in self.inputs[d] for d in needed)
+            }
+        return None
+
+    def _advance(self, child: _Child) -> None:
+        """Start every stage whose inputs are complete; settle the child when nothing runs."""
+        request = child.request
+        if child.outcome is not None:
+            return
+        if not child.abort_requested:
+            for stage in request.order:
+                for companion in (False, True):
+                    key = (stage, companion)
+                    if key in child.started or (companion and stage not in request.companions):
+                        continue
+                    ins = self.inputs[stage]
+                    if all(i in child.done for i in ins) and all(
+                        i in child.companion_done for i in ins if i in request.companions
+                    ):
+                        self._start(child, stage, companion)
+                        if child.outcome is not None:
+                            return
+        self._settle(child)
+
+    def _start(self, child: _Child, stage: str, companion: bool) -> None:
+        request = child.request
+        child.started.add((stage, companion))
+        suffix = "/neg" if companion else ""
+        task = _Task(f"{request.id}/{child.index}/{stage}{suffix}", child, stage, companion)
+        self._send(task)
+
+    def _send(self, task: _Task) -> None:
+        child, request = task.child, task.child.request
+        replica = self.pools[task.stage].pick(request.req.session, exclude=task.tried)
+        if replica is None:
+            code = "draining" if task.tried else "no_replica"
+            self._fail_child(child, RequestError(
+                code, f"stage {task.stage!r} has no live replica", task.stage))
+            return
+        remaining = request.deadline - time.monotonic()
+        if remaining <= 0:
+            self._fail_child(child, RequestError("deadline", "request deadline passed",
+                                                 task.stage))
+            return
+        header = {
+            "t": p.SUBMIT,
+            "id": task.wire_id,
+            "params": self._params(task),
+            "timeout_s": remaining,
+        }
+        try:
+            replica.channel.send(header, self._tensors(task))
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+            self._fail_child(child, RequestError(
+                "bad_request", f"request could not be encoded for stage {task.stage}: {exc}",
+                task.stage))
+            return
+        except Exception as exc:
+            self._fail_child(child, RequestError(
+                "stage_failed", f"could not send to {replica.name}: {exc}", task.stage))
+            return
+        task.replica = replica
+        replica.inflight += 1
+        replica.served += 1
+        replica.bound.add(task)
+        self.tasks[task.wire_id] = task
+        child.running[(task.stage, task.companion)] = task
+
+    def _params(self, task: _Task) -> dict[str, Any]:
+        request, child = task.child.request, task.child
+        req = request.req
+        params = req.stage_params(task.stage)
+        if req.n > 1:
+            params["seed"] = int(params.get("seed", 0)) + child.index
+        kind = self.kinds[task.stage]
+        ins = self.inputs[task.stage]
+        if task.companion:
+            params["prompt"] = req.negative_prompt
+        elif ins and kind != "diffusion":
+            upstream = child.done[ins[0]].header
+            params["prompt"] = upstream.get("text", req.prompt)
+        elif kind != "diffusion":
+            params["prompt"] = req.prompt
+        if kind == "ar" and any(
+            self.kinds[d] == "diffusion" and task.stage in self.inputs[d] for d in request.order
+        ):
+            params["return_hidden_states"] = True
+        final = task.stage in request.finals and not task.companion
+        params["stream"] = req.stream and final and kind != "diffusion"
+        return params
+
+    def _tensors(self, task: _Task) -> dict[str, Any]:
+        """Upstream outputs become inputs: the first input's tensors as they are, others by name."""
+        child = task.child
+        if task.companion:
+            return {}
+        ins = self.inputs[task.stage]
+        diffusion = self.kinds[task.stage] == "diffusion"
+        tensors: dict[str, Any] = {}
+        for i, upstream in enumerate(ins):
+            for name, wt in child.done[upstream].tensors.items():
+                if diffusion and name == "hidden_states":
+                    name = "encoder_hidden_states" if i == 0 else f"{upstream}.{name}"
+                elif i:
+                    name = f"{upstream}.{name}"
+                tensors[name] = wt
+            neg = child.companion_done.get(upstream)
+            if neg is not None and "hidden_states" in neg.tensors and diffusion:
+                tensors["negative_encoder_hidden_states"] = neg.tensors["hidden_states"]
+        return tensors
+
+    # ---- replies ---------------------------------------------------------------------------
+
+    def _on_message(self, replica: Replica, msg: p.Message) -> None:
+        replica.last_seen = time.monotonic()
+        t = msg.type
+        if t == p.PONG:
+            return
+        task = self.tasks.get(str(msg.header.get("id")))
+        if task is None or task.replica is not replica:
+            self.counters["late_messages"] += 1
+            return
+        if t == p.DELTA:
+            self._on_delta(task, msg)
+        elif t in p.TERMINAL_REPLIES:
+            self._on_terminal(task, msg)
+        else:
+            self.counters["late_messages"] += 1
+
+    def _on_delta(self, task: _Task, msg: p.Message) -> None:
+        child = task.child
+        if child.outcome is not None or task.companion:
+            self.counters["late_messages"] += 1
+            return
+        h = msg.header
+        child.request.queue.put_nowait(
+            Delta(child.index, task.stage, str(h.get("text", "")), list(h.get("token_ids", [])))
+        )
+
+    def _on_terminal(self, task: _Task, msg: p.Message) -> None:
+        replica = task.replica
+        self._detach(task)
+        child, t, h = task.child, msg.type, msg.header
+        if child.outcome is not None:
+            self.counters["late_messages"] += 1
+            return
+        if t == p.FINAL:
+            if task.companion:
+                child.companion_done[task.stage] = msg
+            else:
+                child.done[task.stage] = msg
+                if task.stage in child.request.finals:
+                    child.outputs[task.stage] = self._output(task, msg, replica)
+            self._advance(child)
+        elif t == p.ABORTED:
+            child.aborted = True
+            child.abort_requested = True
+            if not task.companion and task.stage in child.request.finals and "text" in h:
+                child.outputs[task.stage] = self._output(task, msg, replica)
+            self._settle(child)
+        elif t in (p.DRAINING,) or (t == p.ERROR and h.get("code") == "not_ready"):
+            # The replica refused before starting: try another one of the same stage.
+            task.tried.add(replica.name if replica else "")
+            child.started.add((task.stage, task.companion))
+            self._send(task)
+            self._settle(child)
+        elif t == p.OVERLOADED:
+            self._fail_child(child, RequestError(
+                "overloaded", f"stage {task.stage}: {h.get('message', 'overloaded')}",
+                task.stage, retry_after=float(h.get("retry_after") or 1.0)))
+        elif t == p.DEADLINE:
+            self._fail_child(child, RequestError(
+                "deadline", f"stage {task.stage}: {h.get('message', 'deadline exceeded')}",
+                task.stage))
+        else:
+            code = "bad_request" if h.get("code") == "bad_request" else "stage_failed"
+            self._fail_child(child, RequestError(
+                code, f"stage {task.stage}: {h.get('message', 'failed')}", task.stage))
+
+    def _output(self, task: _Task, msg: p.Message, replica: Replica | None) -> StageOutput:
+        fields = {k: v for k, v in msg.header.items() if k not in ("t", "id", "seq", "replica")}
+        return StageOutput(task.stage, fields, dict(msg.tensors), replica.name if replica else "")
+
+    def _detach(self, task: _Task) -> None:
+        self.tasks.pop(task.wire_id, None)
+        task.child.running.pop((task.stage, task.companion), None)
+        if task.replica is not None:
+            task.replica.bound.discard(task)
+            task.replica.inflight = max(0, task.replica.inflight - 1)
+
+    # ---- terminal states -------------------------------------------------------------------
+
+    def _settle(self, child: _Child) -> None:
+        """Make a child terminal once nothing of it runs (the last abort message is terminal)."""
+        if child.outcome is not None or child.running:
+            return
+        request = child.request
+        complete = all(f in child.outputs for f in request.finals)
+        if child.aborted or (child.abort_requested and not complete):
+            child.outcome = ChildOutcome(child.index, ABORT, dict(child.outputs))
+        elif complete:
+            child.outcome = ChildOutcome(child.index, OK, dict(child.outputs))
+        else:
+            return  # more stages to start (a retry is in progress)
+        self._child_terminal(child)
+
+    def _fail_child(self, child: _Child, error: RequestError) -> None:
+        if child.outcome is not None:
+            return
+        for task in list(child.running.values()):
+            self._detach(task)
+            if task.replica is not None and task.replica.alive:
+                with contextlib.suppress(Exception):
+                    task.replica.channel.send({"t": p.ABORT, "id": task.wire_id})
+        child.outcome = ChildOutcome(child.index, error.kind, dict(child.outputs), error)  # type: ignore[arg-type]
+        self._child_terminal(child)
+
+    def _child_terminal(self, child: _Child) -> None:
+        request = child.request
+        if request.outcome is not None or any(c.outcome is None for c in request.children):
+            return
+        outcomes = [c.outcome for c in request.children if c.outcome is not None]
+        errors = [o for o in outcomes if o.status in (REQUEST_ERROR, FATAL)]
+        if errors:
+            first = errors[0]
+            status, error = first.status, first.error
+        elif all(o.status == ABORT for o in outcomes):
+            status, error = ABORT, None
+        else:
+            status, error = OK, None
+        self._emit_outcome(request, Outcome(request.id, status, outcomes, error))
+
+    def _finish_early(self, request: _Request, error: RequestError) -> None:
+        self._emit_outcome(request, Outcome(request.id, error.kind, [], error))  # type: ignore[arg-type]
+
+    def _emit_outcome(self, request: _Request, outcome: Outcome) -> None:
+        request.outcome = outcome
+        if request.timer is not None:
+            request.timer.cancel()
+        self.requests.pop(request.id, None)
+        if not self.requests and self._idle is not None:
+            self._idle.set()
+        self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1
+        self.counters["latency_sum"] += time.monotonic() - request.started
+        request.queue.put_nowait(outcome)
+
+    def _on_deadline(self, request: _Request) -> None:
+        for child in request.children:
+            self._fail_child(child, RequestError("deadline", "request deadline passed"))
+
+    def abort(self, rid: str, child_index: int | None = None) -> None:
+        """Abort a request (or one of its parallel samples); late aborts are dropped."""
+        request = self.requests.get(rid)
+        if request is None:
+            self.counters["late_aborts"] += 1
+            return
+        children = request.children
+        if child_index is not None:
+            if not 0 <= child_index < len(children):
+                self.counters["late_aborts"] += 1
+                return
+            children = [children[child_index]]
+        for child in children:
+            if child.outcome is not None:
+                self.counters["late_aborts"] += 1
+                continue
+            child.abort_requested = True
+            if not child.running:
+                self._settle(child)
+            for task in list(child.running.values()):
+                if task.replica is not None:
+                    with contextlib.suppress(Exception):
+                        task.replica.channel.send({"t": p.ABORT, "id": task.wire_id})
+
+    # ---- control RPCs ----------------------------------------------------------------------
+
+    async def control(
+        self, op: str, stages: list[str] | None = None, timeout: float = 60.0
+    ) -> dict[str, dict[str, Any]]:
+        """Fan a control RPC out to every live replica of the chosen stages.
+
+        Unknown ops and stage names are rejected before anything is sent; a worker exception
+        is raised here (ControlError) after every replica has answered.
+        """
+        if op not in CONTROL_OPS:
+            raise ValueError(f"op: unknown control op {op!r}; expected one of {list(CONTROL_OPS)}")
+        names = list(stages) if stages else list(self.pools)
+        unknown = [s for s in names if s not in self.pools]
+        if unknown:
+            raise ValueError(f"stages: unknown stage(s) {unknown}; pipeline has {list(self.pools)}")
+        replicas = [r for s in names for r in self.pools[s].replicas.values() if r.alive]
+        results = await asyncio.gather(
+            *(r.channel.control(op, timeout) for r in replicas), return_exceptions=True
+        )
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return {r.name: res for r, res in zip(replicas, results, strict=True)}  # type: ignore[misc]
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.readiness()[0]
+
+    def readiness(self) -> tuple[bool, str]:
+        if not self.accepting:
+            return False, "not accepting requests"
+        for stage in self.topo:
+            if not self.pools[stage].routable():
+                return False, f"stage {stage!r} has no ready replica"
+        return True, "ready"
+
+    def status(self) -> dict[str, Any]:
+        return {
+            stage: [
+                {"name": r.name, "endpoint": r.info.endpoint, "state": r.info.state,
+                 "inflight": r.inflight, "served": r.served}
+                for r in pool.replicas.values()
+            ]
+            for stage, pool in self.pools.items()
+        }
+
+    def metrics_text(self) -> str:
+        reqs = Family("omnistage_orchestrator_requests_total", "counter",
+                      "Requests by terminal status")
+        for status, n in sorted(self.outcomes.items()):
+            reqs.add(n, status=status)
+        replicas = Family("omnistage_orchestrator_replicas", "gauge", "Replicas by stage and state")
+        inflight = Family("omnistage_orchestrator_replica_inflight", "gauge",
+                          "Tasks bound to each replica")
+        for stage, pool in self.pools.items():
+            states: dict[str, int] = {}
+            for r in pool.replicas.values():
+                states[r.info.state] = states.get(r.info.state, 0) + 1
+                inflight.add(r.inflight, stage=stage, replica=r.name)
+            for state, n in sorted(states.items()):
+                replicas.add(n, stage=stage, state=state)
+        done = sum(self.outcomes.values())
+        fams = [
+            reqs,
+            Family("omnistage_orchestrator_inflight_requests", "gauge", "Requests not terminal")
+            .add(len(self.requests)),
+            replicas,
+            inflight,
+            Family("omnistage_orchestrator_late_messages_total", "counter",
+                   "Replies for finished requests, dropped").add(self.counters["late_messages"]),
+            Family("omnistage_orchestrator_late_aborts_total", "counter",
+                   "Aborts for finished requests, dropped").add(self.counters["late_aborts"]),
+            Family("omnistage_orchestrator_replicas_lost_total", "counter",
+                   "Replicas declared lost").add(self.counters["replicas_lost"]),
+            Family("omnistage_orchestrator_request_seconds", "summary",
+                   "Request latency, admission to terminal outcome")
+            .add(self.counters["latency_sum"], _suffix="_sum").add(done, _suffix="_count"),
+        ]
+        return render(fams, {"pipeline": self.name})

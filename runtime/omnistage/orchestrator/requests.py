@@ -1,0 +1,120 @@
+"""What goes into the orchestrator and what comes out: requests, stream events, outcomes.
+
+The HTTP layer only translates between these and HTTP; it never routes. Every request ends in
+exactly one Outcome, whose `status` says which of the four terminal kinds it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# Terminal kinds of the orchestration contract.
+OK = "ok"  # success
+ABORT = "abort"  # aborted by the client (AR prefix kept, diffusion sample dropped)
+REQUEST_ERROR = "request_error"  # request-scoped: 4xx (bad input, overload, deadline)
+FATAL = "fatal"  # stage failure: 5xx (replica lost, no live replica, internal error)
+
+# Error code -> HTTP status. The HTTP API uses exactly this table.
+HTTP_STATUS: dict[str, int] = {
+    "bad_request": 400,
+    "not_found": 404,
+    "overloaded": 429,
+    "draining": 503,
+    "no_replica": 503,
+    "not_ready": 503,
+    "deadline": 504,
+    "replica_lost": 502,
+    "stage_failed": 502,
+    "internal": 500,
+    "shutting_down": 503,
+}
+
+# Codes that mean a stage failed rather than something about this request.
+FATAL_CODES = frozenset(
+    {"no_replica", "replica_lost", "stage_failed", "internal", "draining", "shutting_down",
+     "not_ready"}
+)
+
+
+@dataclass
+class RequestError:
+    code: str
+    message: str
+    stage: str | None = None
+    retry_after: float | None = None
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
+
+    @property
+    def kind(self) -> str:
+        """Deadline (504) is request-scoped like 4xx; stage and replica failures are fatal."""
+        return FATAL if self.code in FATAL_CODES else REQUEST_ERROR
+
+
+@dataclass
+class PipelineRequest:
+    """One client request. Stage parameters are per stage name, with "*" applying to all."""
+
+    prompt: str = ""
+    negative_prompt: str | None = None
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    n: int = 1
+    stream: bool = False
+    session: str | None = None
+    timeout_s: float | None = None
+    # Stages whose outputs are the result; None = the spec's finalOutput stages. The request
+    # runs only the stages these depend on (a chat request on a text-to-image pipeline runs
+    # just the AR stage).
+    finals: list[str] | None = None
+    request_id: str | None = None
+
+    def stage_params(self, stage: str) -> dict[str, Any]:
+        return {**self.params.get("*", {}), **self.params.get(stage, {})}
+
+
+@dataclass
+class Delta:
+    """A streamed piece of output from a final AR stage, in order, as produced."""
+
+    child: int
+    stage: str
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class StageOutput:
+    """A final stage's terminal output for one child (sample)."""
+
+    stage: str
+    fields: dict[str, Any]
+    tensors: dict[str, Any]  # name -> protocol.WireTensor
+    replica: str = ""
+
+
+@dataclass
+class ChildOutcome:
+    index: int
+    status: Literal["ok", "abort", "request_error", "fatal"]
+    outputs: dict[str, StageOutput] = field(default_factory=dict)
+    error: RequestError | None = None
+
+
+@dataclass
+class Outcome:
+    """The single terminal result of a request (all its children)."""
+
+    request_id: str
+    status: Literal["ok", "abort", "request_error", "fatal"]
+    children: list[ChildOutcome] = field(default_factory=list)
+    error: RequestError | None = None
+
+    @property
+    def http_status(self) -> int:
+        return self.error.http_status if self.error else 200
+
+
+Event = Delta | Outcome

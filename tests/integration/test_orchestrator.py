@@ -1,0 +1,320 @@
+"""The orchestration contract against real worker processes over real ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omnistage.client import ControlError
+from omnistage.orchestrator.engine import Orchestrator
+from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
+from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
+from omnistage.procs import WorkerProcess
+from omnistage.spec import parse_pipeline
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def pipeline(name: str, stages: list[dict[str, Any]]) -> Any:
+    return parse_pipeline({
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": name},
+        "spec": {"stages": stages},
+    })
+
+
+def echo(name: str, inputs: tuple[str, ...] = (), final: bool = False) -> dict[str, Any]:
+    return {"name": name, "kind": "echo", "inputs": list(inputs), "finalOutput": final}
+
+
+Launch = Callable[..., Any]
+
+
+@pytest.fixture
+async def launch(start_worker) -> AsyncIterator[Launch]:
+    """Start workers for a pipeline and an Orchestrator over them (static membership)."""
+    orchs: list[Orchestrator] = []
+
+    async def go(pipe: Any, workers: dict[str, list[tuple[str, ...]]], **kw: Any):
+        procs: dict[str, list[WorkerProcess]] = {}
+        infos = []
+        for stage, arg_lists in workers.items():
+            kind = pipe.spec.stage(stage).kind
+            for i, args in enumerate(arg_lists):
+                name = f"{pipe.metadata.name}-{stage}-{i}"
+                w = start_worker(kind, "--stage", stage, *args, name=name)
+                procs.setdefault(stage, []).append(w)
+                infos.append(ReplicaInfo(stage, name, w.zmq))
+        membership = StaticMembership(infos)
+        orch = Orchestrator(pipe, membership, **kw)
+        await orch.start()
+        orchs.append(orch)
+        return orch, procs, membership
+
+    yield go
+    for orch in orchs:
+        await orch.stop(drain_timeout=1)
+
+
+async def collect(orch: Orchestrator, req: PipelineRequest) -> tuple[list[Delta], Outcome]:
+    deltas: list[Delta] = []
+    async for ev in orch.submit(req).events():
+        if isinstance(ev, Delta):
+            deltas.append(ev)
+        else:
+            return deltas, ev
+    raise AssertionError("no outcome")
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+
+async def test_two_stage_routing_follows_the_dag(launch) -> None:
+    pipe = pipeline("two", [echo("a"), echo("b", ("a",), final=True)])
+    orch, _, _ = await launch(pipe, {"a": [()], "b": [()]})
+    _, out = await collect(orch, PipelineRequest(prompt="hello"))
+    assert out.status == "ok", out
+    [child] = out.children
+    assert set(child.outputs) == {"b"}  # only final stages are outputs
+    assert child.outputs["b"].fields["text"] == "hello"  # a's text became b's prompt
+    assert child.outputs["b"].replica == "two-b-0"
+
+
+async def test_join_waits_for_all_inputs(launch) -> None:
+    pipe = pipeline("join", [echo("a"), echo("slow"), echo("j", ("a", "slow"), final=True)])
+    orch, _, _ = await launch(pipe, {"a": [()], "slow": [()], "j": [()]})
+    req = PipelineRequest(prompt="x", params={"slow": {"delay_ms": 400}})
+    _, out = await collect(orch, req)
+    assert out.status == "ok"
+    assert out.children[0].outputs["j"].fields["text"] == "x"
+
+
+async def test_ar_to_diffusion_with_negative_prompt_companion(launch) -> None:
+    pipe = pipeline("t2i", [
+        {"name": "enc", "kind": "ar", "model": "tiny-llama", "engine": {"maxTokens": 2}},
+        {"name": "img", "kind": "diffusion", "model": "tiny-unet", "inputs": ["enc"],
+         "finalOutput": True},
+    ])
+    orch, _, _ = await launch(pipe, {"enc": [()], "img": [()]})
+    params = {"img": {"height": 32, "width": 32, "num_inference_steps": 2, "guidance_scale": 3.0}}
+    _, plain = await collect(orch, PipelineRequest(prompt="a cat", params=params))
+    assert plain.status == "ok", plain
+    image = plain.children[0].outputs["img"].tensors["image"].numpy()
+    assert image.shape == (32, 32, 3)
+    served_before = orch.pools["enc"].replicas["t2i-enc-0"].served
+    _, cfg = await collect(orch, PipelineRequest(prompt="a cat", negative_prompt="blurry",
+                                                 params=params))
+    assert cfg.status == "ok", cfg
+    # The companion ran on the AR stage too, and its output changed the guided image.
+    assert orch.pools["enc"].replicas["t2i-enc-0"].served - served_before == 2
+    assert not np.array_equal(cfg.children[0].outputs["img"].tensors["image"].numpy(), image)
+
+
+async def test_companion_failure_fails_the_parent(launch) -> None:
+    pipe = pipeline("t2i", [
+        {"name": "enc", "kind": "ar", "model": "tiny-llama", "engine": {"maxTokens": 2}},
+        {"name": "img", "kind": "diffusion", "model": "tiny-unet", "inputs": ["enc"],
+         "finalOutput": True},
+    ])
+    orch, _, _ = await launch(pipe, {"enc": [()], "img": [()]})
+    # An over-long negative prompt is refused by the AR worker: only the companion fails.
+    _, out = await collect(orch, PipelineRequest(prompt="ok", negative_prompt="n" * 5000))
+    assert out.status == "request_error"
+    assert out.error is not None and out.error.code == "bad_request"
+    assert out.error.stage == "enc"
+
+
+# ---- replica selection and affinity ------------------------------------------------------
+
+
+async def test_requests_spread_across_replicas_and_sessions_pin(launch) -> None:
+    pipe = pipeline("spread", [echo("a", final=True)])
+    orch, _, _ = await launch(pipe, {"a": [(), ()]})
+    reqs = [PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 50}}) for i in range(20)]
+    outs = await asyncio.gather(*(collect(orch, r) for r in reqs))
+    used = Counter(o.children[0].outputs["a"].replica for _, o in outs)
+    assert set(used) == {"spread-a-0", "spread-a-1"}, used
+    assert min(used.values()) >= 5  # least in-flight keeps them balanced
+    pinned = [await collect(orch, PipelineRequest(prompt="s", session="user-1")) for _ in range(6)]
+    assert len({o.children[0].outputs["a"].replica for _, o in pinned}) == 1
+
+
+async def test_abort_goes_to_the_bound_replica_and_returns_prefix(launch) -> None:
+    pipe = pipeline("chat", [{"name": "llm", "kind": "ar", "model": "tiny-llama",
+                              "finalOutput": True}])
+    orch, _, _ = await launch(pipe, {"llm": [(), ()]})
+    handle = orch.submit(PipelineRequest(
+        prompt="hi", stream=True,
+        params={"llm": {"max_tokens": 1000, "ignore_eos": True}}))
+    streamed: list[int] = []
+    async for ev in handle.events():
+        if isinstance(ev, Delta):
+            streamed.extend(ev.token_ids)
+            if len(streamed) == 5:
+                handle.abort()
+        else:
+            out = ev
+            break
+    assert out.status == "abort"
+    output = out.children[0].outputs["llm"]
+    assert output.fields["finish_reason"] == "abort"
+    assert output.fields["token_ids"] == streamed  # the acked prefix is what streamed
+    assert 5 <= len(streamed) < 1000
+    assert orch.counters["late_messages"] == 0
+
+
+async def test_several_final_stages_only_last_abort_is_terminal(launch) -> None:
+    pipe = pipeline("multi", [echo("src"), echo("f1", ("src",), final=True),
+                              echo("f2", ("src",), final=True)])
+    orch, _, _ = await launch(pipe, {"src": [()], "f1": [()], "f2": [()]})
+    req = PipelineRequest(prompt="x", params={"f1": {"delay_ms": 300}, "f2": {"delay_ms": 2000}})
+    handle = orch.submit(req)
+    await asyncio.sleep(0.15)
+    handle.abort()
+    events = [ev async for ev in handle.events()]
+    assert len(events) == 1 and isinstance(events[0], Outcome)
+    out = events[0]
+    assert out.status == "abort"
+    assert out.children[0].outputs == {} or all(
+        o.fields["finish_reason"] == "abort" for o in out.children[0].outputs.values())
+    assert not orch.requests and not orch.tasks
+
+
+async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launch) -> None:
+    pipe = pipeline("par", [echo("a", final=True)])
+    orch, _, _ = await launch(pipe, {"a": [(), ()]})
+    handle = orch.submit(PipelineRequest(prompt="p", n=3, params={"a": {"delay_ms": 1500}}))
+    await asyncio.sleep(0.2)
+    handle.abort(child=1)
+    await asyncio.sleep(0.2)
+    assert handle.id in orch.requests  # two children still running: the parent lives
+    handle.abort(child=0)
+    handle.abort(child=2)
+    out = await handle.outcome()
+    assert out.status == "abort"
+    assert [c.status for c in out.children] == ["abort"] * 3
+    mixed = orch.submit(PipelineRequest(prompt="q", n=2, params={"a": {"delay_ms": 600}}))
+    await asyncio.sleep(0.1)
+    mixed.abort(child=0)
+    out = await mixed.outcome()
+    assert out.status == "ok" and [c.status for c in out.children] == ["abort", "ok"]
+
+
+# ---- failure isolation -------------------------------------------------------------------
+
+
+async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
+    pipe = pipeline("iso", [echo("a", final=True)])
+    orch, procs, _ = await launch(pipe, {"a": [(), ()]}, heartbeat_interval=0.2,
+                                  heartbeat_timeout=1.0)
+    handles = [orch.submit(PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 1500}}))
+               for i in range(16)]
+    await asyncio.sleep(0.3)
+    victim = orch.pools["a"].replicas["iso-a-0"]
+    bound = {t.child.request.id for t in victim.bound}
+    assert bound
+    procs["a"][0].proc.send_signal(signal.SIGKILL)
+    outcomes = {h.id: [ev async for ev in h.events()] for h in handles}
+    for rid, events in outcomes.items():
+        terminal = [e for e in events if isinstance(e, Outcome)]
+        assert len(terminal) == 1  # exactly one terminal outcome each
+        if rid in bound:
+            assert terminal[0].status == "fatal"
+            assert terminal[0].error.code == "replica_lost"
+        else:
+            assert terminal[0].status == "ok", terminal[0]
+    assert "iso-a-0" not in orch.pools["a"].replicas
+    _, after = await collect(orch, PipelineRequest(prompt="after"))
+    assert after.status == "ok" and after.children[0].outputs["a"].replica == "iso-a-1"
+
+
+async def test_dead_downstream_stage(launch) -> None:
+    pipe = pipeline("down", [echo("a"), echo("b", ("a",), final=True)])
+    orch, procs, membership = await launch(pipe, {"a": [()], "b": [()]},
+                                           heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    handle = orch.submit(PipelineRequest(prompt="x", params={"b": {"delay_ms": 3000}}))
+    await asyncio.sleep(0.3)
+    procs["b"][0].proc.send_signal(signal.SIGKILL)
+    out = await handle.outcome()
+    assert out.status == "fatal" and out.error.code == "replica_lost"
+    assert out.error.stage == "b"
+    # With no live replica left, new requests fail at once with 503.
+    _, now = await asyncio.wait_for(collect(orch, PipelineRequest(prompt="y")), 1)
+    assert now.error is not None and now.error.code == "no_replica"
+    assert now.error.http_status == 503
+    assert orch.readiness() == (False, "stage 'b' has no ready replica")
+
+
+async def test_unencodable_value_is_a_request_error_and_loop_keeps_running(launch) -> None:
+    pipe = pipeline("enc", [echo("a", final=True)])
+    orch, _, _ = await launch(pipe, {"a": [()]})
+    for bad in (PipelineRequest(prompt="\ud800"),
+                PipelineRequest(prompt="x", params={"a": {"seed": 2**70}})):
+        _, out = await collect(orch, bad)
+        assert out.status == "request_error" and out.error.http_status == 400, out
+    _, ok = await collect(orch, PipelineRequest(prompt="fine"))
+    assert ok.status == "ok"
+
+
+async def test_terminal_state_is_monotonic(launch) -> None:
+    pipe = pipeline("mono", [echo("src"), echo("f1", ("src",), final=True),
+                             echo("f2", ("src",), final=True)])
+    orch, _, _ = await launch(pipe, {"src": [()], "f1": [()], "f2": [()]})
+    # f1 fails at once; f2 is still running when the request becomes terminal.
+    handle = orch.submit(PipelineRequest(prompt="x", stream=True, params={
+        "f1": {"delay_ms": -1}, "f2": {"delay_ms": 800}}))
+    events = [ev async for ev in handle.events()]
+    assert len(events) == 1 and events[0].status == "request_error"
+    assert events[0].error.code == "bad_request" and events[0].error.stage == "f1"
+    handle.abort()  # an abort after the terminal outcome is dropped and counted
+    assert orch.counters["late_aborts"] == 1
+    for _ in range(100):  # f2's own reply (to the abort we sent it) is dropped and counted
+        if orch.counters["late_messages"] >= 1:
+            break
+        await asyncio.sleep(0.05)
+    assert orch.counters["late_messages"] >= 1
+    assert handle._request.queue.empty()
+    # A deadline is a request-scoped terminal outcome (504), also exactly once.
+    late = orch.submit(PipelineRequest(prompt="y", timeout_s=0.3, params={
+        "f1": {"delay_ms": 2000}}))
+    events = [ev async for ev in late.events()]
+    assert len(events) == 1 and events[0].status == "request_error"
+    assert events[0].error.code == "deadline" and events[0].error.http_status == 504
+
+
+async def test_draining_replica_takes_no_new_work(launch) -> None:
+    pipe = pipeline("drain", [echo("a", final=True)])
+    orch, _, membership = await launch(pipe, {"a": [(), ()]})
+    info = next(r for r in membership.replicas if r.name == "drain-a-0")
+    membership.publish(ReplicaInfo(info.stage, info.name, info.endpoint, "draining"))
+    outs = [await collect(orch, PipelineRequest(prompt=str(i))) for i in range(6)]
+    assert {o.children[0].outputs["a"].replica for _, o in outs} == {"drain-a-1"}
+
+
+# ---- control RPCs ---------------------------------------------------------------------------
+
+
+async def test_control_fan_out_and_error_propagation(launch) -> None:
+    pipe = pipeline("ctl", [echo("a"), echo("b", ("a",), final=True)])
+    orch, _, _ = await launch(pipe, {"a": [(), ()], "b": [()]})
+    with pytest.raises(ValueError, match="unknown stage"):
+        await orch.control("pause", ["a", "nope"])
+    states = await orch.control("pause", ["a"])  # nothing was paused by the rejected call
+    assert set(states) == {"ctl-a-0", "ctl-a-1"} and all(s["paused"] for s in states.values())
+    handle = orch.submit(PipelineRequest(prompt="held"))
+    await asyncio.sleep(0.3)
+    assert handle.id in orch.requests
+    await orch.control("sleep", ["b"])
+    with pytest.raises(ControlError, match="asleep"):
+        await orch.control("resume", ["b"])
+    woke = await orch.control("wake_up", ["b"])
+    assert all(s["paused"] for s in woke.values())  # wake_up does not resume admission
+    await orch.control("resume")
+    assert (await handle.outcome()).status == "ok"
