@@ -442,6 +442,12 @@ class OrchestratorSpec(_Model):
     resources: OrchestratorResources = Field(
         default_factory=OrchestratorResources, description="Resources of each orchestrator replica."
     )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels an orchestrator replica's node must have."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the orchestrator replicas tolerate."
+    )
 
     @field_validator("api")
     @classmethod

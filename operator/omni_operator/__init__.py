@@ -1,0 +1,1 @@
+"""The Omnistage Kubernetes operator (kopf): OmniPipeline and StagePool reconciliation."""

@@ -1,0 +1,334 @@
+"""Pure builders: an OmniPipeline or StagePool in, the Kubernetes objects it wants out.
+
+No I/O here: reconcilers diff these against what exists and write only the difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from omni_operator.models import API_VERSION
+from omni_operator.placement import pod_scheduling, tolerations
+from omnistage import kube
+from omnistage.spec import OmniPipeline, Stage
+
+Obj = dict[str, Any]
+
+ANNOTATION_SEED_REPLICAS = "omnistage.io/seed-replicas"
+PIPELINE_KEY = "pipeline.json"
+NONROOT_UID = 65532
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def owner_ref(owner: Obj) -> Obj:
+    """A controller reference, so garbage collection removes children with their owner."""
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def labels(pipeline: str, component: str, stage: str | None = None) -> dict[str, str]:
+    out = {
+        kube.LABEL_PIPELINE: pipeline,
+        kube.LABEL_COMPONENT: component,
+        kube.LABEL_MANAGED_BY: kube.MANAGED_BY,
+    }
+    if stage is not None:
+        out[kube.LABEL_STAGE] = stage
+        out[kube.LABEL_POOL] = kube.pool_name(pipeline, stage)
+    return out
+
+
+def _meta(name: str, namespace: str, lbls: dict[str, str], owner: Obj) -> Obj:
+    return {"name": name, "namespace": namespace, "labels": lbls,
+            "ownerReferences": [owner_ref(owner)]}
+
+
+def _downward_env() -> list[Obj]:
+    return [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+
+
+def _pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_UID,
+        "runAsGroup": NONROOT_UID,
+        "fsGroup": NONROOT_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _http_probe(path: str, port: int, period: int, failures: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 2,
+    }
+
+
+# ---- OmniPipeline -> children ------------------------------------------------------------------
+
+
+def pipeline_manifest(pipeline: OmniPipeline) -> Obj:
+    """The resolved pipeline the orchestrator runs: spec and identity, no server state."""
+    man = pipeline.to_manifest()
+    man.pop("status", None)
+    man["metadata"] = {"name": pipeline.metadata.name}
+    return man
+
+
+def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage) -> Obj:
+    name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
+    meta = _meta(kube.pool_name(name, stage.name), ns, labels(name, "stage", stage.name), owner)
+    meta["annotations"] = {ANNOTATION_SEED_REPLICAS: str(stage.replicas)}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "StagePool",
+        "metadata": meta,
+        "spec": {
+            "pipeline": name,
+            "stage": stage.model_dump(by_alias=True, exclude_none=True, mode="json"),
+            "replicas": stage.replicas,
+            "image": pipeline.spec.image,
+        },
+    }
+
+
+def orchestrator_name(pipeline: str) -> str:
+    return f"{pipeline}-orchestrator"
+
+
+def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
+    """Everything an OmniPipeline owns, in creation order."""
+    name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
+    orch = pipeline.spec.orchestrator
+    oname = orchestrator_name(name)
+    olabels = labels(name, "orchestrator")
+    selector = {kube.LABEL_PIPELINE: name, kube.LABEL_COMPONENT: "orchestrator"}
+    manifest = json.dumps(pipeline_manifest(pipeline), sort_keys=True)
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(f"{name}-pipeline", ns, olabels, owner),
+        "data": {PIPELINE_KEY: manifest},
+    }
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(oname, ns, olabels, owner),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(oname, ns, olabels, owner),
+        # Exactly what a Pod watch needs: the orchestrator's membership reads stage Pods.
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(oname, ns, olabels, owner),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": oname},
+        "subjects": [{"kind": "ServiceAccount", "name": oname, "namespace": ns}],
+    }
+    env = [
+        *_downward_env(),
+        {
+            "name": kube.PIPELINE_ENV,
+            "valueFrom": {"configMapKeyRef": {"name": f"{name}-pipeline", "key": PIPELINE_KEY}},
+        },
+    ]
+    pod_spec: Obj = {
+        "serviceAccountName": oname,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": 60,
+        "containers": [
+            {
+                "name": "orchestrator",
+                "image": pipeline.spec.image,
+                "command": ["omnistage", "orchestrator", "--membership", "kubernetes",
+                            "--port", str(orch.port)],
+                "env": env,
+                "ports": [{"name": "http", "containerPort": orch.port}],
+                "readinessProbe": _http_probe("/readyz", orch.port, 2, 3),
+                "livenessProbe": _http_probe("/livez", orch.port, 10, 3),
+                "resources": {
+                    "requests": {"cpu": orch.resources.cpu, "memory": orch.resources.memory},
+                    "limits": {"memory": orch.resources.memory},
+                },
+                "securityContext": _container_security(),
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            }
+        ],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    if orch.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(orch.node_selector.items()))
+    if orch.tolerations:
+        pod_spec["tolerations"] = tolerations(orch.tolerations)
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(oname, ns, olabels, owner),
+        "spec": {
+            "replicas": orch.replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                # The pipeline hash rolls the orchestrator when the spec changes.
+                "metadata": {"labels": olabels,
+                             "annotations": {kube.ANNOTATION_SPEC_HASH: digest(manifest)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(oname, ns, olabels, owner),
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": "http", "port": orch.port, "targetPort": orch.port}],
+        },
+    }
+    pools = [stage_pool(owner, pipeline, s) for s in pipeline.spec.stages]
+    return [config, account, role, binding, service, deployment, *pools]
+
+
+def endpoint(pipeline: OmniPipeline, namespace: str) -> str:
+    port = pipeline.spec.orchestrator.port
+    return f"http://{orchestrator_name(pipeline.metadata.name)}.{namespace}.svc:{port}"
+
+
+# ---- StagePool -> pods ---------------------------------------------------------------------
+
+
+def worker_command(stage: Stage) -> list[str]:
+    cmd = ["omnistage", "stage", "--stage", stage.name, "--kind", stage.kind]
+    if stage.model not in (None, "", "none"):
+        cmd += ["--model", str(stage.model)]
+    adm = stage.admission
+    cmd += [
+        "--engine", json.dumps(stage.engine.model_dump(by_alias=True, mode="json"),
+                               sort_keys=True, separators=(",", ":")),
+        "--port", str(kube.WORKER_ZMQ_PORT),
+        "--http-port", str(kube.WORKER_HTTP_PORT),
+        "--max-requests", str(adm.max_requests),
+        "--max-queue", str(adm.max_queue),
+        "--deadline", str(adm.default_deadline_seconds),
+        "--drain-timeout", str(stage.drain_timeout_seconds),
+    ]
+    if adm.max_cost is not None:
+        cmd += ["--max-cost", str(adm.max_cost)]
+    return cmd
+
+
+def pod_template(pool: Obj) -> tuple[Obj, str]:
+    """The pod every replica of this pool should be (minus name), and its hash."""
+    spec = pool["spec"]
+    stage = Stage.model_validate(spec["stage"])
+    pipeline = spec["pipeline"]
+    res = stage.resources
+    requests: dict[str, str] = {"cpu": res.cpu, "memory": res.memory}
+    limits: dict[str, str] = {"memory": res.memory}
+    if res.gpus:
+        requests["nvidia.com/gpu"] = str(res.gpus)
+        limits["nvidia.com/gpu"] = str(res.gpus)
+    pod_spec: Obj = {
+        "securityContext": _pod_security(),
+        "readinessGates": [{"conditionType": kube.READINESS_GATE}],
+        # The worker drains on SIGTERM; give it its drain timeout plus margin before SIGKILL.
+        "terminationGracePeriodSeconds": stage.drain_timeout_seconds + 15,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "containers": [
+            {
+                "name": "worker",
+                "image": spec["image"],
+                "command": worker_command(stage),
+                "env": _downward_env(),
+                "ports": [
+                    {"name": "zmq", "containerPort": kube.WORKER_ZMQ_PORT},
+                    {"name": "http", "containerPort": kube.WORKER_HTTP_PORT},
+                ],
+                # /livez answers while the model loads, so liveness never kills a slow load;
+                # the startup probe allows 30 minutes before liveness starts counting.
+                "startupProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 5, 360),
+                "livenessProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 10, 3),
+                "readinessProbe": _http_probe("/readyz", kube.WORKER_HTTP_PORT, 2, 2),
+                "resources": {"requests": requests, "limits": limits},
+                "securityContext": _container_security(),
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            }
+        ],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        **pod_scheduling(pipeline, stage),
+    }
+    return pod_spec, digest(pod_spec)
+
+
+def pool_pod(pool: Obj, ordinal: int) -> Obj:
+    pod_spec, spec_hash = pod_template(pool)
+    meta = pool["metadata"]
+    pipeline, stage = pool["spec"]["pipeline"], pool["spec"]["stage"]["name"]
+    lbls = {**labels(pipeline, "stage", stage), kube.LABEL_ORDINAL: str(ordinal)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": kube.replica_name(meta["name"], ordinal),
+            "namespace": meta["namespace"],
+            "labels": lbls,
+            "annotations": {kube.ANNOTATION_SPEC_HASH: spec_hash},
+            "ownerReferences": [owner_ref(pool)],
+        },
+        "spec": {**pod_spec, "hostname": kube.replica_name(meta["name"], ordinal)},
+    }
+
+
+def pool_pdb(pool: Obj) -> Obj:
+    meta = pool["metadata"]
+    stage = Stage.model_validate(pool["spec"]["stage"])
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": dict(meta.get("labels") or {}),
+            "ownerReferences": [owner_ref(pool)],
+        },
+        "spec": {
+            "maxUnavailable": stage.max_unavailable,
+            "selector": {"matchLabels": {kube.LABEL_POOL: meta["name"]}},
+        },
+    }
+
+
+def pool_selector(pool: Obj) -> str:
+    return f"{kube.LABEL_POOL}={pool['metadata']['name']}"

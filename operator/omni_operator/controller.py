@@ -1,0 +1,434 @@
+"""Level-triggered reconciliation of OmniPipelines and StagePools.
+
+kopf event handlers feed `observe`, which keeps an in-memory view of the watched objects and
+marks keys dirty; a coalescing work queue reconciles each key, one at a time per key. Every
+reconcile compares desired with observed state and writes only differences, so a resync of an
+unchanged world makes no write calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from omni_operator import builders, drain
+from omni_operator.kubeapi import ApiError, KubeApi, path
+from omni_operator.placement import unschedulable_message
+from omni_operator.readiness import gate_patch, is_draining
+from omni_operator.status import pipeline_status, pool_status
+from omnistage import kube
+from omnistage.spec import OmniPipeline, SpecError, parse_pipeline
+
+log = logging.getLogger("omnistage.operator")
+
+Obj = dict[str, Any]
+Key = tuple[str, str, str]  # (kind, namespace, name)
+FINALIZER = "omnistage.io/ordered-shutdown"
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def subset(want: Any, have: Any) -> bool:
+    """Whether every field we manage already has the value we want (server defaults ignored)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(subset(v, have.get(k)) for k, v in want.items())
+    if isinstance(want, list):
+        return (isinstance(have, list) and len(want) == len(have)
+                and all(subset(w, h) for w, h in zip(want, have, strict=True)))
+    if isinstance(want, int | float) and isinstance(have, int | float):
+        return want == have
+    return want == have or (want is not None and str(want) == str(have)
+                            and not isinstance(want, bool))
+
+
+def _meta_key(obj: Obj) -> tuple[str, str]:
+    return obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+class Controller:
+    def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8) -> None:
+        self.api = api
+        self.resync_seconds = resync_seconds
+        self.pipelines: dict[tuple[str, str], Obj] = {}
+        self.pools: dict[tuple[str, str], Obj] = {}
+        self.deployments: dict[tuple[str, str], Obj] = {}
+        self.pods: dict[tuple[str, str], dict[str, Obj]] = {}  # (ns, pool or orch) -> pods
+        self._queue: asyncio.Queue[Key] = asyncio.Queue()
+        self._queued: set[Key] = set()
+        self._running: set[Key] = set()
+        self._dirty: set[Key] = set()
+        self._workers = workers
+        self._tasks: list[asyncio.Task[None]] = []
+        self._warned: set[str] = set()  # pod uids already reported unschedulable
+        self._retired: set[str] = set()  # pod uids the operator deleted on purpose
+        self.reconciles = 0
+
+    # ---- event intake ----------------------------------------------------------------------
+
+    def observe(self, kind: str, event_type: str | None, obj: Obj) -> None:
+        key = _meta_key(obj)
+        gone = event_type == "DELETED"
+        if kind == "OmniPipeline":
+            self._store(self.pipelines, key, obj, gone)
+            self.enqueue(("OmniPipeline", *key))
+        elif kind == "StagePool":
+            self._store(self.pools, key, obj, gone)
+            self.enqueue(("StagePool", *key))
+            self.enqueue(("OmniPipeline", key[0], obj["spec"]["pipeline"]))
+        elif kind == "Deployment":
+            self._store(self.deployments, key, obj, gone)
+            pipeline = (obj["metadata"].get("labels") or {}).get(kube.LABEL_PIPELINE)
+            if pipeline:
+                self.enqueue(("OmniPipeline", key[0], pipeline))
+        elif kind == "Pod":
+            self._observe_pod(obj, gone)
+
+    def _observe_pod(self, pod: Obj, gone: bool) -> None:
+        meta = pod["metadata"]
+        lbls = meta.get("labels") or {}
+        ns = meta["namespace"]
+        group = lbls.get(kube.LABEL_POOL) or (
+            builders.orchestrator_name(lbls.get(kube.LABEL_PIPELINE, ""))
+            if lbls.get(kube.LABEL_COMPONENT) == "orchestrator" else None
+        )
+        if not group:
+            return
+        pods = self.pods.setdefault((ns, group), {})
+        if gone:
+            pods.pop(meta["name"], None)
+            if lbls.get(kube.LABEL_POOL):
+                self._replica_gone(pod)
+        else:
+            pods[meta["name"]] = pod
+        if lbls.get(kube.LABEL_POOL):
+            self.enqueue(("StagePool", ns, group))
+        else:
+            self.enqueue(("OmniPipeline", ns, lbls.get(kube.LABEL_PIPELINE, "")))
+
+    def _replica_gone(self, pod: Obj) -> None:
+        uid = pod["metadata"].get("uid", "")
+        if uid in self._retired:
+            self._retired.discard(uid)
+            return
+        pool = self.pools.get((pod["metadata"]["namespace"],
+                               pod["metadata"]["labels"][kube.LABEL_POOL]))
+        if pool is not None and not pool["metadata"].get("deletionTimestamp"):
+            self._spawn(self.event(pool, "Warning", "ReplicaLost",
+                                   f"replica {pod['metadata']['name']} disappeared; replacing it "
+                                   "under the same name"))
+
+    @staticmethod
+    def _store(table: dict[tuple[str, str], Obj], key: tuple[str, str], obj: Obj,
+               gone: bool) -> None:
+        if gone:
+            table.pop(key, None)
+        else:
+            table[key] = obj
+
+    # ---- work queue ------------------------------------------------------------------------
+
+    def enqueue(self, key: Key) -> None:
+        if key in self._running:
+            self._dirty.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    def enqueue_later(self, key: Key, delay: float) -> None:
+        asyncio.get_running_loop().call_later(delay, self.enqueue, key)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._workers)]
+        self._tasks.append(asyncio.create_task(self._resync()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.api.close()
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            self._running.add(key)
+            try:
+                await self.reconcile(key)
+            except Exception as exc:
+                log.warning("reconcile %s failed: %s; retrying", key, exc)
+                self.enqueue_later(key, 2.0)
+            finally:
+                self._running.discard(key)
+                if key in self._dirty:
+                    self._dirty.discard(key)
+                    self.enqueue(key)
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_seconds)
+            for ns, name in list(self.pipelines):
+                self.enqueue(("OmniPipeline", ns, name))
+            for ns, name in list(self.pools):
+                self.enqueue(("StagePool", ns, name))
+
+    async def reconcile(self, key: Key) -> None:
+        self.reconciles += 1
+        kind, ns, name = key
+        if kind == "OmniPipeline":
+            obj = self.pipelines.get((ns, name))
+            if obj is not None:
+                await self.reconcile_pipeline(obj)
+        else:
+            obj = self.pools.get((ns, name))
+            if obj is not None:
+                await self.reconcile_pool(obj)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)  # type: ignore[arg-type]
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)  # type: ignore[arg-type]
+
+    # ---- events ----------------------------------------------------------------------------
+
+    async def event(self, obj: Obj, etype: str, reason: str, message: str) -> None:
+        meta = obj["metadata"]
+        ts = now_iso()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+                               "name": meta["name"], "namespace": meta["namespace"],
+                               "uid": meta.get("uid")},
+            "type": etype,
+            "reason": reason,
+            "message": message[:1000],
+            "source": {"component": kube.MANAGED_BY},
+            "reportingComponent": kube.MANAGED_BY,
+            "firstTimestamp": ts,
+            "lastTimestamp": ts,
+            "count": 1,
+        }
+        try:
+            await self.api.create(body)
+        except ApiError as exc:
+            log.warning("event %s on %s not recorded: %s", reason, meta["name"], exc)
+
+    # ---- apply helpers ---------------------------------------------------------------------
+
+    async def ensure(self, desired: Obj, current: Obj | None,
+                     on_create: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Create if missing, patch only the managed fields that differ, else do nothing."""
+        if current is None:
+            created = await self.api.create(desired)
+            if created is not None and on_create is not None:
+                await on_create()
+            return
+        managed = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
+        meta = desired["metadata"]
+        managed["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences")
+                               if k in meta}
+        if not subset(managed, current):
+            ns, name = meta["namespace"], meta["name"]
+            await self.api.patch(path(desired["kind"], ns, name), managed)
+
+    async def patch_status(self, obj: Obj, status: Obj) -> None:
+        if subset(status, obj.get("status") or {}) and subset(obj.get("status") or {}, status):
+            return
+        ns, name = _meta_key(obj)
+        await self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status})
+
+    # ---- OmniPipeline ----------------------------------------------------------------------
+
+    async def reconcile_pipeline(self, obj: Obj) -> None:
+        ns, name = _meta_key(obj)
+        if obj["metadata"].get("deletionTimestamp"):
+            await self.shutdown_pipeline(obj)
+            return
+        try:
+            pipeline = parse_pipeline(obj)
+        except SpecError as exc:
+            status = {"observedGeneration": obj["metadata"].get("generation", 0),
+                      "phase": "Failed"}
+            await self.patch_status(obj, status)
+            await self.event(obj, "Warning", "InvalidSpec", str(exc))
+            return
+        finalizers = list(obj["metadata"].get("finalizers") or [])
+        if FINALIZER not in finalizers:
+            await self.api.patch(path("OmniPipeline", ns, name),
+                                 {"metadata": {"finalizers": [*finalizers, FINALIZER]}})
+        for child in builders.pipeline_children(obj, pipeline):
+            await self._ensure_child(obj, child)
+        await self._prune_pools(pipeline, ns)
+        pools = {s.name: self.pools.get((ns, kube.pool_name(name, s.name)))
+                 for s in pipeline.spec.stages}
+        deployment = self.deployments.get((ns, builders.orchestrator_name(name)))
+        status = pipeline_status(
+            obj, [s.name for s in pipeline.spec.stages], pools, deployment,
+            pipeline.spec.orchestrator.replicas, builders.endpoint(pipeline, ns), now_iso(),
+        )
+        await self.patch_status(obj, status)
+
+    async def _ensure_child(self, owner: Obj, child: Obj) -> None:
+        kind, meta = child["kind"], child["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if kind == "StagePool":
+            current = self.pools.get(key) or await self.api.get(path(kind, *key))
+            if current is not None:
+                seed = (current["metadata"].get("annotations") or {}).get(
+                    builders.ANNOTATION_SEED_REPLICAS)
+                if seed == str(child["spec"]["replicas"]):
+                    # The pipeline did not change this stage's replicas: keep `kubectl scale`.
+                    child = {**child, "spec": {k: v for k, v in child["spec"].items()
+                                               if k != "replicas"}}
+                elif current["spec"].get("replicas") != child["spec"]["replicas"]:
+                    await self.event(owner, "Normal", "Scaled",
+                                     f"stage {child['spec']['stage']['name']}: replicas "
+                                     f"{current['spec'].get('replicas')} -> "
+                                     f"{child['spec']['replicas']}")
+        elif kind == "Deployment":
+            current = self.deployments.get(key) or await self.api.get(path(kind, *key))
+        else:
+            current = await self.api.get(path(kind, *key))
+
+        async def created() -> None:
+            if kind in ("StagePool", "Deployment"):
+                await self.event(owner, "Normal", "Created", f"created {kind} {meta['name']}")
+
+        await self.ensure(child, current, created)
+
+    async def _prune_pools(self, pipeline: OmniPipeline, ns: str) -> None:
+        name = pipeline.metadata.name
+        wanted = {kube.pool_name(name, s.name) for s in pipeline.spec.stages}
+        for (pns, pname), pool in list(self.pools.items()):
+            if pns == ns and pool["spec"].get("pipeline") == name and pname not in wanted:
+                await self.api.delete(path("StagePool", ns, pname))
+
+    async def shutdown_pipeline(self, obj: Obj) -> None:
+        """Ordered shutdown: orchestrator drains first, then the stage pools, then release."""
+        ns, name = _meta_key(obj)
+        finalizers = list(obj["metadata"].get("finalizers") or [])
+        if FINALIZER not in finalizers:
+            return
+        key: Key = ("OmniPipeline", ns, name)
+        oname = builders.orchestrator_name(name)
+        dep = self.deployments.get((ns, oname))
+        if dep is not None and dep["spec"].get("replicas", 0) != 0:
+            await self.api.patch(path("Deployment", ns, oname), {"spec": {"replicas": 0}})
+        if self.pods.get((ns, oname)):
+            self.enqueue_later(key, 1.0)
+            return
+        pools = [(pns, pn) for (pns, pn), p in self.pools.items()
+                 if pns == ns and p["spec"].get("pipeline") == name]
+        for pns, pn in pools:
+            if not self.pools[(pns, pn)]["metadata"].get("deletionTimestamp"):
+                await self.api.delete(path("StagePool", pns, pn),
+                                      {"propagationPolicy": "Foreground"})
+        if pools or any(self.pods.get((ns, pn)) for _, pn in pools):
+            self.enqueue_later(key, 1.0)
+            return
+        remaining = [f for f in finalizers if f != FINALIZER]
+        await self.api.patch(path("OmniPipeline", ns, name),
+                             {"metadata": {"finalizers": remaining or None}})
+        log.info("pipeline %s/%s shut down in order", ns, name)
+
+    # ---- StagePool -------------------------------------------------------------------------
+
+    async def reconcile_pool(self, pool: Obj) -> None:
+        ns, name = _meta_key(pool)
+        key: Key = ("StagePool", ns, name)
+        pods = dict(self.pods.get((ns, name), {}))
+        _, template_hash = builders.pod_template(pool)
+        now = now_iso()
+        desired = int(pool["spec"].get("replicas", 0))
+        owner = self.pipelines.get((ns, pool["spec"]["pipeline"]))
+        deleting = bool(pool["metadata"].get("deletionTimestamp")) or bool(
+            owner and owner["metadata"].get("deletionTimestamp"))
+
+        if not deleting:
+            pdb = builders.pool_pdb(pool)
+            await self.ensure(pdb, await self.api.get(
+                path("PodDisruptionBudget", ns, pdb["metadata"]["name"])))
+
+        for pod in pods.values():
+            patch = gate_patch(pod, now)
+            if patch is not None:
+                await self.api.patch(path("Pod", ns, pod["metadata"]["name"], "status"), patch,
+                                     kind="strategic")
+            msg = unschedulable_message(pod)
+            uid = pod["metadata"].get("uid", "")
+            if msg and uid not in self._warned:
+                self._warned.add(uid)
+                await self.event(pool, "Warning", "InsufficientCapacity",
+                                 f"{pod['metadata']['name']}: {msg}")
+
+        # Retirements in progress: delete once drained (or the drain timeout passed).
+        retiring = [p for p in pods.values()
+                    if is_draining(p) and not p["metadata"].get("deletionTimestamp")]
+        for pod in retiring:
+            if await drain.finished(pod, pool):
+                self._retired.add(pod["metadata"].get("uid", ""))
+                await self.api.delete(path("Pod", ns, pod["metadata"]["name"]))
+            else:
+                self.enqueue_later(key, drain.POLL_SECONDS)
+
+        if not deleting:
+            await self._converge_pods(pool, pods, desired, template_hash, bool(retiring))
+
+        status = pool_status(pool, list(self.pods.get((ns, name), {}).values()), template_hash,
+                             now)
+        await self.patch_status(pool, status)
+
+    async def _converge_pods(self, pool: Obj, pods: dict[str, Obj], desired: int,
+                             template_hash: str, retiring: bool) -> None:
+        by_ordinal = {int(p["metadata"]["labels"][kube.LABEL_ORDINAL]): p for p in pods.values()}
+        # Create missing replicas, lowest ordinal first; a lost replica returns under its name.
+        for ordinal in range(desired):
+            if ordinal not in by_ordinal:
+                pod = builders.pool_pod(pool, ordinal)
+                await self.api.create(pod)
+        if retiring:
+            return  # one retirement at a time keeps us within the disruption budget
+        extra = sorted((o for o in by_ordinal if o >= desired), reverse=True)
+        live = [p for p in by_ordinal.values() if not p["metadata"].get("deletionTimestamp")]
+        if extra:
+            victim = by_ordinal[extra[0]]
+            if not victim["metadata"].get("deletionTimestamp"):
+                await drain.begin(self.api, victim)
+                await self.event(pool, "Normal", "ScalingDown",
+                                 f"retiring {victim['metadata']['name']} (replicas -> {desired})")
+            return
+        stale = sorted(
+            (o for o, p in by_ordinal.items()
+             if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_SPEC_HASH)
+             != template_hash),
+            reverse=True,
+        )
+        all_ready = len(live) == desired and all(
+            (p.get("status") or {}).get("phase") == "Running" and not is_draining(p)
+            and any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (p.get("status") or {}).get("conditions", []) or [])
+            for p in live)
+        if stale and all_ready:
+            victim = by_ordinal[stale[0]]
+            await drain.begin(self.api, victim)
+            await self.event(pool, "Normal", "RollingUpdate",
+                             f"replacing {victim['metadata']['name']} with the new spec")
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()

@@ -1,0 +1,884 @@
+"""HTTP API against a fake orchestrator: validation, error shape, SSE framing, disconnects.
+
+The fake implements the engine's interface (submit -> handle with events/abort/outcome) in
+memory, so these tests pin the HTTP layer's behaviour without processes. The real engine is
+exercised in tests/integration/test_http_api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestClient, TestServer
+from PIL import Image
+
+from omnistage.client import ControlError
+from omnistage.orchestrator import http_api as h
+from omnistage.orchestrator import requests as rq
+from omnistage.orchestrator.images import ImageEncodeError, png_base64, to_hwc_uint8
+from omnistage.orchestrator.openapi import openapi_document
+from omnistage.protocol import WireTensor
+from omnistage.spec import OmniPipeline, load_pipeline, parse_pipeline
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parents[2]
+T2I = load_pipeline(ROOT / "examples/text-to-image.yaml")  # chat, images, generic
+CHAT = load_pipeline(ROOT / "examples/chat.yaml")  # chat, generic
+
+
+# --------------------------------------------------------------------------- the fake engine
+
+Behaviour = Callable[["FakeHandle", rq.PipelineRequest], None]
+
+
+class FakeHandle:
+    """An engine RequestHandle in memory; the test's behaviour pushes events into it."""
+
+    def __init__(self, rid: str, req: rq.PipelineRequest) -> None:
+        self.id = rid
+        self.req = req
+        self.queue: asyncio.Queue[rq.Delta | rq.Outcome] = asyncio.Queue()
+        self.aborts: list[int | None] = []
+        self.aborted = asyncio.Event()
+        self.terminal = False
+
+    def push(self, event: rq.Delta | rq.Outcome) -> None:
+        if self.terminal:
+            return
+        self.terminal = isinstance(event, rq.Outcome)
+        self.queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[rq.Delta | rq.Outcome]:
+        while True:
+            event = await self.queue.get()
+            yield event
+            if isinstance(event, rq.Outcome):
+                return
+
+    def abort(self, child: int | None = None) -> None:
+        self.aborts.append(child)
+        self.aborted.set()
+        self.push(rq.Outcome(self.id, "abort", [
+            rq.ChildOutcome(i, "abort", {}) for i in range(self.req.n)]))
+
+    async def outcome(self) -> rq.Outcome:
+        async for event in self.events():
+            if isinstance(event, rq.Outcome):
+                return event
+        raise AssertionError("no outcome")
+
+
+def ar_output(stage: str, text: str, finish: str = "stop") -> rq.StageOutput:
+    return rq.StageOutput(stage, {"text": text, "token_ids": list(range(len(text.split()))),
+                                  "finish_reason": finish, "prompt_tokens": 5,
+                                  "completion_tokens": len(text.split())}, {})
+
+
+def image_output(stage: str, width: int, height: int) -> rq.StageOutput:
+    pixels = np.zeros((height, width, 3), dtype=np.uint8)
+    pixels[:, :, 0] = 200
+    return rq.StageOutput(stage, {"height": height, "width": width, "steps": 4,
+                                  "finish_reason": "stop"},
+                          {"image": WireTensor.from_any(pixels)})
+
+
+def default_behaviour(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+    """Answer at once: AR finals say 'hello world' (streamed in two deltas), diffusion finals
+    return a red image of the requested size, anything else echoes its params."""
+    children = []
+    for i in range(req.n):
+        outputs = {}
+        for stage in req.finals or ["denoiser"]:
+            kind = T2I.spec.stage(stage).kind if stage in T2I.spec.stage_names() else "echo"
+            if kind == "ar":
+                if req.stream:
+                    handle.push(rq.Delta(i, stage, "hello", [1]))
+                    handle.push(rq.Delta(i, stage, " world", [2]))
+                outputs[stage] = ar_output(stage, "hello world")
+            elif kind == "diffusion":
+                p = req.stage_params(stage)
+                outputs[stage] = image_output(stage, p.get("width", 32), p.get("height", 32))
+        children.append(rq.ChildOutcome(i, "ok", outputs))
+    handle.push(rq.Outcome(handle.id, "ok", children))
+
+
+def fail_with(code: str, message: str = "boom", retry_after: float | None = None,
+              stage: str | None = None) -> Behaviour:
+    def behaviour(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+        err = rq.RequestError(code, message, stage=stage, retry_after=retry_after)
+        handle.push(rq.Outcome(handle.id, err.kind, [], err))
+    return behaviour
+
+
+def hang(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+    """Never answer; only an abort ends the request."""
+
+
+class FakeOrchestrator:
+    def __init__(self, pipeline: OmniPipeline = T2I, behaviour: Behaviour = default_behaviour):
+        self.pipeline = pipeline
+        self.behaviour = behaviour
+        self.accepting = True
+        self.ready_state = (True, "")
+        self.handles: list[FakeHandle] = []
+        self.control_calls: list[tuple[str, list[str] | None]] = []
+        self.control_result: Any = {"encoder-0": {"state": "paused"}}
+        self._ids = itertools.count(1)
+        self.submitted = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_state[0]
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.ready_state
+
+    def submit(self, req: rq.PipelineRequest) -> FakeHandle:
+        handle = FakeHandle(f"r{next(self._ids)}", req)
+        self.handles.append(handle)
+        self.submitted.set()
+        self.behaviour(handle, req)
+        return handle
+
+    def metrics_text(self) -> str:
+        return "# HELP fake_engine_up x\n# TYPE fake_engine_up gauge\nfake_engine_up 1"
+
+    async def control(self, op: str, stages: list[str] | None = None) -> dict[str, dict]:
+        self.control_calls.append((op, stages))
+        if isinstance(self.control_result, Exception):
+            raise self.control_result
+        return self.control_result
+
+
+@pytest.fixture
+def orch() -> FakeOrchestrator:
+    return FakeOrchestrator()
+
+
+@pytest.fixture
+async def client(orch: FakeOrchestrator) -> AsyncIterator[TestClient]:
+    app = h.build_app(orch, disconnect_poll_s=0.02)
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+def assert_error(body: dict, *, param: Any = "skip", code: Any = "skip") -> dict:
+    """OpenAI's error shape: exactly these four keys (control errors add two)."""
+    err = body["error"]
+    assert {"message", "type", "param", "code"} <= set(err), err
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "skip":
+        assert err["param"] == param, err
+    if code != "skip":
+        assert err["code"] == code, err
+    return err
+
+
+CHAT_BODY = {"model": "text-to-image", "messages": [{"role": "user", "content": "hi"}]}
+
+
+# --------------------------------------------------------------------------- pure: parsing
+
+
+@pytest.mark.parametrize(("patch", "param", "code"), [
+    ({"messages": None}, "messages", "missing_required_parameter"),
+    ({"messages": "hi"}, "messages", "invalid_type"),
+    ({"messages": []}, "messages", "invalid_value"),
+    ({"messages": ["hi"]}, "messages[0]", "invalid_type"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0].text", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content",
+     "invalid_value"),
+    ({"n": 0}, "n", "invalid_value"),
+    ({"n": 17}, "n", "invalid_value"),
+    ({"n": 1.5}, "n", "invalid_type"),
+    ({"max_tokens": -1}, "max_tokens", "invalid_value"),
+    ({"max_tokens": "5"}, "max_tokens", "invalid_type"),
+    ({"max_completion_tokens": True}, "max_completion_tokens", "invalid_type"),
+    ({"temperature": "hot"}, "temperature", "invalid_type"),
+    ({"temperature": 2.5}, "temperature", "invalid_value"),
+    ({"seed": -1}, "seed", "invalid_value"),
+    ({"seed": 2**70}, "seed", "invalid_value"),
+    ({"seed": True}, "seed", "invalid_type"),
+    ({"stream": "yes"}, "stream", "invalid_type"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "invalid_type"),
+    ({"user": 5}, "user", "invalid_type"),
+    ({"user": "\udfff"}, "user", "invalid_value"),
+    ({"stop": ["\n"]}, "stop", "unsupported_parameter"),
+    ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+])
+def test_parse_chat_names_the_bad_field(patch: dict, param: str, code: str) -> None:
+    with pytest.raises(h.ApiError) as info:
+        h.parse_chat({**CHAT_BODY, **patch}, T2I)
+    assert info.value.status == 400
+    assert (info.value.param, info.value.code) == (param, code), info.value.message
+    assert param.split("[")[0].split(".")[0] in info.value.message
+
+
+def test_parse_chat_wrong_model_is_404_model_not_found() -> None:
+    with pytest.raises(h.ApiError) as info:
+        h.parse_chat({**CHAT_BODY, "model": "gpt-4"}, T2I)
+    assert (info.value.status, info.value.code, info.value.param) == (
+        404, "model_not_found", "model")
+
+
+def test_parse_chat_builds_the_pipeline_request() -> None:
+    call = h.parse_chat({
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
+        "max_tokens": 3, "max_completion_tokens": 7, "temperature": 0.5, "seed": 2**63 - 1,
+        "n": 3, "stream": True, "stream_options": {"include_usage": True}, "user": "alice",
+        "top_p": 0.9, "presence_penalty": 0.1, "my_extension": 1, "ignore_eos": True,
+    }, T2I)
+    req = call.request
+    assert call.stage == "encoder" and req.finals == ["encoder"]
+    assert req.params == {"encoder": {"max_tokens": 7, "temperature": 0.5,
+                                      "seed": 2**63 - 1, "ignore_eos": True}}
+    assert (req.n, req.stream, req.session) == (3, True, "alice")
+    assert req.prompt == "<|system|>\nbe brief\n<|user|>\na\nb\n<|assistant|>\n"
+    assert call.include_usage and call.model == "text-to-image"
+    assert call.ignored == ["my_extension"]  # top_p etc. are known and silently ignored
+
+
+def test_parse_chat_defaults_leave_stage_defaults_alone() -> None:
+    call = h.parse_chat({"messages": [{"role": "user", "content": "x"}]}, CHAT)
+    assert call.request.params == {"llm": {}}
+    assert (call.request.n, call.request.stream, call.request.session) == (1, False, None)
+    assert call.model == "chat"
+
+
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"prompt": None}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a"]}, "prompt"),
+    ({"size": "big"}, "size"),
+    ({"size": "0x32"}, "size"),
+    ({"size": "30x32"}, "size"),
+    ({"size": "32x99999"}, "size"),
+    ({"size": 32}, "size"),
+    ({"response_format": "url"}, "response_format"),
+    ({"output_format": "jpeg"}, "output_format"),
+    ({"n": 11}, "n"),
+    ({"negative_prompt": 1}, "negative_prompt"),
+    ({"num_inference_steps": 0}, "num_inference_steps"),
+    ({"guidance_scale": -1}, "guidance_scale"),
+    ({"seed": 2**64}, "seed"),
+])
+def test_parse_images_names_the_bad_field(patch: dict, param: str) -> None:
+    with pytest.raises(h.ApiError) as info:
+        h.parse_images({"prompt": "a cat", **patch}, T2I)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+
+
+def test_parse_images_builds_the_pipeline_request() -> None:
+    call = h.parse_images({"prompt": "a cat", "negative_prompt": "blurry", "n": 2,
+                           "size": "64x32", "response_format": "b64_json", "seed": 7,
+                           "num_inference_steps": 2, "guidance_scale": 3.0,
+                           "quality": "hd", "user": "bob"}, T2I)
+    req = call.request
+    assert call.stages == ["denoiser"] and req.finals == ["denoiser"]
+    assert req.params == {"denoiser": {"width": 64, "height": 32, "num_inference_steps": 2,
+                                       "guidance_scale": 3.0, "seed": 7}}
+    assert (req.prompt, req.negative_prompt, req.n, req.session) == ("a cat", "blurry", 2, "bob")
+    assert h.parse_images({"prompt": "x", "size": "auto"}, T2I).request.params == {
+        "denoiser": {}}
+
+
+def test_images_on_a_pipeline_without_diffusion_is_404() -> None:
+    with pytest.raises(h.ApiError) as info:
+        h.parse_images({"prompt": "x"}, CHAT)
+    assert info.value.status == 404
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"promt": "x"}, "promt"),
+    ({"prompt": 1}, "prompt"),
+    ({"params": []}, "params"),
+    ({"params": {"nope": {}}}, "params.nope"),
+    ({"params": {"encoder": 1}}, "params.encoder"),
+    ({"params": {"encoder": {"seed": 2**70}}}, "params.encoder.seed"),
+    ({"params": {"*": {"a": [1, {"b": "\ud800"}]}}}, "params.*.a[1].b"),
+    ({"finals": []}, "finals"),
+    ({"finals": ["encoder", "encoder"]}, "finals[1]"),
+    ({"finals": ["ghost"]}, "finals[0]"),
+    ({"n": 99}, "n"),
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"timeout_s": "1"}, "timeout_s"),
+])
+def test_parse_generic_names_the_bad_field(body: dict, param: str) -> None:
+    with pytest.raises(h.ApiError) as info:
+        h.parse_generic(body, T2I)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+
+
+def test_parse_generic_builds_the_pipeline_request() -> None:
+    req = h.parse_generic({"prompt": "p", "negative_prompt": "n", "n": 2, "finals": ["encoder"],
+                           "params": {"encoder": {"max_tokens": 2}, "*": {"seed": 1}},
+                           "timeout_s": 1.5, "session": "s"}, T2I)
+    assert req.stage_params("encoder") == {"max_tokens": 2, "seed": 1}
+    assert (req.prompt, req.negative_prompt, req.n, req.finals, req.timeout_s, req.session) == (
+        "p", "n", 2, ["encoder"], 1.5, "s")
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'{"a": NaN}', b'{"a": 1e999}',
+                                 b"\xff\xfe\x00", b"[" * 100_000])
+def test_parse_json_body_rejects_what_is_not_a_json_object(raw: bytes) -> None:
+    with pytest.raises(h.ApiError) as info:
+        h.parse_json_body(raw)
+    assert info.value.status == 400 and info.value.param is None
+
+
+def test_parse_control() -> None:
+    assert h.parse_control({"op": "pause"}, T2I) == ("pause", None)
+    assert h.parse_control({"op": "sleep", "stages": ["denoiser"]}, T2I) == (
+        "sleep", ["denoiser"])
+    for body, param in [({}, "op"), ({"op": "explode"}, "op"),
+                        ({"op": "pause", "stages": ["x"]}, "stages[0]"),
+                        ({"op": "pause", "extra": 1}, "extra")]:
+        with pytest.raises(h.ApiError) as info:
+            h.parse_control(body, T2I)
+        assert info.value.param == param
+
+
+# --------------------------------------------------------------------------- pure: rendering
+
+
+def test_error_mapping_follows_the_engine_table() -> None:
+    cases = {"bad_request": 400, "overloaded": 429, "deadline": 504, "no_replica": 503,
+             "replica_lost": 502, "stage_failed": 502, "internal": 500, "shutting_down": 503}
+    for code, status in cases.items():
+        err = h.error_from_request_error(rq.RequestError(code, "m"))
+        assert (err.status, err.code) == (status, code)
+    types = {400: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             502: "upstream_error", 503: "service_unavailable_error", 504: "timeout_error"}
+    for status, kind in types.items():
+        assert h.ApiError(status, "m").type == kind
+    # A worker names the bad parameter; the client sees the field it sent.
+    err = h.error_from_request_error(
+        rq.RequestError("bad_request", "params.height must be a multiple of 16, got 40",
+                        stage="denoiser"), h._images_param)
+    assert err.param == "size"
+
+
+def test_outcome_error_treats_a_failed_child_as_the_response_error() -> None:
+    ok = rq.ChildOutcome(0, "ok", {"encoder": ar_output("encoder", "a")})
+    bad = rq.ChildOutcome(1, "fatal", {}, rq.RequestError("replica_lost", "gone"))
+    err = h.outcome_error(rq.Outcome("r", "ok", [ok, bad]))
+    assert err is not None and (err.status, err.code) == (502, "replica_lost")
+    aborted_empty = rq.Outcome("r", "abort", [rq.ChildOutcome(0, "abort", {})])
+    assert h.outcome_error(aborted_empty).status == 503
+    prefix = rq.ChildOutcome(0, "abort", {"encoder": ar_output("encoder", "a b", "abort")})
+    assert h.outcome_error(rq.Outcome("r", "abort", [prefix])) is None
+
+
+def test_render_chat_completion_and_usage() -> None:
+    call = h.parse_chat({**CHAT_BODY, "n": 2}, T2I)
+    outcome = rq.Outcome("r", "ok", [
+        rq.ChildOutcome(1, "ok", {"encoder": ar_output("encoder", "x y z", "length")}),
+        rq.ChildOutcome(0, "abort", {"encoder": ar_output("encoder", "w", "abort")}),
+    ])
+    body = h.render_chat_completion(outcome, call, "chatcmpl-r", 123)
+    assert body["object"] == "chat.completion" and body["model"] == "text-to-image"
+    assert [(c["index"], c["message"]["content"], c["finish_reason"])
+            for c in body["choices"]] == [(0, "w", "abort"), (1, "x y z", "length")]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_chat_stream_chunk_order() -> None:
+    call = h.parse_chat({**CHAT_BODY, "n": 2, "stream": True,
+                         "stream_options": {"include_usage": True}}, T2I)
+    s = h.ChatStream(call, "id", 1)
+    start = s.start()
+    assert [c["choices"][0]["delta"] for c in start] == [
+        {"role": "assistant", "content": ""}] * 2
+    assert s.delta(rq.Delta(1, "encoder", "", [5])) == []  # held-back bytes: nothing to send
+    (chunk,) = s.delta(rq.Delta(1, "encoder", "he", [5]))
+    assert chunk["choices"][0] == {"index": 1, "delta": {"content": "he"}, "logprobs": None,
+                                   "finish_reason": None}
+    assert chunk["usage"] is None
+    end = s.finish(rq.Outcome("r", "ok", [
+        rq.ChildOutcome(0, "ok", {"encoder": ar_output("encoder", "ok")}),
+        rq.ChildOutcome(1, "ok", {"encoder": ar_output("encoder", "hello", "length")}),
+    ]))
+    # Child 0 streamed nothing, child 1 streamed a prefix: the rest is flushed before finishing.
+    described = [(c["choices"][0]["index"], c["choices"][0]["delta"],
+                  c["choices"][0]["finish_reason"]) if c["choices"] else ("usage", c["usage"])
+                 for c in end]
+    assert described == [
+        (0, {"content": "ok"}, None), (0, {}, "stop"),
+        (1, {"content": "llo"}, None), (1, {}, "length"),
+        ("usage", {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}),
+    ]
+    assert h.sse_event("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_render_images_refuses_what_is_not_an_image() -> None:
+    call = h.parse_images({"prompt": "x"}, T2I)
+
+    def outcome(tensors: dict[str, Any]) -> rq.Outcome:
+        out = rq.StageOutput("denoiser", {}, tensors)
+        return rq.Outcome("r", "ok", [rq.ChildOutcome(0, "ok", {"denoiser": out})])
+
+    for tensors in ({}, {"a": WireTensor.from_any(np.zeros(3)), "b": WireTensor.from_any(
+            np.zeros(3))}, {"image": WireTensor.from_any(np.zeros((5, 5, 7), np.uint8))}):
+        with pytest.raises(h.ApiError) as info:
+            h.render_images(outcome(tensors), call, 0)
+        assert (info.value.status, info.value.code) == (502, "stage_failed")
+    # A single tensor under another name is taken as the image.
+    got = h.render_images(outcome({"pixels": WireTensor.from_any(
+        np.zeros((8, 16, 3), np.uint8))}), call, 0)
+    assert Image.open(io.BytesIO(base64.b64decode(got["data"][0]["b64_json"]))).size == (16, 8)
+
+
+def test_render_generic_encodes_tensors_as_base64() -> None:
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = rq.StageOutput("b", {"text": "t", "blob": b"\x00\x01", "x": float("nan")},
+                         {"h": WireTensor.from_any(arr)})
+    err = rq.RequestError("deadline", "late", stage="a")
+    body = h.render_generic(rq.Outcome("r", "ok", [rq.ChildOutcome(0, "ok", {"b": out}),
+                                                   rq.ChildOutcome(1, "request_error", {},
+                                                                   err)]), "r")
+    tensor = body["children"][0]["outputs"]["b"]["tensors"]["h"]
+    assert (tensor["dtype"], tensor["shape"]) == ("float32", [2, 3])
+    decoded = np.frombuffer(base64.b64decode(tensor["data"]), "<f4").reshape(2, 3)
+    assert np.array_equal(decoded, arr)
+    assert body["children"][0]["outputs"]["b"]["fields"] == {"text": "t", "blob": "AAE=",
+                                                             "x": None}
+    assert body["children"][1]["error"] == {"code": "deadline", "message": "late", "stage": "a"}
+    json.dumps(body, allow_nan=False)
+
+
+def test_png_encoding_accepts_common_layouts() -> None:
+    def size(value: Any) -> tuple[tuple[int, int], str]:
+        img = Image.open(io.BytesIO(base64.b64decode(png_base64(value))))
+        return img.size, img.mode
+
+    assert size(np.zeros((16, 24, 3), np.uint8)) == ((24, 16), "RGB")
+    assert size(np.ones((3, 8, 8), np.float32)) == ((8, 8), "RGB")  # CHW floats in [0, 1]
+    assert size(np.zeros((1, 8, 8, 4), np.uint8)) == ((8, 8), "RGBA")
+    assert size(np.zeros((8, 8), np.uint8)) == ((8, 8), "L")
+    assert size(WireTensor.from_any(np.zeros((8, 16, 3), np.uint8))) == ((16, 8), "RGB")
+    assert to_hwc_uint8(np.array([[[2.0, -1.0, 0.5]]]))[0, 0].tolist() == [255, 0, 128]
+    for bad in (np.zeros((8,)), np.zeros((8, 8, 5)), np.zeros((0, 8, 3))):
+        with pytest.raises(ImageEncodeError):
+            png_base64(bad)
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+async def test_chat_non_streaming(client: TestClient, orch: FakeOrchestrator) -> None:
+    resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "n": 2, "foo": 1})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert [c["message"]["content"] for c in body["choices"]] == ["hello world"] * 2
+    assert body["id"] == f"chatcmpl-{orch.handles[0].id}"
+    assert resp.headers["X-Omnistage-Ignored-Fields"] == "foo"
+    assert orch.handles[0].aborts == []
+
+
+async def test_invalid_json_and_wrong_types_use_openai_error_shape(client: TestClient) -> None:
+    resp = await client.post("/v1/chat/completions", data=b"{not json")
+    assert resp.status == 400
+    err = assert_error(await resp.json(), param=None, code="invalid_json")
+    assert err["type"] == "invalid_request_error"
+    resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "n": 100})
+    assert resp.status == 400
+    assert_error(await resp.json(), param="n", code="invalid_value")
+
+
+@pytest.mark.parametrize(("code", "retry_after", "status", "header"), [
+    ("overloaded", 2.2, 429, "3"),
+    ("overloaded", None, 429, "1"),
+    ("deadline", None, 504, None),
+    ("no_replica", None, 503, None),
+    ("replica_lost", None, 502, None),
+    ("stage_failed", None, 502, None),
+    ("internal", None, 500, None),
+    ("bad_request", None, 400, None),
+])
+async def test_engine_errors_map_to_statuses(orch: FakeOrchestrator, client: TestClient,
+                                             code: str, retry_after: float | None,
+                                             status: int, header: str | None) -> None:
+    orch.behaviour = fail_with(code, retry_after=retry_after)
+    for path, body in [("/v1/chat/completions", CHAT_BODY),
+                       ("/v1/chat/completions", {**CHAT_BODY, "stream": True}),
+                       ("/v1/images/generations", {"prompt": "x"}),
+                       ("/v1/pipelines/text-to-image/requests", {"prompt": "x"})]:
+        resp = await client.post(path, json=body)
+        assert resp.status == status, (path, await resp.text())
+        assert resp.headers.get("Retry-After") == header
+        assert resp.content_type == "application/json"
+        assert_error(await resp.json(), code=code)
+
+
+async def test_worker_param_errors_name_the_client_field(orch: FakeOrchestrator,
+                                                         client: TestClient) -> None:
+    orch.behaviour = fail_with("bad_request", "params.max_tokens: prompt (9 tokens) + "
+                               "max_tokens (999) exceeds the model context of 128",
+                               stage="encoder")
+    resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "max_tokens": 999})
+    assert_error(await resp.json(), param="max_tokens", code="bad_request")
+    resp = await client.post("/v1/pipelines/text-to-image/requests", json={"prompt": "x"})
+    assert_error(await resp.json(), param="params.encoder.max_tokens")
+
+
+async def test_unencodable_values_are_400_and_the_server_keeps_serving(
+        client: TestClient, orch: FakeOrchestrator) -> None:
+    bad = [
+        ("/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+        ("/v1/chat/completions", json.dumps({**CHAT_BODY, "seed": 2**70}).encode(), "seed"),
+        ("/v1/images/generations", b'{"prompt": "a\\udc00"}', "prompt"),
+        ("/v1/pipelines/text-to-image/requests",
+         json.dumps({"params": {"encoder": {"x": 2**70}}}).encode(), "params.encoder.x"),
+    ]
+    for path, raw, param in bad:
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, (path, await resp.text())
+        assert_error(await resp.json(), param=param)
+    assert orch.handles == []  # nothing unencodable reached the engine
+    resp = await client.post("/v1/chat/completions", json=CHAT_BODY)
+    assert resp.status == 200
+
+
+def parse_sse(raw: str) -> list[str]:
+    """The data payloads of an SSE body; asserts the framing on the way."""
+    assert raw.endswith("\n\n"), raw[-50:]
+    events = raw[:-2].split("\n\n")
+    out = []
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+        out.append(event[len("data: "):])
+    return out
+
+
+async def test_chat_streaming_sse_framing(client: TestClient) -> None:
+    resp = await client.post("/v1/chat/completions", json={
+        **CHAT_BODY, "stream": True, "n": 2, "stream_options": {"include_usage": True}})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    payloads = parse_sse(await resp.text())
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant"] * 2
+    text: dict[int, str] = {0: "", 1: ""}
+    finishes = {}
+    for c in chunks[2:-1]:
+        (choice,) = c["choices"]
+        text[choice["index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert text == {0: "hello world", 1: "hello world"}
+    assert finishes == {0: "stop", 1: "stop"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_error_after_stream_started_is_an_sse_error_event(orch: FakeOrchestrator,
+                                                                client: TestClient) -> None:
+    def behaviour(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+        handle.push(rq.Delta(0, "encoder", "par", [1]))
+        err = rq.RequestError("replica_lost", "replica encoder-1 died", stage="encoder")
+        handle.push(rq.Outcome(handle.id, "fatal", [], err))
+
+    orch.behaviour = behaviour
+    resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "stream": True})
+    assert resp.status == 200
+    payloads = parse_sse(await resp.text())
+    assert "[DONE]" not in payloads
+    assert_error(json.loads(payloads[-1]), code="replica_lost")
+    assert json.loads(payloads[1])["choices"][0]["delta"] == {"content": "par"}
+
+
+async def _wait_aborted(handle: FakeHandle) -> None:
+    await asyncio.wait_for(handle.aborted.wait(), 5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("handler_cancellation", [False, True])
+async def test_client_disconnect_aborts_the_request(orch: FakeOrchestrator, stream: bool,
+                                                    handler_cancellation: bool) -> None:
+    def behaviour(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+        if req.stream:
+            handle.push(rq.Delta(0, "encoder", "first", [1]))
+
+    orch.behaviour = behaviour
+    # Either mechanism alone must do: the watcher (aiohttp's default server) or cancellation.
+    app = h.build_app(orch, disconnect_poll_s=None if handler_cancellation else 0.02)
+    server = TestServer(app, handler_cancellation=handler_cancellation)
+    async with TestClient(server) as client:
+        started = asyncio.Event()
+
+        async def call() -> None:
+            resp = await client.post("/v1/chat/completions",
+                                     json={**CHAT_BODY, "stream": stream})
+            await resp.content.readany()  # the first chunks reached the client
+            started.set()
+            await asyncio.sleep(30)
+
+        task = asyncio.create_task(call())
+        await asyncio.wait_for((started if stream else orch.submitted).wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await client.session.close()  # drop the pooled connection: the client is gone
+        await _wait_aborted(orch.handles[0])
+    assert orch.handles[0].aborts == [None]
+    assert app[h.API_KEY].metrics.disconnects == 1
+
+
+async def test_images_return_png_of_the_requested_size(client: TestClient,
+                                                       orch: FakeOrchestrator) -> None:
+    resp = await client.post("/v1/images/generations",
+                             json={"prompt": "a cat", "size": "48x24", "n": 2})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert len(body["data"]) == 2
+    for item in body["data"]:
+        img = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+        assert (img.format, img.size) == ("PNG", (48, 24))
+        assert img.getpixel((0, 0)) == (200, 0, 0)
+    resp = await client.post("/v1/images/generations",
+                             json={"prompt": "a cat", "response_format": "url"})
+    assert resp.status == 400
+    assert_error(await resp.json(), param="response_format")
+
+
+async def test_disabled_api_is_404_in_openai_shape() -> None:
+    async with TestClient(TestServer(h.build_app(FakeOrchestrator(CHAT)))) as client:
+        resp = await client.post("/v1/images/generations", json={"prompt": "x"})
+        assert resp.status == 404
+        assert_error(await resp.json(), code="api_not_enabled")
+        resp = await client.get("/nowhere")
+        assert resp.status == 404
+        assert_error(await resp.json(), code="not_found")
+        resp = await client.get("/v1/chat/completions")
+        assert resp.status == 405
+        assert_error(await resp.json())
+        resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "model": "chat"})
+        assert resp.status == 200
+
+
+async def test_oversized_body_is_413_in_openai_shape(client: TestClient) -> None:
+    resp = await client.post("/v1/chat/completions", data=b"x" * (h.MAX_BODY_BYTES + 1))
+    assert resp.status == 413
+    assert_error(await resp.json(), code="request_too_large")
+
+
+async def test_models_and_model_check(client: TestClient) -> None:
+    body = await (await client.get("/v1/models")).json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["text-to-image"]
+    assert (await client.get("/v1/models/text-to-image")).status == 200
+    resp = await client.get("/v1/models/other")
+    assert resp.status == 404
+    assert_error(await resp.json(), code="model_not_found")
+    resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "model": "other"})
+    assert resp.status == 404
+    assert_error(await resp.json(), param="model", code="model_not_found")
+
+
+async def test_served_model_name_may_contain_a_slash() -> None:
+    manifest = CHAT.to_manifest()
+    manifest["spec"]["orchestrator"]["servedModelName"] = "org/tiny-chat"
+    orch = FakeOrchestrator(parse_pipeline(manifest))
+    async with TestClient(TestServer(h.build_app(orch))) as client:
+        resp = await client.get("/v1/models/org/tiny-chat")
+        assert resp.status == 200 and (await resp.json())["id"] == "org/tiny-chat"
+        resp = await client.post("/v1/chat/completions",
+                                 json={**CHAT_BODY, "model": "org/tiny-chat"})
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["model"] == "org/tiny-chat"
+
+
+async def test_health_readiness_and_shutdown(client: TestClient, orch: FakeOrchestrator) -> None:
+    assert (await client.get("/livez")).status == 200
+    resp = await client.get("/readyz")
+    assert (resp.status, await resp.text()) == (200, "ready")
+    orch.ready_state = (False, "stage denoiser has no ready replica")
+    resp = await client.get("/readyz")
+    assert (resp.status, await resp.text()) == (503, "stage denoiser has no ready replica")
+    orch.accepting = False
+    resp = await client.post("/v1/chat/completions", json=CHAT_BODY)
+    assert resp.status == 503
+    assert_error(await resp.json(), code="shutting_down")
+    assert (await client.get("/readyz")).status == 503
+    assert (await client.get("/livez")).status == 200
+
+
+async def test_metrics_include_engine_and_http_counters(client: TestClient) -> None:
+    await client.post("/v1/chat/completions", json=CHAT_BODY)
+    await client.post("/v1/chat/completions", json={"messages": 1})
+    text = await (await client.get("/metrics")).text()
+    assert "fake_engine_up 1" in text
+    assert ('omnistage_http_requests_total{route="/v1/chat/completions",method="POST",'
+            'status="200"} 1') in text
+    assert ('omnistage_http_requests_total{route="/v1/chat/completions",method="POST",'
+            'status="400"} 1') in text
+    assert 'omnistage_http_request_duration_seconds_count{route="/v1/chat/completions"} 2' in text
+    assert 'quantile="0.99"' in text
+    for line in text.splitlines():  # every sample line parses as "name{labels} value"
+        if line and not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+async def test_generic_request_and_pipeline_name(client: TestClient,
+                                                 orch: FakeOrchestrator) -> None:
+    resp = await client.post("/v1/pipelines/text-to-image/requests",
+                             json={"prompt": "x", "n": 2, "params": {"denoiser": {"width": 16}}})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["id"] == orch.handles[0].id and body["status"] == "ok"
+    image = body["children"][1]["outputs"]["denoiser"]["tensors"]["image"]
+    assert (image["dtype"], image["shape"]) == ("uint8", [32, 16, 3])
+    assert len(base64.b64decode(image["data"])) == 32 * 16 * 3
+    resp = await client.post("/v1/pipelines/other/requests", json={"prompt": "x"})
+    assert resp.status == 404
+    assert_error(await resp.json(), param="name")
+
+
+async def test_control_results_and_errors(client: TestClient, orch: FakeOrchestrator) -> None:
+    url = "/v1/pipelines/text-to-image/control"
+    resp = await client.post(url, json={"op": "pause", "stages": ["encoder"]})
+    assert resp.status == 200
+    assert await resp.json() == {"results": {"encoder-0": {"state": "paused"}}}
+    assert orch.control_calls == [("pause", ["encoder"])]
+    orch.control_result = ValueError("unknown stage 'zzz'")
+    resp = await client.post(url, json={"op": "pause"})
+    assert resp.status == 400
+    assert_error(await resp.json(), param="stages")
+    orch.control_result = ControlError("denoiser-0", "sleep", "RuntimeError", "CUDA says no")
+    resp = await client.post(url, json={"op": "sleep"})
+    assert resp.status == 500
+    err = assert_error(await resp.json(), code="control_failed")
+    assert (err["exception_type"], err["replica"]) == ("RuntimeError", "denoiser-0")
+    assert "CUDA says no" in err["message"]
+
+
+def _app_routes(app: web.Application) -> set[tuple[str, str]]:
+    return {(r.method.lower(), r.resource.canonical) for r in app.router.routes()
+            if r.method != "HEAD" and r.resource is not None}
+
+
+@pytest.mark.parametrize("pipeline", [T2I, CHAT])
+async def test_openapi_covers_every_route(pipeline: OmniPipeline) -> None:
+    app = h.build_app(FakeOrchestrator(pipeline))
+    async with TestClient(TestServer(app)) as client:
+        doc = await (await client.get("/openapi.json")).json()
+    assert doc["openapi"].startswith("3.1")
+    documented = {(m, path) for path, ops in doc["paths"].items() for m in ops}
+    assert _app_routes(app) == documented
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert "200" in op["responses"], (method, path)
+            if method == "post":
+                assert "requestBody" in op and "400" in op["responses"], path
+    # every $ref resolves
+    text = json.dumps(doc)
+    for ref in {r for r in text.split('"$ref": "')[1:]}:
+        kind, name = ref.split('"')[0].split("/")[-2:]
+        assert name in doc["components"][kind], ref
+    full = openapi_document()
+    assert {"/v1/images/generations", "/v1/chat/completions"} <= set(full["paths"])
+
+
+# --------------------------------------------------------------------------- the openai client
+
+
+@pytest.fixture
+async def openai_client(orch: FakeOrchestrator) -> AsyncIterator[openai.AsyncOpenAI]:
+    runner, url = await h.serve_http(orch, "127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_openai_client_chat_images_and_errors(openai_client: openai.AsyncOpenAI,
+                                                    orch: FakeOrchestrator) -> None:
+    got = await openai_client.chat.completions.create(
+        model="text-to-image", messages=[{"role": "user", "content": "hi"}], n=2, seed=1)
+    assert [c.message.content for c in got.choices] == ["hello world"] * 2
+    assert got.usage is not None and got.usage.total_tokens == 9
+
+    stream = await openai_client.chat.completions.create(
+        model="text-to-image", messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(pieces) == "hello world" and finish == "stop"
+    assert usage is not None and usage.completion_tokens == 2
+
+    img = await openai_client.images.generate(model="text-to-image", prompt="a cat",
+                                              size="256x256", response_format="b64_json")
+    assert img.data and img.data[0].b64_json
+    assert Image.open(io.BytesIO(base64.b64decode(img.data[0].b64_json))).size == (256, 256)
+
+    # finish_reason "abort" is not in OpenAI's enum; the client must still parse it.
+    def aborted(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+        handle.push(rq.Outcome(handle.id, "abort", [rq.ChildOutcome(
+            0, "abort", {"encoder": ar_output("encoder", "pre", "abort")})]))
+
+    orch.behaviour = aborted
+    got = await openai_client.chat.completions.create(
+        model="text-to-image", messages=[{"role": "user", "content": "hi"}])
+    assert (got.choices[0].finish_reason, got.choices[0].message.content) == ("abort", "pre")
+
+    orch.behaviour = fail_with("overloaded", "queue full", retry_after=1)
+    with pytest.raises(openai.RateLimitError) as info:
+        await openai_client.chat.completions.create(
+            model="text-to-image", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.response.headers["Retry-After"] == "1"
+    assert info.value.code == "overloaded"
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        await openai_client.chat.completions.create(
+            model="text-to-image", messages=[{"role": "user", "content": "hi"}], n=99)
+    assert bad.value.param == "n"
+
+    def dies_mid_stream(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+        handle.push(rq.Delta(0, "encoder", "x", [1]))
+        handle.push(rq.Outcome(handle.id, "fatal", [], rq.RequestError("stage_failed", "oom")))
+
+    orch.behaviour = dies_mid_stream
+    stream = await openai_client.chat.completions.create(
+        model="text-to-image", messages=[{"role": "user", "content": "hi"}], stream=True)
+    with pytest.raises(openai.APIError, match="oom"):
+        async for _ in stream:
+            pass
+
+
+async def test_serve_http_reports_a_bound_url(orch: FakeOrchestrator) -> None:
+    runner, url = await h.serve_http(orch, "127.0.0.1", 0)
+    try:
+        async with ClientSession() as session, session.get(url + "/livez") as resp:
+            assert (resp.status, await resp.text()) == (200, "ok")
+    finally:
+        await runner.cleanup()
