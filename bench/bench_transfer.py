@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from omnistage import protocol as p  # noqa: E402
+from omnistage import protocol as p
 
 SIZES_MB = (1, 16, 64)
 

@@ -108,6 +108,59 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir)
 
 
+def _add_orchestrator(sub: Any) -> None:
+    o = sub.add_parser("orchestrator",
+                       help="run the pipeline's orchestrator alone (the orchestrator pod)")
+    o.add_argument("--pipeline-file", default=None,
+                   help="OmniPipeline YAML (default: JSON in $OMNISTAGE_PIPELINE)")
+    o.add_argument("--membership", choices=["kubernetes", "static"], default="kubernetes",
+                   help="where replicas come from: a watch of the pipeline's Pods, or --replica")
+    o.add_argument("--namespace", default=None,
+                   help="namespace of the stage Pods (default $POD_NAMESPACE, the service "
+                        "account's namespace, or default)")
+    o.add_argument("--host", default=None, help="API bind address (default $POD_IP or 127.0.0.1)")
+    o.add_argument("--port", type=int, default=None,
+                   help="API port (default: spec.orchestrator.port; 0 = any free port)")
+    o.add_argument("--zmq-port", type=int, default=None,
+                   help="stage replicas' ZMQ port (kubernetes membership; default 5555)")
+    o.add_argument("--replica", action="append", default=[], metavar="STAGE=NAME@tcp://HOST:PORT",
+                   help="a replica (static membership; repeatable)")
+
+
+def _run_orchestrator(args: argparse.Namespace) -> int:
+    from omnistage.kube import WORKER_ZMQ_PORT
+    from omnistage.orchestrator.main import run_orchestrator
+
+    return run_orchestrator(
+        pipeline_file=args.pipeline_file, membership=args.membership, namespace=args.namespace,
+        host=args.host, port=args.port, replicas=args.replica,
+        zmq_port=WORKER_ZMQ_PORT if args.zmq_port is None else args.zmq_port,
+    )
+
+
+def _add_operator(sub: Any) -> None:
+    o = sub.add_parser("operator", help="run the Kubernetes operator (needs the operator extra)")
+    o.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig (default: in-cluster config, else $KUBECONFIG)")
+    o.add_argument("--namespace", action="append", default=[],
+                   help="watch only this namespace (repeatable; default: all namespaces)")
+    o.add_argument("--metrics-host", default="127.0.0.1")
+    o.add_argument("--metrics-port", type=int, default=8081,
+                   help="serves /metrics (API write counts) and /healthz")
+    o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
+                   help="how often every object is re-checked (writes only on drift)")
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    try:
+        from omni_operator.main import main as operator_main
+    except ImportError as exc:
+        print(f"error: the operator needs its extra: pip install 'omnistage[operator]' ({exc})",
+              file=sys.stderr)
+        return 2
+    return operator_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("OMNISTAGE_LOG_LEVEL", "INFO"))
@@ -115,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_stage(sub)
     _add_models(sub)
+    _add_orchestrator(sub)
+    _add_operator(sub)
     return parser
 
 
@@ -124,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"serve": _run_serve, "stage": _run_stage, "models": _run_models}
+    handlers = {"serve": _run_serve, "stage": _run_stage, "models": _run_models,
+                "orchestrator": _run_orchestrator, "operator": _run_operator}
     try:
         return handlers[args.cmd](args)
     except KeyboardInterrupt:

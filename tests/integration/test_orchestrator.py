@@ -237,7 +237,7 @@ async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
 
 async def test_dead_downstream_stage(launch) -> None:
     pipe = pipeline("down", [echo("a"), echo("b", ("a",), final=True)])
-    orch, procs, membership = await launch(pipe, {"a": [()], "b": [()]},
+    orch, procs, _ = await launch(pipe, {"a": [()], "b": [()]},
                                            heartbeat_interval=0.2, heartbeat_timeout=1.0)
     handle = orch.submit(PipelineRequest(prompt="x", params={"b": {"delay_ms": 3000}}))
     await asyncio.sleep(0.3)

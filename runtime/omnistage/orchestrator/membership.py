@@ -55,6 +55,11 @@ class StaticMembership(Membership):
         for info in list(self._replicas.values()):
             on_change(info)
 
+    async def stop(self) -> None:
+        """Forget the orchestrator: later publishes only update the recorded set."""
+        self._on_change = None
+        self._loop = None
+
     def publish(self, info: ReplicaInfo) -> None:
         """Record a change and tell the orchestrator (thread-safe)."""
         self._replicas[(info.stage, info.name)] = info

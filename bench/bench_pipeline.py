@@ -1,0 +1,343 @@
+"""Throughput and latency of the 2-stage echo pipeline (examples/echo.yaml: a -> b) under load.
+
+Why: the echo stages do no model work, so what is measured is the serving system itself. Three
+systems get the same closed-loop load (CONCURRENCY clients, each sending its next request as
+soon as the previous one returns) from the same aiohttp/asyncio load generator:
+
+  omnistage   `omnistage serve examples/echo.yaml` (LocalStageRuntime + Orchestrator + HTTP),
+              POST /v1/pipelines/echo/requests
+  ray-serve   baseline (a): bench/ray_echo.py, an ingress deployment doing stage a's echo and
+              calling a second deployment (stage b) through a DeploymentHandle, over HTTP.
+              Goal: omnistage >= 2x its throughput.
+  zmq-direct  baseline (b): the same two echo workers driven over ZMQ by the client itself
+              (request to a, then its output to b): an upper bound, so the gap to it is the
+              orchestrator's + HTTP's overhead.
+
+Loopback only; each run is bounded by --duration and --max-requests. Prints one line per
+system and a summary line with the ratios. Ray needs `pip install "ray[serve]"`; without it
+that line says why and the other two still run.
+
+Run from the repository root: `python bench/bench_pipeline.py [--duration 10] [-c 64]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+ECHO_YAML = ROOT / "examples" / "echo.yaml"
+PROMPT = "hello omnistage"
+
+
+@dataclass
+class Result:
+    name: str
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_error: str = ""
+    elapsed: float = 0.0
+    note: str = ""
+
+    @property
+    def ok(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.elapsed if self.elapsed else 0.0
+
+    def pct(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        if len(self.latencies) < 2:
+            return self.latencies[0] * 1000
+        return statistics.quantiles(self.latencies, n=100, method="inclusive")[int(q) - 1] * 1000
+
+    def line(self, concurrency: int) -> str:
+        if self.note:
+            return f"{self.name:<11} unavailable: {self.note}"
+        err = f" (first: {self.first_error})" if self.errors else ""
+        return (f"{self.name:<11} {self.rps:9.1f} req/s  p50 {self.pct(50):7.2f} ms  "
+                f"p99 {self.pct(99):7.2f} ms  ok {self.ok}  errors {self.errors}{err}  "
+                f"(concurrency {concurrency}, {self.elapsed:.1f}s)")
+
+
+Call = Callable[[], Awaitable[None]]
+
+
+async def drive(name: str, call: Call, concurrency: int, duration: float, max_requests: int,
+                warmup: float) -> Result:
+    """Closed-loop load: `concurrency` clients until duration or max_requests is reached."""
+    if warmup > 0:
+        await _loop(Result(name), call, concurrency, warmup, max_requests)
+    res = Result(name)
+    t0 = time.perf_counter()
+    await _loop(res, call, concurrency, duration, max_requests)
+    res.elapsed = time.perf_counter() - t0
+    return res
+
+
+async def _loop(res: Result, call: Call, concurrency: int, duration: float,
+                max_requests: int) -> None:
+    end = time.perf_counter() + duration
+    sent = itertools.count()
+
+    async def client() -> None:
+        while time.perf_counter() < end and next(sent) < max_requests:
+            t = time.perf_counter()
+            try:
+                await call()
+            except Exception as exc:
+                res.errors += 1
+                res.first_error = res.first_error or f"{type(exc).__name__}: {exc}"[:200]
+                continue
+            res.latencies.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+
+
+def http_call(session: aiohttp.ClientSession, url: str,
+              check: Callable[[Any], bool]) -> Call:
+    body = {"prompt": PROMPT}
+
+    async def call() -> None:
+        async with session.post(url, json=body) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {data[:120]!r}")
+            if not check(json.loads(data)):
+                raise RuntimeError(f"unexpected reply {data[:120]!r}")
+
+    return call
+
+
+def _omnistage_ok(reply: Any) -> bool:
+    out = reply["children"][0]["outputs"]["b"]["fields"]
+    return reply["status"] == "ok" and out["text"] == PROMPT
+
+
+def _ray_ok(reply: Any) -> bool:
+    return reply["text"] == PROMPT
+
+
+# ---- processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A server subprocess whose stdout is scanned for a ready pattern; stopped with its tree."""
+
+    def __init__(self, cmd: list[str], ready: str, log: Path) -> None:
+        self.log = log
+        self._fh = open(log, "w")  # closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._fh, text=True,
+                                     cwd=ROOT, start_new_session=True)
+        self._ready = re.compile(ready)
+        self.match: re.Match[str] | None = None
+        self._seen = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._fh.write(line)
+            if self.match is None and (m := self._ready.search(line)):
+                self.match = m
+                self._seen.set()
+        self._seen.set()
+
+    def wait_ready(self, timeout: float) -> re.Match[str]:
+        self._seen.wait(timeout)
+        if self.match is None:
+            self.stop()
+            tail = "\n".join(self.log.read_text().splitlines()[-15:])
+            raise RuntimeError(f"not ready after {timeout:.0f}s (exit {self.proc.poll()}); "
+                               f"log tail:\n{tail}")
+        return self.match
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL everything the server started (Ray workers set own groups)."""
+        tree = _descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in [self.proc.pid, *tree]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait()
+        self._fh.close()
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+# ---- systems -----------------------------------------------------------------------------
+
+
+async def bench_http(name: str, url: str, check: Callable[[Any], bool],
+                     args: argparse.Namespace) -> Result:
+    conn = aiohttp.TCPConnector(limit=args.concurrency)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        call = http_call(session, url, check)
+        await call()  # fail fast with a clear error if the route is wrong
+        return await drive(name, call, args.concurrency, args.duration, args.max_requests,
+                           args.warmup)
+
+
+async def bench_omnistage(args: argparse.Namespace, tmp: Path) -> Result:
+    port = free_port()
+    server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(ECHO_YAML),
+                     "--port", str(port), "--log-dir", str(tmp / "omnistage-logs")],
+                    r"ready at (http://\S+)", tmp / "omnistage.log")
+    try:
+        url = server.wait_ready(120).group(1)
+        return await bench_http("omnistage", f"{url}/v1/pipelines/echo/requests",
+                                _omnistage_ok, args)
+    finally:
+        server.stop()
+
+
+async def bench_ray(args: argparse.Namespace, tmp: Path) -> Result:
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as exc:
+        return Result("ray-serve", note=f"import ray.serve failed ({exc}); "
+                      'pip install "ray[serve]"')
+    port = free_port()
+    server = Server([sys.executable, str(ROOT / "bench" / "ray_echo.py"), "--port", str(port)],
+                    r"READY (http://\S+)", tmp / "ray.log")
+    try:
+        try:
+            url = server.wait_ready(300).group(1)
+        except RuntimeError as exc:
+            return Result("ray-serve", note=str(exc))
+        return await bench_http("ray-serve", url, _ray_ok, args)
+    finally:
+        server.stop(grace=20)
+
+
+async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
+    from omnistage.client import ReplicaChannel
+    from omnistage.local_runtime import LocalStageRuntime
+    from omnistage.spec import load_pipeline
+
+    runtime = LocalStageRuntime(load_pipeline(ECHO_YAML), base_dir=ECHO_YAML.parent,
+                                log_dir=tmp / "zmq-logs")
+    runtime.start()  # on the main thread: the workers' parent-death signal follows it
+    try:
+        by_stage = {r.stage: r.endpoint for r in runtime.membership.replicas}
+        a, b = ReplicaChannel(by_stage["a"], name="a"), ReplicaChannel(by_stage["b"], name="b")
+        ids = itertools.count()
+
+        async def call() -> None:
+            rid = f"r{next(ids)}"
+            _, fa = await a.request(rid, {"prompt": PROMPT})
+            _, fb = await b.request(rid, {"prompt": fa.header["text"]})
+            if fb.type != "final" or fb.header["text"] != PROMPT:
+                raise RuntimeError(f"unexpected reply {fb.header}")
+
+        try:
+            await call()
+            return await drive("zmq-direct", call, args.concurrency, args.duration,
+                               args.max_requests, args.warmup)
+        finally:
+            await a.close()
+            await b.close()
+    finally:
+        runtime.shutdown()
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    systems = {"omnistage": bench_omnistage, "ray": bench_ray, "zmq": bench_zmq}
+    results: dict[str, Result] = {}
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-") as tmp:
+        for key in args.systems.split(","):
+            try:
+                res = await systems[key](args, Path(tmp))
+            except Exception as exc:
+                res = Result(key, note=f"{type(exc).__name__}: {exc}")
+            results[key] = res
+            print(res.line(args.concurrency), flush=True)
+    print(summary(results), flush=True)
+    return 0 if all(not r.note and r.ok for r in results.values()) else 1
+
+
+def summary(results: dict[str, Result]) -> str:
+    omni = results.get("omnistage")
+    parts = []
+    for key, label in (("ray", "ray-serve"), ("zmq", "zmq-direct")):
+        other = results.get(key)
+        if omni is None or other is None:
+            continue
+        if omni.note or other.note or not other.rps:
+            parts.append(f"omnistage/{label} = n/a")
+            continue
+        ratio = omni.rps / other.rps
+        if key == "ray":
+            verdict = "PASS" if ratio >= 2 else "MISS"
+            parts.append(f"omnistage/{label} = {ratio:.2f}x (goal >= 2x: {verdict})")
+        else:
+            parts.append(f"omnistage/{label} = {ratio:.2f}x (share of raw ZMQ round-trip "
+                         f"throughput kept through orchestrator + HTTP)")
+    return "summary: " + ("; ".join(parts) or "nothing to compare")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-c", "--concurrency", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds/system")
+    parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
+    parser.add_argument("--max-requests", type=int, default=200_000,
+                        help="upper bound on requests per phase")
+    parser.add_argument("--systems", default="omnistage,ray,zmq",
+                        help="comma-separated subset of omnistage,ray,zmq")
+    return asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""LocalStageRuntime with real worker processes: startup, membership, rollback, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnistage.local_runtime import (
+    LocalStageRuntime,
+    PlacementError,
+    ReplicaStartupError,
+    stage_worker_args,
+)
+from omnistage.orchestrator.membership import ReplicaInfo
+from omnistage.spec import OmniPipeline, parse_pipeline
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def pipeline(*stages: dict[str, Any], name: str | None = None) -> OmniPipeline:
+    """A valid manifest with a unique name, so the process-table checks see only this test."""
+    return parse_pipeline(
+        {
+            "apiVersion": "omnistage.io/v1alpha1",
+            "kind": "OmniPipeline",
+            "metadata": {"name": name or f"t{uuid.uuid4().hex[:8]}"},
+            "spec": {"stages": list(stages)},
+        }
+    )
+
+
+def echo(name: str, replicas: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "kind": "echo", "replicas": replicas, **extra}
+
+
+def alive(pid: int) -> bool:
+    """True while pid is a live (non-zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def processes_of(pipeline_name: str) -> list[int]:
+    """Live pids whose command line names a replica of this pipeline (the process table)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--replica-id" in cmd and any(a.startswith(f"{pipeline_name}-".encode()) for a in cmd):
+            if alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def runtimes(tmp_path: Path) -> Iterator[list[LocalStageRuntime]]:
+    """Runtimes a test creates; each is shut down at teardown even if the test failed."""
+    made: list[LocalStageRuntime] = []
+    yield made
+    for rt in made:
+        rt.shutdown(grace=2)
+
+
+def make(
+    runtimes: list[LocalStageRuntime], p: OmniPipeline, tmp_path: Path, **kw: Any
+) -> LocalStageRuntime:
+    rt = LocalStageRuntime(p, base_dir=tmp_path, log_dir=tmp_path / "logs", **kw)
+    runtimes.append(rt)
+    return rt
+
+
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def _state(http: str) -> dict[str, Any]:
+    with urllib.request.urlopen(http + "/state", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+async def test_two_replicas_ready_publish_membership_and_gone(runtimes, tmp_path) -> None:
+    p = pipeline(
+        echo("a", 2, admission={"maxRequests": 7}), echo("b", inputs=["a"], finalOutput=True)
+    )
+    notes: list[str] = []
+    rt = make(runtimes, p, tmp_path, progress=notes.append)
+    rt.start()
+    name = p.metadata.name
+    infos = {r.name: r for r in rt.membership.replicas}
+    assert sorted(infos) == [f"{name}-a-0", f"{name}-a-1", f"{name}-b-0"]
+    assert all(
+        r.state == "ready" and r.endpoint.startswith("tcp://127.0.0.1:") for r in infos.values()
+    )
+    assert len({r.endpoint for r in infos.values()}) == 3
+    assert [r.stage for r in sorted(infos.values(), key=lambda r: r.name)] == ["a", "a", "b"]
+    assert any(n.startswith("[3/3] ") and "ready (" in n for n in notes), notes
+    # Each worker runs under its stable identity with the stage's settings, on the CPU.
+    w = rt.replicas[f"{name}-a-1"].worker
+    st = _state(w.http)
+    assert (st["replica_id"], st["stage"], st["kind"], st["ready"]) == (
+        f"{name}-a-1",
+        "a",
+        "echo",
+        True,
+    )
+    assert b"CUDA_VISIBLE_DEVICES=" in _environ(w.pid)
+
+    # The orchestrator sees every replica when it subscribes, then live changes.
+    seen: list[ReplicaInfo] = []
+    await rt.membership.start(seen.append)
+    assert len(seen) == 3
+    os.kill(w.pid, signal.SIGKILL)
+    for _ in range(100):
+        if any(i.name == w.name and i.state == "gone" for i in seen):
+            break
+        await asyncio.sleep(0.05)
+    gone = [i for i in seen if i.state == "gone"]
+    assert [i.name for i in gone] == [f"{name}-a-1"], seen
+    assert f"{name}-a-1" not in {r.name for r in rt.membership.replicas}
+    assert any("exited unexpectedly" in n for n in notes)
+
+    pids = list(rt.pids.values())
+    rt.shutdown(grace=5)
+    assert not [pid for pid in pids if alive(pid)]
+    assert processes_of(name) == []
+    assert rt.membership.replicas == []
+
+
+def test_failed_replica_rolls_back_everything(runtimes, tmp_path) -> None:
+    p = pipeline(echo("a", 2), echo("b", inputs=["a"], finalOutput=True))
+    # Bypass spec checks: a model on an echo stage makes that worker fail while loading.
+    p.spec.stages[1].model = "./no-such-model-dir"
+    rt = make(runtimes, p, tmp_path)
+    with pytest.raises(ReplicaStartupError) as info:
+        rt.start()
+    err = info.value
+    name = p.metadata.name
+    assert err.replica == f"{name}-b-0"
+    assert f"replica {name}-b-0 failed to start" in str(err)
+    assert "echo stages take no model" in err.log_tail  # the worker's own log, not ours
+    assert str(tmp_path / "no-such-model-dir") in str(err)  # resolved against base_dir
+    assert rt.pids and not [pid for pid in rt.pids.values() if alive(pid)]
+    assert processes_of(name) == []
+    assert rt.membership.replicas == []
+    rt.shutdown()  # harmless after a rollback
+
+
+def test_shutdown_is_idempotent_and_leaves_no_process(runtimes, tmp_path) -> None:
+    p = pipeline(echo("a", 2, finalOutput=True))
+    rt = make(runtimes, p, tmp_path)
+    rt.start()
+    pids = list(rt.pids.values())
+    assert all(alive(pid) for pid in pids)
+    rt.shutdown()
+    rt.shutdown()
+    assert not [pid for pid in pids if alive(pid)]
+    assert processes_of(p.metadata.name) == []
+    # SIGTERM made them drain and exit cleanly (not SIGKILL).
+    assert all(r.worker.proc.returncode == 0 for r in rt.replicas.values())
+    with pytest.raises(RuntimeError):
+        rt.start()
+
+
+def test_gpu_placement_is_checked_before_anything_starts(runtimes, tmp_path) -> None:
+    p = pipeline(echo("a", 2, resources={"gpus": 2}), echo("b", inputs=["a"], finalOutput=True))
+    rt = make(runtimes, p, tmp_path, gpus=["0"])
+    with pytest.raises(PlacementError, match=r"'a' asks for 2 GPU.*has 1 visible"):
+        rt.start()
+    assert rt.pids == {}
+
+    plans = {pl.name: pl for pl in make(runtimes, p, tmp_path, gpus=["0", "1", "2"]).plan()}
+    name = p.metadata.name
+    assert plans[f"{name}-a-0"].env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert plans[f"{name}-a-1"].env == {"CUDA_VISIBLE_DEVICES": "2,0"}  # shared when oversold
+    assert plans[f"{name}-b-0"].env == {"CUDA_VISIBLE_DEVICES": ""}  # gpus: 0 -> the CPU
+
+
+def test_worker_args_carry_stage_settings() -> None:
+    p = pipeline(
+        {
+            "name": "llm",
+            "kind": "ar",
+            "model": "./weights",
+            "drainTimeoutSeconds": 7,
+            "engine": {"maxTokens": 5},
+            "admission": {
+                "maxRequests": 3,
+                "maxCost": 99,
+                "maxQueue": 11,
+                "defaultDeadlineSeconds": 2.5,
+            },
+            "finalOutput": True,
+        }
+    )
+    args = stage_worker_args(p.spec.stages[0], "/abs/weights")
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags["--kind"] == "ar" and flags["--model"] == "/abs/weights"
+    assert json.loads(flags["--engine"])["maxTokens"] == 5
+    assert (flags["--max-requests"], flags["--max-cost"], flags["--max-queue"]) == ("3", "99", "11")
+    assert (flags["--deadline"], flags["--drain-timeout"]) == ("2.5", "7")
+
+
+async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(runtimes,
+                                                                        tmp_path) -> None:
+    from omnistage.orchestrator.engine import Orchestrator
+    from omnistage.orchestrator.requests import PipelineRequest
+
+    p = pipeline(echo("a", 2, engine={"echoDelayMs": 1500}, finalOutput=True))
+    rt = make(runtimes, p, tmp_path)
+    rt.start()
+    orch = Orchestrator(p, rt.membership)
+    await orch.start()
+    try:
+        handles = [orch.submit(PipelineRequest(prompt=f"r{i}")) for i in range(2)]
+        busy = {r["name"]: r["inflight"] for r in orch.status()["a"]}
+        assert sorted(busy.values()) == [1, 1], busy  # least in-flight spread them out
+        victim = sorted(busy)[0]
+        os.kill(rt.pids[victim], signal.SIGKILL)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(h.outcome() for h in handles)), 20)
+        statuses = sorted((o.status, o.error.code if o.error else None) for o in outcomes)
+        assert statuses == [("fatal", "replica_lost"), ("ok", None)]
+        assert [r["name"] for r in orch.status()["a"]] == [n for n in busy if n != victim]
+    finally:
+        await orch.stop(5)
