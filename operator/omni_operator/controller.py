@@ -163,6 +163,12 @@ class Controller:
             self._running.add(key)
             try:
                 await self.reconcile(key)
+            except ApiError as exc:
+                if exc.status == 403 and "being terminated" in str(exc):
+                    log.info("namespace of %s is terminating: not reconciling", key)
+                else:
+                    log.warning("reconcile %s failed: %s; retrying", key, exc)
+                    self.enqueue_later(key, 2.0)
             except Exception as exc:
                 log.warning("reconcile %s failed: %s; retrying", key, exc)
                 self.enqueue_later(key, 2.0)

@@ -6,11 +6,14 @@ kopf watches; this writes. Counting writes is how the idle-resync goal (zero wri
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+log = logging.getLogger("omnistage.operator.writes")
 
 Obj = dict[str, Any]
 
@@ -58,6 +61,21 @@ class Config:
     host: str
     ssl: ssl.SSLContext | bool
     headers: dict[str, str]
+    ca_path: str | None = None
+    cert_path: str | None = None
+    key_path: str | None = None
+    token: str | None = None
+    insecure: bool = False
+
+    def connection_info(self) -> Any:
+        """The same credentials for kopf's watches, so both halves talk to one server."""
+        import kopf
+
+        return kopf.ConnectionInfo(
+            server=self.host, ca_path=self.ca_path, insecure=self.insecure,
+            certificate_path=self.cert_path, private_key_path=self.key_path,
+            token=self.token, scheme="Bearer" if self.token else None,
+        )
 
     @classmethod
     def load(cls, kubeconfig: str | None = None) -> Config:
@@ -81,8 +99,10 @@ class Config:
         headers = {}
         token = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
         if token:
-            headers["Authorization"] = token if token.startswith("Bearer") else f"Bearer {token}"
-        return cls(cfg.host.rstrip("/"), ctx, headers)
+            token = token.removeprefix("Bearer ").strip()
+            headers["Authorization"] = f"Bearer {token}"
+        return cls(cfg.host.rstrip("/"), ctx, headers, cfg.ssl_ca_cert, cfg.cert_file,
+                   cfg.key_file, token or None, not cfg.verify_ssl)
 
 
 class KubeApi:
@@ -104,6 +124,7 @@ class KubeApi:
         if method != "GET":
             self.writes += 1
             self.writes_by_verb[method] = self.writes_by_verb.get(method, 0) + 1
+            log.info("%s %s", method, url_path)
         headers = {"Content-Type": content_type or "application/json"}
         data = None if body is None else json.dumps(body)
         async with self._session.request(

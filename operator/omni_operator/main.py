@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 import kopf
@@ -51,9 +50,8 @@ async def _serve_metrics(controller: Controller, host: str, port: int) -> web.Ap
 
 async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               resync_seconds: float, namespaces: list[str]) -> None:
-    if kubeconfig:
-        os.environ["KUBECONFIG"] = kubeconfig
-    controller = Controller(KubeApi(Config.load(kubeconfig)), resync_seconds=resync_seconds)
+    config = Config.load(kubeconfig)
+    controller = Controller(KubeApi(config), resync_seconds=resync_seconds)
     registry = kopf.OperatorRegistry()
     register(registry, controller)
 
@@ -65,8 +63,8 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         settings.watching.client_timeout = 330
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> Any:
-        return kopf.login_via_client(**kwargs)
+    def login(**_: Any) -> Any:
+        return config.connection_info()
 
     controller.start()
     runner = await _serve_metrics(controller, metrics_host, metrics_port)

@@ -1,0 +1,293 @@
+"""The generated CRDs and the operator's RBAC against the real kube-apiserver.
+
+Why against a real server: whether a schema is structural, whether CEL rules fit the cost budget,
+and what `kubectl apply` prints for a bad manifest are decided by the API server alone; a mock
+would only echo our own assumptions. The CRDs and RBAC are applied idempotently and left in place
+(other tests of the session, such as the operator's, rely on them too).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omni_operator.models import StagePoolSpec
+from omnistage.spec import Stage, load_pipeline
+from tests.harness.cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+CRDS = REPO / "crds"
+RBAC = REPO / "operator" / "rbac.yaml"
+INVALID = Path(__file__).parent / "invalid"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+OPERATOR = "system:serviceaccount:omnistage-system:omnistage-operator"
+
+
+@pytest.fixture(scope="module")
+def crds(kube: Cluster) -> Cluster:
+    """Apply crds/ and wait until both CRDs are Established (served)."""
+    kube.kubectl("apply", "-f", str(CRDS))
+    names = [yaml.safe_load(p.read_text())["metadata"]["name"] for p in sorted(CRDS.glob("*.yaml"))]
+    kube.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in names]
+    )
+    return kube
+
+
+def _headers(path: Path, key: str) -> list[str]:
+    prefix = f"# {key}:"
+    return [
+        line[len(prefix) :].strip()
+        for line in path.read_text().splitlines()
+        if line.startswith(prefix)
+    ]
+
+
+def _get(kube: Cluster, namespace: str, ref: str) -> dict[str, Any]:
+    out = kube.kubectl("get", "-n", namespace, ref, "-o", "json").stdout
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------- valid objects
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_apply_cleanly_and_nothing_is_pruned(
+    crds: Cluster, namespace: str, path: Path
+) -> None:
+    crds.kubectl("apply", "-n", namespace, "-f", str(path))
+    doc = yaml.safe_load(path.read_text())
+    stored = _get(crds, namespace, f"omnipipe/{doc['metadata']['name']}")
+    assert stored["spec"] == doc["spec"], "the API server pruned or changed fields"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_model_field_round_trips(crds: Cluster, namespace: str, path: Path) -> None:
+    """The runtime's full dump (every default spelled out) survives the schema unpruned."""
+    manifest = load_pipeline(path).to_manifest()
+    manifest["metadata"].pop("namespace", None)
+    crds.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+    stored = _get(crds, namespace, f"omnipipe/{manifest['metadata']['name']}")
+    assert stored["spec"] == manifest["spec"]
+
+
+def test_explain_shows_descriptions(crds: Cluster) -> None:
+    out = crds.kubectl("explain", "omnipipe.spec.stages").stdout
+    assert "The stages, a directed acyclic graph" in out
+    assert "inputs" in out and "finalOutput" in out
+    engine = crds.kubectl("explain", "omnipipe.spec.stages.engine").stdout
+    assert "Executor options" in engine and "numInferenceSteps" in engine
+    pool = crds.kubectl("explain", "sp.spec.replicas").stdout
+    assert "kubectl scale" in pool
+
+
+def test_get_shows_printer_columns(crds: Cluster, namespace: str) -> None:
+    crds.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "echo.yaml"))
+    status = {
+        "status": {
+            "observedGeneration": 1,
+            "phase": "Ready",
+            "stagesReady": "2/2",
+            "endpoint": "http://echo-orchestrator.ns.svc:8000",
+            "stages": {"a": {"pool": "echo-a", "ready": 1, "desired": 1}},
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "AllReplicasReady",
+                    "message": "",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                    "observedGeneration": 1,
+                }
+            ],
+        }
+    }
+    crds.kubectl(
+        "patch", "-n", namespace, "omnipipe/echo", "--subresource=status", "--type=merge",
+        "-p", json.dumps(status),
+    )  # fmt: skip
+    out = crds.kubectl("get", "-n", namespace, "omnipipe").stdout
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "READY", "REASON", "STAGES", "ENDPOINT", "AGE"]
+    endpoint = status["status"]["endpoint"]
+    assert row.split()[:5] == ["echo", "True", "AllReplicasReady", "2/2", endpoint]
+    stored = _get(crds, namespace, "omnipipe/echo")
+    assert stored["status"]["stages"] == status["status"]["stages"], "status fields pruned"
+    # The category lists both kinds.
+    assert (
+        "omnipipeline.omnistage.io/echo" in crds.kubectl("get", "-n", namespace, "omnistage").stdout
+    )
+
+
+def _stagepool(name: str = "echo-a", replicas: int = 1) -> dict[str, Any]:
+    spec = StagePoolSpec(
+        pipeline="echo",
+        stage=Stage(name="a", kind="echo"),
+        replicas=replicas,
+        image="ghcr.io/omnistage/omnistage:0.1.0",
+    )
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "StagePool",
+        "metadata": {"name": name},
+        "spec": spec.model_dump(by_alias=True, exclude_none=True, mode="json"),
+    }
+
+
+def test_stagepool_scale_subresource_and_columns(crds: Cluster, namespace: str) -> None:
+    pool = _stagepool()
+    crds.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool))
+    assert _get(crds, namespace, "sp/echo-a")["spec"] == pool["spec"], "StagePool spec pruned"
+    crds.kubectl("scale", "-n", namespace, "sp/echo-a", "--replicas=3")
+    assert _get(crds, namespace, "sp/echo-a")["spec"]["replicas"] == 3
+
+    status = {
+        "replicas": 3,
+        "readyReplicas": 2,
+        "updatedReplicas": 3,
+        "drainingReplicas": 1,
+        "ready": "2/3",
+        "selector": "omnistage.io/pipeline=echo,omnistage.io/stage=a",
+        "observedGeneration": 2,
+    }
+    crds.kubectl(
+        "patch", "-n", namespace, "sp/echo-a", "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+    out = crds.kubectl("get", "-n", namespace, "sp").stdout
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "PIPELINE", "STAGE", "READY", "DRAINING", "AGE"]
+    assert row.split()[:5] == ["echo-a", "echo", "a", "2/3", "1"]
+    scale = json.loads(
+        crds.kubectl(
+            "get", "--raw", f"/apis/omnistage.io/v1alpha1/namespaces/{namespace}/stagepools/"
+            "echo-a/scale",
+        ).stdout
+    )  # fmt: skip
+    assert scale["spec"]["replicas"] == 3
+    assert scale["status"] == {"replicas": 3, "selector": status["selector"]}
+
+    # Scaling back down works, and the bound holds through the scale subresource too.
+    crds.kubectl("scale", "-n", namespace, "sp/echo-a", "--replicas=1")
+    assert _get(crds, namespace, "sp/echo-a")["spec"]["replicas"] == 1
+    too_many = crds.kubectl("scale", "-n", namespace, "sp/echo-a", "--replicas=65", check=False)
+    assert too_many.returncode != 0
+    assert "spec.replicas" in too_many.stderr and "less than or equal to 64" in too_many.stderr
+
+
+def test_stagepool_immutable_fields(crds: Cluster, namespace: str) -> None:
+    pool = _stagepool()
+    crds.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool))
+    pool["spec"]["pipeline"] = "other"
+    pool["spec"]["stage"]["kind"] = "ar"
+    pool["spec"]["stage"]["model"] = "tiny-llama"
+    proc = crds.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool), check=False)
+    assert proc.returncode != 0
+    assert "spec.pipeline" in proc.stderr and "pipeline is immutable" in proc.stderr
+    assert "spec.stage.kind" in proc.stderr and "kind is immutable" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- invalid manifests
+
+
+@pytest.mark.parametrize("path", sorted(INVALID.glob("*.yaml")), ids=lambda p: p.stem)
+def test_invalid_manifest_is_rejected_naming_the_field(
+    crds: Cluster, namespace: str, path: Path
+) -> None:
+    """Each file says what it breaks (`# expect:` lines); update cases name a `# base:`."""
+    for base in _headers(path, "base"):
+        crds.kubectl("apply", "-n", namespace, "-f", str(REPO / base))
+    proc = crds.kubectl("apply", "-n", namespace, "-f", str(path), check=False)
+    assert proc.returncode != 0, f"{path.name} was accepted:\n{proc.stdout}"
+    for expected in _headers(path, "expect"):
+        assert expected in proc.stderr, f"{path.name}: {expected!r} not in:\n{proc.stderr}"
+    name = yaml.safe_load(path.read_text())["metadata"]["name"]
+    if not _headers(path, "base"):
+        missing = crds.kubectl("get", "-n", namespace, f"omnipipe/{name}", check=False)
+        assert missing.returncode != 0, "a rejected object must not be stored"
+
+
+# ---------------------------------------------------------------------------- RBAC
+
+
+@pytest.fixture(scope="module")
+def rbac(crds: Cluster) -> Cluster:
+    crds.kubectl("apply", "-f", str(RBAC))
+    return crds
+
+
+def _can(kube: Cluster, *args: str, namespace: str = "default") -> bool:
+    proc = kube.kubectl("auth", "can-i", *args, f"--as={OPERATOR}", "-n", namespace, check=False)
+    answer = proc.stdout.strip()
+    assert answer in ("yes", "no"), proc.stdout + proc.stderr
+    return answer == "yes"
+
+
+ALLOWED = [
+    ("watch", "omnipipelines.omnistage.io"),
+    ("create", "stagepools.omnistage.io"),
+    ("delete", "stagepools.omnistage.io"),
+    ("patch", "omnipipelines.omnistage.io", "--subresource=status"),
+    ("update", "omnipipelines.omnistage.io", "--subresource=finalizers"),
+    ("create", "pods"),
+    ("delete", "pods"),
+    ("patch", "pods", "--subresource=status"),
+    ("create", "services"),
+    ("create", "configmaps"),
+    ("create", "serviceaccounts"),
+    ("patch", "deployments.apps"),
+    ("create", "poddisruptionbudgets.policy"),
+    ("create", "roles.rbac.authorization.k8s.io"),
+    ("create", "rolebindings.rbac.authorization.k8s.io"),
+    ("create", "events"),
+    ("create", "events.events.k8s.io"),
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("list", "namespaces"),
+]
+DENIED = [
+    ("delete", "nodes"),
+    ("get", "secrets"),
+    ("list", "secrets"),
+    ("create", "pods", "--subresource=exec"),
+    ("update", "deployments.apps"),
+    ("create", "clusterroles.rbac.authorization.k8s.io"),
+    ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+    ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("delete", "namespaces"),
+    ("create", "statefulsets.apps"),
+    ("patch", "nodes"),
+]
+
+
+@pytest.mark.parametrize("args", ALLOWED, ids=lambda a: " ".join(a))
+def test_operator_may(rbac: Cluster, args: tuple[str, ...]) -> None:
+    assert _can(rbac, *args)
+
+
+@pytest.mark.parametrize("args", DENIED, ids=lambda a: " ".join(a))
+def test_operator_may_not(rbac: Cluster, args: tuple[str, ...]) -> None:
+    assert not _can(rbac, *args)
+
+
+def test_operator_can_grant_the_orchestrator_role_but_nothing_more(
+    rbac: Cluster, namespace: str
+) -> None:
+    """RBAC only lets a subject grant verbs it holds: the orchestrator's Role must be within it."""
+    as_op = f"--as={OPERATOR}"
+    rbac.kubectl(
+        as_op, "-n", namespace, "create", "role", "orchestrator",
+        "--verb=get,list,watch", "--resource=pods",
+    )  # fmt: skip
+    rbac.kubectl(
+        as_op, "-n", namespace, "create", "rolebinding", "orchestrator",
+        "--role=orchestrator", f"--serviceaccount={namespace}:default",
+    )  # fmt: skip
+    bad = rbac.kubectl(
+        as_op, "-n", namespace, "create", "role", "greedy", "--verb=get", "--resource=secrets",
+        check=False,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "forbidden" in bad.stderr.lower()

@@ -1,0 +1,311 @@
+"""KubernetesMembership against the real kube-apiserver: the states the orchestrator routes by.
+
+The Pods never run: they are bound to a node that does not exist (so neither the scheduler, the
+pod runner nor kwok touches them) and the test writes their status through the pods/status
+subresource, as a kubelet would. Loopback pod IPs are accepted here (EndpointSlices reject them,
+which is why membership watches Pods).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnistage import kube as names
+from omnistage.orchestrator.k8s_membership import KubernetesMembership, load_core_api
+from omnistage.orchestrator.membership import ReplicaInfo
+from omnistage.procs import spawn_worker
+from tests.harness.cluster import Cluster
+from tests.harness.kubeclient import ApiError, Kube, resource_path, wait_until
+
+PIPELINE = "mp"
+NOWHERE = "omnistage-test-nowhere"  # no such node: nothing runs or finalizes these pods
+PORT = 5555
+
+
+def _pod(name: str, stage: str, pipeline: str = PIPELINE) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {
+                names.LABEL_PIPELINE: pipeline,
+                names.LABEL_COMPONENT: "stage",
+                names.LABEL_STAGE: stage,
+            },
+        },
+        "spec": {
+            "nodeName": NOWHERE,
+            "readinessGates": [{"conditionType": names.READINESS_GATE}],
+            "containers": [{"name": "worker", "image": "omnistage/worker:test"}],
+            "terminationGracePeriodSeconds": 30,
+        },
+    }
+
+
+def _set_status(k: Kube, ns: str, name: str, ip: str, ready: bool) -> None:
+    """What the kubelet (podIP, Ready) and the operator (readiness gate) would write."""
+    flag = "True" if ready else "False"
+    k.patch(
+        resource_path("v1", "pods", ns, name, "status"),
+        {
+            "status": {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "conditions": [
+                    {"type": names.READINESS_GATE, "status": flag},
+                    {"type": "Ready", "status": flag},
+                ],
+            }
+        },
+    )
+
+
+def _force_delete(k: Kube, ns: str, name: str) -> None:
+    with contextlib.suppress(ApiError):
+        k.delete(resource_path("v1", "pods", ns, name), {"gracePeriodSeconds": 0})
+
+
+class Recorder:
+    """Collects membership reports (on the loop thread) and waits for expected ones."""
+
+    def __init__(self) -> None:
+        self.seen: list[ReplicaInfo] = []
+
+    def __call__(self, info: ReplicaInfo) -> None:
+        self.seen.append(info)
+
+    def of(self, name: str) -> list[str]:
+        return [i.state for i in self.seen if i.name == name]
+
+    async def wait(self, cond: Callable[[], bool], what: str, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; seen: {self.seen}")
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def core_api(kube: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The client the orchestrator would build from $KUBECONFIG (the test cluster's)."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    api = load_core_api()
+    yield api
+    api.api_client.close()
+
+
+async def test_membership_follows_pod_lifecycle(
+    kube: Cluster, namespace: str, core_api: Any
+) -> None:
+    k, ns = kube.kube, namespace
+    pods_path = resource_path("v1", "pods", ns)
+    created = ["mp-a-0", "mp-a-1", "mp-b-0", "other-a-0"]
+    rec = Recorder()
+    m = KubernetesMembership(ns, PIPELINE, zmq_port=PORT, api=core_api, backoff=(0.1, 1.0))
+    try:
+        # Known before start: start() must report it before returning.
+        k.create(pods_path, _pod("mp-b-0", "b"))
+        _set_status(k, ns, "mp-b-0", "127.0.20.1", ready=True)
+        k.create(pods_path, _pod("other-a-0", "a", pipeline="other"))  # another pipeline
+        _set_status(k, ns, "other-a-0", "127.0.20.9", ready=True)
+        await m.start(rec)
+        assert rec.seen == [ReplicaInfo("b", "mp-b-0", "tcp://127.0.20.1:5555", "ready")]
+
+        # joining -> ready -> draining (operator's annotation) -> gone (delete).
+        k.create(pods_path, _pod("mp-a-0", "a"))  # no IP yet: not a replica
+        _set_status(k, ns, "mp-a-0", "127.0.20.2", ready=False)
+        await rec.wait(lambda: rec.of("mp-a-0") == ["joining"], "mp-a-0 joining")
+        _set_status(k, ns, "mp-a-0", "127.0.20.2", ready=True)
+        await rec.wait(lambda: rec.of("mp-a-0") == ["joining", "ready"], "mp-a-0 ready")
+        k.patch(
+            resource_path("v1", "pods", ns, "mp-a-0"),
+            {"metadata": {"annotations": {names.ANNOTATION_DRAINING: "true"}}},
+        )
+        await rec.wait(lambda: rec.of("mp-a-0")[-1:] == ["draining"], "mp-a-0 draining")
+        _force_delete(k, ns, "mp-a-0")
+        await rec.wait(lambda: rec.of("mp-a-0")[-1:] == ["gone"], "mp-a-0 gone")
+        assert rec.of("mp-a-0") == ["joining", "ready", "draining", "gone"]
+        gone = [i for i in rec.seen if i.name == "mp-a-0"][-1]
+        assert gone.endpoint == "tcp://127.0.20.2:5555"
+
+        # A terminating pod (graceful delete: deletionTimestamp, no kubelet to finish it) drains.
+        k.create(pods_path, _pod("mp-a-1", "a"))
+        _set_status(k, ns, "mp-a-1", "127.0.20.3", ready=True)
+        await rec.wait(lambda: rec.of("mp-a-1") == ["ready"], "mp-a-1 ready")
+        k.delete(resource_path("v1", "pods", ns, "mp-a-1"), {"gracePeriodSeconds": 30})
+        await rec.wait(lambda: rec.of("mp-a-1") == ["ready", "draining"], "mp-a-1 draining")
+
+        # A forced watch restart relists: the same set, and nothing new is reported.
+        before = sorted(m.replicas, key=lambda i: i.name)
+        assert [(i.name, i.state) for i in before] == [("mp-a-1", "draining"), ("mp-b-0", "ready")]
+        count, relists = len(rec.seen), m.relists
+        m.resync()
+        await rec.wait(lambda: m.relists == relists + 1, "relist after the forced restart")
+        await asyncio.sleep(0.3)
+        assert sorted(m.replicas, key=lambda i: i.name) == before
+        assert len(rec.seen) == count
+        # An independent watcher's initial list agrees.
+        fresh = Recorder()
+        other = KubernetesMembership(ns, PIPELINE, zmq_port=PORT, api=core_api)
+        await other.start(fresh)
+        await other.stop()
+        assert sorted(fresh.seen, key=lambda i: i.name) == before
+
+        # The watch still runs after the restart: finishing the terminating pod reports gone.
+        _force_delete(k, ns, "mp-a-1")
+        await rec.wait(lambda: rec.of("mp-a-1")[-1:] == ["gone"], "mp-a-1 gone")
+        assert not rec.of("other-a-0")
+    finally:
+        t0 = time.monotonic()
+        await m.stop()
+        assert time.monotonic() - t0 < 3, "stop() must end the watch promptly"
+        for name in created:  # bound to a missing node: only a forced delete removes them
+            _force_delete(k, ns, name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            raw = resp.read()
+            is_json = "json" in resp.headers.get("Content-Type", "")
+            return resp.status, json.loads(raw) if is_json else raw.decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def test_orchestrator_process_routes_by_pod_membership(
+    kube: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """`omnistage orchestrator --membership kubernetes` end to end: a real echo worker becomes
+    routable when its Pod is Ready, stops being routable when the Pod is marked draining, and
+    SIGTERM (twice) drains and exits 0."""
+    k, ns = kube.kube, namespace
+    zmq_port, api_port = _free_port(), _free_port()
+    worker = spawn_worker(
+        "mp-a-0",
+        ["--stage", "a", "--kind", "echo", "--host", "127.0.0.1", "--port", str(zmq_port)],
+        log_dir=tmp_path,
+    )
+    manifest = {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": PIPELINE},
+        "spec": {
+            "orchestrator": {"api": ["generic"]},
+            "stages": [{"name": "a", "kind": "echo", "finalOutput": True}],
+        },
+    }
+    env = {key: v for key, v in os.environ.items() if key != "KUBERNETES_SERVICE_HOST"}
+    env.update(KUBECONFIG=str(kube.kubeconfig), **{names.PIPELINE_ENV: json.dumps(manifest)})
+    log_path = tmp_path / "orchestrator.log"
+    url = f"http://127.0.0.1:{api_port}"
+    proc: subprocess.Popen[bytes] | None = None
+
+    def log_tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "omnistage.cli",
+                    "orchestrator",
+                    "--namespace",
+                    ns,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(api_port),
+                    "--zmq-port",
+                    str(zmq_port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        worker.wait_ready(60)
+        wait_until(
+            lambda: _http(url + "/readyz")[0] == 503,
+            20,
+            "orchestrator up, not ready",
+            on_timeout=log_tail,
+        )
+        k.create(resource_path("v1", "pods", ns), _pod("mp-a-0", "a"))
+        _set_status(k, ns, "mp-a-0", "127.0.0.1", ready=True)
+        wait_until(
+            lambda: _http(url + "/readyz")[0] == 200,
+            10,
+            "ready once the Pod is Ready",
+            on_timeout=log_tail,
+        )
+        status, body = _http(f"{url}/v1/pipelines/{PIPELINE}/requests", {"prompt": "hello"})
+        assert status == 200 and body["status"] == "ok", body
+        k.patch(
+            resource_path("v1", "pods", ns, "mp-a-0"),
+            {"metadata": {"annotations": {names.ANNOTATION_DRAINING: "true"}}},
+        )
+        wait_until(
+            lambda: _http(url + "/readyz")[0] == 503,
+            10,
+            "not ready once draining",
+            on_timeout=log_tail,
+        )
+        k.patch(
+            resource_path("v1", "pods", ns, "mp-a-0"),
+            {"metadata": {"annotations": {names.ANNOTATION_DRAINING: "false"}}},
+        )
+        wait_until(lambda: _http(url + "/readyz")[0] == 200, 10, "ready again after the mark",
+                   on_timeout=log_tail)
+        # SIGTERM with a request in flight: it is drained, a second SIGTERM changes nothing.
+        reply: list[tuple[int, Any]] = []
+        slow = {"prompt": "drain me", "params": {"a": {"delay_ms": 1500}}}
+        t = threading.Thread(target=lambda: reply.append(
+            _http(f"{url}/v1/pipelines/{PIPELINE}/requests", slow)))
+        t.start()
+        time.sleep(0.5)  # the request is inside stage a now
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "SIGTERM received" in log_tail(), 5, "SIGTERM noticed",
+                   on_timeout=log_tail)
+        proc.send_signal(signal.SIGTERM)
+        t.join(15)
+        assert reply and reply[0][0] == 200 and reply[0][1]["status"] == "ok", reply
+        assert proc.wait(15) == 0, log_tail()
+        assert "already shutting down; SIGTERM ignored" in log_tail()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if worker.proc.poll() is None:
+            worker.kill()
+        _force_delete(k, ns, "mp-a-0")

@@ -1,0 +1,171 @@
+"""The operator under test: CRDs applied, `omnistage operator` running as a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.harness.cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+Obj = dict[str, Any]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Operator:
+    cluster: Cluster
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    resync: float = 3.0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "omnistage.cli",
+            "operator",
+            f"--kubeconfig={self.cluster.kubeconfig}",
+            f"--metrics-port={self.port}",
+            f"--resync-seconds={self.resync}",
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        wait_for(lambda: self._healthy(), 60, "operator /healthz", self.log_tail)
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"operator exited:\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def writes(self) -> int:
+        return int(self.metrics()["omnistage_operator_api_writes_total"])
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_for(
+    pred: Callable[[], Any],
+    timeout: float,
+    what: str,
+    detail: Callable[[], str] | None = None,
+    interval: float = 0.2,
+) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    extra = f"\n{detail()}" if detail else ""
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{extra}")
+
+
+def apply_crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/omnipipelines.omnistage.io",
+        "crd/stagepools.omnistage.io",
+    )
+
+
+@pytest.fixture(scope="session")
+def crds(kube: Cluster) -> None:
+    apply_crds(kube)
+
+
+@pytest.fixture(scope="session")
+def operator(
+    kube: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
+    op = Operator(kube, tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+
+
+def pipeline_doc(name: str, stages: list[Obj], **spec: Any) -> Obj:
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": name},
+        "spec": {**spec, "stages": stages},
+    }
+
+
+def apply(cluster: Cluster, namespace: str, doc: Obj) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def get(cluster: Cluster, namespace: str, kind: str, name: str) -> Obj | None:
+    proc = cluster.kubectl("get", "-n", namespace, kind, name, "-o", "json", check=False)
+    if proc.returncode != 0:
+        return None
+    import json
+
+    return json.loads(proc.stdout)
+
+
+def condition(obj: Obj | None, ctype: str) -> Obj | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions", []) or []:
+        if cond.get("type") == ctype:
+            return cond
+    return None

@@ -1,0 +1,1093 @@
+"""A small local "kubelet": runs the pods bound to its nodes as local processes.
+
+Why: the local test cluster (hack/cluster.sh) has no container runtime and no Docker, but the
+operator's functional e2e tests need pods that really run, answer on their pod IP, become Ready,
+honour readiness gates and terminate gracefully under ``kubectl drain``. This runner registers its
+own Nodes, keeps their Leases and Ready condition fresh, and for every pod bound to them:
+
+* runs each container's ``command`` + ``args`` as a local process in its own process group
+  (the image is ignored; a container without a command idles like a pause container);
+* resolves env (value with $(VAR) expansion, fieldRef, resourceFieldRef, configMapKeyRef,
+  secretKeyRef, envFrom), and gives the pod a unique loopback IP (``status.podIP``);
+* runs startup, readiness and liveness probes (httpGet, tcpSocket, exec), restarts containers per
+  restartPolicy, and sets the Ready condition only when all containers are ready AND every
+  ``readinessGates`` condition is True (conditions owned by others are never overwritten);
+* on deletion runs preStop hooks, sends SIGTERM, waits up to the deletion grace period, sends
+  SIGKILL, then removes the pod (grace 0), so eviction and PDB-aware drains work as on a kubelet.
+
+Logs go to ``<state-dir>/logs/<namespace>/<pod>/<container>.log``; every container termination is
+recorded as a JSON line in ``<state-dir>/events.jsonl`` (signal used, exit code, duration).
+
+Run: ``python -m tests.harness.podrunner --kubeconfig K --nodes local-0,local-1 --state-dir D``.
+SIGTERM/SIGINT stop all pod processes and delete the runner's Nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime as dt
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.harness.kubeclient import ApiError, Kube, Obj, resource_path
+
+log = logging.getLogger("podrunner")
+
+POOL_LABEL = "omnistage.io/node-pool"
+RUNNER_ENV = "OMNISTAGE_PODRUNNER_ID"
+OWNED_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+PAUSE_CMD = [
+    sys.executable,
+    "-c",
+    "import signal,sys,time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+    "while True: time.sleep(3600)",
+]
+VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
+
+
+def now_iso() -> str:
+    """RFC 3339 timestamp in the format the API server stores."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def expand_vars(text: str, env: dict[str, str]) -> str:
+    """Kubernetes $(VAR) expansion: known vars substituted, $$ escapes, unknown refs kept."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return VAR_REF.sub(sub, text)
+
+
+def field_value(pod: Obj, path: str) -> str:
+    """Downward API fieldRef (the subset a kubelet supports for env)."""
+    meta, spec, status = pod["metadata"], pod["spec"], pod.get("status", {})
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+    if m:
+        return str(meta.get(m.group(1), {}).get(m.group(2), ""))
+    simple = {
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
+        "status.podIP": status.get("podIP"),
+        "status.hostIP": status.get("hostIP"),
+        "status.podIPs": ",".join(i["ip"] for i in status.get("podIPs", [])),
+        "status.hostIPs": ",".join(i["ip"] for i in status.get("hostIPs", [])),
+    }
+    if path not in simple:
+        raise ValueError(f"unsupported fieldRef {path}")
+    return str(simple[path] or "")
+
+
+@dataclass
+class Probe:
+    """Runtime state of one probe (startup, readiness or liveness)."""
+
+    spec: Obj
+    next_at: float = 0.0
+    successes: int = 0
+    failures: int = 0
+    ok: bool = False
+
+
+@dataclass
+class Container:
+    """One container's process and the state the status report is built from."""
+
+    spec: Obj
+    init: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: str | None = None
+    started_mono: float = 0.0
+    restart_count: int = 0
+    last_terminated: Obj | None = None
+    terminated: Obj | None = None
+    backoff_until: float = 0.0
+    ready: bool = False
+    started: bool = False  # startup probe passed (or none)
+    probes: dict[str, Probe] = field(default_factory=dict)
+    kill_signal: str = ""
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class PodWorker(threading.Thread):
+    """Owns one pod from first sight to removal; all its processes die with it."""
+
+    def __init__(self, runner: PodRunner, pod: Obj) -> None:
+        meta = pod["metadata"]
+        super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
+        self.runner = runner
+        self.kube = runner.kube
+        self.pod = pod
+        self.uid: str = meta["uid"]
+        self.ns: str = meta["namespace"]
+        self.pod_name: str = meta["name"]
+        self.path = resource_path("v1", "pods", self.ns, self.pod_name)
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.gone = False  # DELETED event seen: kill now, nothing to report
+        self.ip = ""
+        self.inits = [Container(c, init=True) for c in pod["spec"].get("initContainers", [])]
+        self.containers = [Container(c) for c in pod["spec"]["containers"]]
+        self.transitions: dict[str, tuple[str, str]] = {}
+        self.last_status: Obj | None = None
+        self.phase = "Pending"
+        self.start_time = pod.get("status", {}).get("startTime") or now_iso()
+        self.log_dir = runner.state_dir / "logs" / self.ns / self.pod_name
+        self.done = threading.Event()
+
+    # ---- event input -------------------------------------------------------------------------
+    def update(self, pod: Obj) -> None:
+        with self.lock:
+            self.pod = pod
+        self.wake.set()
+
+    def mark_gone(self) -> None:
+        self.gone = True
+        self.wake.set()
+
+    # ---- main loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            log.exception("pod %s/%s: worker crashed", self.ns, self.pod_name)
+        finally:
+            self._kill_all(grace=2.0, reason="runner stopping")
+            self.done.set()
+
+    def _run(self) -> None:
+        self.ip = self.runner.allocate_ip(self.uid, self.pod.get("status", {}).get("podIP"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._push_status()
+        init_index = 0
+        while not self.runner.stopping.is_set():
+            with self.lock:
+                pod = self.pod
+            if self.gone:
+                self._kill_all(grace=2.0, reason="pod deleted")
+                return
+            if pod["metadata"].get("deletionTimestamp"):
+                self._terminate(pod)
+                return
+            if init_index < len(self.inits):
+                init_index = self._step_init(init_index)
+            elif self.phase in ("Pending", "Running"):
+                self._step_main()
+            self._push_status()
+            if (
+                self.phase in ("Succeeded", "Failed")
+                and (self.last_status or {}).get("phase") == self.phase
+            ):
+                return  # terminal and reported; the runner completes a later deletion
+            self.wake.wait(0.2)
+            self.wake.clear()
+
+    def _step_init(self, index: int) -> int:
+        """Init containers run one at a time, each to successful completion."""
+        c = self.inits[index]
+        if c.proc is None and time.monotonic() >= c.backoff_until:
+            self._start(c)
+        elif c.proc is not None and not c.running:
+            code = self._reap(c)
+            if code == 0:
+                return index + 1
+            if self.pod["spec"].get("restartPolicy", "Always") == "Never":
+                self.phase = "Failed"
+            else:
+                self._schedule_restart(c)
+        return index
+
+    def _step_main(self) -> None:
+        policy = self.pod["spec"].get("restartPolicy", "Always")
+        for c in self.containers:
+            if c.proc is None and c.terminated is None and time.monotonic() >= c.backoff_until:
+                self._start(c)
+            elif c.proc is not None and not c.running:
+                code = self._reap(c)
+                if policy == "Always" or (policy == "OnFailure" and code != 0):
+                    self._schedule_restart(c)
+            elif c.running:
+                self._probe(c)
+        if all(c.terminated is not None for c in self.containers):
+            failed = any(c.terminated.get("exitCode") != 0 for c in self.containers)  # type: ignore[union-attr]
+            self.phase = "Failed" if failed else "Succeeded"
+        elif any(c.running for c in self.containers):
+            self.phase = "Running"
+
+    # ---- processes ---------------------------------------------------------------------------
+    def _env(self, spec: Obj) -> dict[str, str]:
+        pod = self._pod_with_ip()
+        env: dict[str, str] = {}
+        for src in spec.get("envFrom", []):
+            prefix = src.get("prefix", "")
+            for key, value in self._env_source(src).items():
+                env[prefix + key] = value
+        for item in spec.get("env", []):
+            name = item["name"]
+            if "value" in item:
+                env[name] = expand_vars(str(item["value"]), env)
+            elif "valueFrom" in item:
+                value = self._value_from(pod, spec, item["valueFrom"])
+                if value is not None:
+                    env[name] = value
+            else:
+                env[name] = ""
+        return env
+
+    def _pod_with_ip(self) -> Obj:
+        pod = dict(self.pod)
+        status = dict(pod.get("status", {}))
+        status.update(podIP=self.ip, podIPs=[{"ip": self.ip}], hostIP=self.runner.host_ip)
+        status["hostIPs"] = [{"ip": self.runner.host_ip}]
+        pod["status"] = status
+        return pod
+
+    def _env_source(self, src: Obj) -> dict[str, str]:
+        if "configMapRef" in src:
+            ref, resource = src["configMapRef"], "configmaps"
+        else:
+            ref, resource = src["secretRef"], "secrets"
+        try:
+            obj = self.kube.get(resource_path("v1", resource, self.ns, ref["name"]))
+        except ApiError as e:
+            if e.status == 404 and ref.get("optional"):
+                return {}
+            raise
+        return _decoded(obj, resource)
+
+    def _value_from(self, pod: Obj, spec: Obj, vf: Obj) -> str | None:
+        if "fieldRef" in vf:
+            return field_value(pod, vf["fieldRef"]["fieldPath"])
+        if "resourceFieldRef" in vf:
+            ref = vf["resourceFieldRef"]
+            kind, _, res = ref["resource"].partition(".")
+            return str(spec.get("resources", {}).get(kind, {}).get(res, "0"))
+        key_ref = vf.get("configMapKeyRef") or vf.get("secretKeyRef")
+        resource = "configmaps" if "configMapKeyRef" in vf else "secrets"
+        if key_ref is None:
+            raise ValueError(f"unsupported valueFrom {vf}")
+        try:
+            data = _decoded(
+                self.kube.get(resource_path("v1", resource, self.ns, key_ref["name"])), resource
+            )
+        except ApiError as e:
+            if e.status == 404 and key_ref.get("optional"):
+                return None
+            raise
+        if key_ref["key"] not in data and key_ref.get("optional"):
+            return None
+        return data[key_ref["key"]]
+
+    def _start(self, c: Container) -> None:
+        spec = c.spec
+        try:
+            env = self._env(spec)
+        except (ApiError, KeyError, ValueError) as e:
+            log.warning(
+                "pod %s/%s: cannot resolve env of %s: %s", self.ns, self.pod_name, c.name, e
+            )
+            c.backoff_until = time.monotonic() + 2.0
+            return
+        command = [expand_vars(a, env) for a in spec.get("command", [])]
+        args = [expand_vars(a, env) for a in spec.get("args", [])]
+        argv = (command + args) or PAUSE_CMD
+        proc_env = dict(os.environ)
+        proc_env.update(env)
+        proc_env.setdefault("HOSTNAME", self.pod_name)
+        proc_env[RUNNER_ENV] = self.runner.runner_id
+        workdir = spec.get("workingDir")
+        if not workdir or not Path(workdir).is_dir():
+            workdir_path = self.runner.state_dir / "pods" / self.uid / c.name
+            workdir_path.mkdir(parents=True, exist_ok=True)
+            workdir = str(workdir_path)
+        logfile = self.log_dir / f"{c.name}.log"
+        with open(logfile, "ab") as out:
+            out.write(f"--- {now_iso()} podrunner: starting {shlex.join(argv)}\n".encode())
+            out.flush()
+            try:
+                c.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=proc_env,
+                    cwd=workdir,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                out.write(f"podrunner: cannot start: {e}\n".encode())
+                c.proc = None
+                c.terminated = {"exitCode": 128, "reason": "StartError", "message": str(e)}
+                c.last_terminated = c.terminated
+                if self.pod["spec"].get("restartPolicy", "Always") != "Never":
+                    self._schedule_restart(c)
+                return
+        self.runner.track(c.proc.pid)
+        c.started_at, c.started_mono = now_iso(), time.monotonic()
+        c.terminated, c.ready, c.kill_signal = None, False, ""
+        c.probes = {
+            kind: Probe(
+                spec[f"{kind}Probe"],
+                next_at=time.monotonic() + spec[f"{kind}Probe"].get("initialDelaySeconds", 0),
+            )
+            for kind in ("startup", "readiness", "liveness")
+            if spec.get(f"{kind}Probe")
+        }
+        c.started = "startup" not in c.probes
+        if "readiness" not in c.probes:
+            c.ready = c.started
+        log.info("pod %s/%s: started %s pid %d", self.ns, self.pod_name, c.name, c.proc.pid)
+
+    def _reap(self, c: Container) -> int:
+        assert c.proc is not None
+        code = c.proc.wait()
+        # Like a container's cgroup, the whole process group goes with its main process.
+        _signal_group(c.proc, signal.SIGKILL)
+        self.runner.untrack(c.proc.pid)
+        exit_code = code if code >= 0 else 128 - code
+        reason = "Completed" if code == 0 else ("Error" if code > 0 else "Killed")
+        c.terminated = {
+            "exitCode": exit_code,
+            "reason": reason,
+            "startedAt": c.started_at,
+            "finishedAt": now_iso(),
+            "containerID": f"local://{c.proc.pid}",
+        }
+        if code < 0:
+            c.terminated["signal"] = -code
+        c.last_terminated = c.terminated
+        c.ready = False
+        self.runner.record(
+            {
+                "namespace": self.ns,
+                "pod": self.pod_name,
+                "uid": self.uid,
+                "container": c.name,
+                "exitCode": exit_code,
+                "signal": signal.Signals(-code).name if code < 0 else None,
+                "sentSignal": c.kill_signal or None,
+                "runSeconds": round(time.monotonic() - c.started_mono, 3),
+            }
+        )
+        c.proc = None
+        return code
+
+    def _schedule_restart(self, c: Container) -> None:
+        c.restart_count += 1
+        delay = min(10.0, 0.5 * 2 ** min(c.restart_count, 5))
+        c.backoff_until = time.monotonic() + delay
+        c.terminated = None
+
+    # ---- probes ------------------------------------------------------------------------------
+    def _probe(self, c: Container) -> None:
+        now = time.monotonic()
+        order = ["startup"] if not c.started else ["readiness", "liveness"]
+        for kind in order:
+            p = c.probes.get(kind)
+            if p is None or now < p.next_at:
+                continue
+            ok = self._run_probe(c, p.spec)
+            p.next_at = now + p.spec.get("periodSeconds", 10)
+            if ok:
+                p.successes, p.failures = p.successes + 1, 0
+                if p.successes >= p.spec.get("successThreshold", 1):
+                    p.ok = True
+            else:
+                p.successes, p.failures = 0, p.failures + 1
+                if p.failures >= p.spec.get("failureThreshold", 3):
+                    p.ok = False
+            if kind == "startup":
+                if p.ok:
+                    c.started = True
+                    c.ready = "readiness" not in c.probes
+                elif p.failures >= p.spec.get("failureThreshold", 3):
+                    self._restart_unhealthy(c, "startup probe failed")
+                    return
+            elif kind == "readiness":
+                c.ready = p.ok
+            elif kind == "liveness" and p.failures >= p.spec.get("failureThreshold", 3):
+                self._restart_unhealthy(c, "liveness probe failed")
+                return
+
+    def _restart_unhealthy(self, c: Container, why: str) -> None:
+        log.info("pod %s/%s: %s: %s; killing", self.ns, self.pod_name, c.name, why)
+        grace = float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+        self._stop_containers([c], time.monotonic() + grace)
+
+    def _run_probe(self, c: Container, spec: Obj) -> bool:
+        timeout = float(spec.get("timeoutSeconds", 1))
+        try:
+            if "httpGet" in spec:
+                h = spec["httpGet"]
+                host = h.get("host") or self.ip
+                port = self._port(c, h["port"])
+                url = f"{h.get('scheme', 'HTTP').lower()}://{host}:{port}{h.get('path', '/')}"
+                headers = {x["name"]: x["value"] for x in h.get("httpHeaders", [])}
+                req = urllib.request.Request(url, headers=headers)
+                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+                with opener.open(req, timeout=timeout) as resp:
+                    return 200 <= resp.status < 400
+            if "tcpSocket" in spec:
+                t = spec["tcpSocket"]
+                with socket.create_connection(
+                    (t.get("host") or self.ip, self._port(c, t["port"])), timeout
+                ):
+                    return True
+            if "exec" in spec:
+                env = dict(os.environ)
+                env.update(self._env(c.spec))
+                res = subprocess.run(
+                    spec["exec"]["command"],
+                    env=env,
+                    timeout=timeout,
+                    capture_output=True,
+                    check=False,
+                )
+                return res.returncode == 0
+        except (OSError, ValueError, subprocess.TimeoutExpired, ApiError):
+            return False
+        return False
+
+    @staticmethod
+    def _port(c: Container, port: int | str) -> int:
+        if isinstance(port, int) or str(port).isdigit():
+            return int(port)
+        for p in c.spec.get("ports", []):
+            if p.get("name") == port:
+                return int(p["containerPort"])
+        raise ValueError(f"no container port named {port}")
+
+    # ---- termination -------------------------------------------------------------------------
+    def _terminate(self, pod: Obj) -> None:
+        """Graceful deletion: preStop, SIGTERM, wait up to the grace period, SIGKILL, remove."""
+        grace = pod["metadata"].get("deletionGracePeriodSeconds")
+        if grace is None:
+            grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        deadline = time.monotonic() + float(grace)
+        log.info("pod %s/%s: terminating (grace %ss)", self.ns, self.pod_name, grace)
+        running = [c for c in self.inits + self.containers if c.running]
+        for c in running:
+            c.ready = False
+        self._push_status()
+        self._stop_containers(running, deadline, pre_stop=True)
+        self._push_status()
+        try:
+            self.kube.delete(
+                self.path,
+                {
+                    "kind": "DeleteOptions",
+                    "apiVersion": "v1",
+                    "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": self.uid},
+                },
+            )
+        except ApiError as e:
+            if e.status not in (404, 409):
+                log.warning("pod %s/%s: final delete failed: %s", self.ns, self.pod_name, e)
+        log.info("pod %s/%s: removed", self.ns, self.pod_name)
+
+    def _stop_containers(
+        self, containers: list[Container], deadline: float, pre_stop: bool = False
+    ) -> None:
+        if pre_stop:
+            hooks = [
+                threading.Thread(target=self._pre_stop, args=(c, deadline), daemon=True)
+                for c in containers
+            ]
+            for t in hooks:
+                t.start()
+            for t in hooks:
+                t.join(max(0.0, deadline - time.monotonic()))
+        for c in containers:
+            if c.running:
+                c.kill_signal = "SIGTERM"
+                _signal_group(c.proc, signal.SIGTERM)  # type: ignore[arg-type]
+        while time.monotonic() < deadline and any(c.running for c in containers):
+            time.sleep(0.05)
+        for c in containers:
+            if c.running:
+                c.kill_signal = "SIGKILL"
+                _signal_group(c.proc, signal.SIGKILL)  # type: ignore[arg-type]
+        for c in containers:
+            if c.proc is not None:
+                code = self._reap(c)
+                policy = self.pod["spec"].get("restartPolicy", "Always")
+                if not pre_stop and (policy == "Always" or (policy == "OnFailure" and code != 0)):
+                    self._schedule_restart(c)
+
+    def _pre_stop(self, c: Container, deadline: float) -> None:
+        hook = c.spec.get("lifecycle", {}).get("preStop")
+        if not hook:
+            return
+        timeout = max(0.1, deadline - time.monotonic())
+        try:
+            if "exec" in hook:
+                env = dict(os.environ)
+                env.update(self._env(c.spec))
+                subprocess.run(
+                    hook["exec"]["command"],
+                    env=env,
+                    timeout=timeout,
+                    capture_output=True,
+                    check=False,
+                )
+            elif "httpGet" in hook:
+                h = hook["httpGet"]
+                host, port = h.get("host") or self.ip, self._port(c, h["port"])
+                url = f"http://{host}:{port}{h.get('path', '/')}"
+                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+                opener.open(url, timeout=timeout).close()
+            elif "sleep" in hook:
+                time.sleep(min(timeout, float(hook["sleep"]["seconds"])))
+        except (OSError, ValueError, subprocess.TimeoutExpired, ApiError) as e:
+            log.info("pod %s/%s: preStop of %s failed: %s", self.ns, self.pod_name, c.name, e)
+
+    def _kill_all(self, grace: float, reason: str) -> None:
+        procs = [c for c in self.inits + self.containers if c.running]
+        if procs:
+            log.info(
+                "pod %s/%s: stopping %d process(es): %s", self.ns, self.pod_name, len(procs), reason
+            )
+            self._stop_containers(procs, time.monotonic() + grace)
+
+    # ---- status ------------------------------------------------------------------------------
+    def _condition(self, ctype: str, ok: bool, reason: str = "", message: str = "") -> Obj:
+        status = "True" if ok else "False"
+        prev = self.transitions.get(ctype)
+        if prev is None or prev[0] != status:
+            self.transitions[ctype] = (status, now_iso())
+        cond: Obj = {
+            "type": ctype,
+            "status": status,
+            "lastTransitionTime": self.transitions[ctype][1],
+            "lastProbeTime": None,
+        }
+        # null deletes a stale reason/message in the strategic merge of the condition
+        cond["reason"] = reason or None
+        cond["message"] = message or None
+        return cond
+
+    def _container_status(self, c: Container) -> Obj:
+        st: Obj = {
+            "name": c.name,
+            "image": c.spec.get("image", ""),
+            "imageID": "",
+            "ready": c.ready and c.running,
+            "started": c.running and c.started,
+            "restartCount": c.restart_count,
+        }
+        if c.running:
+            st["state"] = {"running": {"startedAt": c.started_at}}
+            st["containerID"] = f"local://{c.proc.pid}"  # type: ignore[union-attr]
+        elif c.terminated is not None:
+            st["state"] = {"terminated": c.terminated}
+        else:
+            reason = "CrashLoopBackOff" if c.restart_count else "ContainerCreating"
+            st["state"] = {"waiting": {"reason": reason}}
+        if c.last_terminated is not None and c.restart_count:
+            st["lastState"] = {"terminated": c.last_terminated}
+        return st
+
+    def _push_status(self) -> None:
+        with self.lock:
+            pod = self.pod
+        gates = [g["conditionType"] for g in pod["spec"].get("readinessGates", [])]
+        current = {c["type"]: c for c in pod.get("status", {}).get("conditions", [])}
+        missing = [g for g in gates if current.get(g, {}).get("status") != "True"]
+        inits_done = all(
+            c.terminated is not None and c.terminated.get("exitCode") == 0 for c in self.inits
+        )
+        unready = [c.name for c in self.containers if not (c.ready and c.running)]
+        containers_ready = not unready
+        if unready:
+            reason, msg = (
+                "ContainersNotReady",
+                f"containers with unready status: [{' '.join(unready)}]",
+            )
+        elif missing:
+            reason = "ReadinessGatesNotReady"
+            msg = f"corresponding condition of pod readiness gate {missing[0]!r} is not True"
+        else:
+            reason, msg = "", ""
+        if self.phase in ("Succeeded", "Failed"):
+            reason = "PodCompleted"
+        conditions = [
+            self._condition("PodReadyToStartContainers", True),
+            self._condition(
+                "Initialized", inits_done, "" if inits_done else "ContainersNotInitialized"
+            ),
+            self._condition(
+                "ContainersReady",
+                containers_ready,
+                "" if containers_ready else reason,
+                "" if containers_ready else msg,
+            ),
+            self._condition("Ready", containers_ready and not missing, reason, msg),
+        ]
+        status: Obj = {
+            "phase": self.phase,
+            "podIP": self.ip,
+            "podIPs": [{"ip": self.ip}],
+            "hostIP": self.runner.host_ip,
+            "hostIPs": [{"ip": self.runner.host_ip}],
+            "startTime": self.start_time,
+            "qosClass": pod.get("status", {}).get("qosClass", "BestEffort"),
+            "conditions": conditions,
+            "containerStatuses": [self._container_status(c) for c in self.containers],
+        }
+        if self.inits:
+            status["initContainerStatuses"] = [self._container_status(c) for c in self.inits]
+        if status == self.last_status:
+            return
+        try:
+            self.kube.patch(self.path + "/status", {"status": status}, kind="strategic")
+            self.last_status = status
+        except ApiError as e:
+            if e.status == 404:
+                self.gone = True
+            else:
+                log.warning("pod %s/%s: status update failed: %s", self.ns, self.pod_name, e)
+        except OSError as e:
+            log.warning("pod %s/%s: status update failed: %s", self.ns, self.pod_name, e)
+
+
+def _decoded(obj: Obj, resource: str) -> dict[str, str]:
+    """String data of a ConfigMap or Secret (Secret values arrive base64-encoded)."""
+    if resource == "secrets":
+        return {k: base64.b64decode(v).decode() for k, v in obj.get("data", {}).items()}
+    return dict(obj.get("data") or {})
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the container's whole process group (it is its own session leader)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+class PodRunner:
+    """Registers nodes, watches their pods and runs one PodWorker per pod."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        nodes: list[str],
+        state_dir: Path,
+        pod_cidr: str | None = None,
+        gpus: int = 8,
+        labels: dict[str, str] | None = None,
+        keep_nodes: bool = False,
+    ) -> None:
+        self.kube = kube
+        self.nodes = nodes
+        self.state_dir = state_dir
+        self.gpus = gpus
+        self.labels = {POOL_LABEL: "local", "type": "local", **(labels or {})}
+        self.keep_nodes = keep_nodes
+        self.host_ip = "127.0.0.1"
+        net = ipaddress.ip_network(pod_cidr or f"127.{random.randint(2, 126)}.0.0/16")
+        if not net.subnet_of(ipaddress.ip_network("127.0.0.0/8")):
+            raise ValueError(f"pod CIDR {net} must be inside 127.0.0.0/8")
+        self.pod_net = net
+        self.runner_id = f"{os.getpid()}-{random.getrandbits(32):08x}"
+        self.started_at = now_iso()
+        self.stopping = threading.Event()
+        self.workers: dict[str, PodWorker] = {}
+        self.finished: set[str] = set()
+        self.ips: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.pids: set[int] = set()
+        self.events_file = state_dir / "events.jsonl"
+        self.threads: list[threading.Thread] = []
+
+    # ---- bookkeeping shared with workers -----------------------------------------------------
+    def allocate_ip(self, uid: str, current: str | None) -> str:
+        """A unique loopback IP per pod; reuses the pod's own IP after a runner restart."""
+        with self.lock:
+            if uid in self.ips:
+                return self.ips[uid]
+            used = set(self.ips.values())
+            if current and ipaddress.ip_address(current) in self.pod_net and current not in used:
+                ip = current
+            else:
+                ip = next(
+                    str(h)
+                    for h in self.pod_net.hosts()
+                    if str(h) not in used and not str(h).endswith(".0")
+                )
+            self.ips[uid] = ip
+            return ip
+
+    def release_ip(self, uid: str) -> None:
+        with self.lock:
+            self.ips.pop(uid, None)
+
+    def track(self, pid: int) -> None:
+        with self.lock:
+            self.pids.add(pid)
+            self._write_pids()
+
+    def untrack(self, pid: int) -> None:
+        with self.lock:
+            self.pids.discard(pid)
+            self._write_pids()
+
+    def _write_pids(self) -> None:
+        """Process groups still alive; the harness kills leftovers if the runner itself dies."""
+        tmp = self.state_dir / "pgids.tmp"
+        tmp.write_text("".join(f"{p}\n" for p in sorted(self.pids)))
+        tmp.replace(self.state_dir / "pgids")
+
+    def record(self, event: Obj) -> None:
+        event["time"] = now_iso()
+        with self.lock, open(self.events_file, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    # ---- nodes -------------------------------------------------------------------------------
+    def node_status(self) -> Obj:
+        now = now_iso()
+        res = {
+            "cpu": "16",
+            "memory": "64Gi",
+            "pods": "110",
+            "nvidia.com/gpu": str(self.gpus),
+            "ephemeral-storage": "100Gi",
+        }
+
+        def cond(t: str, ok: bool, reason: str, msg: str) -> Obj:
+            return {
+                "type": t,
+                "status": "True" if ok else "False",
+                "reason": reason,
+                "message": msg,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": self.started_at,  # the runner's conditions never flip
+            }
+
+        return {
+            "capacity": res,
+            "allocatable": res,
+            "addresses": [{"type": "InternalIP", "address": self.host_ip}],
+            "conditions": [
+                cond("MemoryPressure", False, "KubeletHasSufficientMemory", "podrunner"),
+                cond("DiskPressure", False, "KubeletHasNoDiskPressure", "podrunner"),
+                cond("PIDPressure", False, "KubeletHasSufficientPID", "podrunner"),
+                cond("Ready", True, "KubeletReady", "omnistage podrunner is posting ready status"),
+            ],
+            "nodeInfo": {
+                "architecture": "amd64",
+                "operatingSystem": "linux",
+                "kubeletVersion": "v0.0.0-omnistage-podrunner",
+                "containerRuntimeVersion": "local://podrunner",
+                "kernelVersion": os.uname().release,
+                "osImage": "local processes",
+                "bootID": self.runner_id,
+                "machineID": "",
+                "systemUUID": "",
+                "kubeProxyVersion": "",
+            },
+        }
+
+    def register_nodes(self) -> None:
+        for name in self.nodes:
+            labels = {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                **self.labels,
+            }
+            node = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": labels},
+                "status": self.node_status(),
+            }
+            path = resource_path("v1", "nodes")
+            try:
+                self.kube.create(path, node)
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+                self.kube.patch(
+                    resource_path("v1", "nodes", name=name), {"metadata": {"labels": labels}}
+                )
+            self.heartbeat(name)
+        log.info("registered nodes %s (pod CIDR %s)", ",".join(self.nodes), self.pod_net)
+
+    def heartbeat(self, name: str) -> None:
+        """Node Lease renewal plus a Ready status post, like a kubelet with leases enabled."""
+        self.kube.patch(
+            resource_path("v1", "nodes", name=name, subresource="status"),
+            {"status": self.node_status()},
+            kind="strategic",
+        )
+        lease_path = resource_path("coordination.k8s.io/v1", "leases", "kube-node-lease", name)
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        try:
+            self.kube.patch(
+                lease_path,
+                {"spec": {"renewTime": now, "holderIdentity": name, "leaseDurationSeconds": 40}},
+            )
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            node = self.kube.get(resource_path("v1", "nodes", name=name))
+            owner = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": name,
+                "uid": node["metadata"]["uid"],
+            }
+            lease = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {
+                    "name": name,
+                    "namespace": "kube-node-lease",
+                    "ownerReferences": [owner],
+                },
+                "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now},
+            }
+            self.kube.create(
+                resource_path("coordination.k8s.io/v1", "leases", "kube-node-lease"), lease
+            )
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping.wait(5.0):
+            for name in self.nodes:
+                try:
+                    self.heartbeat(name)
+                except (ApiError, OSError) as e:
+                    log.warning("heartbeat for %s failed: %s", name, e)
+
+    # ---- pods --------------------------------------------------------------------------------
+    def _watch_node(self, node: str) -> None:
+        """List+watch pods bound to ``node`` and hand each to its worker; relist on expiry."""
+        path = resource_path("v1", "pods")
+        selector = f"spec.nodeName={node}"
+        while not self.stopping.is_set():
+            try:
+                listing = self.kube.get(path, fieldSelector=selector)
+                seen = set()
+                for pod in listing.get("items", []):
+                    seen.add(pod["metadata"]["uid"])
+                    self._on_pod("ADDED", pod)
+                for uid, worker in list(self.workers.items()):
+                    if worker.pod["spec"].get("nodeName") == node and uid not in seen:
+                        worker.mark_gone()
+                rv = listing["metadata"]["resourceVersion"]
+                while not self.stopping.is_set():
+                    for etype, obj in self.kube.watch(
+                        path, self.stopping, rv, fieldSelector=selector
+                    ):
+                        if etype == "ERROR":
+                            raise _Relist(obj.get("message", "watch error"))
+                        rv = obj["metadata"].get("resourceVersion", rv)
+                        if etype != "BOOKMARK":
+                            self._on_pod(etype, obj)
+            except _Relist as e:
+                log.debug("relisting pods on %s: %s", node, e)
+            except (ApiError, OSError, ValueError) as e:
+                if not self.stopping.is_set():
+                    log.warning("pod watch on %s failed: %s; retrying", node, e)
+                    self.stopping.wait(1.0)
+            except Exception as e:  # urllib3 protocol errors and the like: keep the kubelet alive
+                if not self.stopping.is_set():
+                    log.warning("pod watch on %s broke: %r; retrying", node, e)
+                    self.stopping.wait(1.0)
+
+    def _on_pod(self, etype: str, pod: Obj) -> None:
+        uid = pod["metadata"]["uid"]
+        with self.lock:
+            worker = self.workers.get(uid)
+        if etype == "DELETED":
+            if worker is not None:
+                worker.mark_gone()
+            self.finished.discard(uid)
+            return
+        if worker is not None:
+            worker.update(pod)
+            return
+        phase = pod.get("status", {}).get("phase", "Pending")
+        done = uid in self.finished or phase in ("Succeeded", "Failed")
+        if done and pod["metadata"].get("deletionTimestamp"):
+            # Nothing runs any more: complete the deletion as a kubelet would.
+            self.finished.add(uid)
+            meta = pod["metadata"]
+            path = resource_path("v1", "pods", meta["namespace"], meta["name"])
+            body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+            with contextlib.suppress(ApiError, OSError):
+                self.kube.delete(path, body)
+            return
+        if done:
+            self.finished.add(uid)
+            return
+        worker = PodWorker(self, pod)
+        with self.lock:
+            self.workers[uid] = worker
+        worker.start()
+        threading.Thread(target=self._reap_worker, args=(worker,), daemon=True).start()
+
+    def _reap_worker(self, worker: PodWorker) -> None:
+        worker.done.wait()
+        with self.lock:
+            self.workers.pop(worker.uid, None)
+        if not worker.gone:
+            # Terminated or terminal: later events for this uid must not start it again.
+            self.finished.add(worker.uid)
+        self.release_ip(worker.uid)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "logs").mkdir(exist_ok=True)
+        self.register_nodes()
+        targets = [self._heartbeat_loop] + [lambda n=n: self._watch_node(n) for n in self.nodes]
+        for fn in targets:
+            t = threading.Thread(target=fn, daemon=True)
+            t.start()
+            self.threads.append(t)
+        (self.state_dir / "ready").write_text(self.runner_id + "\n")
+
+    def stop(self) -> None:
+        """Kill every pod process (SIGTERM, 2s, SIGKILL) and deregister the nodes."""
+        self.stopping.set()
+        with self.lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            w.wake.set()
+        for w in workers:
+            w.done.wait(10)
+        with self.lock:
+            leftover = set(self.pids)
+        for pid in leftover:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if not self.keep_nodes:
+            for name in self.nodes:
+                for path in (
+                    resource_path("coordination.k8s.io/v1", "leases", "kube-node-lease", name),
+                    resource_path("v1", "nodes", name=name),
+                ):
+                    with contextlib.suppress(ApiError, OSError):
+                        self.kube.delete_ignore_missing(path)
+        (self.state_dir / "ready").unlink(missing_ok=True)
+        log.info("podrunner stopped")
+
+
+class _Relist(Exception):
+    """The watch expired (410 Gone) or failed: list again."""
+
+
+def kill_leftovers(state_dir: Path) -> list[int]:
+    """Kill pod process groups a dead runner left behind (only groups carrying its marker env)."""
+    killed = []
+    pgids = state_dir / "pgids"
+    if not pgids.exists():
+        return killed
+    for line in pgids.read_text().split():
+        pid = int(line)
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if RUNNER_ENV.encode() + b"=" in environ:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
+
+
+def iter_events(state_dir: Path) -> Iterator[Obj]:
+    """Container termination records written by a runner (for test assertions)."""
+    path = state_dir / "events.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run pods bound to local nodes as processes.")
+    parser.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        required=not os.environ.get("KUBECONFIG"),
+    )
+    parser.add_argument("--nodes", default="local-0,local-1", help="comma-separated node names")
+    parser.add_argument("--state-dir", type=Path, required=True, help="logs, events, pgids")
+    parser.add_argument(
+        "--pod-cidr", default=None, help="loopback CIDR for pod IPs (default random 127.N.0.0/16)"
+    )
+    parser.add_argument("--gpus", type=int, default=8, help="nvidia.com/gpu capacity per node")
+    parser.add_argument("--label", action="append", default=[], help="extra node label k=v")
+    parser.add_argument("--keep-nodes", action="store_true", help="do not delete nodes on exit")
+    parser.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the parent process dies"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(threadName)s: %(message)s",
+    )
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
+    labels = dict(item.split("=", 1) for item in args.label)
+    runner = PodRunner(
+        Kube.from_kubeconfig(args.kubeconfig),
+        [n for n in args.nodes.split(",") if n],
+        args.state_dir.resolve(),
+        pod_cidr=args.pod_cidr,
+        gpus=args.gpus,
+        labels=labels,
+        keep_nodes=args.keep_nodes,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    kill_leftovers(runner.state_dir)
+    runner.start()
+    print(f"podrunner ready: nodes={','.join(runner.nodes)} cidr={runner.pod_net}", flush=True)
+    parent = os.getppid()
+    try:
+        # A killed test session must not leave pod processes behind: follow the parent.
+        while not stop.wait(1.0):
+            if args.exit_with_parent and os.getppid() != parent:
+                log.warning("parent %d died; stopping", parent)
+                break
+    finally:
+        runner.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""Kubernetes membership without a cluster: the pod -> replica mapping, the cache diffing, and the
+watcher thread's list/watch/410/stop behaviour against a fake API, plus the CLI glue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from omnistage import kube
+from omnistage.orchestrator.k8s_membership import (
+    KubernetesMembership,
+    Tracked,
+    apply_pod,
+    relist_changes,
+    replica_from_pod,
+)
+from omnistage.orchestrator.main import (
+    UsageError,
+    make_membership,
+    parse_replica,
+    read_pipeline,
+    serve_orchestrator,
+)
+from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
+
+PORT = 5555
+
+
+def pod(
+    name: str = "p-a-0",
+    stage: str | None = "a",
+    ip: str | None = "127.0.0.2",
+    ready: bool | None = True,
+    *,
+    uid: str | None = None,
+    phase: str = "Running",
+    deleting: bool = False,
+    draining: str | None = None,
+    rv: str = "1",
+) -> dict[str, Any]:
+    labels = {kube.LABEL_PIPELINE: "p", kube.LABEL_COMPONENT: "stage"}
+    if stage is not None:
+        labels[kube.LABEL_STAGE] = stage
+    meta: dict[str, Any] = {"name": name, "uid": uid or f"uid-{name}", "labels": labels,
+                            "resourceVersion": rv}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    if draining is not None:
+        meta["annotations"] = {kube.ANNOTATION_DRAINING: draining}
+    status: dict[str, Any] = {"phase": phase}
+    if ip:
+        status["podIP"] = ip
+    if ready is not None:
+        status["conditions"] = [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": kube.READINESS_GATE, "status": "True" if ready else "False"},
+            {"type": "Ready", "status": "True" if ready else "False"},
+        ]
+    return {"metadata": meta, "status": status}
+
+
+def ep(ip: str = "127.0.0.2") -> str:
+    return f"tcp://{ip}:{PORT}"
+
+
+# ---- replica_from_pod ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "deleted", "state"),
+    [
+        ({}, False, "ready"),
+        ({"ready": False}, False, "joining"),
+        ({"ready": None}, False, "joining"),  # no conditions yet
+        ({"ip": None}, False, None),  # not reachable yet: not a replica
+        ({"ip": None, "ready": False}, False, None),
+        ({"deleting": True}, False, "draining"),  # terminating: finish bound work only
+        ({"deleting": True, "ready": False}, False, "draining"),
+        ({"draining": "true"}, False, "draining"),
+        ({"draining": "True"}, False, "draining"),
+        ({"draining": "false"}, False, "ready"),
+        ({"draining": "true", "ready": False}, False, "draining"),
+        ({}, True, "gone"),
+        ({"ip": None}, True, "gone"),
+        ({"phase": "Succeeded"}, False, "gone"),
+        ({"phase": "Failed", "ready": False}, False, "gone"),
+        ({"phase": "Pending", "ready": False}, False, "joining"),
+        ({"stage": None}, False, None),  # not one of ours
+    ],
+)
+def test_replica_from_pod_truth_table(
+    kwargs: dict[str, Any], deleted: bool, state: str | None
+) -> None:
+    info = replica_from_pod(pod(**kwargs), PORT, deleted=deleted)
+    if state is None:
+        assert info is None
+        return
+    assert info is not None
+    assert (info.stage, info.name, info.state) == ("a", "p-a-0", state)
+    expected_ep = ep() if kwargs.get("ip", "x") else ""
+    assert info.endpoint == expected_ep
+    assert info.routable == (state == "ready")
+
+
+def test_replica_from_pod_port_and_ipv6() -> None:
+    assert replica_from_pod(pod(ip="10.1.2.3"), 7000).endpoint == "tcp://10.1.2.3:7000"  # type: ignore[union-attr]
+    assert replica_from_pod(pod(ip="fd00::5"), 7000).endpoint == "tcp://[fd00::5]:7000"  # type: ignore[union-attr]
+
+
+def test_replica_from_pod_tolerates_sparse_objects() -> None:
+    assert replica_from_pod({}, PORT) is None
+    assert replica_from_pod({"metadata": {"name": "x"}}, PORT) is None
+    bare = {"metadata": {"name": "x", "labels": {kube.LABEL_STAGE: "s"}},
+            "status": {"podIP": "127.0.0.9"}}
+    assert replica_from_pod(bare, PORT) == ReplicaInfo("s", "x", ep("127.0.0.9"), "joining")
+
+
+# ---- the cache: apply_pod and relist_changes -------------------------------------------------
+
+
+def test_apply_pod_reports_only_changes() -> None:
+    known: dict[str, Tracked] = {}
+    assert apply_pod(known, pod(ip=None, ready=False), PORT) == []  # no IP yet
+    assert apply_pod(known, pod(ready=False), PORT) == [ReplicaInfo("a", "p-a-0", ep(), "joining")]
+    assert apply_pod(known, pod(ready=False, rv="2"), PORT) == []  # nothing routing-relevant
+    assert apply_pod(known, pod(), PORT) == [ReplicaInfo("a", "p-a-0", ep(), "ready")]
+    assert apply_pod(known, pod(draining="true"), PORT) == [
+        ReplicaInfo("a", "p-a-0", ep(), "draining")]
+    assert apply_pod(known, pod(draining="true"), PORT, deleted=True) == [
+        ReplicaInfo("a", "p-a-0", ep(), "gone")]
+    assert known == {}
+    assert apply_pod(known, pod(), PORT, deleted=True) == []  # already gone: no repeat
+
+
+def test_apply_pod_replacement_with_same_name() -> None:
+    known: dict[str, Tracked] = {}
+    apply_pod(known, pod(uid="one"), PORT)
+    # The replacement reuses the name; even with the same IP the old instance is reported gone.
+    assert apply_pod(known, pod(uid="two", ready=False), PORT) == [
+        ReplicaInfo("a", "p-a-0", ep(), "gone"),
+        ReplicaInfo("a", "p-a-0", ep(), "joining"),
+    ]
+    # A late DELETED for the old instance does not remove the new one.
+    assert apply_pod(known, pod(uid="one"), PORT, deleted=True) == []
+    assert known["p-a-0"].uid == "two"
+    # Same uid, new IP (what a sandbox restart looks like): the new endpoint is reported.
+    assert apply_pod(known, pod(uid="two", ip="127.0.0.7"), PORT) == [
+        ReplicaInfo("a", "p-a-0", ep("127.0.0.7"), "ready")]
+
+
+def test_apply_pod_finished_pod_is_gone_and_forgotten() -> None:
+    known: dict[str, Tracked] = {}
+    apply_pod(known, pod(), PORT)
+    assert apply_pod(known, pod(phase="Failed"), PORT) == [ReplicaInfo("a", "p-a-0", ep(), "gone")]
+    assert known == {}
+
+
+def test_relist_diffs_against_known() -> None:
+    known: dict[str, Tracked] = {}
+    first = relist_changes(known, [pod("x-0"), pod("x-1", ready=False), pod("x-2", ip=None)], PORT)
+    assert [(i.name, i.state) for i in first] == [("x-0", "ready"), ("x-1", "joining")]
+    # While the watch was down: x-0 vanished, x-1 became ready, x-3 appeared, x-4 was replaced.
+    apply_pod(known, pod("x-4", uid="old"), PORT)
+    second = relist_changes(
+        known, [pod("x-1"), pod("x-2", ip=None), pod("x-3"), pod("x-4", uid="new")], PORT)
+    assert [(i.name, i.state) for i in second] == [
+        ("x-1", "ready"), ("x-3", "ready"), ("x-4", "gone"), ("x-4", "ready"), ("x-0", "gone")]
+    assert sorted(known) == ["x-1", "x-3", "x-4"]
+    # An identical relist reports nothing.
+    assert relist_changes(known, [pod("x-1"), pod("x-3"), pod("x-4", uid="new")], PORT) == []
+    # A pod that lost its IP (replaced before the new one got one) counts as gone.
+    assert [(i.name, i.state) for i in relist_changes(
+        known, [pod("x-1", uid="again", ip=None), pod("x-3"), pod("x-4", uid="new")], PORT)] == [
+        ("x-1", "gone")]
+    assert sorted(relist_changes(known, [], PORT), key=lambda i: i.name) == [
+        ReplicaInfo("a", "x-3", ep(), "gone"), ReplicaInfo("a", "x-4", ep(), "gone")]
+    assert known == {}
+
+
+# ---- the watcher thread against a fake API ---------------------------------------------------
+
+
+class FakeResp:
+    """A urllib3-like streaming response; `block` keeps it open until shutdown()/close()."""
+
+    def __init__(self, lines: list[dict[str, Any]] | None = None, body: Any = None,
+                 block: bool = False) -> None:
+        self.lines = lines or []
+        self.body = body
+        self.block = block
+        self.closed = threading.Event()
+
+    @property
+    def data(self) -> bytes:
+        return json.dumps(self.body).encode()
+
+    def stream(self, amt: Any = None, decode_content: bool = False) -> Any:
+        for line in self.lines:
+            text = json.dumps(line) + "\n"
+            mid = len(text) // 2  # chunk boundaries fall mid-line
+            yield text[:mid].encode()
+            yield text[mid:].encode()
+        if self.block:
+            self.closed.wait(30)
+            raise ConnectionError("connection shut down")
+
+    def shutdown(self) -> None:
+        self.closed.set()
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def release_conn(self) -> None:
+        pass
+
+
+class FakeApi:
+    """Scripted list and watch answers; an exhausted script watches forever (blocking)."""
+
+    def __init__(self, lists: list[list[dict[str, Any]]],
+                 watches: list[list[dict[str, Any]] | Exception]) -> None:
+        self.lists = lists
+        self.watches = watches
+        self.calls: list[dict[str, Any]] = []
+        self.open: list[FakeResp] = []
+
+    def list_namespaced_pod(self, namespace: str, **kw: Any) -> FakeResp:
+        self.calls.append({"namespace": namespace, **kw})
+        if not kw.get("watch"):
+            items = self.lists.pop(0)
+            return FakeResp(body={"metadata": {"resourceVersion": str(len(self.calls))},
+                                  "items": items})
+        if self.watches:
+            step = self.watches.pop(0)
+            if isinstance(step, Exception):
+                raise step
+            return FakeResp(lines=step)
+        resp = FakeResp(block=True)
+        self.open.append(resp)
+        return resp
+
+
+def ev(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+    return {"type": kind, "object": obj}
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+class ApiStatusError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+async def test_watcher_lists_watches_relists_and_stops() -> None:
+    expired = ev("ERROR", {"kind": "Status", "code": 410, "reason": "Expired"})
+    api = FakeApi(
+        lists=[[pod("x-0", ready=False), pod("x-1")], [pod("x-0", draining="true"), pod("x-2")]],
+        watches=[
+            [ev("MODIFIED", pod("x-0")), ev("BOOKMARK", {"metadata": {"resourceVersion": "9"}})],
+            [ev("ADDED", pod("x-1", rv="10"))],  # no change: not reported again
+            ApiStatusError(500),  # a reconnect with backoff, same resourceVersion
+            [expired],  # 410: relist, diffed against the cache
+        ],
+    )
+    seen: list[ReplicaInfo] = []
+    loop_thread = threading.get_ident()
+
+    def on_change(info: ReplicaInfo) -> None:
+        assert threading.get_ident() == loop_thread  # always from the event loop thread
+        seen.append(info)
+
+    m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.05))
+    await m.start(on_change)
+    # start() reports what the first list found before returning.
+    assert [(i.name, i.state) for i in seen] == [("x-0", "joining"), ("x-1", "ready")]
+    await until(lambda: len(api.open) == 1)
+    assert [(i.name, i.state) for i in seen[2:]] == [
+        ("x-0", "ready"), ("x-0", "draining"), ("x-2", "ready"), ("x-1", "gone")]
+    assert m.relists == 2
+    assert sorted(i.name for i in m.replicas) == ["x-0", "x-2"]
+    watches = [c for c in api.calls if c.get("watch")]
+    assert all(c["label_selector"] == kube.stage_selector("p") for c in api.calls)
+    assert [c["resource_version"] for c in watches[:4]] == ["1", "9", "10", "10"]
+    assert watches[0]["allow_watch_bookmarks"] is True
+    t0 = time.monotonic()
+    await m.stop()
+    assert time.monotonic() - t0 < 2, "stop must interrupt the blocked watch"
+    assert api.open[0].closed.is_set()
+
+
+async def test_resync_relists_and_reports_nothing_new() -> None:
+    api = FakeApi(lists=[[pod("x-0")], [pod("x-0")], [pod("x-0"), pod("x-1")]], watches=[])
+    seen: list[ReplicaInfo] = []
+    m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.05))
+    await m.start(seen.append)
+    await until(lambda: len(api.open) == 1)
+    m.resync()
+    await until(lambda: len(api.open) == 2 and m.relists == 2)
+    assert [(i.name, i.state) for i in seen] == [("x-0", "ready")]
+    m.resync()
+    await until(lambda: len(seen) == 2)
+    assert seen[1] == ReplicaInfo("a", "x-1", ep(), "ready")
+    await m.stop()
+
+
+async def test_initial_list_retries_then_fails() -> None:
+    class Broken:
+        calls = 0
+
+        def list_namespaced_pod(self, namespace: str, **kw: Any) -> Any:
+            Broken.calls += 1
+            raise ApiStatusError(403)
+
+    m = KubernetesMembership("ns", "p", api=Broken(), backoff=(0.01, 0.02), start_timeout=0.05)
+    with pytest.raises(ApiStatusError):
+        await m.start(lambda info: None)
+    assert Broken.calls >= 3
+    await m.stop()
+
+
+async def test_no_reports_after_stop() -> None:
+    api = FakeApi(lists=[[pod("x-0")]], watches=[])
+    seen: list[ReplicaInfo] = []
+    m = KubernetesMembership("ns", "p", api=api)
+    await m.start(seen.append)
+    await m.stop()
+    m._emit([ReplicaInfo("a", "late", ep(), "ready")])  # a straggling batch from the thread
+    await asyncio.sleep(0.05)
+    assert [i.name for i in seen] == ["x-0"]
+
+
+# ---- CLI glue --------------------------------------------------------------------------------
+
+MANIFEST = {
+    "apiVersion": "omnistage.io/v1alpha1",
+    "kind": "OmniPipeline",
+    "metadata": {"name": "echo"},
+    "spec": {"stages": [{"name": "a", "kind": "echo", "finalOutput": True}]},
+}
+
+
+def test_parse_replica() -> None:
+    assert parse_replica("a=echo-a-0@tcp://127.0.0.1:5555") == ReplicaInfo(
+        "a", "echo-a-0", "tcp://127.0.0.1:5555", "ready")
+    for bad in ["a=b", "echo-a-0@tcp://x:1", "a=@tcp://x:1", "a=b@http://x:1"]:
+        with pytest.raises(UsageError):
+            parse_replica(bad)
+
+
+def test_read_pipeline_from_env() -> None:
+    pipeline = read_pipeline(None, {kube.PIPELINE_ENV: json.dumps(MANIFEST)})
+    assert pipeline.metadata.name == "echo"
+    with pytest.raises(UsageError, match="no pipeline"):
+        read_pipeline(None, {})
+    with pytest.raises(UsageError, match="not valid JSON"):
+        read_pipeline(None, {kube.PIPELINE_ENV: "{"})
+
+
+def test_make_membership() -> None:
+    pipeline = read_pipeline(None, {kube.PIPELINE_ENV: json.dumps(MANIFEST)})
+    static = make_membership("static", pipeline, replicas=["a=r0@tcp://127.0.0.1:1"])
+    assert isinstance(static, StaticMembership)
+    assert [r.name for r in static.replicas] == ["r0"]
+    k8s = make_membership("kubernetes", pipeline, namespace="ns", zmq_port=6000)
+    assert isinstance(k8s, KubernetesMembership)
+    assert (k8s.namespace, k8s.selector, k8s.zmq_port) == (
+        "ns", kube.stage_selector("echo"), 6000)
+    with pytest.raises(UsageError):
+        make_membership("kubernetes", pipeline, replicas=["a=r0@tcp://127.0.0.1:1"])
+
+
+async def test_serve_orchestrator_starts_and_drains_on_stop() -> None:
+    pipeline = read_pipeline(None, {kube.PIPELINE_ENV: json.dumps(MANIFEST)})
+    before = signal.getsignal(signal.SIGINT)
+    stop = asyncio.Event()
+    urls: list[str] = []
+    task = asyncio.create_task(serve_orchestrator(
+        pipeline, StaticMembership(), "127.0.0.1", 0, stop=stop, on_ready=urls.append))
+    await until(lambda: bool(urls) or task.done(), 10)
+    assert urls and urls[0].startswith("http://127.0.0.1:")
+    stop.set()
+    assert await asyncio.wait_for(task, 10) == 0
+    assert signal.getsignal(signal.SIGINT) is before  # an embedding program keeps its handler
+
+
+async def test_watch_start_410_relists_at_once() -> None:
+    api = FakeApi(lists=[[pod("x-0")], [pod("x-1")]], watches=[ApiStatusError(410)])
+    seen: list[ReplicaInfo] = []
+    m = KubernetesMembership("ns", "p", api=api, backoff=(5.0, 5.0))  # no backoff on 410
+    await m.start(seen.append)
+    await until(lambda: len(seen) == 3, 2)
+    assert [(i.name, i.state) for i in seen] == [("x-0", "ready"), ("x-1", "ready"),
+                                                 ("x-0", "gone")]
+    await m.stop()
+
+
+def test_cli_usage_errors(monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    from omnistage.cli import main
+
+    monkeypatch.delenv(kube.PIPELINE_ENV, raising=False)
+    assert main(["orchestrator", "--membership", "static"]) == 2
+    assert "no pipeline" in capsys.readouterr().err
+    monkeypatch.setenv(kube.PIPELINE_ENV, json.dumps(MANIFEST))
+    assert main(["orchestrator", "--replica", "a=r@tcp://127.0.0.1:1"]) == 2
+    assert "only for --membership static" in capsys.readouterr().err
+    assert main(["orchestrator", "--membership", "static", "--replica", "bad"]) == 2
+    bad = dict(MANIFEST, spec={"stages": []})
+    monkeypatch.setenv(kube.PIPELINE_ENV, json.dumps(bad))
+    assert main(["orchestrator", "--membership", "static"]) == 2
+    assert "invalid pipeline" in capsys.readouterr().err
