@@ -10,7 +10,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from omnistage.spec import MAX_REPLICAS, Stage, _Model
+from omnistage.spec import (
+    DNS1035_LABEL_PATTERN,
+    MAX_REPLICAS,
+    PIPELINE_NAME_MAX,
+    Stage,
+    _Model,
+)
 
 GROUP = "omnistage.io"
 VERSION = "v1alpha1"
@@ -20,7 +26,11 @@ API_VERSION = f"{GROUP}/{VERSION}"
 class StagePoolSpec(_Model):
     """Desired replicas of one stage; written by the operator from its OmniPipeline."""
 
-    pipeline: str = Field(description="Name of the OmniPipeline this pool belongs to.")
+    pipeline: str = Field(
+        pattern=DNS1035_LABEL_PATTERN,
+        max_length=PIPELINE_NAME_MAX,
+        description="Name of the OmniPipeline this pool belongs to.",
+    )
     stage: Stage = Field(description="The stage, as resolved from the pipeline.")
     replicas: int = Field(
         1,

@@ -114,10 +114,11 @@ class _Model(BaseModel):
 
 
 def _number_to_str(value: Any) -> Any:
-    """YAML reads ``cpu: 1`` as an int; Kubernetes quantities are int-or-string."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int | float):
+    """YAML reads ``cpu: 1`` as an int; Kubernetes quantities are int-or-string.
+
+    Floats are left to fail: the API server refuses ``cpu: 0.5`` too, so write "500m" or "0.5".
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     return value
 
@@ -248,6 +249,7 @@ class Placement(_Model):
     )
     colocate_with: list[StageName] = Field(
         default_factory=list,
+        max_length=MAX_STAGES,
         description="Other stages whose replicas these replicas should share a node with "
         "(preferred pod affinity), for example to keep hidden states off the network.",
         json_schema_extra=_SET,
@@ -302,6 +304,7 @@ class Stage(_Model):
     )
     inputs: list[StageName] = Field(
         default_factory=list,
+        max_length=MAX_STAGES,
         description="Upstream stages whose outputs this stage consumes; it runs once all of them "
         "have produced output. Entry stages have none and receive the request itself.",
         json_schema_extra=_SET,
