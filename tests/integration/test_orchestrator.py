@@ -318,3 +318,28 @@ async def test_control_fan_out_and_error_propagation(launch) -> None:
     assert all(s["paused"] for s in woke.values())  # wake_up does not resume admission
     await orch.control("resume")
     assert (await handle.outcome()).status == "ok"
+
+
+async def test_stalled_replica_is_dropped_then_readmitted(launch) -> None:
+    pipe = pipeline("stall", [echo("a", final=True)])
+    orch, procs, _ = await launch(pipe, {"a": [(), ()]}, heartbeat_interval=0.2,
+                                  heartbeat_timeout=1.0)
+    victim = procs["a"][0]
+    victim.proc.send_signal(signal.SIGSTOP)  # alive but silent: heartbeats stop
+    try:
+        for _ in range(50):
+            if "stall-a-0" not in orch.pools["a"].replicas:
+                break
+            await asyncio.sleep(0.1)
+        assert "stall-a-0" not in orch.pools["a"].replicas and "stall-a-0" in orch.suspects
+        outs = [await collect(orch, PipelineRequest(prompt=str(i))) for i in range(4)]
+        assert {o.children[0].outputs["a"].replica for _, o in outs} == {"stall-a-1"}
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    for _ in range(50):  # it answers again: back in routing without a membership change
+        if "stall-a-0" in orch.pools["a"].replicas:
+            break
+        await asyncio.sleep(0.1)
+    assert "stall-a-0" in orch.pools["a"].replicas and not orch.suspects
+    _, out = await collect(orch, PipelineRequest(prompt="back", session="s"))
+    assert out.status == "ok"

@@ -137,6 +137,7 @@ class Orchestrator:
         self.pools = {s.name: StagePool(s.name) for s in self.spec.stages}
         self.requests: dict[str, _Request] = {}
         self.tasks: dict[str, _Task] = {}
+        self.suspects: dict[str, ReplicaInfo] = {}  # lost to heartbeats, still in membership
         self.accepting = False
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -185,6 +186,10 @@ class Orchestrator:
             with contextlib.suppress(asyncio.CancelledError):
                 await hb
         await self.membership.stop()
+        self.suspects.clear()
+        for pending in list(self._closing):
+            pending.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         for pool in self.pools.values():
             for replica in list(pool.replicas.values()):
                 await replica.channel.close()
@@ -201,10 +206,17 @@ class Orchestrator:
             log.warning("ignoring replica %s of unknown stage %r", info.name, info.stage)
             return
         current = pool.replicas.get(info.name)
+        suspect = self.suspects.get(info.name)
         if info.state == "gone":
+            self.suspects.pop(info.name, None)
             if current is not None:
                 self._lose(current, "replica left the membership")
             return
+        if suspect is not None:
+            if suspect.endpoint == info.endpoint:
+                self.suspects[info.name] = info  # still on probation: it missed heartbeats
+                return
+            self.suspects.pop(info.name, None)  # a new instance replaces the silent one
         if current is not None and current.info.endpoint != info.endpoint:
             self._lose(current, f"replaced by a new instance at {info.endpoint}")
             current = None
@@ -222,10 +234,19 @@ class Orchestrator:
         log.info("replica %s of stage %s joined at %s (%s)", info.name, info.stage,
                  info.endpoint, info.state)
 
-    def _lose(self, replica: Replica, reason: str) -> None:
-        """Remove a replica from routing and fail exactly the tasks bound to it."""
+    def _lose(self, replica: Replica, reason: str, *, probation: bool = False) -> None:
+        """Remove a replica from routing and fail exactly the tasks bound to it.
+
+        A replica lost to missed heartbeats goes on probation: membership still lists it, so
+        it is pinged on a fresh channel and re-admitted (as a new binding) once it answers.
+        """
         if not replica.alive:
             return
+        if probation:
+            self.suspects[replica.name] = replica.info
+            probe = asyncio.ensure_future(self._probe(replica.info))
+            self._closing.add(probe)
+            probe.add_done_callback(self._closing.discard)
         replica.alive = False
         self.counters["replicas_lost"] += 1
         self.pools[replica.info.stage].remove(replica.name)
@@ -249,6 +270,23 @@ class Orchestrator:
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
 
+    async def _probe(self, info: ReplicaInfo) -> None:
+        channel = ReplicaChannel(info.endpoint, name=f"probe-{info.name}", zctx=self._zctx)
+        try:
+            while self.suspects.get(info.name) is not None:
+                try:
+                    await channel.ping(timeout=self.heartbeat_timeout)
+                except (TimeoutError, ConnectionError):
+                    await asyncio.sleep(self.heartbeat_interval)
+                    continue
+                current = self.suspects.pop(info.name, None)
+                if current is not None:
+                    log.info("replica %s answers again: re-admitted", info.name)
+                    self._on_member(current)
+                return
+        finally:
+            await channel.close()
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
@@ -256,7 +294,8 @@ class Orchestrator:
             for pool in self.pools.values():
                 for replica in list(pool.replicas.values()):
                     if now - replica.last_seen > self.heartbeat_timeout:
-                        self._lose(replica, f"no heartbeat for {now - replica.last_seen:.1f}s")
+                        self._lose(replica, f"no heartbeat for {now - replica.last_seen:.1f}s",
+                                   probation=True)
                         continue
                     with contextlib.suppress(Exception):
                         replica.channel.send({"t": p.PING, "cid": f"hb-{next(_seq)}"})
