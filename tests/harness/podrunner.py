@@ -46,6 +46,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from tests.harness.kubeclient import ApiError, Kube, Obj, resource_path
 
 log = logging.getLogger("podrunner")
@@ -264,6 +266,48 @@ class PodWorker(threading.Thread):
                 env[name] = ""
         return env
 
+    def _service_account_env(self) -> dict[str, str]:
+        """In-cluster credentials, emulated: a kubeconfig holding the pod's own SA token.
+
+        A kubelet mounts a bound token at /var/run/secrets/...; here the process gets
+        KUBECONFIG pointing at a file with a TokenRequest token bound to this pod, so the API
+        server applies the service account's RBAC exactly as in a real cluster.
+        """
+        spec = self.pod.get("spec", {})
+        if spec.get("automountServiceAccountToken") is False:
+            return {}
+        sa = spec.get("serviceAccountName") or "default"
+        meta = self.pod["metadata"]
+        req = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 3600 * 6,
+                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
+                                   "uid": meta["uid"]},
+            },
+        }
+        path = resource_path("v1", "serviceaccounts", self.ns, sa) + "/token"
+        token = self.kube.create(path, req)["status"]["token"]
+        cfg = self.kube.config
+        cluster: Obj = {"server": cfg.server}
+        if cfg.ca_file:
+            cluster["certificate-authority"] = cfg.ca_file
+        if cfg.insecure:
+            cluster["insecure-skip-tls-verify"] = True
+        doc = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "pod",
+            "clusters": [{"name": "local", "cluster": cluster}],
+            "users": [{"name": sa, "user": {"token": token}}],
+            "contexts": [{"name": "pod", "context": {"cluster": "local", "user": sa,
+                                                     "namespace": self.ns}}],
+        }
+        out = self.runner.state_dir / "pods" / self.uid / "serviceaccount.kubeconfig"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(yaml.safe_dump(doc))
+        out.chmod(0o600)
+        return {"KUBECONFIG": str(out)}
+
     def _pod_with_ip(self) -> Obj:
         pod = dict(self.pod)
         status = dict(pod.get("status", {}))
@@ -322,6 +366,13 @@ class PodWorker(threading.Thread):
         args = [expand_vars(a, env) for a in spec.get("args", [])]
         argv = (command + args) or PAUSE_CMD
         proc_env = dict(os.environ)
+        proc_env.pop("KUBECONFIG", None)  # a pod sees the API only as its service account
+        try:
+            proc_env.update(self._service_account_env())
+        except (ApiError, OSError) as e:
+            log.warning("pod %s/%s: no service-account token: %s", self.ns, self.pod_name, e)
+            c.backoff_until = time.monotonic() + 2.0
+            return
         proc_env.update(env)
         proc_env.setdefault("HOSTNAME", self.pod_name)
         proc_env[RUNNER_ENV] = self.runner.runner_id
