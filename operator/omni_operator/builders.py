@@ -13,6 +13,7 @@ from omni_operator.models import API_VERSION
 from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
 from omnistage.spec import OmniPipeline, Stage
+from omnistage.tuning import worker_env
 
 Obj = dict[str, Any]
 
@@ -60,6 +61,7 @@ def _downward_env() -> list[Obj]:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "HOME", "value": "/tmp"},
+        *({"name": k, "value": v} for k, v in worker_env({}).items()),
     ]
 
 

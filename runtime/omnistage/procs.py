@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omnistage.tuning import worker_env
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -126,6 +128,6 @@ def spawn_worker(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, preexec_fn=_child_setup,
+            env={**os.environ, **worker_env(), **(env or {})}, preexec_fn=_child_setup,
         )
     return WorkerProcess(name, proc, log_path, port_file)
