@@ -147,8 +147,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _meta(oname, ns, olabels, owner),
-        # Exactly what a Pod watch needs: the orchestrator's membership reads stage Pods.
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        # Exactly what a Pod watch needs: the orchestrator's membership lists and watches Pods.
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
     }
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",

@@ -118,7 +118,7 @@ def test_apply_creates_pools_pods_orchestrator_and_reaches_ready(
         assert ref["uid"] == uid and ref["controller"] is True
     role = get(kube, namespace, "role", "t2i-orchestrator")
     assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}
     ]
     by_name = {p["metadata"]["name"]: p for p in stage_pods(kube, namespace, "t2i")}
     assert sorted(by_name) == ["t2i-enc-0", "t2i-enc-1", "t2i-img-0"]
@@ -258,6 +258,12 @@ def test_resync_of_unchanged_world_makes_no_writes(
 ) -> None:
     apply(kube, namespace, kwok_pipeline("idle", [stage("a", final=True, replicas=2)]))
     wait_ready(kube, namespace, "idle", operator)
+
+    def quiet() -> bool:  # other tests' namespaces finish tearing down first
+        out = kube.kubectl("get", "ns", "-o", "jsonpath={.items[*].status.phase}").stdout
+        return "Terminating" not in out
+
+    wait_for(quiet, 180, "no terminating namespaces")
     time.sleep(2)  # let the last status writes land and echo back
     before = operator.metrics()
     time.sleep(operator.resync * 3 + 1)

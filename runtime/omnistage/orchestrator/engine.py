@@ -431,12 +431,10 @@ class Orchestrator:
             params["prompt"] = upstream.get("text", req.prompt)
         elif kind != "diffusion":
             params["prompt"] = req.prompt
-        if kind == "ar":
-            # Hidden states are only worth computing and sending when this request consumes them.
-            params["return_hidden_states"] = any(
-                self.kinds[d] == "diffusion" and task.stage in self.inputs[d]
-                for d in request.order
-            )
+        if kind == "ar" and any(
+            self.kinds[d] == "diffusion" and task.stage in self.inputs[d] for d in request.order
+        ):
+            params["return_hidden_states"] = True  # a diffusion stage of this request needs them
         final = task.stage in request.finals and not task.companion
         params["stream"] = req.stream and final and kind != "diffusion"
         return params

@@ -530,7 +530,9 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline) -> ChatCall:
     session = _opt_text(body, "user")
     ignored = sorted(k for k in body if k not in _CHAT_CONSUMED)
     request = rq.PipelineRequest(
-        prompt=render_chat_prompt(messages), params={stage: params}, n=n, stream=stream,
+        # Chat returns text only: don't compute or ship hidden states a stage may be set to emit.
+        prompt=render_chat_prompt(messages),
+        params={stage: {**params, "return_hidden_states": False}}, n=n, stream=stream,
         session=session or None, finals=[stage],
     )
     return ChatCall(request, stage, model, include_usage, ignored)
