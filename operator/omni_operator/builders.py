@@ -88,7 +88,7 @@ def _http_probe(path: str, port: int, period: int, failures: int) -> Obj:
         "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
         "failureThreshold": failures,
-        "timeoutSeconds": 2,
+        "timeoutSeconds": 5,  # a busy CPU replica must not flap out of routing
     }
 
 
@@ -282,7 +282,7 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
                 # the startup probe allows 30 minutes before liveness starts counting.
                 "startupProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 5, 360),
                 "livenessProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 10, 3),
-                "readinessProbe": _http_probe("/readyz", kube.WORKER_HTTP_PORT, 2, 2),
+                "readinessProbe": _http_probe("/readyz", kube.WORKER_HTTP_PORT, 2, 3),
                 "resources": {"requests": requests, "limits": limits},
                 "securityContext": _container_security(),
                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
@@ -325,8 +325,12 @@ def pool_pdb(pool: Obj) -> Obj:
             "labels": dict(meta.get("labels") or {}),
             "ownerReferences": [owner_ref(pool)],
         },
+        # An integer minAvailable, not maxUnavailable: for pods of a custom controller the
+        # disruption controller resolves maxUnavailable through the owner's scale subresource,
+        # which fails until its discovery cache learns the CRD. minAvailable needs no lookup.
         "spec": {
-            "maxUnavailable": stage.max_unavailable,
+            "minAvailable": max(0, int(pool["spec"].get("replicas", 0)) - stage.max_unavailable),
+            "maxUnavailable": None,  # merge-patch away the form older operators wrote
             "selector": {"matchLabels": {kube.LABEL_POOL: meta["name"]}},
         },
     }

@@ -332,7 +332,8 @@ class Stage(_Model):
         1,
         ge=0,
         le=MAX_REPLICAS,
-        description="PodDisruptionBudget maxUnavailable for this stage's replicas.",
+        description="Replicas that may be down at once for voluntary disruptions (kubectl drain, "
+        "rollouts); the pool's PodDisruptionBudget gets minAvailable = replicas - maxUnavailable.",
     )
 
     @field_validator("model")

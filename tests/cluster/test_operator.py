@@ -141,7 +141,8 @@ def test_apply_creates_pools_pods_orchestrator_and_reaches_ready(
         env = {e["name"]: e.get("valueFrom") for e in probes["env"]}
         assert env["POD_IP"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
         assert env["POD_NAME"]["fieldRef"]["fieldPath"] == "metadata.name"
-    assert get(kube, namespace, "pdb", "t2i-enc")["spec"]["maxUnavailable"] == 1
+    # maxUnavailable 1 of 2 replicas, as an integer minAvailable (no scale lookup needed)
+    assert get(kube, namespace, "pdb", "t2i-enc")["spec"]["minAvailable"] == 1
     img = by_name["t2i-img-0"]
     [term] = img["spec"]["affinity"]["podAffinity"][
         "preferredDuringSchedulingIgnoredDuringExecution"]

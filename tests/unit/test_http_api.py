@@ -253,7 +253,8 @@ def test_parse_chat_builds_the_pipeline_request() -> None:
     req = call.request
     assert call.stage == "encoder" and req.finals == ["encoder"]
     assert req.params == {"encoder": {"max_tokens": 7, "temperature": 0.5,
-                                      "seed": 2**63 - 1, "ignore_eos": True}}
+                                      "seed": 2**63 - 1, "ignore_eos": True,
+                                      "return_hidden_states": False}}
     assert (req.n, req.stream, req.session) == (3, True, "alice")
     assert req.prompt == "<|system|>\nbe brief\n<|user|>\na\nb\n<|assistant|>\n"
     assert call.include_usage and call.model == "text-to-image"
@@ -262,7 +263,8 @@ def test_parse_chat_builds_the_pipeline_request() -> None:
 
 def test_parse_chat_defaults_leave_stage_defaults_alone() -> None:
     call = h.parse_chat({"messages": [{"role": "user", "content": "x"}]}, CHAT)
-    assert call.request.params == {"llm": {}}
+    # Only hidden states are switched off (chat returns text); the rest stays stage defaults.
+    assert call.request.params == {"llm": {"return_hidden_states": False}}
     assert (call.request.n, call.request.stream, call.request.session) == (1, False, None)
     assert call.model == "chat"
 
