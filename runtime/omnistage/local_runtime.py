@@ -19,14 +19,12 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
-from omnistage.procs import StartupError, WorkerProcess, spawn_worker
+from omnistage.procs import StartupError, WorkerProcess, http_ok, spawn_worker
 from omnistage.spec import OmniPipeline, Stage
 
 __all__ = [
@@ -239,7 +237,7 @@ class LocalStageRuntime:
                 if not w.http and w.port_file.exists():
                     info = json.loads(w.port_file.read_text())
                     w.zmq, w.http = info["zmq"], info["http"]
-                if w.http and _http_ok(w.http + "/readyz"):
+                if w.http and http_ok(w.http + "/readyz"):
                     pending.remove(rep)
                     done += 1
                     self._publish(rep, "ready")
@@ -264,7 +262,7 @@ class LocalStageRuntime:
         with self._lock:
             reps = list(self.replicas.values())
         for rep in reps:
-            _killpg(rep.worker)
+            rep.worker.kill()
         for rep in reps:
             rep.worker.proc.wait()
             if rep.state != "joining":
@@ -339,7 +337,7 @@ class LocalStageRuntime:
                 except subprocess.TimeoutExpired:
                     self.progress(f"replica {rep.plan.name} did not exit within {grace:.0f}s; "
                                   "killing it")
-                _killpg(rep.worker)  # also reaps stragglers left in its process group
+                rep.worker.kill()  # also reaps stragglers left in its process group
                 self._publish(rep, "gone")
             if self._watcher is not None:
                 self._watcher.join(timeout=5)
@@ -351,20 +349,3 @@ class LocalStageRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _killpg(worker: WorkerProcess) -> None:
-    """SIGKILL the worker's whole process group (it is the group leader) and reap it."""
-    try:
-        os.killpg(worker.proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    worker.proc.wait()
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False

@@ -73,7 +73,7 @@ class WorkerProcess:
             if not self.http and self.port_file.exists():
                 info = json.loads(self.port_file.read_text())
                 self.zmq, self.http = info["zmq"], info["http"]
-            if self.http and _http_ok(self.http + "/readyz"):
+            if self.http and http_ok(self.http + "/readyz"):
                 return
             if progress and time.monotonic() - last_note > 5:
                 progress(f"waiting for {self.name} to load its model...")
@@ -95,14 +95,15 @@ class WorkerProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """SIGKILL the worker's whole process group (it is the group leader) and reap it."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as resp:
             return resp.status == 200

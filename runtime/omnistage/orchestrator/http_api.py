@@ -511,12 +511,8 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline) -> ChatCall:
         max_tokens = max_completion
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
-    temperature = _opt_number(body, "temperature", 0.0, MAX_TEMPERATURE)
-    if temperature is not None:
-        params["temperature"] = temperature
-    seed = _opt_int(body, "seed", 0, MAX_SEED)
-    if seed is not None:
-        params["seed"] = seed
+    _put(params, "temperature", _opt_number(body, "temperature", 0.0, MAX_TEMPERATURE))
+    _put(params, "seed", _opt_int(body, "seed", 0, MAX_SEED))
     if _opt_bool(body, "ignore_eos"):
         params["ignore_eos"] = True
     n = _opt_int(body, "n", 1, MAX_N_CHAT) or 1
@@ -677,6 +673,12 @@ def image_stages(pipeline: OmniPipeline) -> list[str]:
     return diffusion[-1:]
 
 
+def _put(params: dict[str, Any], key: str, value: Any) -> None:
+    """Set a stage parameter only when the client gave it: absent means the stage default."""
+    if value is not None:
+        params[key] = value
+
+
 def parse_size(value: Any) -> tuple[int, int] | None:
     """'WxH' -> (width, height); 'auto' or null -> None (the stage's defaults)."""
     if value is None or value == "auto":
@@ -727,15 +729,9 @@ def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline) -> ImagesCall:
     params: dict[str, Any] = {}
     if size is not None:
         params["width"], params["height"] = size
-    steps = _opt_int(body, "num_inference_steps", 1, MAX_STEPS)
-    if steps is not None:
-        params["num_inference_steps"] = steps
-    guidance = _opt_number(body, "guidance_scale", 0.0, MAX_GUIDANCE)
-    if guidance is not None:
-        params["guidance_scale"] = guidance
-    seed = _opt_int(body, "seed", 0, MAX_SEED)
-    if seed is not None:
-        params["seed"] = seed
+    _put(params, "num_inference_steps", _opt_int(body, "num_inference_steps", 1, MAX_STEPS))
+    _put(params, "guidance_scale", _opt_number(body, "guidance_scale", 0.0, MAX_GUIDANCE))
+    _put(params, "seed", _opt_int(body, "seed", 0, MAX_SEED))
     session = _opt_text(body, "user")
     ignored = sorted(k for k in body if k not in _IMAGES_CONSUMED)
     request = rq.PipelineRequest(
