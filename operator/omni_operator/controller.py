@@ -29,6 +29,32 @@ log = logging.getLogger("omnistage.operator")
 Obj = dict[str, Any]
 Key = tuple[str, str, str]  # (kind, namespace, name)
 FINALIZER = "omnistage.io/ordered-shutdown"
+CHILD_KINDS = (
+    "ConfigMap",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "Service",
+    "PodDisruptionBudget",
+)
+# What prime() lists before reconciling: (kind, apiVersion, collection path, label selector).
+_PRIME = [
+    ("OmniPipeline", "omnistage.io/v1alpha1", "/apis/omnistage.io/v1alpha1/omnipipelines", None),
+    ("StagePool", "omnistage.io/v1alpha1", "/apis/omnistage.io/v1alpha1/stagepools", None),
+    ("Deployment", "apps/v1", "/apis/apps/v1/deployments", "managed"),
+    ("Pod", "v1", "/api/v1/pods", "managed"),
+    ("ConfigMap", "v1", "/api/v1/configmaps", "managed"),
+    ("ServiceAccount", "v1", "/api/v1/serviceaccounts", "managed"),
+    ("Service", "v1", "/api/v1/services", "managed"),
+    ("Role", "rbac.authorization.k8s.io/v1", "/apis/rbac.authorization.k8s.io/v1/roles", "managed"),
+    (
+        "RoleBinding",
+        "rbac.authorization.k8s.io/v1",
+        "/apis/rbac.authorization.k8s.io/v1/rolebindings",
+        "managed",
+    ),
+    ("PodDisruptionBudget", "policy/v1", "/apis/policy/v1/poddisruptionbudgets", "managed"),
+]
 
 
 def now_iso() -> str:
@@ -40,12 +66,16 @@ def subset(want: Any, have: Any) -> bool:
     if isinstance(want, dict):
         return isinstance(have, dict) and all(subset(v, have.get(k)) for k, v in want.items())
     if isinstance(want, list):
-        return (isinstance(have, list) and len(want) == len(have)
-                and all(subset(w, h) for w, h in zip(want, have, strict=True)))
+        return (
+            isinstance(have, list)
+            and len(want) == len(have)
+            and all(subset(w, h) for w, h in zip(want, have, strict=True))
+        )
     if isinstance(want, int | float) and isinstance(have, int | float):
         return want == have
-    return want == have or (want is not None and str(want) == str(have)
-                            and not isinstance(want, bool))
+    return want == have or (
+        want is not None and str(want) == str(have) and not isinstance(want, bool)
+    )
 
 
 def _meta_key(obj: Obj) -> tuple[str, str]:
@@ -59,6 +89,8 @@ class Controller:
         self.pipelines: dict[tuple[str, str], Obj] = {}
         self.pools: dict[tuple[str, str], Obj] = {}
         self.deployments: dict[tuple[str, str], Obj] = {}
+        # Other owned children (ConfigMap, Service, RBAC, PDB), so resyncs read no API.
+        self.children: dict[tuple[str, str, str], Obj] = {}
         self.pods: dict[tuple[str, str], dict[str, Obj]] = {}  # (ns, pool or orch) -> pods
         self._queue: asyncio.Queue[Key] = asyncio.Queue()
         self._queued: set[Key] = set()
@@ -89,6 +121,17 @@ class Controller:
                 self.enqueue(("OmniPipeline", key[0], pipeline))
         elif kind == "Pod":
             self._observe_pod(obj, gone)
+        elif kind in CHILD_KINDS:
+            ckey = (kind, *key)
+            if gone:
+                self.children.pop(ckey, None)
+            else:
+                self.children[ckey] = obj
+            lbls = obj["metadata"].get("labels") or {}
+            if gone and lbls.get(kube.LABEL_POOL) and kind == "PodDisruptionBudget":
+                self.enqueue(("StagePool", key[0], lbls[kube.LABEL_POOL]))
+            elif gone and lbls.get(kube.LABEL_PIPELINE):
+                self.enqueue(("OmniPipeline", key[0], lbls[kube.LABEL_PIPELINE]))
 
     def _observe_pod(self, pod: Obj, gone: bool) -> None:
         meta = pod["metadata"]
@@ -96,7 +139,8 @@ class Controller:
         ns = meta["namespace"]
         group = lbls.get(kube.LABEL_POOL) or (
             builders.orchestrator_name(lbls.get(kube.LABEL_PIPELINE, ""))
-            if lbls.get(kube.LABEL_COMPONENT) == "orchestrator" else None
+            if lbls.get(kube.LABEL_COMPONENT) == "orchestrator"
+            else None
         )
         if not group:
             return
@@ -117,16 +161,24 @@ class Controller:
         if uid in self._retired:
             self._retired.discard(uid)
             return
-        pool = self.pools.get((pod["metadata"]["namespace"],
-                               pod["metadata"]["labels"][kube.LABEL_POOL]))
+        pool = self.pools.get(
+            (pod["metadata"]["namespace"], pod["metadata"]["labels"][kube.LABEL_POOL])
+        )
         if pool is not None and not pool["metadata"].get("deletionTimestamp"):
-            self._spawn(self.event(pool, "Warning", "ReplicaLost",
-                                   f"replica {pod['metadata']['name']} disappeared; replacing it "
-                                   "under the same name"))
+            self._spawn(
+                self.event(
+                    pool,
+                    "Warning",
+                    "ReplicaLost",
+                    f"replica {pod['metadata']['name']} disappeared; replacing it "
+                    "under the same name",
+                )
+            )
 
     @staticmethod
-    def _store(table: dict[tuple[str, str], Obj], key: tuple[str, str], obj: Obj,
-               gone: bool) -> None:
+    def _store(
+        table: dict[tuple[str, str], Obj], key: tuple[str, str], obj: Obj, gone: bool
+    ) -> None:
         if gone:
             table.pop(key, None)
         else:
@@ -143,6 +195,44 @@ class Controller:
 
     def enqueue_later(self, key: Key, delay: float) -> None:
         asyncio.get_running_loop().call_later(delay, self.enqueue, key)
+
+    async def prime(self, namespaces: list[str] | None = None) -> None:
+        """Fill the view with one list per kind before any reconcile runs.
+
+        Without it a restarted operator reconciles pools before the Pod watch has listed their
+        pods, sees every replica missing and writes (409s, status flaps) for nothing.
+        """
+        managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
+        for kind, api_version, collection, selector in _PRIME:
+            paths = (
+                [collection]
+                if not namespaces
+                else [
+                    collection.replace(
+                        collection.rsplit("/", 1)[1],
+                        f"namespaces/{ns}/{collection.rsplit('/', 1)[1]}",
+                    )
+                    for ns in namespaces
+                ]
+            )
+            for url in paths:
+                for item in await self._list_patiently(url, managed if selector else None):
+                    item.setdefault("kind", kind)
+                    item.setdefault("apiVersion", api_version)
+                    self.observe(kind, None, item)
+
+    async def _list_patiently(self, url: str, selector: str | None,
+                              timeout: float = 120.0) -> list[Obj]:
+        """A list that waits out an API server still coming up or a CRD not served yet."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                return await self.api.list(url, selector)
+            except ApiError as exc:
+                if exc.status not in (404, 429, 500, 503) or time.monotonic() > end:
+                    raise
+                log.info("waiting to list %s: %s", url, exc)
+                await asyncio.sleep(1.0)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._workers)]
@@ -212,9 +302,13 @@ class Controller:
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
-                               "name": meta["name"], "namespace": meta["namespace"],
-                               "uid": meta.get("uid")},
+            "involvedObject": {
+                "apiVersion": obj["apiVersion"],
+                "kind": obj["kind"],
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
             "type": etype,
             "reason": reason,
             "message": message[:1000],
@@ -231,8 +325,12 @@ class Controller:
 
     # ---- apply helpers ---------------------------------------------------------------------
 
-    async def ensure(self, desired: Obj, current: Obj | None,
-                     on_create: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def ensure(
+        self,
+        desired: Obj,
+        current: Obj | None,
+        on_create: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """Create if missing, patch only the managed fields that differ, else do nothing."""
         if current is None:
             created = await self.api.create(desired)
@@ -241,8 +339,9 @@ class Controller:
             return
         managed = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
         meta = desired["metadata"]
-        managed["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences")
-                               if k in meta}
+        managed["metadata"] = {
+            k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta
+        }
         if not subset(managed, current):
             ns, name = meta["namespace"], meta["name"]
             await self.api.patch(path(desired["kind"], ns, name), managed)
@@ -263,24 +362,31 @@ class Controller:
         try:
             pipeline = parse_pipeline(obj)
         except SpecError as exc:
-            status = {"observedGeneration": obj["metadata"].get("generation", 0),
-                      "phase": "Failed"}
+            status = {"observedGeneration": obj["metadata"].get("generation", 0), "phase": "Failed"}
             await self.patch_status(obj, status)
-            await self.event(obj, "Warning", "InvalidSpec", str(exc))
+            self._spawn(self.event(obj, "Warning", "InvalidSpec", str(exc)))
             return
         finalizers = list(obj["metadata"].get("finalizers") or [])
         if FINALIZER not in finalizers:
-            await self.api.patch(path("OmniPipeline", ns, name),
-                                 {"metadata": {"finalizers": [*finalizers, FINALIZER]}})
+            await self.api.patch(
+                path("OmniPipeline", ns, name),
+                {"metadata": {"finalizers": [*finalizers, FINALIZER]}},
+            )
         for child in builders.pipeline_children(obj, pipeline):
             await self._ensure_child(obj, child)
         await self._prune_pools(pipeline, ns)
-        pools = {s.name: self.pools.get((ns, kube.pool_name(name, s.name)))
-                 for s in pipeline.spec.stages}
+        pools = {
+            s.name: self.pools.get((ns, kube.pool_name(name, s.name))) for s in pipeline.spec.stages
+        }
         deployment = self.deployments.get((ns, builders.orchestrator_name(name)))
         status = pipeline_status(
-            obj, [s.name for s in pipeline.spec.stages], pools, deployment,
-            pipeline.spec.orchestrator.replicas, builders.endpoint(pipeline, ns), now_iso(),
+            obj,
+            [s.name for s in pipeline.spec.stages],
+            pools,
+            deployment,
+            pipeline.spec.orchestrator.replicas,
+            builders.endpoint(pipeline, ns),
+            now_iso(),
         )
         await self.patch_status(obj, status)
 
@@ -288,27 +394,38 @@ class Controller:
         kind, meta = child["kind"], child["metadata"]
         key = (meta["namespace"], meta["name"])
         if kind == "StagePool":
-            current = self.pools.get(key) or await self.api.get(path(kind, *key))
+            current = self.pools.get(key)
             if current is not None:
                 seed = (current["metadata"].get("annotations") or {}).get(
-                    builders.ANNOTATION_SEED_REPLICAS)
+                    builders.ANNOTATION_SEED_REPLICAS
+                )
                 if seed == str(child["spec"]["replicas"]):
                     # The pipeline did not change this stage's replicas: keep `kubectl scale`.
-                    child = {**child, "spec": {k: v for k, v in child["spec"].items()
-                                               if k != "replicas"}}
+                    child = {
+                        **child,
+                        "spec": {k: v for k, v in child["spec"].items() if k != "replicas"},
+                    }
                 elif current["spec"].get("replicas") != child["spec"]["replicas"]:
-                    await self.event(owner, "Normal", "Scaled",
-                                     f"stage {child['spec']['stage']['name']}: replicas "
-                                     f"{current['spec'].get('replicas')} -> "
-                                     f"{child['spec']['replicas']}")
+                    self._spawn(
+                        self.event(
+                            owner,
+                            "Normal",
+                            "Scaled",
+                            f"stage {child['spec']['stage']['name']}: replicas "
+                            f"{current['spec'].get('replicas')} -> "
+                            f"{child['spec']['replicas']}",
+                        )
+                    )
         elif kind == "Deployment":
-            current = self.deployments.get(key) or await self.api.get(path(kind, *key))
+            current = self.deployments.get(key)
         else:
-            current = await self.api.get(path(kind, *key))
+            current = self.children.get((kind, *key))
 
         async def created() -> None:
             if kind in ("StagePool", "Deployment"):
-                await self.event(owner, "Normal", "Created", f"created {kind} {meta['name']}")
+                self._spawn(
+                    self.event(owner, "Normal", "Created", f"created {kind} {meta['name']}")
+                )
 
         await self.ensure(child, current, created)
 
@@ -333,18 +450,23 @@ class Controller:
         if self.pods.get((ns, oname)):
             self.enqueue_later(key, 1.0)
             return
-        pools = [(pns, pn) for (pns, pn), p in self.pools.items()
-                 if pns == ns and p["spec"].get("pipeline") == name]
+        pools = [
+            (pns, pn)
+            for (pns, pn), p in self.pools.items()
+            if pns == ns and p["spec"].get("pipeline") == name
+        ]
         for pns, pn in pools:
             if not self.pools[(pns, pn)]["metadata"].get("deletionTimestamp"):
-                await self.api.delete(path("StagePool", pns, pn),
-                                      {"propagationPolicy": "Foreground"})
+                await self.api.delete(
+                    path("StagePool", pns, pn), {"propagationPolicy": "Foreground"}
+                )
         if pools or any(self.pods.get((ns, pn)) for _, pn in pools):
             self.enqueue_later(key, 1.0)
             return
         remaining = [f for f in finalizers if f != FINALIZER]
-        await self.api.patch(path("OmniPipeline", ns, name),
-                             {"metadata": {"finalizers": remaining or None}})
+        await self.api.patch(
+            path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}}
+        )
         log.info("pipeline %s/%s shut down in order", ns, name)
 
     # ---- StagePool -------------------------------------------------------------------------
@@ -358,28 +480,37 @@ class Controller:
         desired = int(pool["spec"].get("replicas", 0))
         owner = self.pipelines.get((ns, pool["spec"]["pipeline"]))
         deleting = bool(pool["metadata"].get("deletionTimestamp")) or bool(
-            owner and owner["metadata"].get("deletionTimestamp"))
+            owner and owner["metadata"].get("deletionTimestamp")
+        )
 
         if not deleting:
             pdb = builders.pool_pdb(pool)
-            await self.ensure(pdb, await self.api.get(
-                path("PodDisruptionBudget", ns, pdb["metadata"]["name"])))
+            await self.ensure(
+                pdb, self.children.get(("PodDisruptionBudget", ns, pdb["metadata"]["name"]))
+            )
 
-        for pod in pods.values():
+        for pod in [] if deleting else pods.values():
             patch = gate_patch(pod, now)
             if patch is not None:
-                await self.api.patch(path("Pod", ns, pod["metadata"]["name"], "status"), patch,
-                                     kind="strategic")
+                await self.api.patch(
+                    path("Pod", ns, pod["metadata"]["name"], "status"), patch, kind="strategic"
+                )
             msg = unschedulable_message(pod)
             uid = pod["metadata"].get("uid", "")
             if msg and uid not in self._warned:
                 self._warned.add(uid)
-                await self.event(pool, "Warning", "InsufficientCapacity",
-                                 f"{pod['metadata']['name']}: {msg}")
+                self._spawn(
+                    self.event(
+                        pool, "Warning", "InsufficientCapacity", f"{pod['metadata']['name']}: {msg}"
+                    )
+                )
 
         # Retirements in progress: delete once drained (or the drain timeout passed).
-        retiring = [p for p in pods.values()
-                    if is_draining(p) and not p["metadata"].get("deletionTimestamp")]
+        retiring = [
+            p
+            for p in pods.values()
+            if is_draining(p) and not p["metadata"].get("deletionTimestamp")
+        ]
         for pod in retiring:
             if await drain.finished(pod, pool):
                 self._retired.add(pod["metadata"].get("uid", ""))
@@ -390,12 +521,14 @@ class Controller:
         if not deleting:
             await self._converge_pods(pool, pods, desired, template_hash, bool(retiring))
 
-        status = pool_status(pool, list(self.pods.get((ns, name), {}).values()), template_hash,
-                             now)
+        if deleting:
+            return  # the pool is going away: its status is of no use to anyone
+        status = pool_status(pool, list(self.pods.get((ns, name), {}).values()), template_hash, now)
         await self.patch_status(pool, status)
 
-    async def _converge_pods(self, pool: Obj, pods: dict[str, Obj], desired: int,
-                             template_hash: str, retiring: bool) -> None:
+    async def _converge_pods(
+        self, pool: Obj, pods: dict[str, Obj], desired: int, template_hash: str, retiring: bool
+    ) -> None:
         by_ordinal = {int(p["metadata"]["labels"][kube.LABEL_ORDINAL]): p for p in pods.values()}
         # Create missing replicas, lowest ordinal first; a lost replica returns under its name.
         for ordinal in range(desired):
@@ -410,25 +543,44 @@ class Controller:
             victim = by_ordinal[extra[0]]
             if not victim["metadata"].get("deletionTimestamp"):
                 await drain.begin(self.api, victim)
-                await self.event(pool, "Normal", "ScalingDown",
-                                 f"retiring {victim['metadata']['name']} (replicas -> {desired})")
+                self._spawn(
+                    self.event(
+                        pool,
+                        "Normal",
+                        "ScalingDown",
+                        f"retiring {victim['metadata']['name']} (replicas -> {desired})",
+                    )
+                )
             return
         stale = sorted(
-            (o for o, p in by_ordinal.items()
-             if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_SPEC_HASH)
-             != template_hash),
+            (
+                o
+                for o, p in by_ordinal.items()
+                if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_SPEC_HASH)
+                != template_hash
+            ),
             reverse=True,
         )
         all_ready = len(live) == desired and all(
-            (p.get("status") or {}).get("phase") == "Running" and not is_draining(p)
-            and any(c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in (p.get("status") or {}).get("conditions", []) or [])
-            for p in live)
+            (p.get("status") or {}).get("phase") == "Running"
+            and not is_draining(p)
+            and any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (p.get("status") or {}).get("conditions", []) or []
+            )
+            for p in live
+        )
         if stale and all_ready:
             victim = by_ordinal[stale[0]]
             await drain.begin(self.api, victim)
-            await self.event(pool, "Normal", "RollingUpdate",
-                             f"replacing {victim['metadata']['name']} with the new spec")
+            self._spawn(
+                self.event(
+                    pool,
+                    "Normal",
+                    "RollingUpdate",
+                    f"replacing {victim['metadata']['name']} with the new spec",
+                )
+            )
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:

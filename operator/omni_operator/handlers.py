@@ -31,3 +31,12 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
     kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry)(feed("Pod"))
     kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)(
         feed("Deployment"))
+    for group, version, plural, kind in (
+        ("", "v1", "configmaps", "ConfigMap"),
+        ("", "v1", "serviceaccounts", "ServiceAccount"),
+        ("", "v1", "services", "Service"),
+        ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+        ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+        ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
+    ):
+        kopf.on.event(group, version, plural, labels=MANAGED, registry=registry)(feed(kind))

@@ -66,6 +66,7 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
     def login(**_: Any) -> Any:
         return config.connection_info()
 
+    await controller.prime(namespaces)
     controller.start()
     runner = await _serve_metrics(controller, metrics_host, metrics_port)
     log.info("operator metrics on http://%s:%d/metrics", metrics_host, metrics_port)

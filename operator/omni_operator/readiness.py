@@ -38,6 +38,8 @@ def gate_wanted(pod: Obj) -> bool:
 
 def gate_patch(pod: Obj, now: str) -> Obj | None:
     """The pods/status strategic-merge patch that sets the gate, or None if it is right."""
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return None  # terminating: routing already stops on the deletion mark
     want = "True" if gate_wanted(pod) else "False"
     if condition_status(pod, kube.READINESS_GATE) == want:
         return None
