@@ -77,7 +77,12 @@ wait_for() {
   shift 2
   deadline=$((SECONDS + timeout))
   until "$@" >/dev/null 2>&1; do
-    [[ -n "$(running_pid "$name")" ]] || fail_with_log "$name"
+    # Right after start the forked child may not have exec'd yet (its command line does not
+    # name the state dir), so "not running" must be seen twice before it counts.
+    if [[ -z "$(running_pid "$name")" ]]; then
+      sleep 0.3
+      [[ -n "$(running_pid "$name")" ]] || "$@" >/dev/null 2>&1 || fail_with_log "$name"
+    fi
     ((SECONDS < deadline)) || fail_with_log "$name"
     sleep 0.3
   done

@@ -1,0 +1,936 @@
+"""The operator at scale on kwok nodes: 50 pipelines x 3 stages x 4 replicas (600 stage pods).
+
+Why: issue 5's last acceptance point. A reconcile loop that is fine for one pipeline can fall over
+at fleet size (queue storms, status ping-pong, write amplification), and the idle-resync goal
+(a resync of an unchanged world makes ZERO API writes) only means something with many objects.
+
+What it does:
+  1. starts a private local control plane (hack/cluster.sh, own state dir and ports, kwok scale
+     nodes sized for the fleet) or reuses one given with --kubeconfig;
+  2. applies crds/, starts `omnistage operator` as a subprocess (log in the work dir) with
+     --resync-seconds 10;
+  3. creates N OmniPipelines (echo stages a -> b -> c, c final; stages and orchestrator pinned to
+     the kwok scale nodes, tiny requests) in one namespace, as fast as the API takes them;
+  4. measures:
+     - apply_to_ready: first create -> every pipeline Ready=True (observedGeneration current) and
+       every stage pod Running and Ready;
+     - writes_total: the operator's API writes (omnistage_operator_api_writes_total on /metrics)
+       from just before the first create until everything is Ready and the write counter is quiet;
+     - idle_writes_60s / idle_reconciles_60s: the same counters across a 60 s idle window in
+       which several resyncs run (goal: 0 writes);
+  5. cleans up everything it started (operator, cluster), also on Ctrl-C or failure.
+
+Run from the repository root:  python bench/bench_operator_scale.py
+    [--pipelines 50] [--replicas 4] [--idle-seconds 60] [--resync-seconds 10]
+    [--kubeconfig K] [--port-base 29440] [--timeout 900] [--json OUT] [--keep]
+
+It prints progress every ~5 s and ONE summary line starting with `operator_scale:`.
+Everything listens on and connects to 127.0.0.1 only (kwok pod IPs are never contacted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+HACK = REPO / "hack"
+GROUP, VERSION, PLURAL = "omnistage.io", "v1alpha1", "omnipipelines"
+STAGES = ("a", "b", "c")
+SCALE_POOL = {"omnistage.io/node-pool": "kwok-scale"}
+KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
+PODS_PER_SCALE_NODE = 250  # hack/cluster.sh node_yaml ... kwok-scale 0 250
+LABEL_COMPONENT = "omnistage.io/component"
+WRITES = "omnistage_operator_api_writes_total"
+RECONCILES = "omnistage_operator_reconciles_total"
+# Resources the operator reads with single GETs. During the idle window nothing else GETs them one
+# by one: this bench lists, kube-controller-manager and the scheduler use informers. Owners
+# (omnipipelines, stagepools, deployments) are left out: the garbage collector GETs those too.
+OPERATOR_GET_RESOURCES = {
+    "configmaps",
+    "serviceaccounts",
+    "roles",
+    "rolebindings",
+    "services",
+    "poddisruptionbudgets",
+    "pods",
+}
+APISERVER_METRIC = re.compile(
+    r"^(?P<name>apiserver_request_total|apiserver_request_duration_seconds_(?:sum|count))"
+    r"\{(?P<labels>[^}]*)\} (?P<value>\S+)$"
+)
+# Requests whose mean API-server latency during the ramp is reported: they bound the operator,
+# whose reconciles await them one after another.
+LATENCY_KEYS = (
+    "POST pods",
+    "POST stagepools",
+    "PATCH stagepools/status",
+    "GET poddisruptionbudgets",
+)
+WRITE_LINE = re.compile(r"omnistage\.operator\.writes: (?P<verb>[A-Z]+) (?P<path>/\S+)")
+ERROR_RE = re.compile(r"Traceback|\bERROR\b|\bWARNING\b|failed|Error", re.IGNORECASE)
+
+Obj = dict[str, Any]
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _ports_free(base: int, count: int = 6) -> bool:
+    for port in range(base, base + count):
+        with socket.socket() as s:
+            # Like the Go servers: a port whose old connections linger in TIME_WAIT is free.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pipeline_doc(name: str, replicas: int) -> Obj:
+    """An echo pipeline a -> b -> c whose pods (stages and orchestrator) all land on kwok nodes."""
+    placement = {"nodeSelector": dict(SCALE_POOL), "tolerations": [dict(KWOK_TOLERATION)]}
+    stages = []
+    for i, stage in enumerate(STAGES):
+        st: Obj = {
+            "name": stage,
+            "kind": "echo",
+            "replicas": replicas,
+            # kwok scale nodes have 64 CPUs and 250 pod slots: keep requests tiny so pod slots,
+            # not CPU, bound the fleet.
+            "resources": {"gpus": 0, "cpu": "10m", "memory": "16Mi"},
+            "placement": placement,
+        }
+        if i:
+            st["inputs"] = [STAGES[i - 1]]
+        if i == len(STAGES) - 1:
+            st["finalOutput"] = True
+        stages.append(st)
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "OmniPipeline",
+        "metadata": {"name": name, "labels": {"bench": "operator-scale"}},
+        "spec": {
+            "orchestrator": {
+                "api": ["generic"],
+                "resources": {"cpu": "10m", "memory": "32Mi"},
+                "nodeSelector": dict(SCALE_POOL),
+                "tolerations": [dict(KWOK_TOLERATION)],
+            },
+            "stages": stages,
+        },
+    }
+
+
+def tree_state() -> str:
+    """The commit measured, marked dirty when operator/ or runtime/ has local changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "operator", "runtime"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head or 'unknown'}{'+dirty' if dirty else ''}"
+
+
+def _cond(obj: Obj, ctype: str) -> Obj | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def pipeline_ready(obj: Obj) -> bool:
+    c = _cond(obj, "Ready")
+    gen = obj["metadata"].get("generation")
+    return bool(
+        c
+        and c.get("status") == "True"
+        and (obj.get("status") or {}).get("observedGeneration") == gen
+    )
+
+
+def pod_ready(pod: Obj) -> bool:
+    st = pod.get("status") or {}
+    return (
+        st.get("phase") == "Running"
+        and not pod["metadata"].get("deletionTimestamp")
+        and any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in st.get("conditions") or []
+        )
+    )
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(tempfile.mkdtemp(prefix="bench-operator-scale-"))
+        self.cluster_dir: Path | None = None
+        self.cluster_env: dict[str, str] = {}
+        self.kubeconfig: str = args.kubeconfig or ""
+        self.kubectl = "kubectl"
+        self.op: subprocess.Popen[bytes] | None = None
+        self.op_log = self.work / "operator.log"
+        self.metrics_port = free_port()
+        self.ns = args.namespace
+        self.api: Any = None
+        self.core: Any = None
+        self.api_client: Any = None
+        self.torn_down = False
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _find_kubectl(self) -> str:
+        cache = Path(os.environ.get("OMNISTAGE_CACHE") or Path.home() / ".cache" / "omnistage")
+        for cand in (cache / "bin" / "kubectl", shutil.which("kubectl")):
+            if cand and Path(cand).exists():
+                return str(cand)
+        raise BenchError("kubectl not found (run hack/build-k8s.sh or put kubectl on PATH)")
+
+    def start_cluster(self) -> None:
+        total = self.args.pipelines * (len(STAGES) * self.args.replicas + 1)
+        # Keep every node under ~80% of its pod slots; hack/cluster.sh's default is 4.
+        nodes = max(4, math.ceil(total / (PODS_PER_SCALE_NODE * 0.8)))
+        base = self.args.port_base
+        while not _ports_free(base):
+            base += 10
+            if base > self.args.port_base + 500:
+                raise BenchError(f"no 6 free loopback ports from {self.args.port_base}")
+        self.cluster_dir = Path(f"/tmp/bench-cluster-{os.getpid()}")
+        self.cluster_env = {
+            **os.environ,
+            "OMNISTAGE_CLUSTER_DIR": str(self.cluster_dir),
+            "OMNISTAGE_PORT_BASE": str(base),
+            "OMNISTAGE_SCALE_NODES": str(nodes),
+            "OMNISTAGE_GPU_NODES": "0",
+        }
+        log(
+            f"starting local control plane in {self.cluster_dir} (ports {base}..{base + 5}, "
+            f"{nodes} kwok scale nodes x {PODS_PER_SCALE_NODE} pods)"
+        )
+        cluster_log = self.work / "cluster-up.log"
+        for attempt in (1, 2):
+            with open(cluster_log, "ab") as out:
+                try:
+                    rc = subprocess.run(
+                        [str(HACK / "cluster.sh"), "up"],
+                        env=self.cluster_env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        timeout=600,
+                        cwd=REPO,
+                    ).returncode
+                except subprocess.TimeoutExpired as exc:
+                    raise BenchError(f"hack/cluster.sh up timed out; see {cluster_log}") from exc
+            if rc == 0:
+                break
+            tail = cluster_log.read_text(errors="replace")[-3000:]
+            if attempt == 2:
+                raise BenchError(f"hack/cluster.sh up failed (rc={rc}):\n{tail}")
+            # `up` is idempotent; a component can lose a start-up race on a loaded machine.
+            log(
+                f"hack/cluster.sh up failed (rc={rc}); retrying once. Last lines:\n"
+                + "\n".join(tail.splitlines()[-4:])
+            )
+        self.kubeconfig = str(self.cluster_dir / "admin.kubeconfig")
+
+    def stop_cluster(self) -> None:
+        if self.cluster_dir is None:
+            return
+        if self.args.keep:
+            log(
+                f"--keep: cluster left running; stop it with OMNISTAGE_CLUSTER_DIR="
+                f"{self.cluster_dir} hack/cluster.sh down --purge"
+            )
+            return
+        log("stopping the local control plane")
+        subprocess.run(
+            [str(HACK / "cluster.sh"), "down", "--purge"],
+            env=self.cluster_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=180,
+            check=False,
+        )
+        self.cluster_dir = None
+
+    def connect(self) -> None:
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
+        if not re.match(r"https?://(127\.\d+\.\d+\.\d+|localhost)(:\d+)?$", cfg.host):
+            raise BenchError(f"refusing a non-loopback API server: {cfg.host}")
+        cfg.connection_pool_maxsize = 16
+        api_client = client.ApiClient(cfg)
+        self.api_client = api_client
+        self.api = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+
+    def kctl(self, *args: str, timeout: float = 120) -> str:
+        proc = subprocess.run(
+            [self.kubectl, f"--kubeconfig={self.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise BenchError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def check_capacity(self) -> None:
+        nodes = self.core.list_node(label_selector="omnistage.io/node-pool=kwok-scale").items
+        ready = [
+            n
+            for n in nodes
+            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+        ]
+        slots = sum(int(n.status.allocatable.get("pods", "0")) for n in ready)
+        want = self.args.pipelines * (len(STAGES) * self.args.replicas + 1)
+        log(f"{len(ready)} ready kwok scale nodes, {slots} pod slots for {want} pods")
+        if slots < want:
+            raise BenchError(f"kwok scale nodes hold {slots} pods, the fleet needs {want}")
+
+    def apply_crds(self) -> None:
+        self.kctl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+        self.kctl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/omnipipelines.omnistage.io",
+            "crd/stagepools.omnistage.io",
+            timeout=90,
+        )
+        # Established is not yet served: wait until both resources list, so the operator's first
+        # watches do not meet 'storage is (re)initializing'.
+        deadline = time.monotonic() + 60
+        for plural in (PLURAL, "stagepools"):
+            while True:
+                try:
+                    self.api.list_cluster_custom_object(GROUP, VERSION, plural, limit=1)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+
+    def make_namespace(self) -> None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.core.read_namespace(self.ns)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self.core.create_namespace({"metadata": {"name": self.ns}})
+            return
+        existing = self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
+        if existing["items"]:
+            raise BenchError(f"namespace {self.ns} already holds OmniPipelines; use --namespace")
+
+    def start_operator(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "omnistage.cli",
+            "operator",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--metrics-port={self.metrics_port}",
+            f"--resync-seconds={self.args.resync_seconds}",
+        ]
+        if self.cluster_dir is None:  # a shared cluster: watch only our namespace
+            cmd.append(f"--namespace={self.ns}")
+        log(f"starting operator (log: {self.op_log}, metrics on 127.0.0.1:{self.metrics_port})")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO / "runtime"), str(REPO / "operator"), env.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep)
+        with open(self.op_log, "ab") as out:
+            # Own session: a terminal Ctrl-C reaches us, and we stop it in order.
+            self.op = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.op.poll() is not None:
+                raise BenchError(f"operator exited (rc={self.op.returncode}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.metrics_port}/healthz", timeout=1
+                ):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise BenchError(f"operator /healthz not up in 60 s:\n{self.log_tail()}")
+
+    def stop_operator(self) -> None:
+        if self.op is None or self.op.poll() is not None:
+            return
+        self.op.send_signal(signal.SIGTERM)
+        try:
+            self.op.wait(20)
+        except subprocess.TimeoutExpired:
+            self.op.kill()
+            self.op.wait(10)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "".join(self.op_log.read_text(errors="replace").splitlines(True)[-n:])
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        if self.op is not None and self.op.poll() is not None:
+            raise BenchError(f"operator died (rc={self.op.returncode}):\n{self.log_tail()}")
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+        ) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def counters(self) -> tuple[int, int]:
+        m = self.metrics()
+        return int(m.get(WRITES, 0)), int(m.get(RECONCILES, 0))
+
+    def apiserver_metrics(self) -> tuple[dict[str, int], dict[str, tuple[float, int]]]:
+        """From the API server's own /metrics: GETs served for the operator's resources, by
+        resource; and (latency sum, count) by "VERB resource[/sub]" for every request."""
+        # Client-certificate auth lives in the connection pool, so no auth headers are needed.
+        resp = self.api_client.call_api(
+            "GET", self.api_client.configuration.host + "/metrics", _request_timeout=20
+        )
+        resp.read()
+        gets: dict[str, int] = {}
+        lat: dict[str, list[float]] = {}
+        for line in resp.data.decode().splitlines():
+            m = APISERVER_METRIC.match(line)
+            if not m:
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
+            res = labels.get("resource", "") + (
+                f"/{labels['subresource']}" if labels.get("subresource") else ""
+            )
+            value = float(m.group("value"))
+            if m.group("name") == "apiserver_request_total":
+                if labels.get("verb") == "GET" and labels.get("resource") in OPERATOR_GET_RESOURCES:
+                    gets[res] = gets.get(res, 0) + int(value)
+            else:
+                slot = lat.setdefault(f"{labels.get('verb')} {res}", [0.0, 0])
+                slot[0 if m.group("name").endswith("_sum") else 1] += value
+        return gets, {k: (v[0], int(v[1])) for k, v in lat.items()}
+
+    def apiserver_gets(self) -> dict[str, int]:
+        return self.apiserver_metrics()[0]
+
+    def operator_cpu(self) -> float:
+        """CPU seconds (user + system) the operator process has used so far."""
+        if self.op is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.op.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def by_verb(self) -> dict[str, int]:
+        out = {}
+        for k, v in self.metrics().items():
+            if m := re.match(r'omnistage_operator_api_writes_by_verb_total\{verb="(\w+)"\}', k):
+                out[m.group(1)] = int(v)
+        return out
+
+    # ---- the measured run ----------------------------------------------------------------
+
+    def create_pipelines(self) -> float:
+        names = [f"scale-{i:03d}" for i in range(self.args.pipelines)]
+
+        def create(name: str) -> None:
+            self.api.create_namespaced_custom_object(
+                GROUP, VERSION, self.ns, PLURAL, pipeline_doc(name, self.args.replicas)
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(create, names))
+        return time.monotonic()
+
+    def observe(self, pods: bool = True) -> tuple[int, int, int, int]:
+        """(ready pipelines, ready stage pods, stage pods, ready orchestrator pods); the pod
+        figures are -1 when pods=False (listing 650 pods is the expensive part of polling)."""
+        pipes = self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
+        ready_pipes = sum(1 for p in pipes if pipeline_ready(p))
+        if not pods:
+            return ready_pipes, -1, -1, -1
+        # Served from the API server's watch cache (resourceVersion=0).
+        resp = self.core.list_namespaced_pod(
+            self.ns, label_selector=LABEL_COMPONENT, resource_version="0", _preload_content=False
+        )
+        items = json.loads(resp.data)["items"]
+        stage = [p for p in items if p["metadata"]["labels"].get(LABEL_COMPONENT) == "stage"]
+        orch = [p for p in items if p["metadata"]["labels"].get(LABEL_COMPONENT) == "orchestrator"]
+        return (
+            ready_pipes,
+            sum(1 for p in stage if pod_ready(p)),
+            len(stage),
+            sum(1 for p in orch if pod_ready(p)),
+        )
+
+    def wait_ready(self, t0: float) -> float:
+        """Poll until every pipeline is Ready and every stage pod Running+Ready: pipelines every
+        second, pods every 5 s for progress and every second once all pipelines are Ready (the
+        pod check is independent of the operator's own status roll-up)."""
+        want_pipes = self.args.pipelines
+        want_pods = self.args.pipelines * len(STAGES) * self.args.replicas
+        deadline = t0 + self.args.timeout
+        last_print = 0.0
+        rp = rpods = 0
+        while True:
+            now = time.monotonic()
+            progress = now - last_print >= 5
+            rp = self.observe(pods=False)[0]
+            if progress or rp == want_pipes:
+                rp, rpods, npods, rorch = self.observe()
+                now = time.monotonic()
+                if rp == want_pipes and rpods == want_pods and npods == want_pods:
+                    log(
+                        f"  t={now - t0:6.1f}s pipelines Ready {rp}/{want_pipes}  stage pods "
+                        f"Ready {rpods}/{want_pods}  orchestrators Ready {rorch}/{want_pipes}"
+                    )
+                    return now
+                if progress:
+                    w, r = self.counters()
+                    log(
+                        f"  t={now - t0:6.1f}s pipelines Ready {rp}/{want_pipes}  stage pods "
+                        f"Ready {rpods}/{want_pods} (exist {npods})  orchestrators Ready "
+                        f"{rorch}/{want_pipes}  operator writes={w} reconciles={r}"
+                    )
+                    last_print = now
+            if now - t0 > 60 and self.counters()[1] == 0:
+                raise BenchError(
+                    "the operator has not reconciled anything 60 s after the "
+                    f"first create\noperator log tail:\n{self.log_tail()}"
+                )
+            if now > deadline:
+                raise BenchError(
+                    f"not Ready after {self.args.timeout:.0f}s: pipelines {rp}/{want_pipes}, "
+                    f"stage pods {rpods}/{want_pods}\noperator log tail:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def settle(self, quiet: float = 3.0, limit: float = 60.0) -> float:
+        """Wait until the write counter stops moving (trailing status writes), bounded."""
+        start = time.monotonic()
+        last, since = self.counters()[0], time.monotonic()
+        while time.monotonic() - start < limit:
+            time.sleep(0.5)
+            w = self.counters()[0]
+            if w != last:
+                last, since = w, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                break
+        return time.monotonic() - start
+
+    def snapshot(self, fresh: bool = False) -> Obj:
+        """Counters to diff against; fresh: a new operator process whose counters start at 0."""
+        w, r = (0, 0) if fresh else self.counters()
+        return {
+            "writes": w,
+            "reconciles": r,
+            "verbs": {} if fresh else self.by_verb(),
+            "gets": self.apiserver_gets(),
+            "cpu": 0.0 if fresh else self.operator_cpu(),
+            "log_offset": self.op_log.stat().st_size if self.op_log.exists() else 0,
+        }
+
+    def write_log(self, offset: int) -> dict[str, int]:
+        """Writes the operator logged since `offset`, by verb and resource.
+
+        Parsed from its omnistage.operator.writes lines, when the log has them: it tells WHICH
+        writes an idle window or a restart made.
+        """
+        out: dict[str, int] = {}
+        try:
+            with open(self.op_log, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return out
+        for m in WRITE_LINE.finditer(text):
+            res = re.sub(r"^/apis?/(?:[^/]+/)?v\w+/namespaces/[^/]+/", "", m.group("path"))
+            parts = res.split("/")
+            key = f"{m.group('verb')} {parts[0]}" + (f"/{parts[2]}" if len(parts) > 2 else "")
+            out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def window(self, seconds: float, what: str, base: Obj | None = None) -> Obj:
+        """Deltas over `seconds` from `base` (default: now): operator writes and reconciles,
+        API-server GETs of the operator's resources, operator CPU."""
+        base = base or self.snapshot()
+        start = time.monotonic()
+        log(f"{what}: {seconds:.0f}s with --resync-seconds {self.args.resync_seconds}")
+        while (left := start + seconds - time.monotonic()) > 0:
+            time.sleep(min(5.0, left))
+            w, r = self.counters()
+            log(
+                f"  {what} t={time.monotonic() - start:5.1f}s writes +{w - base['writes']} "
+                f"reconciles +{r - base['reconciles']}"
+            )
+        now = self.snapshot()
+        gets = {
+            k: now["gets"].get(k, 0) - base["gets"].get(k, 0)
+            for k in now["gets"]
+            if now["gets"].get(k, 0) != base["gets"].get(k, 0)
+        }
+        v0, v1 = base["verbs"], now["verbs"]
+        return {
+            "writes": now["writes"] - base["writes"],
+            "writes_by_verb": {
+                k: v1.get(k, 0) - v0.get(k, 0) for k in v1 if v1.get(k, 0) != v0.get(k, 0)
+            },
+            "writes_logged": self.write_log(base["log_offset"]),
+            "reconciles": now["reconciles"] - base["reconciles"],
+            "apiserver_gets": sum(gets.values()),
+            "apiserver_gets_by_resource": dict(sorted(gets.items())),
+            "operator_cpu_s": round(now["cpu"] - base["cpu"], 2),
+        }
+
+    def ready_since(self) -> dict[str, str]:
+        """Ready condition lastTransitionTime of every pipeline and pool (flap detection)."""
+        out = {}
+        for plural in (PLURAL, "stagepools"):
+            for obj in self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, plural)[
+                "items"
+            ]:
+                c = _cond(obj, "Ready") or {}
+                out[f"{plural}/{obj['metadata']['name']}"] = f"{c.get('status')}@" + str(
+                    c.get("lastTransitionTime")
+                )
+        return out
+
+    def restart_check(self, seconds: float) -> Obj:
+        """Restart the operator on the converged fleet: its first sync must write nothing and
+        must not flip any Ready condition."""
+        log("restart check: stopping the operator and starting a fresh one on the Ready fleet")
+        before = self.ready_since()
+        self.stop_operator()
+        self.metrics_port = free_port()
+        base = self.snapshot(fresh=True)
+        self.start_operator()
+        out = self.window(seconds, "after restart", base)
+        after = self.ready_since()
+        flapped = sorted(k for k in before if after.get(k) != before[k])
+        rp, rpods, npods, rorch = self.observe()
+        out["ready_conditions_changed"] = len(flapped)
+        out["ready_conditions_changed_examples"] = flapped[:5]
+        out["still_ready"] = {
+            "pipelines": rp,
+            "stage_pods": rpods,
+            "stage_pods_exist": npods,
+            "orchestrators": rorch,
+        }
+        if out["writes"] or flapped:
+            detail = out["writes_logged"] or out["writes_by_verb"]
+            log(
+                f"restart made {out['writes']} writes ({detail}) and changed {len(flapped)} "
+                f"Ready conditions, e.g. {flapped[:3]}"
+            )
+        return out
+
+    def teardown(self) -> Obj:
+        """Delete all pipelines; time the ordered shutdown until no pipeline, pool, pod is left."""
+        w0 = self.counters()[0]
+        log(f"teardown: deleting {self.args.pipelines} pipelines")
+        t0 = time.monotonic()
+        self.api.delete_collection_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
+        deadline = t0 + self.args.teardown_timeout
+        last_print = 0.0
+        while True:
+            pipes = len(
+                self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
+            )
+            pools = len(
+                self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, "stagepools")[
+                    "items"
+                ]
+            )
+            pods = len(
+                self.core.list_namespaced_pod(
+                    self.ns, label_selector=LABEL_COMPONENT, resource_version="0"
+                ).items
+            )
+            now = time.monotonic()
+            if pipes == pools == pods == 0:
+                break
+            if now - last_print >= 5:
+                log(
+                    f"  teardown t={now - t0:6.1f}s pipelines {pipes} pools {pools} pods {pods} "
+                    f"operator writes +{self.counters()[0] - w0}"
+                )
+                last_print = now
+            if now > deadline:
+                raise BenchError(
+                    f"teardown not done after {self.args.teardown_timeout:.0f}s: "
+                    f"{pipes} pipelines, {pools} pools, {pods} pods left\n"
+                    f"operator log tail:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+        took = time.monotonic() - t0
+        writes = self.counters()[0] - w0
+        log(f"teardown done in {took:.1f}s, operator writes {writes}")
+        return {"delete_to_gone_s": round(took, 1), "writes": writes}
+
+    def log_problems(self) -> list[str]:
+        try:
+            lines = self.op_log.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [ln for ln in lines if ERROR_RE.search(ln)]
+
+    def delete_pipelines(self) -> None:
+        """On a reused cluster: delete what we made while the operator still runs (finalizers)."""
+        if self.api is None:
+            return
+        try:
+            self.api.delete_collection_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                left = self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
+                if not left["items"]:
+                    break
+                time.sleep(2)
+            self.core.delete_namespace(self.ns)
+        except Exception as exc:  # cleanup is best effort; say what is left
+            log(f"cleanup of namespace {self.ns} incomplete: {exc}")
+
+    def run(self) -> Obj:
+        self.kubectl = self._find_kubectl()
+        if not self.kubeconfig:
+            self.start_cluster()
+        self.connect()
+        self.check_capacity()
+        self.apply_crds()
+        self.make_namespace()
+        tree = tree_state()
+        log(f"operator under test: this tree at {tree}")
+        self.start_operator()
+        time.sleep(2)  # let kopf finish its initial (empty) listings
+        w_start, r_start = self.counters()
+        (g_start, lat_start), c_start = self.apiserver_metrics(), self.operator_cpu()
+        p, st, rep = self.args.pipelines, len(STAGES), self.args.replicas
+        pods = p * st * rep
+        log(
+            f"creating {p} pipelines x {st} stages x {rep} replicas = {pods} stage pods "
+            f"(+{p} orchestrator pods) in namespace {self.ns}"
+        )
+        t0 = time.monotonic()
+        t_created = self.create_pipelines()
+        log(f"  {p} OmniPipelines created in {t_created - t0:.2f}s")
+        t_ready = self.wait_ready(t0)
+        w_ready, _ = self.counters()
+        settle_s = self.settle()
+        w_settled, r_settled = self.counters()
+        (g_settled, lat_settled), c_settled = self.apiserver_metrics(), self.operator_cpu()
+        latency = {}
+        for key in LATENCY_KEYS:
+            s0, n0 = lat_start.get(key, (0.0, 0))
+            s1, n1 = lat_settled.get(key, (0.0, 0))
+            if n1 > n0:
+                latency[key] = {"n": n1 - n0, "mean_ms": round(1000 * (s1 - s0) / (n1 - n0), 1)}
+        verbs_total = self.by_verb()
+        load_at_ready = [round(x, 1) for x in os.getloadavg()]
+        writes_total = w_settled - w_start
+        log(
+            f"all Ready after {t_ready - t0:.1f}s; writes at Ready {w_ready - w_start}, "
+            f"+{w_settled - w_ready} while settling ({settle_s:.1f}s); by verb {verbs_total}; "
+            f"operator CPU {c_settled - c_start:.1f}s"
+        )
+        log(
+            "API-server mean latency during the ramp: "
+            + ", ".join(f"{k} {v['mean_ms']}ms (n={v['n']})" for k, v in latency.items())
+            + f"; load average {load_at_ready} on {os.cpu_count()} CPUs"
+        )
+        idle = self.window(self.args.idle_seconds, "idle")
+        if idle["writes"]:
+            log(f"idle writes: {idle['writes_logged'] or idle['writes_by_verb']}")
+        result: Obj = {
+            "pipelines": p,
+            "stages": st,
+            "replicas": rep,
+            "pods": pods,
+            "create_s": round(t_created - t0, 2),
+            "apply_to_ready_s": round(t_ready - t0, 1),
+            "writes_at_ready": w_ready - w_start,
+            "writes_total": writes_total,
+            "writes_per_pod": round(writes_total / pods, 2),
+            "writes_by_verb": verbs_total,
+            "reconciles_to_ready": r_settled - r_start,
+            "apiserver_gets_to_ready": sum(g_settled.values()) - sum(g_start.values()),
+            "operator_cpu_to_ready_s": round(c_settled - c_start, 2),
+            "apiserver_latency_to_ready": latency,
+            "loadavg_at_ready": load_at_ready,
+            "idle_seconds": self.args.idle_seconds,
+            "resync_seconds": self.args.resync_seconds,
+            "idle": idle,
+            "shared_cluster": self.cluster_dir is None,
+            "tree": tree,
+        }
+        if self.args.restart_seconds > 0:
+            result["restart"] = self.restart_check(self.args.restart_seconds)
+        if not self.args.keep and self.args.teardown_timeout > 0:
+            result["teardown"] = self.teardown()
+            self.torn_down = True
+        problems = self.log_problems()
+        result["operator_log_problem_lines"] = len(problems)
+        result["operator_log"] = str(self.op_log)
+        if problems:
+            log(f"operator log: {len(problems)} warning/error lines, first ones:")
+            for line in problems[:10]:
+                print("    " + line[:300], flush=True)
+        secs = int(self.args.idle_seconds)
+        line = (
+            f"operator_scale: pipelines={p} pods={pods} apply_to_ready={t_ready - t0:.1f}s "
+            f"writes_total={writes_total} writes_per_pod={writes_total / pods:.2f} "
+            f"idle_writes_{secs}s={idle['writes']} idle_reconciles_{secs}s={idle['reconciles']} "
+            f"idle_api_gets_{secs}s={idle['apiserver_gets']}"
+        )
+        if "restart" in result:
+            rs = result["restart"]
+            line += (
+                f" restart_writes_{int(self.args.restart_seconds)}s={rs['writes']}"
+                f" restart_ready_flips={rs['ready_conditions_changed']}"
+            )
+        if "teardown" in result:
+            line += f" delete_to_gone={result['teardown']['delete_to_gone_s']:.1f}s"
+        print(line, flush=True)
+        return result
+
+    def cleanup(self) -> None:
+        if self.cluster_dir is None and not self.args.keep and not self.torn_down:
+            self.delete_pipelines()
+        self.stop_operator()
+        self.stop_cluster()
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--pipelines", type=int, default=50)
+    ap.add_argument("--replicas", type=int, default=4, help="replicas per stage (3 stages)")
+    ap.add_argument("--idle-seconds", type=float, default=60.0)
+    ap.add_argument("--resync-seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="fail if not all Ready within this many seconds of the first create",
+    )
+    ap.add_argument(
+        "--restart-seconds",
+        type=float,
+        default=30.0,
+        help="after the idle window, restart the operator and count its writes for "
+        "this long (goal: 0); 0 skips the check",
+    )
+    ap.add_argument(
+        "--teardown-timeout",
+        type=float,
+        default=300.0,
+        help="finally delete all pipelines and time the ordered shutdown, failing "
+        "after this long; 0 skips it",
+    )
+    ap.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="reuse this cluster (loopback API server, kwok scale nodes) instead of "
+        "starting one; the operator then watches only --namespace",
+    )
+    ap.add_argument("--namespace", default="omnistage-scale")
+    ap.add_argument(
+        "--port-base",
+        type=int,
+        default=29440,
+        help="first of 6 loopback ports for the private control plane",
+    )
+    ap.add_argument("--json", default=None, help="also write the figures here as JSON")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the cluster and pipelines in place (the operator is stopped)",
+    )
+    args = ap.parse_args()
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    bench = Bench(args)
+    rc = 0
+    try:
+        result = bench.run()
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    except BenchError as exc:
+        log(f"FAILED: {exc}")
+        rc = 1
+    except KeyboardInterrupt:
+        log("interrupted; cleaning up")
+        rc = 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup is not interruptible
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            bench.cleanup()
+        finally:
+            log(f"operator log kept at {bench.op_log}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
