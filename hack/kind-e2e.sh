@@ -86,6 +86,13 @@ log "creating kind cluster $NAME from $KIND_NODE_IMAGE"
 "$KIND" create cluster --name "$NAME" --image "$KIND_NODE_IMAGE" --config "$WORK/kind.yaml" \
   --kubeconfig "$KUBECONFIG" --wait 180s
 
+# The pipelines under test run the runtime image built from this checkout.
+RUNTIME_IMAGE="${OMNISTAGE_TEST_IMAGE:-omnistage-runtime:e2e}"
+log "building $RUNTIME_IMAGE from runtime/Dockerfile"
+docker build -q -f "$REPO/runtime/Dockerfile" -t "$RUNTIME_IMAGE" "$REPO" >/dev/null
+"$KIND" load docker-image "$RUNTIME_IMAGE" --name "$NAME" >/dev/null
+export OMNISTAGE_TEST_IMAGE="$RUNTIME_IMAGE"
+
 # Pre-load the image test pods use so the tests do not time out on a registry pull.
 if docker pull "$PY_IMAGE" >/dev/null; then
   "$KIND" load docker-image "$PY_IMAGE" --name "$NAME" >/dev/null

@@ -15,7 +15,15 @@ import pytest
 
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
-from tests.harness.operator import Operator, apply, condition, get, pipeline_doc, wait_for
+from tests.harness.operator import (
+    Operator,
+    apply,
+    condition,
+    get,
+    pipeline_doc,
+    pod_url,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -43,8 +51,14 @@ def test_kubectl_drain_loses_no_request(
     replicas = _live(kube, namespace, k.stage_selector("chat"))
     victim = next(p for p in replicas if p["spec"]["nodeName"] != orch["spec"]["nodeName"])
     node = victim["spec"]["nodeName"]
-    client = openai.OpenAI(base_url=f"http://{orch['status']['podIP']}:8000/v1",
-                           api_key="unused", max_retries=0, timeout=60)
+    with pod_url(podrunner, orch, 8000) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        _drain_under_load(kube, namespace, operator, client, victim, node)
+
+
+def _drain_under_load(kube: Cluster, namespace: str, operator: Operator, client: openai.OpenAI,
+                      victim: dict[str, Any], node: str) -> None:
     results: list[str] = []
     stop = threading.Event()
 

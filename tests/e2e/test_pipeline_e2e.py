@@ -15,11 +15,12 @@ from typing import Any
 
 import openai
 import pytest
+import yaml
 from PIL import Image
 
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
-from tests.harness.operator import Operator, condition, get, wait_for
+from tests.harness.operator import Operator, apply, condition, get, pod_url, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text-to-image.yaml"
@@ -57,7 +58,7 @@ def _diagnose(kube: Cluster, runner: PodRunner, ns: str, operator: Operator) -> 
 def test_text_to_image_runs_on_the_cluster(
     kube: Cluster, podrunner: PodRunner, namespace: str, operator: Operator
 ) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+    apply(kube, namespace, yaml.safe_load(EXAMPLE.read_text()))
     obj = wait_for(lambda: _ready(kube, namespace), 600, "text-to-image Ready",
                    lambda: _diagnose(kube, podrunner, namespace, operator), interval=1)
     assert obj["status"]["stages"]["encoder"]["ready"] == 2
@@ -75,8 +76,14 @@ def test_text_to_image_runs_on_the_cluster(
         assert state["ready"] is True
     [orch] = _pod(kube, namespace, f"{k.LABEL_PIPELINE}=text-to-image,"
                                    f"{k.LABEL_COMPONENT}=orchestrator")
-    base = f"http://{orch['status']['podIP']}:8000/v1"
-    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    with pod_url(podrunner, orch, 8000) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        _exercise(kube, podrunner, namespace, operator, client, stage_pods)
+
+
+def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Operator,
+              client: openai.OpenAI, stage_pods: dict[str, Any]) -> None:
 
     chat = client.chat.completions.create(
         model="text-to-image", messages=[{"role": "user", "content": "hello"}], max_tokens=4)

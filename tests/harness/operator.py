@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness.cluster import Cluster
+from tests.harness.cluster import Cluster, PodRunner
 
 REPO = Path(__file__).resolve().parents[2]
 Obj = dict[str, Any]
@@ -152,7 +154,34 @@ def pipeline_doc(name: str, stages: list[Obj], **spec: Any) -> Obj:
 
 
 def apply(cluster: Cluster, namespace: str, doc: Obj) -> None:
+    """Apply a manifest; pipelines run $OMNISTAGE_TEST_IMAGE when set (kind-e2e builds it)."""
+    image = os.environ.get("OMNISTAGE_TEST_IMAGE")
+    if image and doc.get("kind") == "OmniPipeline":
+        doc = {**doc, "spec": {**doc["spec"], "image": image}}
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+
+
+@contextlib.contextmanager
+def pod_url(runner: PodRunner, pod: Obj, port: int) -> Iterator[str]:
+    """A base URL for a pod's port: its loopback pod IP here, a port-forward on kind."""
+    if runner.local:
+        yield f"http://{pod['status']['podIP']}:{port}"
+        return
+    meta = pod["metadata"]
+    proc = subprocess.Popen(
+        [runner.cluster.kubectl_path(), f"--kubeconfig={runner.cluster.kubeconfig}",
+         "port-forward", "-n", meta["namespace"], f"pod/{meta['name']}", f"127.0.0.1::{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        found = re.search(r"127\.0\.0\.1:(\d+)", line)
+        if not found:
+            raise AssertionError(f"kubectl port-forward failed: {line}")
+        yield f"http://127.0.0.1:{found.group(1)}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def get(cluster: Cluster, namespace: str, kind: str, name: str) -> Obj | None:

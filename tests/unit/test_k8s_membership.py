@@ -110,7 +110,7 @@ def test_replica_from_pod_truth_table(
 
 
 def test_replica_from_pod_port_and_ipv6() -> None:
-    assert replica_from_pod(pod(ip="10.1.2.3"), 7000).endpoint == "tcp://10.1.2.3:7000"  # type: ignore[union-attr]
+    assert replica_from_pod(pod(ip="127.9.8.7"), 7000).endpoint == "tcp://127.9.8.7:7000"  # type: ignore[union-attr]
     assert replica_from_pod(pod(ip="fd00::5"), 7000).endpoint == "tcp://[fd00::5]:7000"  # type: ignore[union-attr]
 
 
