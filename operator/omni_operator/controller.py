@@ -531,10 +531,15 @@ class Controller:
     ) -> None:
         by_ordinal = {int(p["metadata"]["labels"][kube.LABEL_ORDINAL]): p for p in pods.values()}
         # Create missing replicas, lowest ordinal first; a lost replica returns under its name.
+        created = []
         for ordinal in range(desired):
             if ordinal not in by_ordinal:
                 pod = builders.pool_pod(pool, ordinal)
-                await self.api.create(pod)
+                if await self.api.create(pod) is not None:
+                    created.append(pod["metadata"]["name"])
+        if created:
+            self._spawn(self.event(pool, "Normal", "ReplicasCreated",
+                                   f"created {', '.join(created)} (replicas {desired})"))
         if retiring:
             return  # one retirement at a time keeps us within the disruption budget
         extra = sorted((o for o in by_ordinal if o >= desired), reverse=True)

@@ -199,6 +199,8 @@ def test_kubectl_scale_stagepool_both_ways(
     assert get(kube, namespace, "sp", "sc-a")["spec"]["replicas"] == 1
     assert [p["metadata"]["name"] for p in stage_pods(kube, namespace, "sc")] == ["sc-a-0"]
     assert events(kube, namespace, "ScalingDown")
+    created = " ".join(e["message"] for e in events(kube, namespace, "ReplicasCreated"))
+    assert "sc-a-2" in created and "sc-a-3" in created  # the scale-up was reported too
 
 
 def test_deleted_pod_comes_back_with_same_name(

@@ -1,0 +1,39 @@
+"""Device selection: CUDA_VISIBLE_DEVICES is honoured and the CPU is the fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from omnistage.devices import select_device  # noqa: E402
+
+
+def test_empty_cuda_visible_devices_means_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("OMNISTAGE_DEVICE", raising=False)
+    assert select_device().type == "cpu"
+
+
+def test_auto_falls_back_to_cpu_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device("auto").type == "cpu"
+
+
+def test_auto_picks_cuda_when_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_device().type == "cuda"
+
+
+def test_explicit_cuda_without_a_gpu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"CUDA is not available.*CUDA_VISIBLE_DEVICES=''"):
+        select_device("cuda")
+
+
+def test_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNISTAGE_DEVICE", "cpu")
+    assert select_device().type == "cpu"
