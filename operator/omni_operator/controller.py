@@ -14,6 +14,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from omni_operator import builders, drain
@@ -37,24 +38,40 @@ CHILD_KINDS = (
     "Service",
     "PodDisruptionBudget",
 )
-# What prime() lists before reconciling: (kind, apiVersion, collection path, label selector).
-_PRIME = [
-    ("OmniPipeline", "omnistage.io/v1alpha1", "/apis/omnistage.io/v1alpha1/omnipipelines", None),
-    ("StagePool", "omnistage.io/v1alpha1", "/apis/omnistage.io/v1alpha1/stagepools", None),
-    ("Deployment", "apps/v1", "/apis/apps/v1/deployments", "managed"),
-    ("Pod", "v1", "/api/v1/pods", "managed"),
-    ("ConfigMap", "v1", "/api/v1/configmaps", "managed"),
-    ("ServiceAccount", "v1", "/api/v1/serviceaccounts", "managed"),
-    ("Service", "v1", "/api/v1/services", "managed"),
-    ("Role", "rbac.authorization.k8s.io/v1", "/apis/rbac.authorization.k8s.io/v1/roles", "managed"),
-    (
-        "RoleBinding",
-        "rbac.authorization.k8s.io/v1",
-        "/apis/rbac.authorization.k8s.io/v1/rolebindings",
-        "managed",
-    ),
-    ("PodDisruptionBudget", "policy/v1", "/apis/policy/v1/poddisruptionbudgets", "managed"),
-]
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A kind the operator keeps a view of: kopf watches it, prime() lists it."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+    managed_only: bool  # only objects carrying our managed-by label
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    @property
+    def collection(self) -> str:
+        prefix = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        return f"{prefix}/{self.plural}"
+
+
+WATCHED = (
+    Watched("OmniPipeline", "omnistage.io", "v1alpha1", "omnipipelines", False),
+    Watched("StagePool", "omnistage.io", "v1alpha1", "stagepools", False),
+    Watched("Deployment", "apps", "v1", "deployments", True),
+    Watched("Pod", "", "v1", "pods", True),
+    Watched("ConfigMap", "", "v1", "configmaps", True),
+    Watched("ServiceAccount", "", "v1", "serviceaccounts", True),
+    Watched("Service", "", "v1", "services", True),
+    Watched("Role", "rbac.authorization.k8s.io", "v1", "roles", True),
+    Watched("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings", True),
+    Watched("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets", True),
+)
 
 
 def now_iso() -> str:
@@ -203,23 +220,16 @@ class Controller:
         pods, sees every replica missing and writes (409s, status flaps) for nothing.
         """
         managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
-        for kind, api_version, collection, selector in _PRIME:
-            paths = (
-                [collection]
-                if not namespaces
-                else [
-                    collection.replace(
-                        collection.rsplit("/", 1)[1],
-                        f"namespaces/{ns}/{collection.rsplit('/', 1)[1]}",
-                    )
-                    for ns in namespaces
-                ]
-            )
+        for w in WATCHED:
+            head, plural = w.collection.rsplit("/", 1)
+            paths = [w.collection] if not namespaces else [
+                f"{head}/namespaces/{ns}/{plural}" for ns in namespaces
+            ]
             for url in paths:
-                for item in await self._list_patiently(url, managed if selector else None):
-                    item.setdefault("kind", kind)
-                    item.setdefault("apiVersion", api_version)
-                    self.observe(kind, None, item)
+                for item in await self._list_patiently(url, managed if w.managed_only else None):
+                    item.setdefault("kind", w.kind)
+                    item.setdefault("apiVersion", w.api_version)
+                    self.observe(w.kind, None, item)
 
     async def _list_patiently(self, url: str, selector: str | None,
                               timeout: float = 120.0) -> list[Obj]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import kopf
 
-from omni_operator.controller import Controller
+from omni_operator.controller import WATCHED, Controller
 from omnistage import kube
 
 log = logging.getLogger("omnistage.operator")
@@ -24,19 +24,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         handler.__name__ = f"observe_{kind.lower()}"
         return handler
 
-    kopf.on.event("omnistage.io", "v1alpha1", "omnipipelines", registry=registry)(
-        feed("OmniPipeline"))
-    kopf.on.event("omnistage.io", "v1alpha1", "stagepools", registry=registry)(
-        feed("StagePool"))
-    kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry)(feed("Pod"))
-    kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry)(
-        feed("Deployment"))
-    for group, version, plural, kind in (
-        ("", "v1", "configmaps", "ConfigMap"),
-        ("", "v1", "serviceaccounts", "ServiceAccount"),
-        ("", "v1", "services", "Service"),
-        ("rbac.authorization.k8s.io", "v1", "roles", "Role"),
-        ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
-        ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
-    ):
-        kopf.on.event(group, version, plural, labels=MANAGED, registry=registry)(feed(kind))
+    for w in WATCHED:
+        labels = MANAGED if w.managed_only else None
+        kopf.on.event(w.group, w.version, w.plural, labels=labels, registry=registry)(
+            feed(w.kind))
