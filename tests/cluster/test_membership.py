@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.procs import spawn_worker
 from tests.harness.cluster import Cluster
 from tests.harness.kubeclient import ApiError, Kube, resource_path, wait_until
+from tests.harness.local import free_port
 
 PIPELINE = "mp"
 NOWHERE = "omnistage-test-nowhere"  # no such node: nothing runs or finalizes these pods
@@ -182,11 +182,6 @@ async def test_membership_follows_pod_lifecycle(
             _force_delete(k, ns, name)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
@@ -209,7 +204,7 @@ def test_orchestrator_process_routes_by_pod_membership(
     routable when its Pod is Ready, stops being routable when the Pod is marked draining, and
     SIGTERM (twice) drains and exits 0."""
     k, ns = kube.kube, namespace
-    zmq_port, api_port = _free_port(), _free_port()
+    zmq_port, api_port = free_port(), free_port()
     worker = spawn_worker(
         "mp-a-0",
         ["--stage", "a", "--kind", "echo", "--host", "127.0.0.1", "--port", str(zmq_port)],

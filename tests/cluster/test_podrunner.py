@@ -15,6 +15,7 @@ import pytest
 
 from tests.harness.cluster import PY_IMAGE, Cluster, PodRunner, condition, pods
 from tests.harness.kubeclient import Obj, resource_path, wait_until
+from tests.harness.local import alive
 
 # A pod-side HTTP server that drains gracefully on SIGTERM and leaves a marker proving it did.
 SERVER = r"""
@@ -422,12 +423,4 @@ def test_deleted_pod_leaves_no_processes(
     # The shell exits on SIGTERM at once, so the grace period is not waited out...
     assert time.monotonic() - started < 5
     # ...and the child that ignored SIGTERM was killed with the group.
-    wait_until(lambda: not _alive(child), 5, f"child {child} gone")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie awaiting its reaper is dead
+    wait_until(lambda: not alive(child), 5, f"child {child} gone")

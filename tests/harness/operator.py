@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,10 @@ import pytest
 import yaml
 
 from tests.harness.cluster import Cluster, PodRunner
+from tests.harness.local import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 Obj = dict[str, Any]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -14,7 +14,6 @@ import base64
 import io
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.http_api import serve_http
 from omnistage.orchestrator.membership import StaticMembership
 from omnistage.spec import load_pipeline
+from tests.harness.local import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,11 +42,6 @@ MESSAGES = [{"role": "user", "content": "Tell me about cats"}]
 # About 8 s of CPU work for the tiny model: long enough that only an abort ends it early.
 LONG = {"model": MODEL, "messages": MESSAGES, "max_tokens": 960, "ignore_eos": True, "n": 8}
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ready(url: str) -> bool:
@@ -62,7 +57,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`omnistage serve examples/text-to-image.yaml`, exactly as a user runs it; yields the
     base URL once /readyz says ready."""
     log_dir = tmp_path_factory.mktemp("serve")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log_dir / "serve.out", "wb") as out:
         proc = subprocess.Popen(

@@ -22,6 +22,7 @@ from omnistage.local_runtime import (
 )
 from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.spec import OmniPipeline, parse_pipeline
+from tests.harness.local import alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,14 +42,6 @@ def pipeline(*stages: dict[str, Any], name: str | None = None) -> OmniPipeline:
 def echo(name: str, replicas: int = 1, **extra: Any) -> dict[str, Any]:
     return {"name": name, "kind": "echo", "replicas": replicas, **extra}
 
-
-def alive(pid: int) -> bool:
-    """True while pid is a live (non-zombie) process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def processes_of(pipeline_name: str) -> list[int]:

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.harness.local import alive, free_port
+
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,19 +30,6 @@ EXAMPLES = ROOT / "examples"
 READY = re.compile(r"ready at (http://\S+)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def alive(pid: int) -> bool:
-    """True while pid is a live process (zombies count as dead: they run nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_dead(pids: list[int], timeout: float = 15.0) -> list[int]:
