@@ -150,23 +150,14 @@ def pipeline_doc(name: str, replicas: int) -> Obj:
 
 def tree_state() -> str:
     """The commit measured, marked dirty when operator/ or runtime/ has local changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=False).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "operator", "runtime"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "operator", "runtime")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head or 'unknown'}{'+dirty' if dirty else ''}"

@@ -30,14 +30,6 @@ log = logging.getLogger("omnistage.operator")
 Obj = dict[str, Any]
 Key = tuple[str, str, str]  # (kind, namespace, name)
 FINALIZER = "omnistage.io/ordered-shutdown"
-CHILD_KINDS = (
-    "ConfigMap",
-    "ServiceAccount",
-    "Role",
-    "RoleBinding",
-    "Service",
-    "PodDisruptionBudget",
-)
 
 
 @dataclass(frozen=True)
@@ -71,6 +63,10 @@ WATCHED = (
     Watched("Role", "rbac.authorization.k8s.io", "v1", "roles", True),
     Watched("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings", True),
     Watched("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets", True),
+)
+# Owned children kept only as a view to diff against (the rest have reconcilers of their own).
+CHILD_KINDS = tuple(
+    w.kind for w in WATCHED if w.kind not in ("OmniPipeline", "StagePool", "Deployment", "Pod")
 )
 
 
@@ -596,12 +592,3 @@ class Controller:
                     f"replacing {victim['metadata']['name']} with the new spec",
                 )
             )
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return predicate()

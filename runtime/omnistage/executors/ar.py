@@ -52,8 +52,6 @@ class ARExecutor(Executor):
         self.hidden_size = int(self.model.config.hidden_size)
 
     def warmup(self) -> None:
-        from omnistage.admission import ExecutionContext
-
         job = self.prepare({"prompt": "warmup", "max_tokens": 2}, {})
         self.execute(job, ExecutionContext(), lambda _d: None)
 
