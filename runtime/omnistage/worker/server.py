@@ -249,6 +249,8 @@ class StageWorker:
                 self._spawn(self._control(ident, cid, op))
             case p.Hello(version=version):
                 self._hello(ident, version)
+            case other:  # a request type added to the union without a handler here
+                raise TypeError(f"no handler for {p.tag(other)} messages")
 
     def _hello(self, ident: bytes, version: int) -> None:
         """Answer the handshake; a client of another protocol version is refused."""
