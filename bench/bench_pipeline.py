@@ -276,8 +276,8 @@ async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
         async def call() -> None:
             rid = f"r{next(ids)}"
             _, fa = await a.request(rid, {"prompt": PROMPT})
-            _, fb = await b.request(rid, {"prompt": fa.header["text"]})
-            if fb.type != "final" or fb.header["text"] != PROMPT:
+            _, fb = await b.request(rid, {"prompt": fa.header.text})
+            if fb.type != "final" or fb.header.text != PROMPT:
                 raise RuntimeError(f"unexpected reply {fb.header}")
 
         try:

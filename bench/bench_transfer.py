@@ -1,7 +1,8 @@
 """Tensor transfer between two processes over ZMQ, against an in-process memcpy.
 
-A sender process encodes a float32 tensor with omnistage.protocol (msgpack header + raw frame,
-sent without copying) to a receiver process, which decodes it into a numpy view and acks. The
+A sender process sends a float32 tensor as a protocol `submit` (typed msgpack header + raw
+frame, sent without copying) to a receiver process, which decodes it as a worker does (the
+request union) into a numpy view and answers with a `final` reply. The
 baseline is a single-process memcpy of the same size (numpy.copyto into a preallocated buffer).
 Prints one line: GB/s per size and the ratio to memcpy.
 """
@@ -36,11 +37,12 @@ def _receiver(endpoint: str, ready: mp.Event) -> None:  # type: ignore[valid-typ
     ready.set()
     while True:
         frames = sock.recv_multipart(copy=False)
-        msg = p.decode(frames[1:])
-        if msg.type == "stop":
-            break
+        msg = p.decode_request(frames[1:])
+        if not isinstance(msg.header, p.Submit):
+            break  # the stop message
         arr = msg.tensors["x"].numpy()  # zero-copy view over the received frame
-        sock.send_multipart([frames[0].bytes, p.encode({"t": "ack", "n": int(arr.size)})[0]])
+        reply = p.Final(id=msg.header.id, seq=1, prompt_tokens=int(arr.size))
+        sock.send_multipart([frames[0].bytes, *p.encode(reply)])
     sock.close(0)
     ctx.term()
 
@@ -68,8 +70,8 @@ def _zmq_gbps(endpoint: str, nbytes: int, reps: int) -> float:
     best = float("inf")
     for i in range(reps + 1):
         t0 = time.perf_counter()
-        sock.send_multipart(p.encode({"t": "data"}, {"x": x}), copy=False)
-        sock.recv()
+        sock.send_multipart(p.encode(p.Submit(id=f"r{i}"), {"x": x}), copy=False)
+        p.decode_reply(sock.recv_multipart(copy=False))
         if i:  # the first round warms up connections and allocators
             best = min(best, time.perf_counter() - t0)
     sock.close(0)
@@ -109,7 +111,7 @@ def main() -> None:
     ctx = zmq.Context()
     stop = ctx.socket(zmq.DEALER)
     stop.connect(endpoint)
-    stop.send_multipart(p.encode({"t": "stop"}))
+    stop.send_multipart(p.encode(p.Control(cid="stop", op="drain")))
     proc.join(5)
     stop.close(0)
     tuned = "raw" if args.raw else "hugetlb"

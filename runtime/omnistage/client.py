@@ -1,6 +1,7 @@
 """Async client side of the wire protocol: one DEALER channel per stage replica.
 
-Many requests share a channel; replies are routed back by request id, control replies and
+A channel opens with the hello handshake (protocol version in, replica identity and incarnation
+out). Many requests share a channel; replies are routed back by request id, control replies and
 heartbeats by correlation id. The orchestrator, the CLI and the tests all use this.
 """
 
@@ -14,6 +15,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -21,6 +23,8 @@ from omnistage import protocol as p
 
 log = logging.getLogger("omnistage.client")
 _cids = itertools.count(1)
+
+Reply = p.Message[p.Reply]
 
 
 class ControlError(RuntimeError):
@@ -42,7 +46,7 @@ class ReplicaChannel:
         *,
         name: str = "",
         zctx: zmq.asyncio.Context | None = None,
-        on_message: Callable[[p.Message], None] | None = None,
+        on_message: Callable[[Reply], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.name = name or endpoint
@@ -53,42 +57,90 @@ class ReplicaChannel:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.IDENTITY, f"c{os.getpid()}-{next(_cids)}".encode())
         self.sock.connect(endpoint)
-        self._streams: dict[str, asyncio.Queue[p.Message]] = {}
-        self._calls: dict[str, asyncio.Future[p.Message]] = {}
-        self.unsolicited: asyncio.Queue[p.Message] = asyncio.Queue()
+        self._streams: dict[str, asyncio.Queue[Reply]] = {}
+        self._calls: dict[str, asyncio.Future[Reply]] = {}
+        self.unsolicited: asyncio.Queue[Reply] = asyncio.Queue()
         self._on_message = on_message
-        self._recv_task: asyncio.Task[None] | None = asyncio.ensure_future(self._recv_loop())
         self.closed = False
+        loop = asyncio.get_running_loop()
+        # The worker answers the hello before anything sent after it, so the first hello_reply
+        # or id-less error on this channel settles the handshake.
+        self._peer: asyncio.Future[p.HelloReply] = loop.create_future()
+        self._peer.add_done_callback(_retrieve)
+        self.send(p.Hello(version=p.PROTOCOL_VERSION))
+        self._recv_task: asyncio.Task[None] | None = asyncio.ensure_future(self._recv_loop())
+
+    # ---- receiving -----------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
-                msg = p.decode(frames)
+                msg = p.decode_reply(frames)
             except p.ProtocolError as exc:
                 log.warning("bad reply from %s: %s", self.name, exc)
-                continue
+                rid, cid = p.salvage_ids(frames)
+                if rid is None and cid is None:
+                    continue
+                # End whatever waits for it, rather than let it wait for its deadline.
+                msg = p.Message(p.Error(code="malformed", id=rid, cid=cid,
+                                        message=f"unreadable reply from {self.name}: {exc}"))
             self.deliver(msg)
 
-    def deliver(self, msg: p.Message) -> None:
-        t = msg.type
-        if t in (p.CONTROL_REPLY, p.PONG):
-            fut = self._calls.pop(str(msg.header.get("cid")), None)
+    def deliver(self, msg: Reply) -> None:
+        h = msg.header
+        if not self._peer.done() and self._settle_handshake(h):
+            return
+        cid = getattr(h, "cid", None)
+        if cid is not None:
+            fut = self._calls.pop(cid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-            if self._on_message is not None and t == p.PONG:
+            if isinstance(h, p.Pong) and self._on_message is not None:
                 self._on_message(msg)
-            return
+            if fut is not None or isinstance(h, p.Pong | p.ControlReply):
+                return
         if self._on_message is not None:
             self._on_message(msg)
             return
-        q = self._streams.get(str(msg.header.get("id")))
+        q = self._streams.get(getattr(h, "id", None) or "")
         if q is None:
             self.unsolicited.put_nowait(msg)
         else:
             q.put_nowait(msg)
 
-    def send(self, header: Mapping[str, Any], tensors: Mapping[str, Any] | None = None) -> None:
+    def _settle_handshake(self, h: p.Reply) -> bool:
+        if isinstance(h, p.HelloReply):
+            if h.version != p.PROTOCOL_VERSION:
+                self._peer.set_exception(p.VersionMismatch(
+                    f"replica {self.name} at {self.endpoint} speaks protocol version "
+                    f"{h.version}; this client speaks {p.PROTOCOL_VERSION}"))
+            else:
+                self._peer.set_result(h)
+            return True
+        if isinstance(h, p.Error) and h.id is None and h.cid is None:
+            hint = "" if h.code == "version_mismatch" else (
+                f" (it may speak a protocol version older than {p.PROTOCOL_VERSION})")
+            self._peer.set_exception(p.VersionMismatch(
+                f"replica {self.name} at {self.endpoint} refused the handshake{hint}: "
+                f"{h.code}: {h.message}"))
+            return True
+        return False
+
+    async def handshake(self, timeout: float | None = None) -> p.HelloReply:
+        """The worker's hello reply; raises VersionMismatch when it speaks another version."""
+        return await asyncio.wait_for(asyncio.shield(self._peer), timeout)
+
+    @property
+    def peer(self) -> p.HelloReply | None:
+        """The accepted hello reply (replica identity and incarnation), once it has come."""
+        if self._peer.done() and not self._peer.cancelled() and self._peer.exception() is None:
+            return self._peer.result()
+        return None
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def send(self, header: msgspec.Struct, tensors: Mapping[str, Any] | None = None) -> None:
         if self.closed:
             raise ChannelClosed(f"channel to {self.name} is closed")
         self.sock.send_multipart(p.encode(header, tensors), copy=False)
@@ -103,14 +155,17 @@ class ReplicaChannel:
         params: Mapping[str, Any],
         tensors: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> asyncio.Queue[p.Message]:
-        """Send a request; replies (deltas, then one terminal) arrive on the returned queue."""
-        q: asyncio.Queue[p.Message] = asyncio.Queue()
+    ) -> asyncio.Queue[Reply]:
+        """Send a request; replies (deltas, then one terminal) arrive on the returned queue.
+
+        It does not wait for the handshake (the hello goes first anyway), but a refused one
+        raises here.
+        """
+        if self._peer.done() and not self._peer.cancelled() and self._peer.exception():
+            raise self._peer.exception()  # type: ignore[misc]
+        q: asyncio.Queue[Reply] = asyncio.Queue()
         self._streams[rid] = q
-        header: dict[str, Any] = {"t": p.SUBMIT, "id": rid, "params": dict(params)}
-        if timeout_s is not None:
-            header["timeout_s"] = timeout_s
-        self.send(header, tensors)
+        self.send(p.Submit(id=rid, params=dict(params), timeout_s=timeout_s), tensors)
         return q
 
     async def stream(
@@ -119,14 +174,15 @@ class ReplicaChannel:
         params: Mapping[str, Any],
         tensors: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[p.Message]:
+    ) -> AsyncIterator[Reply]:
         """Yield every reply for one request, ending with its terminal reply."""
+        await self.handshake()
         q = self.submit(rid, params, tensors, timeout_s)
         try:
             while True:
                 msg = await q.get()
                 yield msg
-                if msg.type in p.TERMINAL_REPLIES:
+                if isinstance(msg.header, p.TERMINAL_REPLIES):
                     return
         finally:
             self._streams.pop(rid, None)
@@ -137,39 +193,48 @@ class ReplicaChannel:
         params: Mapping[str, Any],
         tensors: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
-    ) -> tuple[list[p.Message], p.Message]:
+    ) -> tuple[list[Reply], Reply]:
         """Run one request to completion: (deltas, terminal reply)."""
-        deltas: list[p.Message] = []
+        deltas: list[Reply] = []
         async for msg in self.stream(rid, params, tensors, timeout_s):
-            if msg.type == p.DELTA:
+            if isinstance(msg.header, p.Delta):
                 deltas.append(msg)
             else:
                 return deltas, msg
         raise ChannelClosed(f"no terminal reply for {rid}")
 
     def abort(self, rid: str) -> None:
-        self.send({"t": p.ABORT, "id": rid})
+        self.send(p.Abort(id=rid))
 
-    async def call(self, header: dict[str, Any], timeout: float) -> p.Message:
-        cid = header.setdefault("cid", f"{os.getpid()}-{next(_cids)}")
-        fut: asyncio.Future[p.Message] = asyncio.get_running_loop().create_future()
-        self._calls[cid] = fut
+    async def call(self, header: p.Control | p.Ping, timeout: float) -> Reply:
+        """Send an RPC and wait for the reply with its correlation id."""
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._calls[header.cid] = fut
         try:
             self.send(header)
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._calls.pop(cid, None)
+            self._calls.pop(header.cid, None)
 
-    async def control(self, op: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Run a control RPC; a worker-side exception is raised here as ControlError."""
-        reply = await self.call({"t": p.CONTROL, "op": op}, timeout)
-        if not reply.header.get("ok"):
-            err = reply.header.get("error") or {}
-            raise ControlError(self.name, op, str(err.get("type")), str(err.get("message")))
-        return dict(reply.header.get("result") or {})
+    async def control(self, op: p.ControlOp, timeout: float = 30.0) -> dict[str, Any]:
+        """Run a control RPC and return the worker's state after it.
 
-    async def ping(self, timeout: float = 2.0) -> dict[str, Any]:
-        return (await self.call({"t": p.PING}, timeout)).header
+        A worker-side exception (or a refused request) is raised here as ControlError.
+        """
+        reply = (await self.call(p.Control(cid=_cid(), op=op), timeout)).header
+        if isinstance(reply, p.ControlReply) and reply.ok and reply.result is not None:
+            return msgspec.structs.asdict(reply.result)
+        if isinstance(reply, p.ControlReply) and reply.error is not None:
+            raise ControlError(self.name, op, reply.error.type, reply.error.message)
+        if isinstance(reply, p.Error):
+            raise ControlError(self.name, op, reply.code, reply.message)
+        raise ControlError(self.name, op, "malformed", f"unexpected reply {reply!r}")
+
+    async def ping(self, timeout: float = 2.0) -> p.Pong:
+        reply = (await self.call(p.Ping(cid=_cid()), timeout)).header
+        if not isinstance(reply, p.Pong):
+            raise p.ProtocolError(f"ping to {self.name} answered with {reply!r}")
+        return reply
 
     async def close(self) -> None:
         self.closed = True
@@ -178,7 +243,19 @@ class ReplicaChannel:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._recv_task
             self._recv_task = None
+        if not self._peer.done():
+            self._peer.set_exception(ChannelClosed(f"channel to {self.name} closed"))
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(ChannelClosed(f"channel to {self.name} closed"))
         self.sock.close(linger=0)
+
+
+def _cid() -> str:
+    return f"{os.getpid()}-{next(_cids)}"
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a refused handshake as seen: callers that never ask must not get a loop warning."""
+    if not fut.cancelled():
+        fut.exception()

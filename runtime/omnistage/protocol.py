@@ -1,8 +1,11 @@
 """Wire protocol between orchestrators and stage workers (see docs/protocol.md).
 
 A message is a multipart ZMQ message: one msgpack header frame followed by zero or more raw
-tensor frames. Tensors travel as bytes described by (name, dtype, shape) in the header, so
-nothing on the wire is ever unpickled and large payloads are sent without copies.
+tensor frames. Each header is one of the msgspec Structs below, tagged by its `t` field; the
+worker decodes the request union and the client the reply union, so a header is validated by
+its type and nothing is checked by hand. Tensors travel as bytes described by (name, dtype,
+shape) in the header, so nothing on the wire is ever unpickled and large payloads are sent
+without copies.
 """
 
 from __future__ import annotations
@@ -10,38 +13,34 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
-
-# Requests (client -> worker).
-SUBMIT = "submit"
-ABORT = "abort"
-CONTROL = "control"
-PING = "ping"
-REQUEST_TYPES = frozenset({SUBMIT, ABORT, CONTROL, PING})
-
-# Replies (worker -> client). Each terminal reply type is distinct so callers never parse text.
-DELTA = "delta"  # streamed partial output, not terminal
-FINAL = "final"  # success
-ABORTED = "aborted"  # cancelled by an abort; AR carries the prefix, diffusion drops the sample
-OVERLOADED = "overloaded"  # refused at admission: budget or queue full
-DEADLINE = "deadline"  # the request's deadline passed before or while it ran
-DRAINING = "draining"  # the replica is retiring and admits nothing new
-ERROR = "error"  # request-scoped error (bad_request, not_ready) or internal failure
-CONTROL_REPLY = "control_reply"
-PONG = "pong"
-TERMINAL_REPLIES = frozenset({FINAL, ABORTED, OVERLOADED, DEADLINE, DRAINING, ERROR})
-
-CONTROL_OPS = frozenset({"sleep", "wake_up", "pause", "resume", "drain", "state"})
+# Version 2: typed messages and the hello handshake. Bump it on any change an older peer would
+# misread; hello, hello_reply and error keep their fields so any two versions can tell each
+# other apart.
+PROTOCOL_VERSION = 2
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_ID_LEN = 256
+MAX_TENSOR_DIMS = 8
 
-# dtype name on the wire -> (numpy dtype used to view the bytes, itemsize)
+# ---- control operations --------------------------------------------------------------------
+
+ControlOp = Literal["sleep", "wake_up", "pause", "resume", "drain", "state"]
+CONTROL_OPS: tuple[ControlOp, ...] = get_args(ControlOp)
+# drain retires one replica and state reads one; neither is fanned out across a pipeline.
+REPLICA_ONLY_OPS: frozenset[ControlOp] = frozenset({"drain", "state"})
+# What Orchestrator.control fans out to every replica, and what the HTTP control route accepts.
+PIPELINE_CONTROL_OPS: tuple[ControlOp, ...] = tuple(
+    op for op in CONTROL_OPS if op not in REPLICA_ONLY_OPS
+)
+
+# ---- tensors -------------------------------------------------------------------------------
+
+# dtype name on the wire -> numpy dtype used to view the bytes
 _WIRE_DTYPES: dict[str, np.dtype[Any]] = {
     "float32": np.dtype("<f4"),
     "float16": np.dtype("<f2"),
@@ -52,13 +51,211 @@ _WIRE_DTYPES: dict[str, np.dtype[Any]] = {
     "uint8": np.dtype("u1"),
     "bool": np.dtype("?"),
 }
+WireDType = Literal[tuple(_WIRE_DTYPES)]  # type: ignore[valid-type]
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder()
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+
+
+class TensorDesc(msgspec.Struct, frozen=True, gc=False):
+    """One tensor frame, described in the header in frame order."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+    dtype: WireDType
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                     msgspec.Meta(max_length=MAX_TENSOR_DIMS)]
+
+
+# ---- messages ------------------------------------------------------------------------------
+
+
+class _Wire(msgspec.Struct, tag_field="t", omit_defaults=True, kw_only=True, gc=False):
+    """Every header: a map tagged by `t`. Fields left at their default are not sent."""
+
+
+# Requests (client -> worker).
+
+
+class Hello(_Wire, tag="hello"):
+    """The first message on every channel: the client's protocol version."""
+
+    version: int
+
+
+class Submit(_Wire, tag="submit"):
+    id: Id
+    params: dict[str, Any] = {}
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # the worker's default if unset
+    tensors: list[TensorDesc] = []
+
+
+class Abort(_Wire, tag="abort"):
+    id: Id
+
+
+class Control(_Wire, tag="control"):
+    cid: Id
+    op: ControlOp
+
+
+class Ping(_Wire, tag="ping"):
+    cid: Id
+
+
+Request = Hello | Submit | Abort | Control | Ping
+
+# Replies (worker -> client). Each terminal reply type is distinct so callers never parse text.
+
+
+class WorkerState(msgspec.Struct, kw_only=True, gc=False):
+    """A replica's state, as pong and control_reply carry it and /state shows it."""
+
+    replica_id: str
+    stage: str
+    kind: str
+    incarnation: str
+    ready: bool
+    loaded: bool
+    draining: bool
+    paused: bool
+    asleep: bool
+    in_flight: int
+    queued: int
+    pid: int
+
+
+class HelloReply(_Wire, tag="hello_reply"):
+    """The worker accepted the handshake: who it is, and which process (incarnation) answers."""
+
+    version: int
+    replica: str
+    stage: str
+    kind: str
+    incarnation: str  # a new random id at every process start
+
+
+class Delta(_Wire, tag="delta"):
+    """Streamed partial output; not terminal."""
+
+    id: Id
+    seq: int
+    text: str = ""
+    token_ids: list[int] = []
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Result(_Wire):
+    """What an executor returns: one typed set of optional fields shared by every kind."""
+
+    id: Id
+    replica: str = ""
+    seq: int = 0
+    text: str | None = None  # ar, echo
+    token_ids: list[int] | None = None  # ar
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None  # ar
+    completion_tokens: int | None = None  # ar
+    height: int | None = None  # diffusion
+    width: int | None = None  # diffusion
+    steps: int | None = None  # diffusion
+    tensors: list[TensorDesc] = []
+
+
+RESULT_FIELDS: tuple[str, ...] = tuple(
+    f for f in _Result.__struct_fields__ if f not in ("id", "replica", "seq", "tensors")
+)
+
+
+class Final(_Result, tag="final"):
+    """Success."""
+
+
+class Aborted(_Result, tag="aborted"):
+    """Cancelled by an abort: AR carries the generated prefix, diffusion drops the sample."""
+
+
+class Overloaded(_Wire, tag="overloaded"):
+    """Refused at admission: the budget or the execution queue is full."""
+
+    id: Id
+    retry_after: float
+    message: str
+    replica: str = ""
+
+
+class Deadline(_Wire, tag="deadline"):
+    """The request's deadline passed before or while it ran."""
+
+    id: Id
+    message: str
+    replica: str = ""
+
+
+class Draining(_Wire, tag="draining"):
+    """The replica is retiring and admits nothing new."""
+
+    id: Id
+    message: str
+    replica: str = ""
+
+
+ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch"]
+
+
+class Error(_Wire, tag="error"):
+    """A request-scoped error, a malformed message, or a refused handshake.
+
+    `id` (or `cid`) names the request (or RPC) it answers when the worker could read one.
+    """
+
+    code: ErrorCode
+    message: str
+    id: str | None = None
+    cid: str | None = None
+    replica: str = ""
+
+
+class ControlFailure(msgspec.Struct, gc=False):
+    type: str  # the worker's exception type
+    message: str
+
+
+class ControlReply(_Wire, tag="control_reply"):
+    cid: str
+    op: ControlOp
+    ok: bool
+    result: WorkerState | None = None  # when ok
+    error: ControlFailure | None = None  # when not ok: the worker's exception, never swallowed
+
+
+class Pong(_Wire, tag="pong"):
+    cid: str
+    state: WorkerState
+
+
+Reply = (
+    HelloReply | Delta | Final | Aborted | Overloaded | Deadline | Draining | Error
+    | ControlReply | Pong
+)
+TERMINAL_REPLIES = (Final, Aborted, Overloaded, Deadline, Draining, Error)
+
+
+def tag(header: msgspec.Struct | type[msgspec.Struct]) -> str:
+    """The `t` value of a header or header type (its message type)."""
+    cls = header if isinstance(header, type) else type(header)
+    return str(cls.__struct_config__.tag)
+
+
+# ---- encoding ------------------------------------------------------------------------------
 
 
 class ProtocolError(ValueError):
     """A frame that does not follow the protocol; the worker answers it and keeps serving."""
+
+
+class VersionMismatch(ConnectionError):
+    """The peer speaks another protocol version (or refused ours); nothing is routed to it."""
 
 
 @dataclass(slots=True)
@@ -121,93 +318,119 @@ def _numpy_name(dt: np.dtype[Any]) -> str:
     raise TypeError(f"unsupported tensor dtype {dt}; supported: {sorted(_WIRE_DTYPES)}")
 
 
+H = TypeVar("H", bound=msgspec.Struct)
+
+
 @dataclass(slots=True)
-class Message:
-    header: dict[str, Any]
+class Message(Generic[H]):
+    """A decoded message: its typed header and its tensors (views over the received frames)."""
+
+    header: H
     tensors: dict[str, WireTensor] = field(default_factory=dict)
 
     @property
     def type(self) -> str:
-        return str(self.header.get("t", ""))
+        return tag(self.header)
 
 
-def encode(header: Mapping[str, Any], tensors: Mapping[str, Any] | None = None) -> list[Any]:
-    """Frames for one message: header first, then one frame per tensor in header order."""
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+REQUEST_TYPES: tuple[str, ...] = tuple(tag(t) for t in get_args(Request))
+REPLY_TYPES: tuple[str, ...] = tuple(tag(t) for t in get_args(Reply))
+
+
+class _Ids(msgspec.Struct):
+    id: Any = None
+    cid: Any = None
+
+
+_ids_decoder = msgspec.msgpack.Decoder(_Ids)
+
+
+def encode(header: msgspec.Struct, tensors: Mapping[str, Any] | None = None) -> list[Any]:
+    """Frames for one message: header first, then one frame per tensor in header order.
+
+    Tensors fill the header's `tensors` list (only submit, final and aborted carry any).
+    """
     frames: list[Any] = []
-    hdr = dict(header)
     if tensors:
+        if not isinstance(header, Submit | _Result):
+            raise TypeError(f"a {tag(header)} message carries no tensors")
         descs = []
         for name, value in tensors.items():
             wt = WireTensor.from_any(value)
-            descs.append({"name": name, "dtype": wt.dtype, "shape": list(wt.shape)})
+            descs.append(TensorDesc(name, wt.dtype, list(wt.shape)))
             frames.append(wt.buffer)
-        hdr["tensors"] = descs
-    return [_encoder.encode(hdr), *frames]
+        header.tensors = descs
+    return [_encoder.encode(header), *frames]
 
 
-def decode(frames: Sequence[Any]) -> Message:
-    """Parse frames into a Message; raises ProtocolError on anything malformed."""
+def decode_request(frames: Sequence[Any]) -> Message[Request]:
+    """A worker's view of frames from a client; raises ProtocolError naming what is wrong."""
+    return _decode(frames, _request_decoder, REQUEST_TYPES)
+
+
+def decode_reply(frames: Sequence[Any]) -> Message[Reply]:
+    """A client's view of frames from a worker; raises ProtocolError naming what is wrong."""
+    return _decode(frames, _reply_decoder, REPLY_TYPES)
+
+
+def _decode(
+    frames: Sequence[Any], decoder: msgspec.msgpack.Decoder[Any], types: tuple[str, ...]
+) -> Message[Any]:
     if not frames:
         raise ProtocolError("empty message")
-    raw = _frame_bytes(frames[0])
+    raw = _frame_buffer(frames[0])
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = _decoder.decode(raw)
-    except (msgspec.DecodeError, ValueError) as exc:
+        header = decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        where = f"; expected one of {list(types)}" if str(exc).endswith("`$.t`") else ""
+        raise ProtocolError(f"header: {exc}{where}") from None
+    except msgspec.DecodeError as exc:
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
-    t = header.get("t")
-    if not isinstance(t, str) or not t:
-        raise ProtocolError("header field 't' (message type) is missing or not a string")
-    descs = header.pop("tensors", None) or []
-    if not isinstance(descs, list):
-        raise ProtocolError("header field 'tensors' must be a list")
+    descs: list[TensorDesc] = getattr(header, "tensors", ())
     if len(descs) != len(frames) - 1:
         raise ProtocolError(
             f"header describes {len(descs)} tensors but {len(frames) - 1} data frames arrived"
         )
     tensors: dict[str, WireTensor] = {}
     for i, (desc, frame) in enumerate(zip(descs, frames[1:], strict=True)):
-        wt = _tensor_from(desc, frame, i)
-        tensors[desc["name"]] = wt
+        if desc.name in tensors:
+            raise ProtocolError(f"tensors[{i}].name {desc.name!r} is repeated")
+        wt = WireTensor(desc.dtype, tuple(desc.shape), frame)
+        size = len(_frame_buffer(frame))
+        if size != wt.nbytes:
+            raise ProtocolError(
+                f"tensors[{i}] ({desc.name}) declares {wt.nbytes} bytes "
+                f"({desc.dtype}{desc.shape}) but its frame has {size}"
+            )
+        tensors[desc.name] = wt
     return Message(header, tensors)
 
 
-def _tensor_from(desc: Any, frame: Any, i: int) -> WireTensor:
-    where = f"tensors[{i}]"
-    if not isinstance(desc, dict):
-        raise ProtocolError(f"{where} must be a map")
-    name, dtype, shape = desc.get("name"), desc.get("dtype"), desc.get("shape")
-    if not isinstance(name, str) or not name:
-        raise ProtocolError(f"{where}.name must be a non-empty string")
-    if dtype not in _WIRE_DTYPES:
-        raise ProtocolError(f"{where}.dtype {dtype!r} is not one of {sorted(_WIRE_DTYPES)}")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > 8
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
-    ):
-        raise ProtocolError(f"{where}.shape must be a list of at most 8 non-negative ints")
-    wt = WireTensor(dtype, tuple(shape), frame)
-    size = len(frame.buffer) if hasattr(frame, "buffer") else len(memoryview(frame).cast("B"))
-    if size != wt.nbytes:
-        raise ProtocolError(
-            f"{where} ({name}) declares {wt.nbytes} bytes ({dtype}{list(shape)}) "
-            f"but its frame has {size}"
-        )
-    return wt
+def salvage_ids(frames: Sequence[Any]) -> tuple[str | None, str | None]:
+    """The (id, cid) of a message that failed to decode, when they can still be read.
+
+    An error reply can then name the request or RPC it ends, so no caller waits forever.
+    """
+    if not frames or len(_frame_buffer(frames[0])) > MAX_HEADER_BYTES:
+        return None, None
+    try:
+        ids = _ids_decoder.decode(_frame_buffer(frames[0]))
+    except msgspec.DecodeError:
+        return None, None
+    rid = ids.id if isinstance(ids.id, str) and 0 < len(ids.id) <= MAX_ID_LEN else None
+    cid = ids.cid if isinstance(ids.cid, str) and 0 < len(ids.cid) <= MAX_ID_LEN else None
+    return rid, cid
 
 
-def _frame_bytes(frame: Any) -> bytes | memoryview:
-    if hasattr(frame, "bytes"):
-        return frame.bytes  # zmq.Frame
-    return frame
-
-
-def require_str(header: Mapping[str, Any], key: str, *, max_len: int = MAX_ID_LEN) -> str:
-    value = header.get(key)
-    if not isinstance(value, str) or not value or len(value) > max_len:
-        raise ProtocolError(f"header field {key!r} must be a non-empty string of <= {max_len}")
-    return value
+def _frame_buffer(frame: Any) -> memoryview | bytes:
+    """The bytes of a frame without copying (zmq.Frame exposes a memoryview)."""
+    if hasattr(frame, "buffer"):
+        return frame.buffer
+    if isinstance(frame, bytes):
+        return frame
+    return memoryview(frame).cast("B")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import signal
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -11,12 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from omnistage import protocol as p
 from omnistage.client import ControlError
 from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
 from omnistage.procs import WorkerProcess
 from omnistage.spec import parse_pipeline
+from tests.harness.fake_worker import FakeWorker
+from tests.harness.local import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -343,3 +349,64 @@ async def test_stalled_replica_is_dropped_then_readmitted(launch) -> None:
     assert "stall-a-0" in orch.pools["a"].replicas and not orch.suspects
     _, out = await collect(orch, PipelineRequest(prompt="back", session="s"))
     assert out.status == "ok"
+
+
+# ---- handshake and protocol versions --------------------------------------------------------
+
+
+def _state(w: WorkerProcess) -> dict[str, Any]:
+    with urllib.request.urlopen(w.http + "/state", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+async def test_replicas_are_routed_only_after_a_handshake_of_our_version(launch, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="omnistage.orchestrator")
+    pipe = pipeline("ver", [echo("a", final=True)])
+    orch, procs, membership = await launch(pipe, {"a": [()]})
+    # start() waited for the handshake: the replica is routable, bound to the process that
+    # answered, and the first request finds it.
+    real = orch.pools["a"].replicas["ver-a-0"]
+    assert real.incarnation == (await asyncio.to_thread(_state, procs["a"][0]))["incarnation"]
+    newer, older = FakeWorker(p.PROTOCOL_VERSION + 1), FakeWorker(None)
+    try:
+        for name, fake in (("newer", newer), ("older", older)):
+            membership.publish(ReplicaInfo("a", name, fake.endpoint))
+        for _ in range(100):
+            if all(orch.pools["a"].replicas[n].refused for n in ("newer", "older")):
+                break
+            await asyncio.sleep(0.05)
+        status = {r["name"]: r for r in orch.status()["a"]}
+        assert f"speaks protocol version {p.PROTOCOL_VERSION + 1}" in status["newer"]["refused"]
+        assert "refused the handshake" in status["older"]["refused"]
+        assert status["newer"]["incarnation"] is None and status["older"]["incarnation"] is None
+        outs = [await collect(orch, PipelineRequest(prompt=str(i))) for i in range(6)]
+        assert {o.children[0].outputs["a"].replica for _, o in outs} == {"ver-a-0"}
+        for fake in (newer, older):
+            assert "submit" not in {m["t"] for m in fake.received}
+        assert "not routing to replica newer: replica newer at" in caplog.text
+        assert "not routing to replica older" in caplog.text
+    finally:
+        await newer.close()
+        await older.close()
+
+
+async def test_a_restart_at_the_same_address_shows_in_the_heartbeat(launch, start_worker,
+                                                                    caplog) -> None:
+    pipe = pipeline("inc", [echo("a", final=True)])
+    port = str(free_port())
+    orch, procs, _ = await launch(pipe, {"a": [("--port", port)]}, heartbeat_interval=0.2,
+                                  heartbeat_timeout=60)
+    replica = orch.pools["a"].replicas["inc-a-0"]
+    first = replica.incarnation
+    assert first == (await asyncio.to_thread(_state, procs["a"][0]))["incarnation"]
+    procs["a"][0].kill()
+    again = await asyncio.to_thread(start_worker, "echo", "--stage", "a", "--port", port,
+                                    name="inc-a-0")
+    second = (await asyncio.to_thread(_state, again))["incarnation"]
+    assert second != first
+    for _ in range(100):
+        if replica.incarnation == second:
+            break
+        await asyncio.sleep(0.05)
+    assert replica.incarnation == second
+    assert f"replica inc-a-0 restarted: incarnation {first} -> {second}" in caplog.text

@@ -49,17 +49,17 @@ async def test_ar_streams_token_deltas(start_worker, channels) -> None:
     ch = channels(w)
     params = {"prompt": "Hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
     deltas, final = await ch.request("r1", params)
-    assert final.type == p.FINAL, final.header
-    assert len([d for d in deltas if d.header["token_ids"]]) == 8
-    assert [d.header["seq"] for d in deltas] == list(range(1, len(deltas) + 1))
-    streamed_ids = [t for d in deltas for t in d.header["token_ids"]]
-    assert streamed_ids == final.header["token_ids"]
-    assert "".join(d.header["text"] for d in deltas) == final.header["text"]
-    assert final.header["finish_reason"] == "length"
-    assert final.header["completion_tokens"] == 8
+    assert isinstance(final.header, p.Final), final.header
+    assert len([d for d in deltas if d.header.token_ids]) == 8
+    assert [d.header.seq for d in deltas] == list(range(1, len(deltas) + 1))
+    streamed_ids = [t for d in deltas for t in d.header.token_ids]
+    assert streamed_ids == final.header.token_ids
+    assert "".join(d.header.text for d in deltas) == final.header.text
+    assert final.header.finish_reason == "length"
+    assert final.header.completion_tokens == 8
     # Greedy decoding of a seeded model is deterministic across requests.
     _, again = await ch.request("r2", {**params, "stream": False})
-    assert again.header["token_ids"] == final.header["token_ids"]
+    assert again.header.token_ids == final.header.token_ids
 
 
 async def test_ar_abort_mid_stream_returns_prefix(start_worker, channels) -> None:
@@ -70,20 +70,20 @@ async def test_ar_abort_mid_stream_returns_prefix(start_worker, channels) -> Non
     seen: list[int] = []
     while len(seen) < 5:
         msg = await asyncio.wait_for(q.get(), 30)
-        assert msg.type == p.DELTA, msg.header
-        seen.extend(msg.header["token_ids"])
+        assert isinstance(msg.header, p.Delta), msg.header
+        seen.extend(msg.header.token_ids)
     ch.abort("long")
     while True:
         msg = await asyncio.wait_for(q.get(), 30)
-        if msg.type != p.DELTA:
+        if msg.type != "delta":
             break
-        seen.extend(msg.header["token_ids"])
-    assert msg.type == p.ABORTED, msg.header
-    assert msg.header["finish_reason"] == "abort"
-    prefix = msg.header["token_ids"]
+        seen.extend(msg.header.token_ids)
+    assert isinstance(msg.header, p.Aborted), msg.header
+    assert msg.header.finish_reason == "abort"
+    prefix = msg.header.token_ids
     assert 5 <= len(prefix) < 1000
     assert prefix == seen  # the prefix is exactly what was streamed
-    assert msg.header["text"]
+    assert msg.header.text
 
 
 async def test_ar_hidden_states_condition_diffusion_image(start_worker, channels) -> None:
@@ -92,13 +92,13 @@ async def test_ar_hidden_states_condition_diffusion_image(start_worker, channels
     dif = start_worker("diffusion", "--model", "tiny-unet")
     ar_ch, dif_ch = channels(ar), channels(dif)
     _, enc = await ar_ch.request("enc", {"prompt": "a red square"})
-    assert enc.type == p.FINAL
+    assert isinstance(enc.header, p.Final)
     hidden = enc.tensors["hidden_states"]
     assert hidden.dtype == "float32" and hidden.shape[1] == 64
     assert hidden.shape[0] == len("a red square") + 2  # prompt tokens + generated tokens
     params = {"height": 32, "width": 48, "num_inference_steps": 2}
     _, img = await dif_ch.request("img", params, {"encoder_hidden_states": hidden})
-    assert img.type == p.FINAL, img.header
+    assert isinstance(img.header, p.Final), img.header
     pixels = img.tensors["image"].numpy()
     assert pixels.shape == (32, 48, 3) and pixels.dtype == np.uint8
     # Conditioning matters: other hidden states give another image from the same seed.
@@ -108,8 +108,8 @@ async def test_ar_hidden_states_condition_diffusion_image(start_worker, channels
     # A wrong conditioning width is a request-scoped error naming the tensor.
     _, bad = await dif_ch.request("bad", params, {"encoder_hidden_states":
                                                   np.zeros((3, 7), np.float32)})
-    assert bad.type == p.ERROR and bad.header["code"] == "bad_request"
-    assert "encoder_hidden_states" in bad.header["message"]
+    assert isinstance(bad.header, p.Error) and bad.header.code == "bad_request"
+    assert "encoder_hidden_states" in bad.header.message
 
 
 async def test_diffusion_abort_drops_sample(start_worker, channels) -> None:
@@ -120,7 +120,7 @@ async def test_diffusion_abort_drops_sample(start_worker, channels) -> None:
     await asyncio.sleep(0.3)
     ch.abort("big")
     msg = await asyncio.wait_for(q.get(), 60)
-    assert msg.type == p.ABORTED
+    assert isinstance(msg.header, p.Aborted)
     assert msg.tensors == {}  # the whole sample is dropped
 
 
@@ -134,7 +134,7 @@ async def test_model_loads_from_local_dir_via_from_pretrained(
     w = start_worker("ar", "--model", str(dest))
     _, final = await channels(w).request("r", {"prompt": "hi", "max_tokens": 3,
                                                "ignore_eos": True})
-    assert final.type == p.FINAL and final.header["completion_tokens"] == 3
+    assert isinstance(final.header, p.Final) and final.header.completion_tokens == 3
 
 
 def test_missing_model_dir_fails_startup_with_reason(start_worker, tmp_path: Path) -> None:
@@ -153,8 +153,8 @@ async def test_overload_reply_when_budget_full(start_worker, channels) -> None:
     q1, q2 = ch.submit("a", slow), ch.submit("b", slow)
     await _wait_inflight(w, 2)
     _, third = await ch.request("c", slow)
-    assert third.type == p.OVERLOADED and third.header["retry_after"] > 0
-    assert (await q1.get()).type == p.FINAL and (await q2.get()).type == p.FINAL
+    assert isinstance(third.header, p.Overloaded) and third.header.retry_after > 0
+    assert (await q1.get()).type == "final" and (await q2.get()).type == "final"
     _, status = await asyncio.to_thread(_get, w.http + "/metrics")
     assert 'omnistage_worker_rejected_total{stage="echo",replica="echo-0",reason="budget"} 1' \
         in status
@@ -166,8 +166,8 @@ async def test_overload_reply_when_queue_full(start_worker, channels) -> None:
     q = ch.submit("a", {"prompt": "s", "delay_ms": 800})
     await _wait_inflight(w, 1)
     _, second = await ch.request("b", {"prompt": "s"})
-    assert second.type == p.OVERLOADED
-    assert (await q.get()).type == p.FINAL
+    assert isinstance(second.header, p.Overloaded)
+    assert (await q.get()).type == "final"
 
 
 async def test_deadline_reply_while_running_and_while_queued(start_worker, channels) -> None:
@@ -176,9 +176,9 @@ async def test_deadline_reply_while_running_and_while_queued(start_worker, chann
     running = ch.submit("run", {"prompt": "s", "delay_ms": 3000}, timeout_s=0.5)
     await _wait_inflight(w, 1)
     _, queued = await ch.request("queued", {"prompt": "q"}, timeout_s=0.2)
-    assert queued.type == p.DEADLINE
+    assert isinstance(queued.header, p.Deadline)
     msg = await asyncio.wait_for(running.get(), 10)
-    assert msg.type == p.DEADLINE
+    assert isinstance(msg.header, p.Deadline)
 
 
 async def test_abort_while_queued_never_runs(start_worker, channels) -> None:
@@ -190,17 +190,17 @@ async def test_abort_while_queued_never_runs(start_worker, channels) -> None:
     await _wait_inflight(w, 2)
     ch.abort("second")
     msg = await asyncio.wait_for(second.get(), 5)
-    assert msg.type == p.ABORTED  # no delta came first: it never ran
-    assert (await first.get()).type == p.FINAL
+    assert isinstance(msg.header, p.Aborted)  # no delta came first: it never ran
+    assert (await first.get()).type == "final"
 
 
 async def test_distinct_reply_types(start_worker, channels) -> None:
     """Overload, deadline, cancel and drain are told apart by type, not by text."""
-    assert len({p.OVERLOADED, p.DEADLINE, p.ABORTED, p.DRAINING, p.ERROR, p.FINAL}) == 6
+    assert len({p.tag(t) for t in p.TERMINAL_REPLIES}) == 6
     w = start_worker("echo")
     _, bad = await channels(w).request("x", {"prompt": 5})
-    assert bad.type == p.ERROR and bad.header["code"] == "bad_request"
-    assert "params.prompt" in bad.header["message"]
+    assert isinstance(bad.header, p.Error) and bad.header.code == "bad_request"
+    assert "params.prompt" in bad.header.message
 
 
 # ---- protocol robustness --------------------------------------------------------------------
@@ -209,27 +209,78 @@ async def test_distinct_reply_types(start_worker, channels) -> None:
 async def test_malformed_frames_get_error_and_worker_keeps_serving(start_worker, channels) -> None:
     w = start_worker("echo")
     ch = channels(w)
+    await ch.handshake(10)
     enc = msgspec.msgpack.encode
+    # (frames, what the error names, the (id, cid) it answers)
     bad_messages = [
-        [b"\xc1not msgpack"],
-        [enc([1, 2, 3])],
-        [enc({"no_type": 1})],
-        [enc({"t": "launch_missiles"})],
-        [enc({"t": "submit"})],  # no id
-        [enc({"t": "submit", "id": "x", "tensors": [{"name": "a", "dtype": "float32",
-                                                     "shape": [4]}]}), b"123"],
-        [enc({"t": "submit", "id": "y", "tensors": [{"name": "a", "dtype": "complex",
-                                                     "shape": [1]}]}), b"1234"],
-        [enc({"t": "submit", "id": "z", "tensors": [{}]})],
-        [enc({"t": "control", "cid": "c", "op": "self_destruct"})],
+        ([b"\xc1not msgpack"], "not valid msgpack", (None, None)),
+        ([enc([1, 2, 3])], "Expected `object`, got `array`", (None, None)),
+        ([enc({"no_type": 1})], "missing required field `t`", (None, None)),
+        ([enc({"t": "launch_missiles"})], "'launch_missiles' - at `$.t`; expected one of",
+         (None, None)),
+        ([enc({"t": "final", "id": "f"})], "'final' - at `$.t`", ("f", None)),  # a reply type
+        ([enc({"t": "submit"})], "missing required field `id`", (None, None)),
+        ([enc({"t": "submit", "id": "x", "tensors": [{"name": "a", "dtype": "float32",
+                                                      "shape": [4]}]}), b"123"],
+         "declares 16 bytes", ("x", None)),
+        ([enc({"t": "submit", "id": "y", "tensors": [{"name": "a", "dtype": "complex",
+                                                      "shape": [1]}]}), b"1234"],
+         "`$.tensors[0].dtype`", ("y", None)),
+        ([enc({"t": "submit", "id": "z", "tensors": [{}]})], "`$.tensors[0]`", ("z", None)),
+        ([enc({"t": "ping", "cid": "p"}), b"extra"], "describes 0 tensors but 1 data frames",
+         (None, "p")),
+        ([enc({"t": "control", "cid": "c", "op": "self_destruct"})], "`$.op`", (None, "c")),
     ]
-    for frames in bad_messages:
+    for frames, names, ids in bad_messages:
         ch.send_raw(frames)
         reply = await asyncio.wait_for(ch.unsolicited.get(), 5)
-        assert reply.type == p.ERROR and reply.header["code"] == "malformed", reply.header
+        assert isinstance(reply.header, p.Error) and reply.header.code == "malformed", reply.header
+        assert names in reply.header.message, reply.header
+        assert (reply.header.id, reply.header.cid) == ids, reply.header
+    # A bad field of a request that has an id ends that request, so its caller is not left
+    # waiting for a terminal reply.
+    _, bad = await asyncio.wait_for(ch.request("neg", {"prompt": "x"}, timeout_s=-1), 5)
+    assert isinstance(bad.header, p.Error) and bad.header.code == "malformed"
+    assert "`$.timeout_s`" in bad.header.message
+    with pytest.raises(ControlError, match="malformed"):  # a bad control RPC answers its caller
+        await ch.control("self_destruct")  # type: ignore[arg-type]
     _, ok = await ch.request("fine", {"prompt": "still here"})
-    assert ok.type == p.FINAL and ok.header["text"] == "still here"
+    assert isinstance(ok.header, p.Final) and ok.header.text == "still here"
     assert w.proc.poll() is None
+
+
+async def test_handshake_names_the_replica_and_its_incarnation(start_worker, channels) -> None:
+    w1, w2 = start_worker("echo", name="one"), start_worker("echo", name="two")
+    hello = await channels(w1).handshake(10)
+    assert (hello.version, hello.replica, hello.stage, hello.kind) == (
+        p.PROTOCOL_VERSION, "one", "echo", "echo")
+    state = await _state(w1)
+    assert state["incarnation"] == hello.incarnation  # the side port shows the same process
+    pong = await channels(w1).ping(5)  # so does every heartbeat, on any channel
+    assert pong.state.incarnation == hello.incarnation and pong.state.replica_id == "one"
+    other = await channels(w2).handshake(10)
+    assert other.incarnation != hello.incarnation  # another process, another incarnation
+
+
+async def test_handshake_of_another_version_is_refused(start_worker, channels,
+                                                       monkeypatch) -> None:
+    w = start_worker("echo")
+    ch = channels(w)
+    await ch.handshake(10)
+    ch.send_raw([msgspec.msgpack.encode({"t": "hello", "version": 1})])
+    reply = await asyncio.wait_for(ch.unsolicited.get(), 5)
+    assert isinstance(reply.header, p.Error) and reply.header.code == "version_mismatch"
+    assert reply.header.message == ("protocol version 1 is not supported: replica echo-0 speaks "
+                                    f"version {p.PROTOCOL_VERSION}")
+    # A client of a newer version learns it from the handshake, and sends nothing else.
+    monkeypatch.setattr(p, "PROTOCOL_VERSION", p.PROTOCOL_VERSION + 1)
+    newer = channels(w)
+    with pytest.raises(p.VersionMismatch, match="refused the handshake: version_mismatch: "
+                                                "protocol version 3 is not supported"):
+        await newer.handshake(10)
+    with pytest.raises(p.VersionMismatch):
+        await newer.request("r", {"prompt": "x"})
+    assert "refusing client" in w.log_tail()
 
 
 async def test_two_clients_share_one_worker(start_worker) -> None:
@@ -240,7 +291,7 @@ async def test_two_clients_share_one_worker(start_worker) -> None:
             a.request("same-id", {"prompt": "from a", "delay_ms": 100}),
             b.request("same-id", {"prompt": "from b", "delay_ms": 100}),
         )
-        assert ra.header["text"] == "from a" and rb.header["text"] == "from b"
+        assert ra.header.text == "from a" and rb.header.text == "from b"
     finally:
         await a.close()
         await b.close()
@@ -257,14 +308,14 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
     with pytest.raises(ControlError) as err:
         await ch.control("sleep")
     assert err.value.type == "RuntimeError" and "in flight" in err.value.message
-    assert (await busy.get()).type == p.FINAL
+    assert (await busy.get()).type == "final"
 
     assert (await ch.control("pause"))["paused"] is True
     held = ch.submit("held", {"prompt": "h"})
     await asyncio.sleep(0.3)
     assert held.empty()  # paused: admitted but not dispatched
     assert (await ch.control("resume"))["paused"] is False
-    assert (await asyncio.wait_for(held.get(), 5)).type == p.FINAL
+    assert (await asyncio.wait_for(held.get(), 5)).type == "final"
 
     assert (await ch.control("sleep"))["asleep"] is True
     with pytest.raises(ControlError, match="asleep"):
@@ -275,7 +326,7 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
     await asyncio.sleep(0.2)
     assert after.empty()
     await ch.control("resume")
-    assert (await asyncio.wait_for(after.get(), 5)).type == p.FINAL
+    assert (await asyncio.wait_for(after.get(), 5)).type == "final"
 
 
 # ---- HTTP side port -----------------------------------------------------------------------
@@ -326,11 +377,11 @@ async def test_sigterm_drains_inflight_then_exits_zero(start_worker, channels) -
             break
         await asyncio.sleep(0.02)
     _, late = await ch.request("late", {"prompt": "late"})
-    assert late.type == p.DRAINING
+    assert isinstance(late.header, p.Draining)
     w.proc.send_signal(signal.SIGTERM)  # a second SIGTERM is harmless
     results = [await asyncio.wait_for(q.get(), 10) for q in queues]
-    assert [r.type for r in results] == [p.FINAL] * 5
-    assert [r.header["text"] for r in results] == [f"p{i}" for i in range(5)]
+    assert [r.type for r in results] == ["final"] * 5
+    assert [r.header.text for r in results] == [f"p{i}" for i in range(5)]
     assert await asyncio.to_thread(w.proc.wait, 15) == 0
 
 
@@ -343,5 +394,5 @@ async def test_drain_rpc(start_worker, channels) -> None:
     assert (await ch.control("drain"))["draining"] is True  # repeated drain is harmless
     status, reason = await asyncio.to_thread(_get, w.http + "/readyz")
     assert status == 503 and reason == "draining"
-    assert (await q.get()).type == p.FINAL
+    assert (await q.get()).type == "final"
     assert await asyncio.to_thread(w.proc.wait, 15) == 0

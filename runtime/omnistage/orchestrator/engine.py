@@ -26,7 +26,7 @@ import msgspec
 import zmq.asyncio
 
 from omnistage import protocol as p
-from omnistage.client import ReplicaChannel
+from omnistage.client import ChannelClosed, ReplicaChannel
 from omnistage.metrics import Family, render
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
 from omnistage.orchestrator.pools import Replica, StagePool
@@ -47,9 +47,10 @@ from omnistage.spec import OmniPipeline
 
 log = logging.getLogger("omnistage.orchestrator")
 
-CONTROL_OPS = ("sleep", "wake_up", "pause", "resume")
 MAX_N = 64
 _seq = itertools.count(1)
+Reply = p.Message[p.Reply]
+Result = p.Message[p.Final]  # a stage's successful output, kept for the stages after it
 
 
 @dataclass(eq=False)
@@ -70,8 +71,8 @@ class _Child:
     index: int
     running: dict[tuple[str, bool], _Task] = field(default_factory=dict)
     started: set[tuple[str, bool]] = field(default_factory=set)
-    done: dict[str, p.Message] = field(default_factory=dict)
-    companion_done: dict[str, p.Message] = field(default_factory=dict)
+    done: dict[str, Result] = field(default_factory=dict)
+    companion_done: dict[str, Result] = field(default_factory=dict)
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     abort_requested: bool = False
     aborted: bool = False
@@ -152,7 +153,7 @@ class Orchestrator:
         self._heartbeat: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None  # set when the last request ends (for stop)
-        self._closing: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -160,6 +161,12 @@ class Orchestrator:
         self._zctx = zmq.asyncio.Context()
         self._stopped = asyncio.Event()
         await self.membership.start(self._on_member)
+        # Replicas known at start become routable as their handshakes complete: wait for
+        # those (bounded), so the first requests find them.
+        pending = [r.handshake for pool in self.pools.values() for r in pool.replicas.values()
+                   if r.handshake is not None and not r.handshake.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.heartbeat_timeout)
         self._heartbeat = asyncio.create_task(self._heartbeat_loop())
         self.accepting = True
 
@@ -187,9 +194,9 @@ class Orchestrator:
                 await hb
         await self.membership.stop()
         self.suspects.clear()
-        for pending in list(self._closing):
+        for pending in list(self._background):
             pending.cancel()
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
         for pool in self.pools.values():
             for replica in list(pool.replicas.values()):
                 await replica.channel.close()
@@ -231,8 +238,48 @@ class Orchestrator:
             on_message=partial(self._on_message, replica),
         )
         pool.replicas[info.name] = replica
-        log.info("replica %s of stage %s joined at %s (%s)", info.name, info.stage,
-                 info.endpoint, info.state)
+        replica.handshake = self._in_background(self._handshake(replica))
+        log.info("replica %s of stage %s joined at %s (%s); handshake sent", info.name,
+                 info.stage, info.endpoint, info.state)
+
+    async def _handshake(self, replica: Replica) -> None:
+        """Route to a replica only once it answered the hello with our protocol version."""
+        try:
+            hello = await replica.channel.handshake(self.heartbeat_timeout)
+        except p.VersionMismatch as exc:
+            replica.refused = str(exc)
+            log.error("not routing to replica %s: %s", replica.name, exc)
+            return
+        except TimeoutError:
+            self._lose(replica, f"no hello reply within {self.heartbeat_timeout:.1f}s",
+                       probation=True)
+            return
+        except ChannelClosed:
+            return
+        replica.last_seen = time.monotonic()
+        replica.incarnation = hello.incarnation
+        log.info("replica %s: handshake done (protocol %d, incarnation %s)", replica.name,
+                 hello.version, hello.incarnation)
+
+    def _on_pong(self, replica: Replica, pong: p.Pong) -> None:
+        """Heartbeats carry the incarnation: a different one is a restart at the same address.
+
+        Work bound to the old incarnation is lost with it; failing that work at once belongs
+        here (see DESIGN: replica identity is (replica id, incarnation)). For now it is only
+        logged, once, and the replica is bound to the new process.
+        """
+        new = pong.state.incarnation
+        if replica.incarnation is not None and new != replica.incarnation:
+            log.warning("replica %s restarted: incarnation %s -> %s; %d tasks were bound to the "
+                        "old process", replica.name, replica.incarnation, new, len(replica.bound))
+            replica.incarnation = new
+
+    def _in_background(self, coro: Any) -> asyncio.Task[None]:
+        """Run a task that stop() cancels and waits for."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _lose(self, replica: Replica, reason: str, *, probation: bool = False) -> None:
         """Remove a replica from routing and fail exactly the tasks bound to it.
@@ -244,9 +291,7 @@ class Orchestrator:
             return
         if probation:
             self.suspects[replica.name] = replica.info
-            probe = asyncio.ensure_future(self._probe(replica.info))
-            self._closing.add(probe)
-            probe.add_done_callback(self._closing.discard)
+            self._in_background(self._probe(replica.info))
         replica.alive = False
         self.counters["replicas_lost"] += 1
         self.pools[replica.info.stage].remove(replica.name)
@@ -266,9 +311,7 @@ class Orchestrator:
                     f"replica {replica.name} of stage {task.stage} was lost: {reason}",
                     task.stage,
                 ))
-        closing = asyncio.ensure_future(replica.channel.close())
-        self._closing.add(closing)
-        closing.add_done_callback(self._closing.discard)
+        self._in_background(replica.channel.close())
 
     async def _probe(self, info: ReplicaInfo) -> None:
         channel = ReplicaChannel(info.endpoint, name=f"probe-{info.name}", zctx=self._zctx)
@@ -293,12 +336,14 @@ class Orchestrator:
             now = time.monotonic()
             for pool in self.pools.values():
                 for replica in list(pool.replicas.values()):
+                    if replica.refused:  # never routed to; membership decides when it goes
+                        continue
                     if now - replica.last_seen > self.heartbeat_timeout:
                         self._lose(replica, f"no heartbeat for {now - replica.last_seen:.1f}s",
                                    probation=True)
                         continue
                     with contextlib.suppress(Exception):
-                        replica.channel.send({"t": p.PING, "cid": f"hb-{next(_seq)}"})
+                        replica.channel.send(p.Ping(cid=f"hb-{next(_seq)}"))
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -392,14 +437,9 @@ class Orchestrator:
             self._fail_child(child, RequestError("deadline", "request deadline passed",
                                                  task.stage))
             return
-        header = {
-            "t": p.SUBMIT,
-            "id": task.wire_id,
-            "params": self._params(task),
-            "timeout_s": remaining,
-        }
+        submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining)
         try:
-            replica.channel.send(header, self._tensors(task))
+            replica.channel.send(submit, self._tensors(task))
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
             self._fail_child(child, RequestError(
                 "bad_request", f"request could not be encoded for stage {task.stage}: {exc}",
@@ -427,8 +467,8 @@ class Orchestrator:
         if task.companion:
             params["prompt"] = req.negative_prompt
         elif ins and kind != "diffusion":
-            upstream = child.done[ins[0]].header
-            params["prompt"] = upstream.get("text", req.prompt)
+            upstream = child.done[ins[0]].header.text
+            params["prompt"] = req.prompt if upstream is None else upstream
         elif kind != "diffusion":
             params["prompt"] = req.prompt
         if kind == "ar" and any(
@@ -461,74 +501,71 @@ class Orchestrator:
 
     # ---- replies ---------------------------------------------------------------------------
 
-    def _on_message(self, replica: Replica, msg: p.Message) -> None:
+    def _on_message(self, replica: Replica, msg: Reply) -> None:
         replica.last_seen = time.monotonic()
-        t = msg.type
-        if t == p.PONG:
-            return
-        task = self.tasks.get(str(msg.header.get("id")))
+        h = msg.header
+        if isinstance(h, p.Pong):
+            return self._on_pong(replica, h)
+        task = self.tasks.get(getattr(h, "id", None) or "")
         if task is None or task.replica is not replica:
             self.counters["late_messages"] += 1
             return
-        if t == p.DELTA:
-            self._on_delta(task, msg)
-        elif t in p.TERMINAL_REPLIES:
+        if isinstance(h, p.Delta):
+            self._on_delta(task, h)
+        elif isinstance(h, p.TERMINAL_REPLIES):
             self._on_terminal(task, msg)
         else:
             self.counters["late_messages"] += 1
 
-    def _on_delta(self, task: _Task, msg: p.Message) -> None:
+    def _on_delta(self, task: _Task, h: p.Delta) -> None:
         child = task.child
         if child.outcome is not None or task.companion:
             self.counters["late_messages"] += 1
             return
-        h = msg.header
-        child.request.queue.put_nowait(
-            Delta(child.index, task.stage, str(h.get("text", "")), list(h.get("token_ids", [])))
-        )
+        child.request.queue.put_nowait(Delta(child.index, task.stage, h.text, h.token_ids))
 
-    def _on_terminal(self, task: _Task, msg: p.Message) -> None:
+    def _on_terminal(self, task: _Task, msg: Reply) -> None:
         replica = task.replica
         self._detach(task)
-        child, t, h = task.child, msg.type, msg.header
+        child, stage = task.child, task.stage
         if child.outcome is not None:
             self.counters["late_messages"] += 1
             return
-        if t == p.FINAL:
-            if task.companion:
-                child.companion_done[task.stage] = msg
-            else:
-                child.done[task.stage] = msg
-                if task.stage in child.request.finals:
-                    child.outputs[task.stage] = self._output(task, msg, replica)
-            self._advance(child)
-        elif t == p.ABORTED:
-            child.aborted = True
-            child.abort_requested = True
-            if not task.companion and task.stage in child.request.finals and "text" in h:
-                child.outputs[task.stage] = self._output(task, msg, replica)
-            self._settle(child)
-        elif t in (p.DRAINING,) or (t == p.ERROR and h.get("code") == "not_ready"):
-            # The replica refused before starting: try another one of the same stage.
-            task.tried.add(replica.name if replica else "")
-            child.started.add((task.stage, task.companion))
-            self._send(task)
-            self._settle(child)
-        elif t == p.OVERLOADED:
-            self._fail_child(child, RequestError(
-                "overloaded", f"stage {task.stage}: {h.get('message', 'overloaded')}",
-                task.stage, retry_after=float(h.get("retry_after") or 1.0)))
-        elif t == p.DEADLINE:
-            self._fail_child(child, RequestError(
-                "deadline", f"stage {task.stage}: {h.get('message', 'deadline exceeded')}",
-                task.stage))
-        else:
-            code = "bad_request" if h.get("code") == "bad_request" else "stage_failed"
-            self._fail_child(child, RequestError(
-                code, f"stage {task.stage}: {h.get('message', 'failed')}", task.stage))
+        match msg.header:
+            case p.Final():
+                if task.companion:
+                    child.companion_done[stage] = msg  # type: ignore[assignment]
+                else:
+                    child.done[stage] = msg  # type: ignore[assignment]
+                    if stage in child.request.finals:
+                        child.outputs[stage] = self._output(task, msg, replica)
+                self._advance(child)
+            case p.Aborted(text=text):
+                child.aborted = True
+                child.abort_requested = True
+                if not task.companion and stage in child.request.finals and text is not None:
+                    child.outputs[stage] = self._output(task, msg, replica)
+                self._settle(child)
+            case p.Draining() | p.Error(code="not_ready"):
+                # The replica refused before starting: try another one of the same stage.
+                task.tried.add(replica.name if replica else "")
+                child.started.add((stage, task.companion))
+                self._send(task)
+                self._settle(child)
+            case p.Overloaded(message=message, retry_after=retry_after):
+                self._fail_child(child, RequestError(
+                    "overloaded", f"stage {stage}: {message}", stage, retry_after=retry_after))
+            case p.Deadline(message=message):
+                self._fail_child(child, RequestError(
+                    "deadline", f"stage {stage}: {message}", stage))
+            case p.Error(code=code, message=message):
+                kind = "bad_request" if code == "bad_request" else "stage_failed"
+                self._fail_child(child, RequestError(kind, f"stage {stage}: {message}", stage))
 
-    def _output(self, task: _Task, msg: p.Message, replica: Replica | None) -> StageOutput:
-        fields = {k: v for k, v in msg.header.items() if k not in ("t", "id", "seq", "replica")}
+    def _output(self, task: _Task, msg: Reply, replica: Replica | None) -> StageOutput:
+        """A final stage's result: the outcome fields the executor set, and its tensors."""
+        h = msg.header
+        fields = {f: v for f in p.RESULT_FIELDS if (v := getattr(h, f)) is not None}
         return StageOutput(task.stage, fields, dict(msg.tensors), replica.name if replica else "")
 
     def _detach(self, task: _Task) -> None:
@@ -561,7 +598,7 @@ class Orchestrator:
             self._detach(task)
             if task.replica is not None and task.replica.alive:
                 with contextlib.suppress(Exception):
-                    task.replica.channel.send({"t": p.ABORT, "id": task.wire_id})
+                    task.replica.channel.send(p.Abort(id=task.wire_id))
         child.outcome = ChildOutcome(child.index, error.kind, dict(child.outputs), error)  # type: ignore[arg-type]
         self._child_terminal(child)
 
@@ -620,7 +657,7 @@ class Orchestrator:
             for task in list(child.running.values()):
                 if task.replica is not None:
                     with contextlib.suppress(Exception):
-                        task.replica.channel.send({"t": p.ABORT, "id": task.wire_id})
+                        task.replica.channel.send(p.Abort(id=task.wire_id))
 
     # ---- control RPCs ----------------------------------------------------------------------
 
@@ -632,8 +669,9 @@ class Orchestrator:
         Unknown ops and stage names are rejected before anything is sent; a worker exception
         is raised here (ControlError) after every replica has answered.
         """
-        if op not in CONTROL_OPS:
-            raise ValueError(f"op: unknown control op {op!r}; expected one of {list(CONTROL_OPS)}")
+        if op not in p.PIPELINE_CONTROL_OPS:
+            raise ValueError(f"op: unknown control op {op!r}; "
+                             f"expected one of {list(p.PIPELINE_CONTROL_OPS)}")
         names = list(stages) if stages else list(self.pools)
         unknown = [s for s in names if s not in self.pools]
         if unknown:
@@ -665,7 +703,8 @@ class Orchestrator:
         return {
             stage: [
                 {"name": r.name, "endpoint": r.info.endpoint, "state": r.info.state,
-                 "inflight": r.inflight, "served": r.served}
+                 "inflight": r.inflight, "served": r.served, "incarnation": r.incarnation,
+                 "refused": r.refused}
                 for r in pool.replicas.values()
             ]
             for stage, pool in self.pools.items()

@@ -25,6 +25,9 @@ class Replica:
     ping_outstanding: bool = False
     bound: set[Any] = field(default_factory=set)  # tasks currently on this replica
     served: int = 0
+    handshake: Any = None  # the asyncio.Task awaiting the hello reply
+    incarnation: str | None = None  # from the hello reply: the process that answers
+    refused: str = ""  # why the handshake failed (another protocol version)
 
     @property
     def name(self) -> str:
@@ -32,7 +35,8 @@ class Replica:
 
     @property
     def routable(self) -> bool:
-        return self.alive and self.info.routable
+        """Alive, ready in the membership, and it accepted our protocol version."""
+        return self.alive and self.info.routable and self.incarnation is not None
 
 
 class StagePool:

@@ -14,10 +14,12 @@ import os
 import signal
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -92,6 +94,7 @@ class StageWorker:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.zmq_endpoint = ""
         self.http_url = ""
+        self.incarnation = uuid.uuid4().hex  # this process: a restart at the same address differs
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -213,83 +216,96 @@ class StageWorker:
             frames = await self.sock.recv_multipart(copy=False)
             ident = frames[0].bytes
             try:
-                self._dispatch(ident, frames[1:])
+                msg = p.decode_request(frames[1:])
             except p.ProtocolError as exc:
                 self.counters["malformed"] += 1
                 log.warning("malformed message from %r: %s", ident, exc)
-                self._send(ident, {"t": p.ERROR, "code": "malformed", "message": str(exc)})
+                rid, cid = p.salvage_ids(frames[1:])
+                self._send(ident, p.Error(code="malformed", message=str(exc), id=rid, cid=cid,
+                                          replica=self.cfg.replica_id))
+                continue
+            try:
+                self._dispatch(ident, msg)
             except Exception as exc:  # never let one message stop the worker
-                self.counters["malformed"] += 1
-                log.exception("failed to handle message")
-                self._send(ident, {"t": p.ERROR, "code": "internal", "message": str(exc)})
+                log.exception("failed to handle %s", msg.type)
+                h = msg.header
+                self._send(ident, p.Error(code="internal", message=str(exc),
+                                          id=getattr(h, "id", None), cid=getattr(h, "cid", None),
+                                          replica=self.cfg.replica_id))
 
-    def _dispatch(self, ident: bytes, frames: list[Any]) -> None:
-        msg = p.decode(frames)
-        t = msg.type
-        if t == p.SUBMIT:
-            self._submit(ident, msg)
-        elif t == p.ABORT:
-            rid = p.require_str(msg.header, "id")
-            req = self.requests.get((ident, rid))
-            if req is None:
-                self.counters["late_aborts"] += 1
-            else:
-                req.ctx.cancel()
-        elif t == p.PING:
-            self._send(ident, {"t": p.PONG, "cid": msg.header.get("cid"), **self.state()})
-        elif t == p.CONTROL:
-            cid = p.require_str(msg.header, "cid")
-            op = msg.header.get("op")
-            if op not in p.CONTROL_OPS:
-                raise p.ProtocolError(f"control op {op!r} is not one of {sorted(p.CONTROL_OPS)}")
-            self._spawn(self._control(ident, cid, str(op)))
-        else:
-            raise p.ProtocolError(f"unknown message type {t!r}; expected {sorted(p.REQUEST_TYPES)}")
+    def _dispatch(self, ident: bytes, msg: p.Message[p.Request]) -> None:
+        match msg.header:
+            case p.Submit() as submit:
+                self._submit(ident, submit, msg.tensors)
+            case p.Abort(id=rid):
+                req = self.requests.get((ident, rid))
+                if req is None:
+                    self.counters["late_aborts"] += 1
+                else:
+                    req.ctx.cancel()
+            case p.Ping(cid=cid):
+                self._send(ident, p.Pong(cid=cid, state=self.snapshot()))
+            case p.Control(cid=cid, op=op):
+                self._spawn(self._control(ident, cid, op))
+            case p.Hello(version=version):
+                self._hello(ident, version)
+            case other:  # a request type added to the union without a handler here
+                raise TypeError(f"no handler for {p.tag(other)} messages")
 
-    def _submit(self, ident: bytes, msg: p.Message) -> None:
-        rid = p.require_str(msg.header, "id")
-        params = msg.header.get("params") or {}
-        if not isinstance(params, dict):
-            raise p.ProtocolError("header field 'params' must be a map")
-        base = {"id": rid, "replica": self.cfg.replica_id}
+    def _hello(self, ident: bytes, version: int) -> None:
+        """Answer the handshake; a client of another protocol version is refused."""
+        cfg = self.cfg
+        if version != p.PROTOCOL_VERSION:
+            log.warning("refusing client %r: it speaks protocol version %s, this worker %s",
+                        ident, version, p.PROTOCOL_VERSION)
+            self._send(ident, p.Error(
+                code="version_mismatch", replica=cfg.replica_id,
+                message=f"protocol version {version} is not supported: replica "
+                        f"{cfg.replica_id} speaks version {p.PROTOCOL_VERSION}"))
+            return
+        self._send(ident, p.HelloReply(version=p.PROTOCOL_VERSION, replica=cfg.replica_id,
+                                       stage=cfg.stage, kind=cfg.kind,
+                                       incarnation=self.incarnation))
+
+    def _submit(self, ident: bytes, msg: p.Submit, tensors: dict[str, p.WireTensor]) -> None:
+        rid, replica = msg.id, self.cfg.replica_id
         if self.draining:
             self.counters["rejected_draining"] += 1
-            return self._reply(ident, p.DRAINING, base, message="replica is draining")
+            return self._reply(ident, p.Draining(id=rid, replica=replica,
+                                                 message="replica is draining"))
         if not self.loaded or self.executor is None:
-            return self._reply(ident, p.ERROR, base, code="not_ready",
-                               message="model is still loading")
+            return self._reply(ident, p.Error(code="not_ready", id=rid, replica=replica,
+                                              message="model is still loading"))
         if (ident, rid) in self.requests:
-            return self._reply(ident, p.ERROR, base, code="bad_request",
-                               message=f"id: request {rid!r} is already in flight")
-        timeout = msg.header.get("timeout_s", self.cfg.default_deadline)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            return self._reply(ident, p.ERROR, base, code="bad_request",
-                               message=f"timeout_s must be a positive number, got {timeout!r}")
+            return self._reply(ident, p.Error(code="bad_request", id=rid, replica=replica,
+                                              message=f"id: request {rid!r} is already in flight"))
         try:
-            job = self.executor.prepare(params, msg.tensors)
+            job = self.executor.prepare(msg.params, tensors)
             cost = self.executor.cost(job)
         except BadRequest as exc:
-            return self._reply(ident, p.ERROR, base, code="bad_request", message=str(exc))
+            return self._reply(ident, p.Error(code="bad_request", id=rid, replica=replica,
+                                              message=str(exc)))
         permit = self.admission.try_admit(cost)
         if permit is None:
             self.counters["rejected_budget"] += 1
-            return self._reply(ident, p.OVERLOADED, base, retry_after=1.0,
-                               message=f"admission budget full (cost {cost})")
+            return self._reply(ident, p.Overloaded(id=rid, replica=replica, retry_after=1.0,
+                                                   message=f"admission budget full (cost {cost})"))
         self.counters["admitted"] += 1
-        ctx = ExecutionContext.with_timeout(float(timeout), permits=[permit])
+        timeout = msg.timeout_s if msg.timeout_s is not None else self.cfg.default_deadline
+        ctx = ExecutionContext.with_timeout(timeout, permits=[permit])
         req = _Request(ident, rid, ctx)
         self.requests[(ident, rid)] = req
         self._spawn(self._run(req, job))
 
     async def _run(self, req: _Request, job: Any) -> None:
-        base = {"id": req.rid, "replica": self.cfg.replica_id}
+        rid, replica = req.rid, self.cfg.replica_id
         seq = 0
 
         def emit(fields: dict[str, Any]) -> None:  # called on the worker thread
             nonlocal seq
             seq += 1
-            header = {"t": p.DELTA, "id": req.rid, "seq": seq, **fields}
-            self._loop.call_soon_threadsafe(self._send, req.ident, header)
+            delta = p.Delta(id=rid, seq=seq, **fields)
+            self._loop.call_soon_threadsafe(self._send, req.ident, delta)
 
         assert self.executor is not None
         with req.ctx.hold():
@@ -300,25 +316,34 @@ class StageWorker:
             except ExecutionCancelled:
                 outcome = self.executor.aborted_before_start(job)
             except DeadlineExceeded as exc:
-                self._reply(req.ident, p.DEADLINE, base, message=str(exc) or "deadline exceeded")
+                self._reply(req.ident, p.Deadline(id=rid, replica=replica,
+                                                  message=str(exc) or "deadline exceeded"))
                 return self._finish(req)
             except Overloaded as exc:
                 self.counters["rejected_queue"] += 1
-                self._reply(req.ident, p.OVERLOADED, base, retry_after=1.0,
-                            message=str(exc) or "execution queue full")
+                self._reply(req.ident, p.Overloaded(id=rid, replica=replica, retry_after=1.0,
+                                                    message=str(exc) or "execution queue full"))
                 return self._finish(req)
             except BadRequest as exc:
-                self._reply(req.ident, p.ERROR, base, code="bad_request", message=str(exc))
+                self._reply(req.ident, p.Error(code="bad_request", id=rid, replica=replica,
+                                               message=str(exc)))
                 return self._finish(req)
             except Exception as exc:
-                log.exception("request %s failed", req.rid)
-                self._reply(req.ident, p.ERROR, base, code="internal",
-                            message=f"{type(exc).__name__}: {exc}")
+                log.exception("request %s failed", rid)
+                self._reply(req.ident, p.Error(code="internal", id=rid, replica=replica,
+                                               message=f"{type(exc).__name__}: {exc}"))
                 return self._finish(req)
-            kind = p.ABORTED if outcome.aborted else p.FINAL
-            self.outcomes[kind] = self.outcomes.get(kind, 0) + 1
-            self._send(req.ident, {"t": kind, **base, "seq": seq + 1, **outcome.fields},
-                       outcome.tensors)
+            result = p.Aborted if outcome.aborted else p.Final
+            try:
+                frames = p.encode(result(id=rid, replica=replica, seq=seq + 1, **outcome.fields),
+                                  outcome.tensors)
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+                log.exception("request %s: the executor's outcome cannot be sent", rid)
+                self._reply(req.ident, p.Error(code="internal", id=rid, replica=replica,
+                                               message=f"outcome cannot be encoded: {exc}"))
+                return self._finish(req)
+            self._count(p.tag(result))
+            self._send_frames(req.ident, frames)
             self._finish(req)
 
     def _finish(self, req: _Request) -> None:
@@ -326,16 +351,27 @@ class StageWorker:
         self.requests.pop((req.ident, req.rid), None)
         self._quiet.set()
 
-    def _reply(self, ident: bytes, t: str, base: dict[str, Any], **fields: Any) -> None:
-        """Send a terminal reply and count it by type (for /metrics)."""
-        self.outcomes[t] = self.outcomes.get(t, 0) + 1
-        self._send(ident, {"t": t, **base, **fields})
+    def _count(self, reply_type: str) -> None:
+        self.outcomes[reply_type] = self.outcomes.get(reply_type, 0) + 1
 
-    def _send(self, ident: bytes, header: dict[str, Any], tensors: Any = None) -> None:
+    def _reply(self, ident: bytes, reply: msgspec.Struct) -> None:
+        """Send a terminal reply and count it by type (for /metrics)."""
+        self._count(p.tag(reply))
+        self._send(ident, reply)
+
+    def _send(self, ident: bytes, header: msgspec.Struct) -> None:
         try:
-            fut = self.sock.send_multipart([ident, *p.encode(header, tensors)], copy=False)
+            frames = p.encode(header)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            log.exception("cannot encode a %s reply; dropped", p.tag(header))
+            return
+        self._send_frames(ident, frames)
+
+    def _send_frames(self, ident: bytes, frames: list[Any]) -> None:
+        try:
+            fut = self.sock.send_multipart([ident, *frames], copy=False)
         except zmq.ZMQError as exc:  # the peer went away; its requests are its problem
-            log.warning("dropping reply %s for gone peer: %s", header.get("t"), exc)
+            log.warning("dropping reply for gone peer %r: %s", ident, exc)
             return
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(_log_send_failure)
@@ -351,16 +387,16 @@ class StageWorker:
 
     # ---- control -------------------------------------------------------------------------
 
-    async def _control(self, ident: bytes, cid: str, op: str) -> None:
+    async def _control(self, ident: bytes, cid: str, op: p.ControlOp) -> None:
         try:
-            result = await self.control(op)
-            reply = {"t": p.CONTROL_REPLY, "cid": cid, "op": op, "ok": True, "result": result}
+            state = await self.control(op)
+            reply = p.ControlReply(cid=cid, op=op, ok=True, result=state)
         except Exception as exc:
-            reply = {"t": p.CONTROL_REPLY, "cid": cid, "op": op, "ok": False,
-                     "error": {"type": type(exc).__name__, "message": str(exc)}}
+            reply = p.ControlReply(cid=cid, op=op, ok=False,
+                                   error=p.ControlFailure(type(exc).__name__, str(exc)))
         self._send(ident, reply)
 
-    async def control(self, op: str) -> dict[str, Any]:
+    async def control(self, op: p.ControlOp) -> p.WorkerState:
         """Apply a control RPC; exceptions propagate to the caller's reply."""
         if op == "pause":
             self.scheduler.pause()
@@ -387,22 +423,28 @@ class StageWorker:
             self.asleep = False
         elif op == "drain":
             self.begin_drain("drain rpc")
-        return self.state()
+        return self.snapshot()
+
+    def snapshot(self) -> p.WorkerState:
+        """The state that pong and control_reply carry."""
+        return p.WorkerState(
+            replica_id=self.cfg.replica_id,
+            stage=self.cfg.stage,
+            kind=self.cfg.kind,
+            incarnation=self.incarnation,
+            ready=self.ready,
+            loaded=self.loaded,
+            draining=self.draining,
+            paused=self.paused,
+            asleep=self.asleep,
+            in_flight=len(self.requests),
+            queued=self.scheduler.queued,
+            pid=os.getpid(),
+        )
 
     def state(self) -> dict[str, Any]:
-        return {
-            "replica_id": self.cfg.replica_id,
-            "stage": self.cfg.stage,
-            "kind": self.cfg.kind,
-            "ready": self.ready,
-            "loaded": self.loaded,
-            "draining": self.draining,
-            "paused": self.paused,
-            "asleep": self.asleep,
-            "in_flight": len(self.requests),
-            "queued": self.scheduler.queued,
-            "pid": os.getpid(),
-        }
+        """The same state as plain builtins, for the HTTP side port's /state."""
+        return msgspec.structs.asdict(self.snapshot())
 
 
 def _log_send_failure(fut: asyncio.Future[Any]) -> None:
