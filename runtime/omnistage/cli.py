@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
 from typing import Any
-
-
-def _json_obj(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -28,44 +17,23 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _add_stage(sub: Any) -> None:
+    from omnistage.worker.config import add_arguments
+
     s = sub.add_parser("stage", help="run one replica of one stage (what every stage pod runs)")
-    s.add_argument("--stage", required=True, help="stage name")
-    s.add_argument("--kind", required=True, choices=["ar", "diffusion", "echo"])
-    s.add_argument("--model", default=None, help="built-in model name or local directory")
-    s.add_argument("--engine", type=_json_obj, default={}, help="engine options as JSON")
-    s.add_argument("--replica-id", default=os.environ.get("POD_NAME", ""))
-    s.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"),
-                   help="address to bind (default $POD_IP or 127.0.0.1)")
-    s.add_argument("--port", type=int, default=0, help="ZMQ ROUTER port (0 = any free port)")
-    s.add_argument("--http-port", type=int, default=0, help="health/metrics port (0 = any)")
-    s.add_argument("--max-requests", type=_positive_int, default=64)
-    s.add_argument("--max-cost", type=_positive_int, default=None)
-    s.add_argument("--max-queue", type=_positive_int, default=256)
-    s.add_argument("--deadline", type=_positive_float, default=60.0,
-                   help="default per-request deadline in seconds")
-    s.add_argument("--drain-timeout", type=float, default=30.0)
-    s.add_argument("--device", default=None, help="torch device (default: cuda if visible)")
-    s.add_argument("--port-file", default=None, help="write bound addresses here as JSON")
+    add_arguments(s)
 
 
 def _run_stage(args: argparse.Namespace) -> int:
-    from omnistage.worker.server import StageWorker, WorkerConfig
+    from omnistage.spec import SpecError
+    from omnistage.worker.config import config_from_args
+    from omnistage.worker.server import StageWorker
 
-    cfg = WorkerConfig(
-        stage=args.stage, kind=args.kind, model=args.model, engine=args.engine,
-        replica_id=args.replica_id, host=args.host, port=args.port, http_port=args.http_port,
-        max_requests=args.max_requests, max_cost=args.max_cost, max_queue=args.max_queue,
-        default_deadline=args.deadline, drain_timeout=args.drain_timeout, device=args.device,
-        port_file=args.port_file,
-    )
+    try:
+        cfg = config_from_args(args)
+    except SpecError as exc:
+        print(f"error: invalid stage:\n{exc}", file=sys.stderr)
+        return 2
     return asyncio.run(StageWorker(cfg).serve())
 
 
