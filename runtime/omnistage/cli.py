@@ -1,4 +1,10 @@
-"""The `omnistage` command line: serve a pipeline, run one stage replica, run the operator."""
+"""The `omnistage` command line: serve a pipeline, run one stage replica, run the orchestrator.
+
+Other packages add subcommands through the `omnistage.commands` entry-point group: each entry
+is a function that takes the subparsers object and adds its parser, with
+`set_defaults(handler=...)`. The operator's `omnistage operator` comes that way, so the runtime
+never imports (or names) the operator package.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,10 @@ import asyncio
 import logging
 import os
 import sys
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+COMMANDS_GROUP = "omnistage.commands"
 
 
 def _add_stage(sub: Any) -> None:
@@ -22,6 +24,7 @@ def _add_stage(sub: Any) -> None:
 
     s = sub.add_parser("stage", help="run one replica of one stage (what every stage pod runs)")
     add_arguments(s)
+    s.set_defaults(handler=_run_stage)
 
 
 def _run_stage(args: argparse.Namespace) -> int:
@@ -44,6 +47,7 @@ def _add_models(sub: Any) -> None:
     save = msub.add_parser("save", help="save_pretrained a built-in model into a directory")
     save.add_argument("name")
     save.add_argument("dest")
+    m.set_defaults(handler=_run_models)
 
 
 def _run_models(args: argparse.Namespace) -> int:
@@ -68,6 +72,7 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--port", type=int, default=None,
                    help="API port (default: spec.orchestrator.port; 0 = any free port)")
     s.add_argument("--log-dir", default=None, help="replica logs (default: a new temp folder)")
+    s.set_defaults(handler=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -93,6 +98,7 @@ def _add_orchestrator(sub: Any) -> None:
                    help="stage replicas' ZMQ port (kubernetes membership; default 5555)")
     o.add_argument("--replica", action="append", default=[], metavar="STAGE=NAME@tcp://HOST:PORT",
                    help="a replica (static membership; repeatable)")
+    o.set_defaults(handler=_run_orchestrator)
 
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
@@ -106,38 +112,33 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
     )
 
 
-def _add_operator(sub: Any) -> None:
-    o = sub.add_parser("operator", help="run the Kubernetes operator (needs the operator extra)")
-    o.add_argument("--kubeconfig", default=None,
-                   help="kubeconfig (default: in-cluster config, else $KUBECONFIG)")
-    o.add_argument("--namespace", action="append", default=[],
-                   help="watch only this namespace (repeatable; default: all namespaces)")
-    o.add_argument("--metrics-host", default="127.0.0.1")
-    o.add_argument("--metrics-port", type=int, default=8081,
-                   help="serves /metrics (API write counts) and /healthz")
-    o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
-                   help="how often every object is re-checked (writes only on drift)")
+def _add_plugins(sub: Any, plugins: list[EntryPoint]) -> None:
+    """Subcommands other installed packages register; one that fails to load still shows up,
+    and running it says why (instead of every other command failing)."""
+    for ep in plugins:
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken plugin must not take the CLI down
+            reason = f"{type(exc).__name__}: {exc}"
+            broken = sub.add_parser(ep.name, help=f"(failed to load: {reason})")
+            broken.set_defaults(handler=lambda _args, r=reason, n=ep.name: _plugin_failed(n, r))
 
 
-def _run_operator(args: argparse.Namespace) -> int:
-    try:
-        from omni_operator.main import main as operator_main
-    except ImportError as exc:
-        print(f"error: the operator needs its extra: pip install 'omnistage[operator]' ({exc})",
-              file=sys.stderr)
-        return 2
-    return operator_main(args)
+def _plugin_failed(name: str, reason: str) -> int:
+    print(f"error: the {name!r} command failed to load ({reason})", file=sys.stderr)
+    return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+def build_parser(plugins: list[EntryPoint] | None = None) -> argparse.ArgumentParser:
+    """The parser; plugins default to the installed `omnistage.commands` entry points."""
+    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=os.environ.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_serve(sub)
     _add_stage(sub)
     _add_models(sub)
     _add_orchestrator(sub)
-    _add_operator(sub)
+    _add_plugins(sub, list(entry_points(group=COMMANDS_GROUP)) if plugins is None else plugins)
     return parser
 
 
@@ -147,10 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"serve": _run_serve, "stage": _run_stage, "models": _run_models,
-                "orchestrator": _run_orchestrator, "operator": _run_operator}
     try:
-        return handlers[args.cmd](args)
+        return int(args.handler(args))
     except KeyboardInterrupt:
         return 130
 
