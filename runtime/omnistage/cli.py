@@ -17,6 +17,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 COMMANDS_GROUP = "omnistage.commands"
+DESCRIPTION = "Serve multi-stage omni-modal model pipelines locally or on Kubernetes."
 
 
 def _add_stage(sub: Any) -> None:
@@ -131,7 +132,7 @@ def _plugin_failed(name: str, reason: str) -> int:
 
 def build_parser(plugins: list[EntryPoint] | None = None) -> argparse.ArgumentParser:
     """The parser; plugins default to the installed `omnistage.commands` entry points."""
-    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="omnistage", description=DESCRIPTION)
     parser.add_argument("--log-level", default=os.environ.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_serve(sub)
