@@ -14,6 +14,7 @@ from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
 from omnistage.spec import OmniPipeline, Stage
 from omnistage.tuning import worker_env
+from omnistage.worker.config import worker_args
 
 Obj = dict[str, Any]
 
@@ -231,23 +232,13 @@ def endpoint(pipeline: OmniPipeline, namespace: str) -> str:
 
 
 def worker_command(stage: Stage) -> list[str]:
-    cmd = ["omnistage", "stage", "--stage", stage.name, "--kind", stage.kind]
-    if stage.model not in (None, "", "none"):
-        cmd += ["--model", str(stage.model)]
-    adm = stage.admission
-    cmd += [
-        "--engine", json.dumps(stage.engine.model_dump(by_alias=True, mode="json"),
-                               sort_keys=True, separators=(",", ":")),
-        "--port", str(kube.WORKER_ZMQ_PORT),
-        "--http-port", str(kube.WORKER_HTTP_PORT),
-        "--max-requests", str(adm.max_requests),
-        "--max-queue", str(adm.max_queue),
-        "--deadline", str(adm.default_deadline_seconds),
-        "--drain-timeout", str(stage.drain_timeout_seconds),
-    ]
-    if adm.max_cost is not None:
-        cmd += ["--max-cost", str(adm.max_cost)]
-    return cmd
+    """The stage container's command: the runtime's worker_args, as `omnistage serve` uses.
+
+    Replica id and bind address come from $POD_NAME and $POD_IP (downward API). Every `$` is
+    doubled because the kubelet expands $(VAR) in commands and turns `$$` back into `$`.
+    """
+    args = worker_args(stage, port=kube.WORKER_ZMQ_PORT, http_port=kube.WORKER_HTTP_PORT)
+    return ["omnistage", *(a.replace("$", "$$") for a in args)]
 
 
 def pod_template(pool: Obj) -> tuple[Obj, str]:

@@ -1,71 +1,43 @@
-"""The `omnistage` command line: serve a pipeline, run one stage replica, run the operator."""
+"""The `omnistage` command line: serve a pipeline, run one stage replica, run the orchestrator.
+
+Other packages add subcommands through the `omnistage.commands` entry-point group: each entry
+is a function that takes the subparsers object and adds its parser, with
+`set_defaults(handler=...)`. The operator's `omnistage operator` comes that way, so the runtime
+never imports (or names) the operator package.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-
-def _json_obj(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+COMMANDS_GROUP = "omnistage.commands"
+DESCRIPTION = "Serve multi-stage omni-modal model pipelines locally or on Kubernetes."
 
 
 def _add_stage(sub: Any) -> None:
+    from omnistage.worker.config import add_arguments
+
     s = sub.add_parser("stage", help="run one replica of one stage (what every stage pod runs)")
-    s.add_argument("--stage", required=True, help="stage name")
-    s.add_argument("--kind", required=True, choices=["ar", "diffusion", "echo"])
-    s.add_argument("--model", default=None, help="built-in model name or local directory")
-    s.add_argument("--engine", type=_json_obj, default={}, help="engine options as JSON")
-    s.add_argument("--replica-id", default=os.environ.get("POD_NAME", ""))
-    s.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"),
-                   help="address to bind (default $POD_IP or 127.0.0.1)")
-    s.add_argument("--port", type=int, default=0, help="ZMQ ROUTER port (0 = any free port)")
-    s.add_argument("--http-port", type=int, default=0, help="health/metrics port (0 = any)")
-    s.add_argument("--max-requests", type=_positive_int, default=64)
-    s.add_argument("--max-cost", type=_positive_int, default=None)
-    s.add_argument("--max-queue", type=_positive_int, default=256)
-    s.add_argument("--deadline", type=_positive_float, default=60.0,
-                   help="default per-request deadline in seconds")
-    s.add_argument("--drain-timeout", type=float, default=30.0)
-    s.add_argument("--device", default=None, help="torch device (default: cuda if visible)")
-    s.add_argument("--port-file", default=None, help="write bound addresses here as JSON")
+    add_arguments(s)
+    s.set_defaults(handler=_run_stage)
 
 
 def _run_stage(args: argparse.Namespace) -> int:
-    from omnistage.worker.server import StageWorker, WorkerConfig
+    from omnistage.spec import SpecError
+    from omnistage.worker.config import config_from_args
+    from omnistage.worker.server import StageWorker
 
-    cfg = WorkerConfig(
-        stage=args.stage, kind=args.kind, model=args.model, engine=args.engine,
-        replica_id=args.replica_id, host=args.host, port=args.port, http_port=args.http_port,
-        max_requests=args.max_requests, max_cost=args.max_cost, max_queue=args.max_queue,
-        default_deadline=args.deadline, drain_timeout=args.drain_timeout, device=args.device,
-        port_file=args.port_file,
-    )
+    try:
+        cfg = config_from_args(args)
+    except SpecError as exc:
+        print(f"error: invalid stage:\n{exc}", file=sys.stderr)
+        return 2
     return asyncio.run(StageWorker(cfg).serve())
 
 
@@ -76,6 +48,7 @@ def _add_models(sub: Any) -> None:
     save = msub.add_parser("save", help="save_pretrained a built-in model into a directory")
     save.add_argument("name")
     save.add_argument("dest")
+    m.set_defaults(handler=_run_models)
 
 
 def _run_models(args: argparse.Namespace) -> int:
@@ -100,6 +73,7 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--port", type=int, default=None,
                    help="API port (default: spec.orchestrator.port; 0 = any free port)")
     s.add_argument("--log-dir", default=None, help="replica logs (default: a new temp folder)")
+    s.set_defaults(handler=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -125,6 +99,7 @@ def _add_orchestrator(sub: Any) -> None:
                    help="stage replicas' ZMQ port (kubernetes membership; default 5555)")
     o.add_argument("--replica", action="append", default=[], metavar="STAGE=NAME@tcp://HOST:PORT",
                    help="a replica (static membership; repeatable)")
+    o.set_defaults(handler=_run_orchestrator)
 
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
@@ -138,38 +113,33 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
     )
 
 
-def _add_operator(sub: Any) -> None:
-    o = sub.add_parser("operator", help="run the Kubernetes operator (needs the operator extra)")
-    o.add_argument("--kubeconfig", default=None,
-                   help="kubeconfig (default: in-cluster config, else $KUBECONFIG)")
-    o.add_argument("--namespace", action="append", default=[],
-                   help="watch only this namespace (repeatable; default: all namespaces)")
-    o.add_argument("--metrics-host", default="127.0.0.1")
-    o.add_argument("--metrics-port", type=int, default=8081,
-                   help="serves /metrics (API write counts) and /healthz")
-    o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
-                   help="how often every object is re-checked (writes only on drift)")
+def _add_plugins(sub: Any, plugins: list[EntryPoint]) -> None:
+    """Subcommands other installed packages register; one that fails to load still shows up,
+    and running it says why (instead of every other command failing)."""
+    for ep in plugins:
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken plugin must not take the CLI down
+            reason = f"{type(exc).__name__}: {exc}"
+            broken = sub.add_parser(ep.name, help=f"(failed to load: {reason})")
+            broken.set_defaults(handler=lambda _args, r=reason, n=ep.name: _plugin_failed(n, r))
 
 
-def _run_operator(args: argparse.Namespace) -> int:
-    try:
-        from omni_operator.main import main as operator_main
-    except ImportError as exc:
-        print(f"error: the operator needs its extra: pip install 'omnistage[operator]' ({exc})",
-              file=sys.stderr)
-        return 2
-    return operator_main(args)
+def _plugin_failed(name: str, reason: str) -> int:
+    print(f"error: the {name!r} command failed to load ({reason})", file=sys.stderr)
+    return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+def build_parser(plugins: list[EntryPoint] | None = None) -> argparse.ArgumentParser:
+    """The parser; plugins default to the installed `omnistage.commands` entry points."""
+    parser = argparse.ArgumentParser(prog="omnistage", description=DESCRIPTION)
     parser.add_argument("--log-level", default=os.environ.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_serve(sub)
     _add_stage(sub)
     _add_models(sub)
     _add_orchestrator(sub)
-    _add_operator(sub)
+    _add_plugins(sub, list(entry_points(group=COMMANDS_GROUP)) if plugins is None else plugins)
     return parser
 
 
@@ -179,10 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"serve": _run_serve, "stage": _run_stage, "models": _run_models,
-                "orchestrator": _run_orchestrator, "operator": _run_operator}
     try:
-        return handlers[args.cmd](args)
+        return int(args.handler(args))
     except KeyboardInterrupt:
         return 130
 

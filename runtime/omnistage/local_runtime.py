@@ -11,7 +11,6 @@ another thread that lives as long as the replicas (never from asyncio.to_thread)
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -24,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
-from omnistage.procs import StartupError, WorkerProcess, http_ok, spawn_worker
+from omnistage.procs import StartupError, WorkerProcess, spawn_worker, wait_all_ready
 from omnistage.spec import OmniPipeline, Stage
+from omnistage.worker.config import resolve_model
 
 __all__ = [
     "LocalStageRuntime",
@@ -34,7 +34,6 @@ __all__ = [
     "ReplicaStartupError",
     "detect_gpus",
     "replica_name",
-    "stage_worker_args",
 ]
 
 Progress = Callable[[str], None]
@@ -47,37 +46,12 @@ class PlacementError(RuntimeError):
 class ReplicaStartupError(StartupError):
     """A replica failed to start; everything was rolled back. Names the replica and its log."""
 
-    def __init__(self, replica: str, reason: str, log_tail: str, log_path: Path) -> None:
-        self.replica, self.reason = replica, reason
-        self.log_tail, self.log_path = log_tail, log_path
-        super().__init__(
-            f"replica {replica} failed to start: {reason}; all replicas were stopped.\n"
-            f"log tail ({log_path}):\n{log_tail}"
-        )
+    aftermath = "; all replicas were stopped"
 
 
 def replica_name(pipeline: str, stage: str, ordinal: int) -> str:
     """Stable replica identity, the same scheme as the operator's pod names."""
     return f"{pipeline}-{stage}-{ordinal}"
-
-
-def stage_worker_args(stage: Stage, model: str | None) -> list[str]:
-    """`omnistage stage` flags for one replica of stage (model already resolved to a path)."""
-    adm = stage.admission
-    args = [
-        "--stage", stage.name,
-        "--kind", stage.kind,
-        "--engine", json.dumps(stage.engine.model_dump(by_alias=True, mode="json")),
-        "--max-requests", str(adm.max_requests),
-        "--max-queue", str(adm.max_queue),
-        "--deadline", str(adm.default_deadline_seconds),
-        "--drain-timeout", str(stage.drain_timeout_seconds),
-    ]
-    if model is not None:
-        args += ["--model", model]
-    if adm.max_cost is not None:
-        args += ["--max-cost", str(adm.max_cost)]
-    return args
 
 
 def detect_gpus() -> list[str]:
@@ -108,13 +82,11 @@ def detect_gpus() -> list[str]:
 
 @dataclass
 class ReplicaPlan:
-    """What one replica will run: identity, worker flags and extra environment."""
+    """What one replica will run: its identity, its stage (model path resolved) and extra env."""
 
-    stage: str
     name: str
-    args: list[str]
+    stage: Stage
     env: dict[str, str]
-    drain_timeout: float
 
 
 @dataclass
@@ -176,9 +148,7 @@ class LocalStageRuntime:
                     + (f" ({', '.join(gpus)})" if gpus else "")
                     + "; lower spec.stages[].resources.gpus or set CUDA_VISIBLE_DEVICES"
                 )
-            path = stage.model_path(self.base_dir)
-            model = str(path) if path is not None else stage.model
-            args = stage_worker_args(stage, model)
+            resolved = resolve_model(stage, self.base_dir)
             for ordinal in range(stage.replicas):
                 if want == 0:
                     env = {"CUDA_VISIBLE_DEVICES": ""}  # the worker falls back to the CPU
@@ -190,8 +160,7 @@ class LocalStageRuntime:
                         ids.append(gpus[cursor])
                         cursor += 1
                     env = {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
-                plans.append(ReplicaPlan(stage.name, replica_name(name, stage.name, ordinal),
-                                         list(args), env, float(stage.drain_timeout_seconds)))
+                plans.append(ReplicaPlan(replica_name(name, stage.name, ordinal), resolved, env))
         if shared:
             self.progress(f"note: GPU requests exceed the {len(gpus)} visible GPU(s); "
                           "some replicas share a GPU")
@@ -209,11 +178,11 @@ class LocalStageRuntime:
                       f"{self.pipeline.metadata.name} (logs: {self.log_dir})")
         try:
             for plan in plans:
-                worker = spawn_worker(plan.name, ["--host", self.host, *plan.args],
+                worker = spawn_worker(plan.name, plan.stage, host=self.host,
                                       log_dir=self.log_dir, env=plan.env)
                 with self._lock:
                     self.replicas[plan.name] = _Replica(plan, worker)
-            self._wait_all_ready(t0)
+            self._wait_all_ready()
         except BaseException:
             self._rollback()
             raise
@@ -222,40 +191,24 @@ class LocalStageRuntime:
                                          daemon=True)
         self._watcher.start()
 
-    def _wait_all_ready(self, t0: float) -> None:
-        pending = list(self.replicas.values())
-        total, done = len(pending), 0
-        deadline = t0 + self.ready_timeout
-        last_note = time.monotonic()
-        while pending:
-            for rep in list(pending):
-                w = rep.worker
-                code = w.proc.poll()
-                if code is not None:
-                    raise ReplicaStartupError(rep.plan.name, f"exited with code {code}",
-                                              w.log_tail(), w.log_path)
-                if not w.http and w.port_file.exists():
-                    info = json.loads(w.port_file.read_text())
-                    w.zmq, w.http = info["zmq"], info["http"]
-                if w.http and http_ok(w.http + "/readyz"):
-                    pending.remove(rep)
-                    done += 1
-                    self._publish(rep, "ready")
-                    self.progress(f"[{done}/{total}] {rep.plan.name} ready "
-                                  f"({time.monotonic() - rep.started:.1f}s)")
-            if not pending:
-                return
-            now = time.monotonic()
-            if now > deadline:
-                rep = pending[0]
-                raise ReplicaStartupError(
-                    rep.plan.name, f"not ready after {self.ready_timeout:.0f}s",
-                    rep.worker.log_tail(), rep.worker.log_path)
-            if now - last_note > 10:
-                self.progress("waiting for " + ", ".join(r.plan.name for r in pending)
-                              + " to load...")
-                last_note = now
-            time.sleep(0.05)
+    def _wait_all_ready(self) -> None:
+        """Publish each replica as it gets ready; the first failure names its replica."""
+        done = 0
+
+        def ready(w: WorkerProcess) -> None:
+            nonlocal done
+            rep = self.replicas[w.name]
+            done += 1
+            self._publish(rep, "ready")
+            self.progress(f"[{done}/{len(self.replicas)}] {w.name} ready "
+                          f"({time.monotonic() - rep.started:.1f}s)")
+
+        try:
+            wait_all_ready([rep.worker for rep in self.replicas.values()], self.ready_timeout,
+                           on_ready=ready, progress=self.progress)
+        except StartupError as err:
+            raise ReplicaStartupError(err.replica, err.reason, err.log_tail,
+                                      err.log_path) from None
 
     def _rollback(self) -> None:
         """Kill every replica started so far; startup failed, so there is nothing to drain."""
@@ -290,7 +243,7 @@ class LocalStageRuntime:
             if rep.state == state or rep.state == "gone":
                 return
             rep.state = state
-        info = ReplicaInfo(rep.plan.stage, rep.plan.name, rep.worker.zmq, state)
+        info = ReplicaInfo(rep.plan.stage.name, rep.plan.name, rep.worker.zmq, state)
         try:
             self.membership.publish(info)
         except RuntimeError:  # the subscriber's event loop is already closed: nobody to tell
@@ -322,7 +275,7 @@ class LocalStageRuntime:
             with self._lock:
                 reps = list(self.replicas.values())
             if grace is None:
-                grace = max((r.plan.drain_timeout for r in reps), default=0.0) + 5.0
+                grace = max((r.plan.stage.drain_timeout_seconds for r in reps), default=0) + 5.0
             for rep in reps:
                 self._publish(rep, "draining")
                 if rep.worker.proc.poll() is None:

@@ -29,6 +29,7 @@ from omnistage import kube as names
 from omnistage.orchestrator.k8s_membership import KubernetesMembership, load_core_api
 from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.procs import spawn_worker
+from omnistage.spec import Stage
 from tests.harness.cluster import Cluster
 from tests.harness.kubeclient import ApiError, Kube, resource_path, wait_until
 from tests.harness.local import free_port
@@ -205,11 +206,8 @@ def test_orchestrator_process_routes_by_pod_membership(
     SIGTERM (twice) drains and exits 0."""
     k, ns = kube.kube, namespace
     zmq_port, api_port = free_port(), free_port()
-    worker = spawn_worker(
-        "mp-a-0",
-        ["--stage", "a", "--kind", "echo", "--host", "127.0.0.1", "--port", str(zmq_port)],
-        log_dir=tmp_path,
-    )
+    worker = spawn_worker("mp-a-0", Stage(name="a", kind="echo"), port=zmq_port,
+                          log_dir=tmp_path)
     manifest = {
         "apiVersion": "omnistage.io/v1alpha1",
         "kind": "OmniPipeline",

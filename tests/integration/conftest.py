@@ -4,24 +4,32 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from omnistage.client import ReplicaChannel
 from omnistage.procs import WorkerProcess, spawn_worker
+from omnistage.spec import Stage
 
 StartWorker = Callable[..., WorkerProcess]
 
 
 @pytest.fixture
 def start_worker(tmp_path: Path) -> Iterator[StartWorker]:
-    """Start `omnistage stage` processes; every one is killed at teardown."""
+    """Start `omnistage stage` processes; every one is killed at teardown.
+
+    start_worker(stage) runs a Stage; start_worker("echo", admission={"maxRequests": 2}) runs
+    a stage of that kind (named after it) with those Stage fields.
+    """
     started: list[WorkerProcess] = []
 
-    def start(kind: str, *args: str, name: str | None = None, ready: bool = True,
-              timeout: float = 180.0) -> WorkerProcess:
-        name = name or f"{kind}-{len(started)}"
-        w = spawn_worker(name, ["--stage", kind, "--kind", kind, *args], log_dir=tmp_path)
+    def start(stage: Stage | str, *, name: str | None = None, ready: bool = True,
+              timeout: float = 180.0, **fields: Any) -> WorkerProcess:
+        if isinstance(stage, str):
+            stage = Stage.model_validate({"name": stage, "kind": stage, **fields})
+        name = name or f"{stage.kind}-{len(started)}"
+        w = spawn_worker(name, stage, log_dir=tmp_path)
         started.append(w)
         if ready:
             w.wait_ready(timeout)

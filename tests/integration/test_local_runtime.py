@@ -14,12 +14,7 @@ from typing import Any
 
 import pytest
 
-from omnistage.local_runtime import (
-    LocalStageRuntime,
-    PlacementError,
-    ReplicaStartupError,
-    stage_worker_args,
-)
+from omnistage.local_runtime import LocalStageRuntime, PlacementError, ReplicaStartupError
 from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.spec import OmniPipeline, parse_pipeline
 from tests.harness.local import alive
@@ -183,29 +178,52 @@ def test_gpu_placement_is_checked_before_anything_starts(runtimes, tmp_path) -> 
     assert plans[f"{name}-b-0"].env == {"CUDA_VISIBLE_DEVICES": ""}  # gpus: 0 -> the CPU
 
 
-def test_worker_args_carry_stage_settings() -> None:
-    p = pipeline(
-        {
-            "name": "llm",
-            "kind": "ar",
-            "model": "./weights",
-            "drainTimeoutSeconds": 7,
-            "engine": {"maxTokens": 5},
-            "admission": {
-                "maxRequests": 3,
-                "maxCost": 99,
-                "maxQueue": 11,
-                "defaultDeadlineSeconds": 2.5,
-            },
-            "finalOutput": True,
-        }
-    )
-    args = stage_worker_args(p.spec.stages[0], "/abs/weights")
-    flags = dict(zip(args[::2], args[1::2], strict=True))
-    assert flags["--kind"] == "ar" and flags["--model"] == "/abs/weights"
-    assert json.loads(flags["--engine"])["maxTokens"] == 5
-    assert (flags["--max-requests"], flags["--max-cost"], flags["--max-queue"]) == ("3", "99", "11")
-    assert (flags["--deadline"], flags["--drain-timeout"]) == ("2.5", "7")
+def test_replicas_get_their_stage_with_the_model_path_resolved(runtimes, tmp_path) -> None:
+    llm = {
+        "name": "llm",
+        "kind": "ar",
+        "model": "./weights",
+        "replicas": 2,
+        "drainTimeoutSeconds": 7,
+        "engine": {"maxTokens": 5},
+        "admission": {"maxRequests": 3, "maxCost": 99, "maxQueue": 11,
+                      "defaultDeadlineSeconds": 2.5},
+        "finalOutput": True,
+    }
+    p = pipeline(llm)
+    plans = make(runtimes, p, tmp_path, gpus=[]).plan()
+    assert [pl.name for pl in plans] == [f"{p.metadata.name}-llm-{i}" for i in range(2)]
+    for pl in plans:
+        assert pl.stage.model == str(tmp_path / "weights")  # against base_dir, not the cwd
+        assert pl.stage.model_dump(exclude={"model"}) == p.spec.stages[0].model_dump(
+            exclude={"model"})
+    assert p.spec.stages[0].model == "./weights"  # the pipeline itself is left as written
+
+
+async def test_stage_settings_reach_the_worker(runtimes, tmp_path) -> None:
+    """The default deadline and the drain timeout come from the stage, not from flags."""
+    from omnistage import protocol as pr
+    from omnistage.client import ReplicaChannel
+
+    p = pipeline(echo("a", admission={"defaultDeadlineSeconds": 0.3}, drainTimeoutSeconds=1,
+                      finalOutput=True))
+    rt = make(runtimes, p, tmp_path)
+    rt.start()
+    w = rt.replicas[f"{p.metadata.name}-a-0"].worker
+    ch = ReplicaChannel(w.zmq, name="t")
+    try:
+        _, late = await ch.request("slow", {"prompt": "x", "delay_ms": 3000})
+        assert isinstance(late.header, pr.Deadline), late.header  # no timeout_s: the stage's 0.3 s applies
+        stuck = ch.submit("stuck", {"prompt": "y", "delay_ms": 60_000}, timeout_s=120)
+        await asyncio.sleep(0.3)
+        t0 = asyncio.get_running_loop().time()
+        os.kill(w.pid, signal.SIGTERM)
+        reply = await asyncio.wait_for(stuck.get(), 15)
+        assert isinstance(reply.header, pr.Aborted), reply.header  # cut short by the 1 s drain timeout
+        assert await asyncio.to_thread(w.proc.wait, 15) == 0
+        assert asyncio.get_running_loop().time() - t0 < 8
+    finally:
+        await ch.close()
 
 
 async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(runtimes,

@@ -52,10 +52,9 @@ async def launch(start_worker) -> AsyncIterator[Launch]:
         procs: dict[str, list[WorkerProcess]] = {}
         infos = []
         for stage, arg_lists in workers.items():
-            kind = pipe.spec.stage(stage).kind
-            for i, args in enumerate(arg_lists):
+            for i, _args in enumerate(arg_lists):
                 name = f"{pipe.metadata.name}-{stage}-{i}"
-                w = start_worker(kind, "--stage", stage, *args, name=name)
+                w = start_worker(pipe.spec.stage(stage), name=name)
                 procs.setdefault(stage, []).append(w)
                 infos.append(ReplicaInfo(stage, name, w.zmq))
         membership = StaticMembership(infos)

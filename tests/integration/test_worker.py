@@ -45,7 +45,7 @@ async def _wait_inflight(w, n: int, timeout: float = 10.0) -> None:
 
 
 async def test_ar_streams_token_deltas(start_worker, channels) -> None:
-    w = start_worker("ar", "--model", "tiny-llama")
+    w = start_worker("ar", model="tiny-llama")
     ch = channels(w)
     params = {"prompt": "Hello", "max_tokens": 8, "stream": True, "ignore_eos": True}
     deltas, final = await ch.request("r1", params)
@@ -63,7 +63,7 @@ async def test_ar_streams_token_deltas(start_worker, channels) -> None:
 
 
 async def test_ar_abort_mid_stream_returns_prefix(start_worker, channels) -> None:
-    w = start_worker("ar", "--model", "tiny-llama")
+    w = start_worker("ar", model="tiny-llama")
     ch = channels(w)
     q = ch.submit("long", {"prompt": "x", "max_tokens": 1000, "stream": True,
                            "ignore_eos": True})
@@ -87,9 +87,9 @@ async def test_ar_abort_mid_stream_returns_prefix(start_worker, channels) -> Non
 
 
 async def test_ar_hidden_states_condition_diffusion_image(start_worker, channels) -> None:
-    ar = start_worker("ar", "--model", "tiny-llama", "--engine",
-                      '{"returnHiddenStates": true, "maxTokens": 2}')
-    dif = start_worker("diffusion", "--model", "tiny-unet")
+    ar = start_worker("ar", model="tiny-llama",
+                      engine={"returnHiddenStates": True, "maxTokens": 2})
+    dif = start_worker("diffusion", model="tiny-unet")
     ar_ch, dif_ch = channels(ar), channels(dif)
     _, enc = await ar_ch.request("enc", {"prompt": "a red square"})
     assert isinstance(enc.header, p.Final)
@@ -113,7 +113,7 @@ async def test_ar_hidden_states_condition_diffusion_image(start_worker, channels
 
 
 async def test_diffusion_abort_drops_sample(start_worker, channels) -> None:
-    w = start_worker("diffusion", "--model", "tiny-unet")
+    w = start_worker("diffusion", model="tiny-unet")
     ch = channels(w)
     q = ch.submit("big", {"height": 256, "width": 256, "num_inference_steps": 200})
     await _wait_inflight(w, 1)
@@ -131,14 +131,14 @@ async def test_model_loads_from_local_dir_via_from_pretrained(
     subprocess.run([sys.executable, "-m", "omnistage.cli", "models", "save", "tiny-llama",
                     str(dest)], check=True, capture_output=True)
     assert (dest / "config.json").exists() and (dest / "tokenizer.json").exists()
-    w = start_worker("ar", "--model", str(dest))
+    w = start_worker("ar", model=str(dest))
     _, final = await channels(w).request("r", {"prompt": "hi", "max_tokens": 3,
                                                "ignore_eos": True})
     assert isinstance(final.header, p.Final) and final.header.completion_tokens == 3
 
 
 def test_missing_model_dir_fails_startup_with_reason(start_worker, tmp_path: Path) -> None:
-    w = start_worker("ar", "--model", str(tmp_path / "nope"), ready=False)
+    w = start_worker("ar", model=str(tmp_path / "nope"), ready=False)
     assert w.proc.wait(120) != 0
     assert "is not a directory" in w.log_tail()
 
@@ -147,7 +147,7 @@ def test_missing_model_dir_fails_startup_with_reason(start_worker, tmp_path: Pat
 
 
 async def test_overload_reply_when_budget_full(start_worker, channels) -> None:
-    w = start_worker("echo", "--max-requests", "2")
+    w = start_worker("echo", admission={"maxRequests": 2})
     ch = channels(w)
     slow = {"prompt": "s", "delay_ms": 800}
     q1, q2 = ch.submit("a", slow), ch.submit("b", slow)
@@ -161,7 +161,7 @@ async def test_overload_reply_when_budget_full(start_worker, channels) -> None:
 
 
 async def test_overload_reply_when_queue_full(start_worker, channels) -> None:
-    w = start_worker("echo", "--max-queue", "1")
+    w = start_worker("echo", admission={"maxQueue": 1})
     ch = channels(w)
     q = ch.submit("a", {"prompt": "s", "delay_ms": 800})
     await _wait_inflight(w, 1)
@@ -333,7 +333,7 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
 
 
 async def test_http_side_port(start_worker, channels) -> None:
-    w = start_worker("ar", "--model", "tiny-llama", ready=False)
+    w = start_worker("ar", model="tiny-llama", ready=False)
     # /livez answers while the model is still loading; /readyz only after load + warmup.
     saw_not_ready = False
     for _ in range(2000):

@@ -5,9 +5,10 @@ membership (a watch of the pipeline's stage Pods) or, for tests and hand-made se
 static list. The pipeline comes from a file or, in the operator's Deployment, from the
 OMNISTAGE_PIPELINE environment variable (the resolved manifest as JSON).
 
-Shutdown order on SIGTERM/SIGINT: stop admitting and drain in-flight requests, then close the
-HTTP listener, then the membership watch. Repeated signals while draining are ignored, so a
-second SIGTERM from the kubelet does not cut requests short.
+serve_orchestrator is the one orchestrator lifecycle; `omnistage serve` runs it too, over the
+local runtime's membership. Shutdown order on SIGTERM/SIGINT: stop admitting and drain in-flight
+requests, then close the HTTP listener, then the membership watch. Repeated signals while
+draining are ignored, so a second SIGTERM from the kubelet does not cut requests short.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omnistage import kube
@@ -29,9 +31,15 @@ log = logging.getLogger("omnistage.orchestrator")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+Say = Callable[[str], None]
+
 
 class UsageError(ValueError):
     """Bad command-line input: reported on stderr with exit status 2."""
+
+
+class ApiBindError(OSError):
+    """The HTTP API could not listen (typically: the port is taken)."""
 
 
 def parse_replica(text: str) -> ReplicaInfo:
@@ -79,41 +87,56 @@ def make_membership(
                                 zmq_port=zmq_port)
 
 
-def _log_ignored(signum: int, _frame: Any) -> None:
-    log.info("already shutting down; %s ignored", signal.Signals(signum).name)
-
-
 def _drain_timeout(pipeline: OmniPipeline) -> float:
     return float(max((s.drain_timeout_seconds for s in pipeline.spec.stages), default=30))
+
+
+def api_routes(pipeline: OmniPipeline) -> list[str]:
+    """The routes this pipeline's API surface enables, for the startup banner."""
+    api = pipeline.spec.orchestrator.api
+    routes = ["/v1/models"]
+    routes += ["/v1/chat/completions"] if "chat" in api else []
+    routes += ["/v1/images/generations"] if "images" in api else []
+    routes += [f"/v1/pipelines/{pipeline.metadata.name}/requests"] if "generic" in api else []
+    return [*routes, "/readyz", "/metrics", "/openapi.json"]
 
 
 async def serve_orchestrator(
     pipeline: OmniPipeline,
     membership: Membership,
     host: str,
-    port: int,
+    port: int | None = None,
     stop: asyncio.Event | None = None,
-    on_ready: Any = None,
+    on_ready: Callable[[str], object] | None = None,
     ignore_late_signals: bool = False,
+    say: Say | None = None,
+    started: float | None = None,
 ) -> int:
-    """Run until SIGINT/SIGTERM (or `stop` is set), then drain; returns the exit status.
+    """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then drain; returns 0.
 
-    on_ready(url) is called once the API listens (tests use it to learn the bound port).
-    ignore_late_signals (the CLI) keeps signals harmless until the process has exited;
-    otherwise the previous handlers come back (an embedding program keeps its own).
+    port None means spec.orchestrator.port. say(msg) hears every progress line (default: the
+    log); started (a time.monotonic() value) dates the "ready" line. on_ready(url) is called
+    once the API listens (tests use it to learn the bound port). ignore_late_signals (the CLI)
+    keeps signals harmless until the process has exited; otherwise the previous handlers come
+    back (an embedding program keeps its own). Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
     from omnistage.orchestrator.http_api import serve_http
 
+    say = say or log.info
+    t0 = time.monotonic() if started is None else started
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
-            log.info("already shutting down; %s ignored", sig.name)
+            say(f"already shutting down; {sig.name} ignored")
             return
-        log.info("%s received: stop admitting, drain, exit", sig.name)
+        say(f"{sig.name} received: shutting down (orchestrator drains first)")
         stop.set()
+
+    def late_signal(signum: int, _frame: Any) -> None:
+        say(f"already shutting down; {signal.Signals(signum).name} ignored")
 
     installed = []
     previous = {sig: signal.getsignal(sig) or signal.SIG_DFL for sig in _SIGNALS}
@@ -123,30 +146,51 @@ async def serve_orchestrator(
             installed.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests): `stop` is the only way out
+    api_port = pipeline.spec.orchestrator.port if port is None else port
     orch = Orchestrator(pipeline, membership)
     runner: Any = None
-    started = False
+    started_ok = False
     drain = _drain_timeout(pipeline)
     try:
         await orch.start()
-        started = True
-        runner, url = await serve_http(orch, host, port)
-        log.info("orchestrator for pipeline %s listening at %s", pipeline.metadata.name, url)
+        started_ok = True
+        try:
+            runner, url = await serve_http(orch, host, api_port)
+        except OSError as exc:
+            raise ApiBindError(f"cannot serve the API on {host}:{api_port}: {exc}") from exc
+        say(f"API at {url} (routes: {', '.join(api_routes(pipeline))})")
         if on_ready is not None:
             on_ready(url)
+        ok, reason = await _wait_ready(orch, stop)
+        name = pipeline.metadata.name
+        if ok:
+            replicas = sum(len(r) for r in orch.status().values())
+            say(f"pipeline {name} ready at {url} "
+                f"({replicas} replicas, {time.monotonic() - t0:.1f}s)")
+        else:  # e.g. a stage with replicas: 0; keep serving, /readyz says the same
+            say(f"pipeline {name} is serving at {url} but NOT ready: {reason}")
         await stop.wait()
     finally:
         stop.set()  # from here on every signal is "already shutting down"
-        if started:
-            log.info("orchestrator: stopped admitting, draining (up to %.0fs)", drain)
+        if started_ok:
+            say(f"orchestrator: stopped admitting, draining (up to {drain:.0f}s)")
             await orch.stop(drain)
         if runner is not None:
             await runner.cleanup()
         await membership.stop()  # idempotent; covers a failed orch.start()
         for sig in installed:
             loop.remove_signal_handler(sig)
-            signal.signal(sig, _log_ignored if ignore_late_signals else previous[sig])
+            signal.signal(sig, late_signal if ignore_late_signals else previous[sig])
     return 0
+
+
+async def _wait_ready(orch: Any, stop: asyncio.Event, timeout: float = 5.0) -> tuple[bool, str]:
+    """Membership reaches the orchestrator via the loop; give it a moment to see every replica."""
+    for _ in range(int(timeout / 0.05)):
+        if orch.ready or stop.is_set():
+            break
+        await asyncio.sleep(0.05)
+    return orch.readiness()
 
 
 def run_orchestrator(
@@ -175,16 +219,17 @@ def run_orchestrator(
         return 2
     bind = host or os.environ.get("POD_IP") or "127.0.0.1"
     try:
-        return asyncio.run(serve_orchestrator(
-            pipeline, members, bind, pipeline.spec.orchestrator.port if port is None else port,
-            ignore_late_signals=True))
+        return asyncio.run(serve_orchestrator(pipeline, members, bind, port,
+                                              ignore_late_signals=True))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
 
 
 __all__ = [
+    "ApiBindError",
     "UsageError",
+    "api_routes",
     "make_membership",
     "parse_replica",
     "read_pipeline",

@@ -1,7 +1,8 @@
 """Membership: which stage replicas exist, where they listen, and whether they may be routed to.
 
-The orchestrator only consumes ReplicaInfo updates. Locally the StageRuntime publishes them as it
-starts and stops processes; on Kubernetes a Pod watch does (see omni_operator's membership).
+The orchestrator only consumes ReplicaInfo updates. Locally LocalStageRuntime publishes them
+through a StaticMembership as it starts and stops processes; on Kubernetes a watch of the
+pipeline's Pods does (KubernetesMembership in orchestrator/k8s_membership.py).
 """
 
 from __future__ import annotations

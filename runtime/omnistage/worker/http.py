@@ -42,7 +42,7 @@ def worker_metrics(w: StageWorker) -> str:
         .add(st.exec_seconds_total, _suffix="_sum")
         .add(st.completed, _suffix="_count"),
     ]
-    return render(fams, {"stage": w.cfg.stage, "replica": w.cfg.replica_id})
+    return render(fams, {"stage": w.cfg.stage.name, "replica": w.cfg.replica_id})
 
 
 async def start_http(w: StageWorker, host: str, port: int) -> tuple[web.AppRunner, str]:

@@ -33,30 +33,9 @@ from omnistage.admission import (
     SerialScheduler,
 )
 from omnistage.executors import BadRequest, Executor, Outcome, create_executor
+from omnistage.worker.config import WorkerConfig
 
 log = logging.getLogger("omnistage.worker")
-
-
-@dataclass
-class WorkerConfig:
-    stage: str
-    kind: str
-    model: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
-    replica_id: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    http_port: int = 0
-    max_requests: int = 64
-    max_cost: int | None = None
-    max_queue: int = 256
-    default_deadline: float = 60.0
-    drain_timeout: float = 30.0
-    device: str | None = None
-    port_file: str | None = None
-
-    def __post_init__(self) -> None:
-        self.replica_id = self.replica_id or f"{self.stage}-{os.getpid()}"
 
 
 @dataclass
@@ -71,8 +50,12 @@ class StageWorker:
     def __init__(self, cfg: WorkerConfig, executor: Executor | None = None) -> None:
         self.cfg = cfg
         self.executor = executor
-        self.admission = BoundedAdmission(cfg.max_requests, cfg.max_cost)
-        self.scheduler = SerialScheduler(max_pending=cfg.max_queue)
+        # The only place the worker reads its stage's settings.
+        stage = cfg.stage
+        self.admission = BoundedAdmission(stage.admission.max_requests, stage.admission.max_cost)
+        self.scheduler = SerialScheduler(max_pending=stage.admission.max_queue)
+        self.default_deadline = stage.admission.default_deadline_seconds
+        self.drain_timeout = float(stage.drain_timeout_seconds)
         self.requests: dict[tuple[bytes, str], _Request] = {}
         self.loaded = False
         self.load_error: str | None = None
@@ -120,7 +103,7 @@ class StageWorker:
             loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
         self._write_port_file()
         log.info("replica %s of stage %s (%s) zmq=%s http=%s", self.cfg.replica_id,
-                 self.cfg.stage, self.cfg.kind, self.zmq_endpoint, self.http_url)
+                 self.cfg.stage.name, self.cfg.stage.kind, self.zmq_endpoint, self.http_url)
         recv = asyncio.create_task(self._recv_loop())
         load = asyncio.create_task(self._load())
         try:
@@ -162,12 +145,15 @@ class StageWorker:
         """Import, load and warm up off the event loop, so /livez answers meanwhile."""
         if self.executor is None:
             device = None
-            if self.cfg.kind != "echo":  # echo never imports torch: it starts in ms
+            if self.cfg.stage.kind != "echo":  # echo never imports torch: it starts in ms
                 from omnistage.devices import configure_threads, select_device
 
                 configure_threads()
                 device = select_device(self.cfg.device)
-            self.executor = create_executor(self.cfg.kind, self.cfg.model, self.cfg.engine, device)
+            stage = self.cfg.stage
+            # MERGE(lead): pass stage.engine itself once executors take EngineOptions.
+            engine = stage.engine.model_dump(by_alias=True, mode="json")
+            self.executor = create_executor(stage.kind, stage.model, engine, device)
         self.executor.load()
         self.executor.warmup()
 
@@ -186,9 +172,9 @@ class StageWorker:
 
     async def _drain(self) -> None:
         try:
-            await asyncio.wait_for(self._wait_idle(), self.cfg.drain_timeout)
+            await asyncio.wait_for(self._wait_idle(), self.drain_timeout)
         except TimeoutError:
-            log.warning("drain timeout %.1fs: aborting %d requests", self.cfg.drain_timeout,
+            log.warning("drain timeout %.1fs: aborting %d requests", self.drain_timeout,
                         len(self.requests))
             for req in list(self.requests.values()):
                 req.ctx.cancel()
@@ -264,7 +250,7 @@ class StageWorker:
                         f"{cfg.replica_id} speaks version {p.PROTOCOL_VERSION}"))
             return
         self._send(ident, p.HelloReply(version=p.PROTOCOL_VERSION, replica=cfg.replica_id,
-                                       stage=cfg.stage, kind=cfg.kind,
+                                       stage=cfg.stage.name, kind=cfg.stage.kind,
                                        incarnation=self.incarnation))
 
     def _submit(self, ident: bytes, msg: p.Submit, tensors: dict[str, p.WireTensor]) -> None:
@@ -291,7 +277,7 @@ class StageWorker:
             return self._reply(ident, p.Overloaded(id=rid, replica=replica, retry_after=1.0,
                                                    message=f"admission budget full (cost {cost})"))
         self.counters["admitted"] += 1
-        timeout = msg.timeout_s if msg.timeout_s is not None else self.cfg.default_deadline
+        timeout = msg.timeout_s if msg.timeout_s is not None else self.default_deadline
         ctx = ExecutionContext.with_timeout(timeout, permits=[permit])
         req = _Request(ident, rid, ctx)
         self.requests[(ident, rid)] = req
@@ -429,8 +415,8 @@ class StageWorker:
         """The state that pong and control_reply carry."""
         return p.WorkerState(
             replica_id=self.cfg.replica_id,
-            stage=self.cfg.stage,
-            kind=self.cfg.kind,
+            stage=self.cfg.stage.name,
+            kind=self.cfg.stage.kind,
             incarnation=self.incarnation,
             ready=self.ready,
             loaded=self.loaded,

@@ -1,0 +1,44 @@
+"""`omnistage operator`, registered through the `omnistage.commands` entry point.
+
+The runtime's CLI finds this function in the installed package metadata, so the runtime never
+imports the operator. Kept free of kopf imports: building the parser must stay cheap, and a
+missing operator extra is reported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def register(sub: Any) -> None:
+    """Add the `operator` subcommand to the `omnistage` subparsers."""
+    o = sub.add_parser("operator", help="run the Kubernetes operator (needs the operator extra)")
+    o.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig (default: in-cluster config, else $KUBECONFIG)")
+    o.add_argument("--namespace", action="append", default=[],
+                   help="watch only this namespace (repeatable; default: all namespaces)")
+    o.add_argument("--metrics-host", default="127.0.0.1")
+    o.add_argument("--metrics-port", type=int, default=8081,
+                   help="serves /metrics (API write counts) and /healthz")
+    o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
+                   help="how often every object is re-checked (writes only on drift)")
+    o.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from omni_operator.main import main
+    except ImportError as exc:
+        print(f"error: the operator needs its extra: pip install 'omnistage[operator]' ({exc})",
+              file=sys.stderr)
+        return 2
+    return main(args)

@@ -1,0 +1,82 @@
+"""Dependency direction: the operator depends on the runtime, never the reverse.
+
+`omnistage operator` still works: the operator registers it through the `omnistage.commands`
+entry point, which the runtime's CLI discovers without naming the operator package.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+from omnistage.cli import COMMANDS_GROUP, build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_MODULE = re.compile(r"^omni_operator(\.|:|$)")
+
+
+def _operator_references(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every import of omni_operator, at module level or inside a function,
+    and of every string naming it as a module (importlib.import_module(...) and the like)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]
+        found += [(node.lineno, n) for n in names if OPERATOR_MODULE.match(n)]  # type: ignore[attr-defined]
+    return found
+
+
+def test_runtime_never_imports_the_operator() -> None:
+    files = sorted((ROOT / "runtime").rglob("*.py"))
+    assert len(files) > 20  # the scan really covers the runtime package
+    offenders = [f"{f.relative_to(ROOT)}:{line}: {name}"
+                 for f in files for line, name in _operator_references(f.read_text())]
+    assert offenders == [], "the runtime must not depend on omni_operator:\n" + "\n".join(offenders)
+
+
+def test_the_scan_catches_lazy_and_dynamic_imports() -> None:
+    source = ("import omni_operator\n"
+              "def f():\n    from omni_operator.main import main\n"
+              "import importlib\nimportlib.import_module('omni_operator.builders')\n"
+              "x = 'omni_operators are fine'\n")
+    assert _operator_references(source) == [
+        (1, "omni_operator"), (3, "omni_operator.main"), (5, "omni_operator.builders")]
+
+
+def _declared_commands() -> list[EntryPoint]:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    table = meta["project"]["entry-points"][COMMANDS_GROUP]
+    return [EntryPoint(name, value, COMMANDS_GROUP) for name, value in table.items()]
+
+
+def test_operator_command_is_registered_by_entry_point() -> None:
+    declared = _declared_commands()
+    assert [(ep.name, ep.value) for ep in declared] == [
+        ("operator", "omni_operator.command:register")]
+    args = build_parser(plugins=declared).parse_args(
+        ["operator", "--kubeconfig", "/k", "--namespace", "a", "--namespace", "b",
+         "--resync-seconds", "2"])
+    assert (args.kubeconfig, args.namespace, args.resync_seconds) == ("/k", ["a", "b"], 2.0)
+    assert args.handler.__module__ == "omni_operator.command"
+    with pytest.raises(SystemExit):  # without the plugin there is no such command
+        build_parser(plugins=[]).parse_args(["operator"])
+
+
+def test_a_broken_plugin_fails_only_its_own_command(capsys) -> None:
+    broken = EntryPoint("broken", "no_such_module_xyz:register", COMMANDS_GROUP)
+    parser = build_parser(plugins=[broken])
+    args = parser.parse_args(["broken"])
+    assert args.handler(args) == 2
+    assert "'broken' command failed to load (ModuleNotFoundError" in capsys.readouterr().err
+    assert parser.parse_args(["models", "list"]).handler is not None  # the rest still works
+    assert main(["models", "list"]) == 0
