@@ -213,13 +213,15 @@ async def test_stage_settings_reach_the_worker(runtimes, tmp_path) -> None:
     ch = ReplicaChannel(w.zmq, name="t")
     try:
         _, late = await ch.request("slow", {"prompt": "x", "delay_ms": 3000})
-        assert isinstance(late.header, pr.Deadline), late.header  # no timeout_s: the stage's 0.3 s applies
+        # no timeout_s: the stage's 0.3 s applies
+        assert isinstance(late.header, pr.Deadline), late.header
         stuck = ch.submit("stuck", {"prompt": "y", "delay_ms": 60_000}, timeout_s=120)
         await asyncio.sleep(0.3)
         t0 = asyncio.get_running_loop().time()
         os.kill(w.pid, signal.SIGTERM)
         reply = await asyncio.wait_for(stuck.get(), 15)
-        assert isinstance(reply.header, pr.Aborted), reply.header  # cut short by the 1 s drain timeout
+        # cut short by the 1 s drain timeout
+        assert isinstance(reply.header, pr.Aborted), reply.header
         assert await asyncio.to_thread(w.proc.wait, 15) == 0
         assert asyncio.get_running_loop().time() - t0 < 8
     finally:
