@@ -25,7 +25,14 @@ from PIL import Image
 
 from omnistage.client import ControlError
 from omnistage.orchestrator import http_api as h
+from omnistage.orchestrator import render as rd
 from omnistage.orchestrator import requests as rq
+from omnistage.orchestrator.errors import (
+    ApiError,
+    error_from_request_error,
+    images_param,
+    outcome_error,
+)
 from omnistage.orchestrator.images import ImageEncodeError, png_base64, to_hwc_uint8
 from omnistage.orchestrator.openapi import openapi_document
 from omnistage.protocol import WireTensor
@@ -227,7 +234,7 @@ CHAT_BODY = {"model": "text-to-image", "messages": [{"role": "user", "content": 
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
 ])
 def test_parse_chat_names_the_bad_field(patch: dict, param: str, code: str) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_chat({**CHAT_BODY, **patch}, T2I)
     assert info.value.status == 400
     assert (info.value.param, info.value.code) == (param, code), info.value.message
@@ -235,7 +242,7 @@ def test_parse_chat_names_the_bad_field(patch: dict, param: str, code: str) -> N
 
 
 def test_parse_chat_wrong_model_is_404_model_not_found() -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_chat({**CHAT_BODY, "model": "gpt-4"}, T2I)
     assert (info.value.status, info.value.code, info.value.param) == (
         404, "model_not_found", "model")
@@ -287,7 +294,7 @@ def test_parse_chat_defaults_leave_stage_defaults_alone() -> None:
     ({"seed": 2**64}, "seed"),
 ])
 def test_parse_images_names_the_bad_field(patch: dict, param: str) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_images({"prompt": "a cat", **patch}, T2I)
     assert (info.value.status, info.value.param) == (400, param), info.value.message
 
@@ -307,7 +314,7 @@ def test_parse_images_builds_the_pipeline_request() -> None:
 
 
 def test_images_on_a_pipeline_without_diffusion_is_404() -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_images({"prompt": "x"}, CHAT)
     assert info.value.status == 404
 
@@ -328,7 +335,7 @@ def test_images_on_a_pipeline_without_diffusion_is_404() -> None:
     ({"timeout_s": "1"}, "timeout_s"),
 ])
 def test_parse_generic_names_the_bad_field(body: dict, param: str) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_generic(body, T2I)
     assert (info.value.status, info.value.param) == (400, param), info.value.message
 
@@ -345,7 +352,7 @@ def test_parse_generic_builds_the_pipeline_request() -> None:
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'{"a": NaN}', b'{"a": 1e999}',
                                  b"\xff\xfe\x00", b"[" * 100_000])
 def test_parse_json_body_rejects_what_is_not_a_json_object(raw: bytes) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_json_body(raw)
     assert info.value.status == 400 and info.value.param is None
 
@@ -357,7 +364,7 @@ def test_parse_control() -> None:
     for body, param in [({}, "op"), ({"op": "explode"}, "op"),
                         ({"op": "pause", "stages": ["x"]}, "stages[0]"),
                         ({"op": "pause", "extra": 1}, "extra")]:
-        with pytest.raises(h.ApiError) as info:
+        with pytest.raises(ApiError) as info:
             h.parse_control(body, T2I)
         assert info.value.param == param
 
@@ -369,28 +376,28 @@ def test_error_mapping_follows_the_engine_table() -> None:
     cases = {"bad_request": 400, "overloaded": 429, "deadline": 504, "no_replica": 503,
              "replica_lost": 502, "stage_failed": 502, "internal": 500, "shutting_down": 503}
     for code, status in cases.items():
-        err = h.error_from_request_error(rq.RequestError(code, "m"))
+        err = error_from_request_error(rq.RequestError(code, "m"))
         assert (err.status, err.code) == (status, code)
     types = {400: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
              502: "upstream_error", 503: "service_unavailable_error", 504: "timeout_error"}
     for status, kind in types.items():
-        assert h.ApiError(status, "m").type == kind
+        assert ApiError(status, "m").type == kind
     # A worker names the bad parameter; the client sees the field it sent.
-    err = h.error_from_request_error(
+    err = error_from_request_error(
         rq.RequestError("bad_request", "params.height must be a multiple of 16, got 40",
-                        stage="denoiser"), h._images_param)
+                        stage="denoiser"), images_param)
     assert err.param == "size"
 
 
 def test_outcome_error_treats_a_failed_child_as_the_response_error() -> None:
     ok = rq.ChildOutcome(0, "ok", {"encoder": ar_output("encoder", "a")})
     bad = rq.ChildOutcome(1, "fatal", {}, rq.RequestError("replica_lost", "gone"))
-    err = h.outcome_error(rq.Outcome("r", "ok", [ok, bad]))
+    err = outcome_error(rq.Outcome("r", "ok", [ok, bad]))
     assert err is not None and (err.status, err.code) == (502, "replica_lost")
     aborted_empty = rq.Outcome("r", "abort", [rq.ChildOutcome(0, "abort", {})])
-    assert h.outcome_error(aborted_empty).status == 503
+    assert outcome_error(aborted_empty).status == 503
     prefix = rq.ChildOutcome(0, "abort", {"encoder": ar_output("encoder", "a b", "abort")})
-    assert h.outcome_error(rq.Outcome("r", "abort", [prefix])) is None
+    assert outcome_error(rq.Outcome("r", "abort", [prefix])) is None
 
 
 def test_render_chat_completion_and_usage() -> None:
@@ -399,7 +406,7 @@ def test_render_chat_completion_and_usage() -> None:
         rq.ChildOutcome(1, "ok", {"encoder": ar_output("encoder", "x y z", "length")}),
         rq.ChildOutcome(0, "abort", {"encoder": ar_output("encoder", "w", "abort")}),
     ])
-    body = h.render_chat_completion(outcome, call, "chatcmpl-r", 123)
+    body = rd.render_chat_completion(outcome, call, "chatcmpl-r", 123)
     assert body["object"] == "chat.completion" and body["model"] == "text-to-image"
     assert [(c["index"], c["message"]["content"], c["finish_reason"])
             for c in body["choices"]] == [(0, "w", "abort"), (1, "x y z", "length")]
@@ -409,7 +416,7 @@ def test_render_chat_completion_and_usage() -> None:
 def test_chat_stream_chunk_order() -> None:
     call = h.parse_chat({**CHAT_BODY, "n": 2, "stream": True,
                          "stream_options": {"include_usage": True}}, T2I)
-    s = h.ChatStream(call, "id", 1)
+    s = rd.ChatStream(call, "id", 1)
     start = s.start()
     assert [c["choices"][0]["delta"] for c in start] == [
         {"role": "assistant", "content": ""}] * 2
@@ -431,7 +438,7 @@ def test_chat_stream_chunk_order() -> None:
         (1, {"content": "llo"}, None), (1, {}, "length"),
         ("usage", {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}),
     ]
-    assert h.sse_event("[DONE]") == b"data: [DONE]\n\n"
+    assert rd.sse_event("[DONE]") == b"data: [DONE]\n\n"
 
 
 def test_render_images_refuses_what_is_not_an_image() -> None:
@@ -443,11 +450,11 @@ def test_render_images_refuses_what_is_not_an_image() -> None:
 
     for tensors in ({}, {"a": WireTensor.from_any(np.zeros(3)), "b": WireTensor.from_any(
             np.zeros(3))}, {"image": WireTensor.from_any(np.zeros((5, 5, 7), np.uint8))}):
-        with pytest.raises(h.ApiError) as info:
-            h.render_images(outcome(tensors), call, 0)
+        with pytest.raises(ApiError) as info:
+            rd.render_images(outcome(tensors), call, 0)
         assert (info.value.status, info.value.code) == (502, "stage_failed")
     # A single tensor under another name is taken as the image.
-    got = h.render_images(outcome({"pixels": WireTensor.from_any(
+    got = rd.render_images(outcome({"pixels": WireTensor.from_any(
         np.zeros((8, 16, 3), np.uint8))}), call, 0)
     assert Image.open(io.BytesIO(base64.b64decode(got["data"][0]["b64_json"]))).size == (16, 8)
 
@@ -457,7 +464,7 @@ def test_render_generic_encodes_tensors_as_base64() -> None:
     out = rq.StageOutput("b", {"text": "t", "blob": b"\x00\x01", "x": float("nan")},
                          {"h": WireTensor.from_any(arr)})
     err = rq.RequestError("deadline", "late", stage="a")
-    body = h.render_generic(rq.Outcome("r", "ok", [rq.ChildOutcome(0, "ok", {"b": out}),
+    body = rd.render_generic(rq.Outcome("r", "ok", [rq.ChildOutcome(0, "ok", {"b": out}),
                                                    rq.ChildOutcome(1, "request_error", {},
                                                                    err)]), "r")
     tensor = body["children"][0]["outputs"]["b"]["tensors"]["h"]
