@@ -131,12 +131,13 @@ def _short(value: Any) -> str:
 
 def error_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
     """('messages', 0, '<message>', 'content') -> messages[0].content. Union tags are spelt
-    <tag> in the models (see openapi.py) so they can be dropped here."""
+    <tag> in the models (see orchestrator/schemas.py) so they can be dropped here, and a bad
+    dict key is named by the key itself."""
     out = prefix
     for item in loc:
         if isinstance(item, int):
             out += f"[{item}]"
-        elif not (item.startswith("<") and item.endswith(">")):
+        elif item != "[key]" and not (item.startswith("<") and item.endswith(">")):
             out += f".{item}" if out else item
     return out
 
@@ -151,6 +152,9 @@ def describe(err: ErrorDetails, prefix: str = "") -> Problem:
     is_type = kind.endswith("_type") or kind in _OBJECT_ERRORS
     if kind == "missing" or (value is None and is_type):
         return Problem(path, f"{name} is required", "missing_required_parameter")
+    if kind == "string_unicode":  # pydantic's own check, on the name of an extra field
+        return Problem(path, f"{path or 'a field name'} is not valid Unicode text (lone "
+                       "surrogate)", "invalid_value")
     if kind == "extra_forbidden":
         return Problem(path, f"unknown field {_short(err['loc'][-1])}", "unsupported_parameter")
     got = f", got {json_type(value)}" if is_type or kind == "invalid_type" else \

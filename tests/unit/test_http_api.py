@@ -13,8 +13,9 @@ import io
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import openai
@@ -22,6 +23,7 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 from PIL import Image
+from pydantic import Field
 
 from omnistage.client import ControlError
 from omnistage.orchestrator import http_api as h
@@ -34,7 +36,8 @@ from omnistage.orchestrator.errors import (
     outcome_error,
 )
 from omnistage.orchestrator.images import ImageEncodeError, png_base64, to_hwc_uint8
-from omnistage.orchestrator.openapi import openapi_document
+from omnistage.orchestrator.openapi import ROUTES, openapi_document
+from omnistage.orchestrator.schemas import ChatCompletionRequest
 from omnistage.protocol import WireTensor
 from omnistage.spec import OmniPipeline, load_pipeline, parse_pipeline
 
@@ -810,6 +813,110 @@ async def test_openapi_covers_every_route(pipeline: OmniPipeline) -> None:
         assert name in doc["components"][kind], ref
     full = openapi_document()
     assert {"/v1/images/generations", "/v1/chat/completions"} <= set(full["paths"])
+
+
+async def test_ignored_field_names_are_percent_encoded_in_the_header(client: TestClient) -> None:
+    """Regression (fuzzing): a field name with a control character was copied into a header,
+    aiohttp refused to send it and the client got no response at all."""
+    resp = await client.post("/v1/images/generations", json={"\u001f": None, "prompt": "0"})
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["X-Omnistage-Ignored-Fields"] == "%1F"
+    resp = await client.post("/v1/chat/completions", json={
+        **CHAT_BODY, "a,b": 1, "\u00e9\n": 2, "ok-name_1.~": 4})
+    assert resp.status == 200, await resp.text()
+    names = resp.headers["X-Omnistage-Ignored-Fields"].split(",")
+    assert sorted(names) == sorted(["a%2Cb", "%C3%A9%0A", "ok-name_1.~"])
+    # A field name that is not Unicode text at all is refused, in the error shape.
+    for path, raw in [("/v1/images/generations", b'{"prompt": "x", "\\ud800": 3}'),
+                      ("/v1/pipelines/text-to-image/requests",
+                       b'{"params": {"encoder": {"\\udc00": 1}}}')]:
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, await resp.text()
+        err = assert_error(await resp.json(), code="invalid_value")
+        assert "not valid Unicode" in err["message"]
+
+
+def test_ignored_header_is_bounded() -> None:
+    assert h.ignored_header([]) == {}
+    many = [f"field{i}" for i in range(500)]
+    value = h.ignored_header(many)["X-Omnistage-Ignored-Fields"]
+    assert len(value) <= 1024 + 4 and value.endswith(",...") and value.startswith("field0,")
+    assert h.ignored_header(["x" * 2000])["X-Omnistage-Ignored-Fields"] == "..."
+
+
+async def test_document_and_validator_agree_on_required_content(client: TestClient) -> None:
+    """Regression (fuzzing): the document allowed a tool message without content while the
+    server refused it. Now both come from one model; check every role against the served
+    document."""
+    doc = await (await client.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    variants = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["oneOf"]
+    seen = set()
+    for ref in variants:
+        variant = schemas[ref["$ref"].rsplit("/", 1)[-1]]
+        role = variant["properties"]["role"]
+        roles = role.get("enum") or [role["const"]]
+        required = "content" in variant.get("required", [])
+        for name in roles:
+            seen.add(name)
+            resp = await client.post("/v1/chat/completions",
+                                     json={"messages": [{"role": name}]})
+            body = await resp.json()
+            assert resp.status == (400 if required else 200), (name, body)
+            if required:
+                assert_error(body, param="messages[0].content",
+                             code="missing_required_parameter")
+    assert seen == {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+async def test_a_too_long_image_prompt_names_prompt(orch: FakeOrchestrator,
+                                                    client: TestClient) -> None:
+    """Regression (fuzzing): the encoder's refusal of a prompt longer than its context was
+    reported as param max_tokens, a field the images API does not have."""
+    for message in ("params.prompt: prompt (2000 tokens) + max_tokens (8) exceeds the model "
+                    "context of 1024",
+                    "params.max_tokens: prompt (2000 tokens) + max_tokens (8) exceeds the "
+                    "model context of 1024"):
+        orch.behaviour = fail_with("bad_request", message, stage="encoder")
+        resp = await client.post("/v1/images/generations", json={"prompt": "cat " * 2000})
+        assert resp.status == 400
+        assert_error(await resp.json(), param="prompt", code="bad_request")
+    orch.behaviour = fail_with("bad_request", "params.height must be a multiple of 16 for this "
+                               "model, got 40", stage="denoiser")
+    resp = await client.post("/v1/images/generations", json={"prompt": "x", "size": "40x40"})
+    assert_error(await resp.json(), param="size")
+
+
+async def test_openapi_is_generated_from_the_models_that_validate(
+        orch: FakeOrchestrator) -> None:
+    """Change a body model and the served document and the validator change together."""
+
+    class NarrowChat(ChatCompletionRequest):
+        n: Annotated[int, Field(ge=1, le=3)] | None = None
+        house_style: Annotated[str, Field(min_length=2)]
+
+    routes = [replace(r, body=NarrowChat) if r.handler == "chat_completions" else r
+              for r in ROUTES]
+    app = h.build_app(orch, routes=routes)
+    async with TestClient(TestServer(app)) as client:
+        doc = await (await client.get("/openapi.json")).json()
+        schema = doc["components"]["schemas"]["NarrowChat"]
+        op = doc["paths"]["/v1/chat/completions"]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/NarrowChat")
+        assert schema["properties"]["n"]["anyOf"][0]["maximum"] == 3
+        assert "house_style" in schema["required"]
+        resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "n": 3})
+        assert_error(await resp.json(), param="house_style", code="missing_required_parameter")
+        resp = await client.post("/v1/chat/completions",
+                                 json={**CHAT_BODY, "n": 4, "house_style": "terse"})
+        assert_error(await resp.json(), param="n", code="invalid_value")
+        resp = await client.post("/v1/chat/completions",
+                                 json={**CHAT_BODY, "n": 3, "house_style": "terse"})
+        assert resp.status == 200, await resp.text()
+    # The default document describes the stock models, field for field.
+    stock = openapi_document()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert set(stock) == set(ChatCompletionRequest.model_fields)
 
 
 # --------------------------------------------------------------------------- the openai client

@@ -357,7 +357,7 @@ class GenericRequest(_Body):
 
     prompt: Text | None = Field(None, description="Default: empty.")
     negative_prompt: Text | None = None
-    params: dict[str, dict[str, WireValue]] | None = Field(None, description=_knobs_text())
+    params: dict[Text, dict[Text, WireValue]] | None = Field(None, description=_knobs_text())
     n: Annotated[int, Field(ge=1, le=MAX_N_GENERIC)] | None = Field(None, description="Default 1.")
     finals: list[str] | None = Field(
         None, min_length=1, description="Stages whose outputs to return; default: the "
