@@ -202,10 +202,12 @@ class EngineOptions(_Model):
         description="diffusion: classifier-free guidance scale; above 1 enables guidance, which "
         "runs a negative-prompt companion request.",
     )
+    # 2^53 - 1: the largest integer every JSON parser keeps exact. The API server stores
+    # schema bounds as float64 and refuses an integer maximum that does not convert back.
     seed: Annotated[int, PerRequest(("ar", "diffusion"))] = Field(
         0,
         ge=0,
-        le=2**63 - 1,
+        le=2**53 - 1,
         description="Random seed, so tiny models are reproducible; sample i of a request with "
         "n > 1 uses seed + i.",
     )

@@ -256,14 +256,14 @@ def test_parse_chat_builds_the_pipeline_request() -> None:
         "messages": [{"role": "system", "content": "be brief"},
                      {"role": "user", "content": [{"type": "text", "text": "a"},
                                                   {"type": "text", "text": "b"}]}],
-        "max_tokens": 3, "max_completion_tokens": 7, "temperature": 0.5, "seed": 2**63 - 1,
+        "max_tokens": 3, "max_completion_tokens": 7, "temperature": 0.5, "seed": 2**53 - 1,
         "n": 3, "stream": True, "stream_options": {"include_usage": True}, "user": "alice",
         "top_p": 0.9, "presence_penalty": 0.1, "my_extension": 1, "ignore_eos": True,
     }, T2I)
     req = call.request
     assert call.stage == "encoder" and req.finals == ["encoder"]
     assert req.params == {"encoder": {"max_tokens": 7, "temperature": 0.5,
-                                      "seed": 2**63 - 1, "ignore_eos": True,
+                                      "seed": 2**53 - 1, "ignore_eos": True,
                                       "return_hidden_states": False}}
     assert (req.n, req.stream, req.session) == (3, True, "alice")
     assert req.prompt == "<|system|>\nbe brief\n<|user|>\na\nb\n<|assistant|>\n"
