@@ -63,7 +63,11 @@ from omnistage.spec import OmniPipeline
 __all__ = [
     "API_KEY",
     "HttpApi",
+    "HttpMetrics",
+    "OperationalRoutes",
     "build_app",
+    "error_response",
+    "ignored_header",
     "parse_chat",
     "parse_control",
     "parse_generic",

@@ -305,7 +305,7 @@ def image_size(value: str | None) -> tuple[int, int] | None:
 
 
 Size = Annotated[str, AfterValidator(_size), Field(
-    pattern=r"^\s*[0-9]+\s*[xX]\s*[0-9]+\s*$|^auto$",
+    json_schema_extra={"pattern": f"{_SIZE.pattern}|^auto$"},  # the validator's own regex
     description=f"WIDTHxHEIGHT, each side {_SIDE_MIN}..{_SIDE_MAX} and a multiple of "
     f"{_SIDE_MULTIPLE} (the stage's width/height bounds); auto or omitted uses the stage's "
     "defaults. The model may need a larger multiple; the worker then answers 400 param size.")]
