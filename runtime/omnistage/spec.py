@@ -10,6 +10,7 @@ unions).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import types
 import typing
@@ -44,6 +45,7 @@ __all__ = [
     "OmniPipeline",
     "OrchestratorResources",
     "OrchestratorSpec",
+    "PerRequest",
     "PipelineSpec",
     "Placement",
     "SpecError",
@@ -137,43 +139,79 @@ def _is_local_path(value: str) -> bool:
 # --------------------------------------------------------------------------- stage parts
 
 
+@dataclasses.dataclass(frozen=True)
+class PerRequest:
+    """Marks an EngineOptions field that a request may override for the given stage kinds.
+
+    `key` is the request parameter's name when it differs from the field's. Executors and the
+    HTTP API derive their request models from these marks (omnistage.params), so a knob's bounds
+    are written once, here.
+    """
+
+    kinds: tuple[StageKind, ...]
+    key: str | None = None
+
+
+# The one bounds table of every engine knob: the spec, the HTTP API and the executors all read
+# these fields (omnistage.params derives the request models), so no range is written twice.
 class EngineOptions(_Model):
-    """Executor options; each kind reads the ones that apply to it and ignores the rest."""
+    """Executor options; each kind reads the ones that apply to it and ignores the rest.
+
+    A request may override the per-request ones within the same bounds.
+    """
 
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
         "float32", description="Weight and activation dtype. float32 is safest on CPU."
     )
-    max_tokens: int = Field(
-        16, ge=0, le=4096, description="ar: default number of new tokens when a request omits it."
+    max_tokens: Annotated[int, PerRequest(("ar",))] = Field(
+        16,
+        ge=0,
+        le=2**20,
+        description="ar: number of new tokens when a request omits it; the worker also refuses "
+        "prompt + max_tokens beyond its model's context.",
     )
-    temperature: float = Field(
-        0.0, ge=0.0, le=10.0, description="ar: default sampling temperature; 0 is greedy."
+    temperature: Annotated[float, PerRequest(("ar",))] = Field(
+        0.0, ge=0.0, le=2.0, description="ar: sampling temperature; 0 is greedy."
     )
-    return_hidden_states: bool = Field(
+    return_hidden_states: Annotated[bool, PerRequest(("ar",))] = Field(
         False,
         description="ar: also emit last-layer hidden states so downstream stages can condition "
         "on them (an AR encoder feeding a diffusion stage).",
     )
-    height: int = Field(
-        32, ge=8, le=1024, multiple_of=8, description="diffusion: default image height in pixels."
+    height: Annotated[int, PerRequest(("diffusion",))] = Field(
+        32,
+        ge=8,
+        le=2048,
+        multiple_of=8,
+        description="diffusion: image height in pixels; the model may need a larger multiple.",
     )
-    width: int = Field(
-        32, ge=8, le=1024, multiple_of=8, description="diffusion: default image width in pixels."
+    width: Annotated[int, PerRequest(("diffusion",))] = Field(
+        32,
+        ge=8,
+        le=2048,
+        multiple_of=8,
+        description="diffusion: image width in pixels; the model may need a larger multiple.",
     )
-    num_inference_steps: int = Field(
-        4, ge=1, le=200, description="diffusion: default number of denoising steps."
+    num_inference_steps: Annotated[int, PerRequest(("diffusion",))] = Field(
+        4, ge=1, le=1000, description="diffusion: number of denoising steps."
     )
-    guidance_scale: float = Field(
+    guidance_scale: Annotated[float, PerRequest(("diffusion",))] = Field(
         1.0,
         ge=0.0,
         le=100.0,
         description="diffusion: classifier-free guidance scale; above 1 enables guidance, which "
         "runs a negative-prompt companion request.",
     )
-    seed: int = Field(
-        0, ge=0, le=2**32 - 1, description="Default random seed, so tiny models are reproducible."
+    # 2^53 - 1: the largest integer every JSON parser keeps exact. The API server stores
+    # schema bounds as float64 and refuses an integer maximum that does not convert back.
+    seed: Annotated[int, PerRequest(("ar", "diffusion"))] = Field(
+        0,
+        ge=0,
+        le=2**53 - 1,
+        description="Random seed, so tiny models are reproducible; sample i of a request with "
+        "n > 1 uses seed + i.",
     )
-    echo_delay_ms: int = Field(
+    echo_delay_ms: Annotated[int, PerRequest(("echo",), key="delay_ms")] = Field(
         0, ge=0, le=60_000, description="echo: artificial latency added to every request."
     )
 

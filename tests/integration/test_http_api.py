@@ -169,6 +169,15 @@ async def test_bad_input_is_400_naming_the_field(oai: openai.AsyncOpenAI) -> Non
     with pytest.raises(openai.BadRequestError) as info:
         await oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100_000)
     assert info.value.param == "max_tokens" and "context" in info.value.message
+    # A prompt longer than the encoder's context (1024 tokens) is the prompt's fault: the
+    # images API has no max_tokens, and a chat request that sets none is blamed on messages.
+    with pytest.raises(openai.BadRequestError) as info:
+        await oai.images.generate(model=MODEL, prompt="cat " * 2000)
+    assert info.value.param == "prompt" and "context" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        await oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "cat " * 2000}])
+    assert info.value.param == "messages" and "context" in info.value.message
     with pytest.raises(openai.NotFoundError) as nf:
         await oai.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert nf.value.code == "model_not_found"

@@ -13,8 +13,9 @@ import io
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import openai
@@ -22,12 +23,21 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 from PIL import Image
+from pydantic import Field
 
 from omnistage.client import ControlError
 from omnistage.orchestrator import http_api as h
+from omnistage.orchestrator import render as rd
 from omnistage.orchestrator import requests as rq
+from omnistage.orchestrator.errors import (
+    ApiError,
+    error_from_request_error,
+    images_param,
+    outcome_error,
+)
 from omnistage.orchestrator.images import ImageEncodeError, png_base64, to_hwc_uint8
-from omnistage.orchestrator.openapi import openapi_document
+from omnistage.orchestrator.openapi import ROUTES, openapi_document
+from omnistage.orchestrator.schemas import ChatCompletionRequest
 from omnistage.protocol import WireTensor
 from omnistage.spec import OmniPipeline, load_pipeline, parse_pipeline
 
@@ -227,7 +237,7 @@ CHAT_BODY = {"model": "text-to-image", "messages": [{"role": "user", "content": 
     ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
 ])
 def test_parse_chat_names_the_bad_field(patch: dict, param: str, code: str) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_chat({**CHAT_BODY, **patch}, T2I)
     assert info.value.status == 400
     assert (info.value.param, info.value.code) == (param, code), info.value.message
@@ -235,7 +245,7 @@ def test_parse_chat_names_the_bad_field(patch: dict, param: str, code: str) -> N
 
 
 def test_parse_chat_wrong_model_is_404_model_not_found() -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_chat({**CHAT_BODY, "model": "gpt-4"}, T2I)
     assert (info.value.status, info.value.code, info.value.param) == (
         404, "model_not_found", "model")
@@ -246,14 +256,14 @@ def test_parse_chat_builds_the_pipeline_request() -> None:
         "messages": [{"role": "system", "content": "be brief"},
                      {"role": "user", "content": [{"type": "text", "text": "a"},
                                                   {"type": "text", "text": "b"}]}],
-        "max_tokens": 3, "max_completion_tokens": 7, "temperature": 0.5, "seed": 2**63 - 1,
+        "max_tokens": 3, "max_completion_tokens": 7, "temperature": 0.5, "seed": 2**53 - 1,
         "n": 3, "stream": True, "stream_options": {"include_usage": True}, "user": "alice",
         "top_p": 0.9, "presence_penalty": 0.1, "my_extension": 1, "ignore_eos": True,
     }, T2I)
     req = call.request
     assert call.stage == "encoder" and req.finals == ["encoder"]
     assert req.params == {"encoder": {"max_tokens": 7, "temperature": 0.5,
-                                      "seed": 2**63 - 1, "ignore_eos": True,
+                                      "seed": 2**53 - 1, "ignore_eos": True,
                                       "return_hidden_states": False}}
     assert (req.n, req.stream, req.session) == (3, True, "alice")
     assert req.prompt == "<|system|>\nbe brief\n<|user|>\na\nb\n<|assistant|>\n"
@@ -287,7 +297,7 @@ def test_parse_chat_defaults_leave_stage_defaults_alone() -> None:
     ({"seed": 2**64}, "seed"),
 ])
 def test_parse_images_names_the_bad_field(patch: dict, param: str) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_images({"prompt": "a cat", **patch}, T2I)
     assert (info.value.status, info.value.param) == (400, param), info.value.message
 
@@ -307,7 +317,7 @@ def test_parse_images_builds_the_pipeline_request() -> None:
 
 
 def test_images_on_a_pipeline_without_diffusion_is_404() -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_images({"prompt": "x"}, CHAT)
     assert info.value.status == 404
 
@@ -328,7 +338,7 @@ def test_images_on_a_pipeline_without_diffusion_is_404() -> None:
     ({"timeout_s": "1"}, "timeout_s"),
 ])
 def test_parse_generic_names_the_bad_field(body: dict, param: str) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_generic(body, T2I)
     assert (info.value.status, info.value.param) == (400, param), info.value.message
 
@@ -345,7 +355,7 @@ def test_parse_generic_builds_the_pipeline_request() -> None:
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'{"a": NaN}', b'{"a": 1e999}',
                                  b"\xff\xfe\x00", b"[" * 100_000])
 def test_parse_json_body_rejects_what_is_not_a_json_object(raw: bytes) -> None:
-    with pytest.raises(h.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         h.parse_json_body(raw)
     assert info.value.status == 400 and info.value.param is None
 
@@ -357,7 +367,7 @@ def test_parse_control() -> None:
     for body, param in [({}, "op"), ({"op": "explode"}, "op"),
                         ({"op": "pause", "stages": ["x"]}, "stages[0]"),
                         ({"op": "pause", "extra": 1}, "extra")]:
-        with pytest.raises(h.ApiError) as info:
+        with pytest.raises(ApiError) as info:
             h.parse_control(body, T2I)
         assert info.value.param == param
 
@@ -369,28 +379,28 @@ def test_error_mapping_follows_the_engine_table() -> None:
     cases = {"bad_request": 400, "overloaded": 429, "deadline": 504, "no_replica": 503,
              "replica_lost": 502, "stage_failed": 502, "internal": 500, "shutting_down": 503}
     for code, status in cases.items():
-        err = h.error_from_request_error(rq.RequestError(code, "m"))
+        err = error_from_request_error(rq.RequestError(code, "m"))
         assert (err.status, err.code) == (status, code)
     types = {400: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
              502: "upstream_error", 503: "service_unavailable_error", 504: "timeout_error"}
     for status, kind in types.items():
-        assert h.ApiError(status, "m").type == kind
+        assert ApiError(status, "m").type == kind
     # A worker names the bad parameter; the client sees the field it sent.
-    err = h.error_from_request_error(
+    err = error_from_request_error(
         rq.RequestError("bad_request", "params.height must be a multiple of 16, got 40",
-                        stage="denoiser"), h._images_param)
+                        stage="denoiser"), images_param)
     assert err.param == "size"
 
 
 def test_outcome_error_treats_a_failed_child_as_the_response_error() -> None:
     ok = rq.ChildOutcome(0, "ok", {"encoder": ar_output("encoder", "a")})
     bad = rq.ChildOutcome(1, "fatal", {}, rq.RequestError("replica_lost", "gone"))
-    err = h.outcome_error(rq.Outcome("r", "ok", [ok, bad]))
+    err = outcome_error(rq.Outcome("r", "ok", [ok, bad]))
     assert err is not None and (err.status, err.code) == (502, "replica_lost")
     aborted_empty = rq.Outcome("r", "abort", [rq.ChildOutcome(0, "abort", {})])
-    assert h.outcome_error(aborted_empty).status == 503
+    assert outcome_error(aborted_empty).status == 503
     prefix = rq.ChildOutcome(0, "abort", {"encoder": ar_output("encoder", "a b", "abort")})
-    assert h.outcome_error(rq.Outcome("r", "abort", [prefix])) is None
+    assert outcome_error(rq.Outcome("r", "abort", [prefix])) is None
 
 
 def test_render_chat_completion_and_usage() -> None:
@@ -399,7 +409,7 @@ def test_render_chat_completion_and_usage() -> None:
         rq.ChildOutcome(1, "ok", {"encoder": ar_output("encoder", "x y z", "length")}),
         rq.ChildOutcome(0, "abort", {"encoder": ar_output("encoder", "w", "abort")}),
     ])
-    body = h.render_chat_completion(outcome, call, "chatcmpl-r", 123)
+    body = rd.render_chat_completion(outcome, call, "chatcmpl-r", 123)
     assert body["object"] == "chat.completion" and body["model"] == "text-to-image"
     assert [(c["index"], c["message"]["content"], c["finish_reason"])
             for c in body["choices"]] == [(0, "w", "abort"), (1, "x y z", "length")]
@@ -409,7 +419,7 @@ def test_render_chat_completion_and_usage() -> None:
 def test_chat_stream_chunk_order() -> None:
     call = h.parse_chat({**CHAT_BODY, "n": 2, "stream": True,
                          "stream_options": {"include_usage": True}}, T2I)
-    s = h.ChatStream(call, "id", 1)
+    s = rd.ChatStream(call, "id", 1)
     start = s.start()
     assert [c["choices"][0]["delta"] for c in start] == [
         {"role": "assistant", "content": ""}] * 2
@@ -431,7 +441,7 @@ def test_chat_stream_chunk_order() -> None:
         (1, {"content": "llo"}, None), (1, {}, "length"),
         ("usage", {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}),
     ]
-    assert h.sse_event("[DONE]") == b"data: [DONE]\n\n"
+    assert rd.sse_event("[DONE]") == b"data: [DONE]\n\n"
 
 
 def test_render_images_refuses_what_is_not_an_image() -> None:
@@ -443,11 +453,11 @@ def test_render_images_refuses_what_is_not_an_image() -> None:
 
     for tensors in ({}, {"a": WireTensor.from_any(np.zeros(3)), "b": WireTensor.from_any(
             np.zeros(3))}, {"image": WireTensor.from_any(np.zeros((5, 5, 7), np.uint8))}):
-        with pytest.raises(h.ApiError) as info:
-            h.render_images(outcome(tensors), call, 0)
+        with pytest.raises(ApiError) as info:
+            rd.render_images(outcome(tensors), call, 0)
         assert (info.value.status, info.value.code) == (502, "stage_failed")
     # A single tensor under another name is taken as the image.
-    got = h.render_images(outcome({"pixels": WireTensor.from_any(
+    got = rd.render_images(outcome({"pixels": WireTensor.from_any(
         np.zeros((8, 16, 3), np.uint8))}), call, 0)
     assert Image.open(io.BytesIO(base64.b64decode(got["data"][0]["b64_json"]))).size == (16, 8)
 
@@ -457,7 +467,7 @@ def test_render_generic_encodes_tensors_as_base64() -> None:
     out = rq.StageOutput("b", {"text": "t", "blob": b"\x00\x01", "x": float("nan")},
                          {"h": WireTensor.from_any(arr)})
     err = rq.RequestError("deadline", "late", stage="a")
-    body = h.render_generic(rq.Outcome("r", "ok", [rq.ChildOutcome(0, "ok", {"b": out}),
+    body = rd.render_generic(rq.Outcome("r", "ok", [rq.ChildOutcome(0, "ok", {"b": out}),
                                                    rq.ChildOutcome(1, "request_error", {},
                                                                    err)]), "r")
     tensor = body["children"][0]["outputs"]["b"]["tensors"]["h"]
@@ -803,6 +813,110 @@ async def test_openapi_covers_every_route(pipeline: OmniPipeline) -> None:
         assert name in doc["components"][kind], ref
     full = openapi_document()
     assert {"/v1/images/generations", "/v1/chat/completions"} <= set(full["paths"])
+
+
+async def test_ignored_field_names_are_percent_encoded_in_the_header(client: TestClient) -> None:
+    """Regression (fuzzing): a field name with a control character was copied into a header,
+    aiohttp refused to send it and the client got no response at all."""
+    resp = await client.post("/v1/images/generations", json={"\u001f": None, "prompt": "0"})
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["X-Omnistage-Ignored-Fields"] == "%1F"
+    resp = await client.post("/v1/chat/completions", json={
+        **CHAT_BODY, "a,b": 1, "\u00e9\n": 2, "ok-name_1.~": 4})
+    assert resp.status == 200, await resp.text()
+    names = resp.headers["X-Omnistage-Ignored-Fields"].split(",")
+    assert sorted(names) == sorted(["a%2Cb", "%C3%A9%0A", "ok-name_1.~"])
+    # A field name that is not Unicode text at all is refused, in the error shape.
+    for path, raw in [("/v1/images/generations", b'{"prompt": "x", "\\ud800": 3}'),
+                      ("/v1/pipelines/text-to-image/requests",
+                       b'{"params": {"encoder": {"\\udc00": 1}}}')]:
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, await resp.text()
+        err = assert_error(await resp.json(), code="invalid_value")
+        assert "not valid Unicode" in err["message"]
+
+
+def test_ignored_header_is_bounded() -> None:
+    assert h.ignored_header([]) == {}
+    many = [f"field{i}" for i in range(500)]
+    value = h.ignored_header(many)["X-Omnistage-Ignored-Fields"]
+    assert len(value) <= 1024 + 4 and value.endswith(",...") and value.startswith("field0,")
+    assert h.ignored_header(["x" * 2000])["X-Omnistage-Ignored-Fields"] == "..."
+
+
+async def test_document_and_validator_agree_on_required_content(client: TestClient) -> None:
+    """Regression (fuzzing): the document allowed a tool message without content while the
+    server refused it. Now both come from one model; check every role against the served
+    document."""
+    doc = await (await client.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    variants = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["oneOf"]
+    seen = set()
+    for ref in variants:
+        variant = schemas[ref["$ref"].rsplit("/", 1)[-1]]
+        role = variant["properties"]["role"]
+        roles = role.get("enum") or [role["const"]]
+        required = "content" in variant.get("required", [])
+        for name in roles:
+            seen.add(name)
+            resp = await client.post("/v1/chat/completions",
+                                     json={"messages": [{"role": name}]})
+            body = await resp.json()
+            assert resp.status == (400 if required else 200), (name, body)
+            if required:
+                assert_error(body, param="messages[0].content",
+                             code="missing_required_parameter")
+    assert seen == {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+async def test_a_too_long_image_prompt_names_prompt(orch: FakeOrchestrator,
+                                                    client: TestClient) -> None:
+    """Regression (fuzzing): the encoder's refusal of a prompt longer than its context was
+    reported as param max_tokens, a field the images API does not have."""
+    for message in ("params.prompt: prompt (2000 tokens) + max_tokens (8) exceeds the model "
+                    "context of 1024",
+                    "params.max_tokens: prompt (2000 tokens) + max_tokens (8) exceeds the "
+                    "model context of 1024"):
+        orch.behaviour = fail_with("bad_request", message, stage="encoder")
+        resp = await client.post("/v1/images/generations", json={"prompt": "cat " * 2000})
+        assert resp.status == 400
+        assert_error(await resp.json(), param="prompt", code="bad_request")
+    orch.behaviour = fail_with("bad_request", "params.height must be a multiple of 16 for this "
+                               "model, got 40", stage="denoiser")
+    resp = await client.post("/v1/images/generations", json={"prompt": "x", "size": "40x40"})
+    assert_error(await resp.json(), param="size")
+
+
+async def test_openapi_is_generated_from_the_models_that_validate(
+        orch: FakeOrchestrator) -> None:
+    """Change a body model and the served document and the validator change together."""
+
+    class NarrowChat(ChatCompletionRequest):
+        n: Annotated[int, Field(ge=1, le=3)] | None = None
+        house_style: Annotated[str, Field(min_length=2)]
+
+    routes = [replace(r, body=NarrowChat) if r.handler == "chat_completions" else r
+              for r in ROUTES]
+    app = h.build_app(orch, routes=routes)
+    async with TestClient(TestServer(app)) as client:
+        doc = await (await client.get("/openapi.json")).json()
+        schema = doc["components"]["schemas"]["NarrowChat"]
+        op = doc["paths"]["/v1/chat/completions"]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/NarrowChat")
+        assert schema["properties"]["n"]["anyOf"][0]["maximum"] == 3
+        assert "house_style" in schema["required"]
+        resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "n": 3})
+        assert_error(await resp.json(), param="house_style", code="missing_required_parameter")
+        resp = await client.post("/v1/chat/completions",
+                                 json={**CHAT_BODY, "n": 4, "house_style": "terse"})
+        assert_error(await resp.json(), param="n", code="invalid_value")
+        resp = await client.post("/v1/chat/completions",
+                                 json={**CHAT_BODY, "n": 3, "house_style": "terse"})
+        assert resp.status == 200, await resp.text()
+    # The default document describes the stock models, field for field.
+    stock = openapi_document()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert set(stock) == set(ChatCompletionRequest.model_fields)
 
 
 # --------------------------------------------------------------------------- the openai client

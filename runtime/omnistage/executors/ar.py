@@ -13,16 +13,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
-from omnistage.executors.base import (
-    BadRequest,
-    Emit,
-    Executor,
-    Outcome,
-    check_float,
-    check_int,
-)
+from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
 from omnistage.models import ModelRef, load_causal_lm
+from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
+
+
+class _ARRequest(StageParams):
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    stream: bool = False
+    ignore_eos: bool = False
+
+
+ARParams = stage_params("ar", _ARRequest)
 
 
 @dataclass
@@ -42,9 +46,7 @@ class ARExecutor(Executor):
 
     def load(self) -> None:
         ref = ModelRef("ar", self.model_source or "tiny-llama")
-        self.model, self.tokenizer = load_causal_lm(
-            ref, self.device, self.engine.get("dtype", "float32")
-        )
+        self.model, self.tokenizer = load_causal_lm(ref, self.device, self.engine.dtype)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; support both spellings.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -56,44 +58,37 @@ class ARExecutor(Executor):
         self.execute(job, ExecutionContext(), lambda _d: None)
 
     def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> ARJob:
-        if "token_ids" in params and params["token_ids"] is not None:
-            ids = params["token_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.tokenizer)
-                for i in ids
-            ):
-                raise BadRequest(
-                    f"params.token_ids must be a list of ints in [0, {len(self.tokenizer)})"
-                )
+        req = self.parse(ARParams, params)
+        opts = req.options(self.engine)
+        if req.token_ids is not None:
+            vocab = len(self.tokenizer)
+            bad = next((i for i, t in enumerate(req.token_ids) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadRequest(f"params.token_ids[{bad}] must be a token id in [0, {vocab}), "
+                                 f"got {req.token_ids[bad]}")
+            ids = list(req.token_ids)
+        elif req.prompt is not None:
+            ids = self.tokenizer(req.prompt).input_ids
         else:
-            prompt = params.get("prompt", params.get("text"))
-            if not isinstance(prompt, str):
-                raise BadRequest("params.prompt must be a string")
-            ids = self.tokenizer(prompt).input_ids
+            raise BadRequest("params.prompt is required (or params.token_ids)")
         if not ids:
             ids = [self.tokenizer.bos_token_id]
-        max_tokens = check_int(
-            params, "max_tokens", self.opt(params, "max_tokens", "maxTokens", 16), 0, 1 << 20
-        )
-        if len(ids) + max_tokens > self.context_len:
+        if len(ids) + opts.max_tokens > self.context_len:
+            # Blame what the client sent: its max_tokens, else the prompt (the stage's default
+            # max_tokens is not the client's to fix).
+            field = "max_tokens" if req.max_tokens is not None else "prompt"
             raise BadRequest(
-                f"params.max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
+                f"params.{field}: prompt ({len(ids)} tokens) + max_tokens ({opts.max_tokens}) "
                 f"exceeds the model context of {self.context_len}"
             )
-        temperature = check_float(
-            params, "temperature", self.opt(params, "temperature", "temperature", 0.0), 0.0, 10.0
-        )
-        seed = check_int(params, "seed", self.opt(params, "seed", "seed", 0), 0, 2**63 - 1)
         return ARJob(
             prompt_ids=list(ids),
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-            stream=bool(params.get("stream", False)),
-            return_hidden=bool(
-                self.opt(params, "return_hidden_states", "returnHiddenStates", False)
-            ),
-            ignore_eos=bool(params.get("ignore_eos", False)),
+            max_tokens=opts.max_tokens,
+            temperature=opts.temperature,
+            seed=opts.seed,
+            stream=req.stream,
+            return_hidden=opts.return_hidden_states,
+            ignore_eos=req.ignore_eos,
         )
 
     def cost(self, job: ARJob) -> int:

@@ -5,16 +5,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import ValidationError
 
 from omnistage.admission import ExecutionContext
+from omnistage.params import StageParams, describe
 from omnistage.protocol import WireTensor
+from omnistage.spec import EngineOptions
 
 Emit = Callable[[dict[str, Any]], None]
+P = TypeVar("P", bound=StageParams)
 
 
 class BadRequest(ValueError):
-    """A request-scoped error: the message names the offending field."""
+    """A request-scoped error: the message names the offending field as `params.<name>`."""
 
 
 @dataclass
@@ -29,18 +34,20 @@ class Outcome:
 class Executor(ABC):
     kind: ClassVar[str]
 
-    def __init__(self, model: str | None, engine: Mapping[str, Any], device: Any) -> None:
+    def __init__(self, model: str | None, engine: EngineOptions, device: Any) -> None:
         self.model_source = model
-        self.engine = dict(engine)
+        self.engine = engine
         self.device = device
         self.asleep = False
 
-    def opt(self, params: Mapping[str, Any], key: str, engine_key: str, default: Any) -> Any:
-        """A request parameter, else the stage's engine default, else the built-in default."""
-        value = params.get(key)
-        if value is None:
-            value = self.engine.get(engine_key, default)
-        return value
+    @staticmethod
+    def parse(model: type[P], params: Mapping[str, Any]) -> P:
+        """A request's params as the kind's typed model (omnistage.params.stage_params), so they
+        are checked against the same bounds as the spec and the HTTP API."""
+        try:
+            return model.model_validate(params)
+        except ValidationError as exc:
+            raise BadRequest(describe(exc.errors()[0], prefix="params").message) from None
 
     @abstractmethod
     def load(self) -> None:
@@ -71,15 +78,3 @@ class Executor(ABC):
 
     def wake_up(self) -> None:
         self.asleep = False
-
-
-def check_int(params: Mapping[str, Any], key: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise BadRequest(f"params.{key} must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def check_float(params: Mapping[str, Any], key: str, value: Any, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise BadRequest(f"params.{key} must be a number in [{lo}, {hi}], got {value!r}")
-    return float(value)

@@ -11,19 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
-from omnistage.executors.base import (
-    BadRequest,
-    Emit,
-    Executor,
-    Outcome,
-    check_float,
-    check_int,
-)
+from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
 from omnistage.models import ModelRef, load_diffusion, torch_dtype
+from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 
 COND = "encoder_hidden_states"
 NEG_COND = "negative_encoder_hidden_states"
+
+
+DiffusionParams = stage_params("diffusion", StageParams)
 
 
 @dataclass
@@ -42,9 +39,9 @@ class DiffusionExecutor(Executor):
 
     def load(self) -> None:
         ref = ModelRef("diffusion", self.model_source or "tiny-unet")
-        self.dtype = torch_dtype(self.engine.get("dtype", "float32"))
+        self.dtype = torch_dtype(self.engine.dtype)
         self.unet, self.vae, self.scheduler_template = load_diffusion(
-            ref, self.device, self.engine.get("dtype", "float32")
+            ref, self.device, self.engine.dtype
         )
         self.cross_dim = int(self.unet.config.cross_attention_dim)
         self.scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -73,26 +70,18 @@ class DiffusionExecutor(Executor):
     def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> Any:
         import torch
 
-        m = self.multiple
-        height = check_int(params, "height", self.opt(params, "height", "height", 32), m, 2048)
-        width = check_int(params, "width", self.opt(params, "width", "width", 32), m, 2048)
-        for key, val in (("height", height), ("width", width)):
+        opts = self.parse(DiffusionParams, params).options(self.engine)
+        m = self.multiple  # the spec's bounds hold; only the model knows its own multiple
+        for key, val in (("height", opts.height), ("width", opts.width)):
             if val % m:
-                raise BadRequest(f"params.{key} must be a multiple of {m}, got {val}")
-        steps = check_int(
-            params, "num_inference_steps",
-            self.opt(params, "num_inference_steps", "numInferenceSteps", 4), 1, 1000,
-        )
-        guidance = check_float(
-            params, "guidance_scale", self.opt(params, "guidance_scale", "guidanceScale", 1.0),
-            0.0, 100.0,
-        )
-        seed = check_int(params, "seed", self.opt(params, "seed", "seed", 0), 0, 2**63 - 1)
+                raise BadRequest(f"params.{key} must be a multiple of {m} for this model, "
+                                 f"got {val}")
         cond = self._cond(tensors, COND)
         if cond is None:
             cond = torch.zeros(1, 1, self.cross_dim, device=self.device, dtype=self.dtype)
         neg = self._cond(tensors, NEG_COND)
-        return DiffusionJob(cond, neg, height, width, steps, guidance, seed)
+        return DiffusionJob(cond, neg, opts.height, opts.width, opts.num_inference_steps,
+                            opts.guidance_scale, opts.seed)
 
     def cost(self, job: DiffusionJob) -> int:
         return job.height * job.width * job.steps

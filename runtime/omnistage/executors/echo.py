@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from omnistage.admission import ExecutionContext
-from omnistage.executors.base import BadRequest, Emit, Executor, Outcome, check_int
+from omnistage.executors.base import Emit, Executor, Outcome
+from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
+
+
+class _EchoRequest(StageParams):
+    prompt: str = ""
+    stream: bool = False
+
+
+EchoParams = stage_params("echo", _EchoRequest)
+
+
+@dataclass
+class EchoJob:
+    text: str
+    delay_s: float
+    tensors: dict[str, WireTensor]
+    stream: bool
 
 
 class EchoExecutor(Executor):
@@ -18,28 +36,24 @@ class EchoExecutor(Executor):
         if self.model_source not in (None, "", "none"):
             raise ValueError(f"echo stages take no model, got {self.model_source!r}")
 
-    def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> Any:
-        text = params.get("prompt", params.get("text", ""))
-        if not isinstance(text, str):
-            raise BadRequest(f"params.prompt must be a string, got {type(text).__name__}")
-        delay = check_int(params, "delay_ms", self.opt(params, "delay_ms", "echoDelayMs", 0), 0,
-                          600_000)
-        return {"text": text, "delay": delay / 1000.0, "tensors": dict(tensors),
-                "stream": bool(params.get("stream", False))}
+    def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> EchoJob:
+        req = self.parse(EchoParams, params)
+        opts = req.options(self.engine)
+        return EchoJob(req.prompt, opts.echo_delay_ms / 1000.0, dict(tensors), req.stream)
 
-    def cost(self, job: Any) -> int:
+    def cost(self, job: EchoJob) -> int:
         return 1
 
-    def execute(self, job: Any, ctx: ExecutionContext, emit: Emit) -> Outcome:
-        end = time.monotonic() + job["delay"]
+    def execute(self, job: EchoJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
+        end = time.monotonic() + job.delay_s
         while (left := end - time.monotonic()) > 0:
             if ctx.token.cancelled:
                 return Outcome({"text": "", "finish_reason": "abort"}, aborted=True)
             ctx.check()
             time.sleep(min(left, 0.01))
-        if job["stream"]:
-            emit({"text": job["text"]})
-        return Outcome({"text": job["text"], "finish_reason": "stop"}, dict(job["tensors"]))
+        if job.stream:
+            emit({"text": job.text})
+        return Outcome({"text": job.text, "finish_reason": "stop"}, dict(job.tensors))
 
-    def aborted_before_start(self, job: Any) -> Outcome:
+    def aborted_before_start(self, job: EchoJob) -> Outcome:
         return Outcome({"text": "", "finish_reason": "abort"}, aborted=True)

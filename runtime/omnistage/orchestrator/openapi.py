@@ -1,406 +1,129 @@
-"""The hand-written OpenAPI 3.1 document of the orchestrator's HTTP API.
+"""The route table and the OpenAPI 3.1 document generated from it and the body models.
 
-Written by hand rather than generated so it documents the contract, not the implementation: every
-bound below is also what http_api's validators enforce (they import these constants), and a unit
-test checks that every route the app serves appears here with the same methods.
+Why: http_api registers a handler for each route of this table, validating with the route's
+body model, and the document is generated from the same table and models (schemas.py), so
+/openapi.json describes exactly what the server serves and accepts.
 """
 
 from __future__ import annotations
 
-import copy
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "CHAT_ROLES",
-    "CONTROL_OPS",
-    "IMAGE_SIDE_MAX",
-    "IMAGE_SIDE_MIN",
-    "IMAGE_SIDE_MULTIPLE",
-    "MAX_GUIDANCE",
-    "MAX_MAX_TOKENS",
-    "MAX_N_CHAT",
-    "MAX_N_GENERIC",
-    "MAX_N_IMAGES",
-    "MAX_SEED",
-    "MAX_STEPS",
-    "MAX_TEMPERATURE",
-    "MAX_TIMEOUT_S",
-    "openapi_document",
-]
+from pydantic import BaseModel, TypeAdapter
+from pydantic.json_schema import GenerateJsonSchema
 
-# Bounds shared by the document and the validators.
-MAX_N_CHAT = 16
-MAX_N_IMAGES = 10
-MAX_N_GENERIC = 16
-MAX_SEED = 2**63 - 1  # int64: what msgpack and torch generators accept
-MAX_MAX_TOKENS = 2**31 - 1  # the worker narrows this to its model's context
-MAX_TEMPERATURE = 2.0  # OpenAI's range
-IMAGE_SIDE_MIN = 8
-IMAGE_SIDE_MAX = 2048
-IMAGE_SIDE_MULTIPLE = 8
-MAX_STEPS = 1000
-MAX_GUIDANCE = 100.0
-MAX_TIMEOUT_S = 86_400.0
-CONTROL_OPS = ("sleep", "wake_up", "pause", "resume")
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+from omnistage.orchestrator.engine import CONTROL_OPS
+from omnistage.orchestrator.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ControlRequest,
+    ControlResponse,
+    ErrorBody,
+    GenericRequest,
+    GenericResponse,
+    ImagesRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+)
 
-_REF = "#/components/schemas/"
+__all__ = ["ROUTES", "Route", "openapi_document"]
 
 
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": _REF + name}
+@dataclass(frozen=True)
+class Route:
+    """One route: http_api registers `handler` for it, openapi_document describes it."""
+
+    method: str
+    path: str  # aiohttp pattern
+    handler: str  # HttpApi method name
+    summary: str
+    surface: str | None = None  # the spec.orchestrator.api surface that enables it; None: always
+    body: type[BaseModel] | None = None
+    response: Any = None  # a TypedDict; None: text/plain
+    ok: str = "OK"
+    errors: tuple[int, ...] = ()
+    stream: Any = None  # the SSE event type, when the route can stream
+
+
+_COMMON_ERRORS = (400, 404, 413, 429, 500, 502, 503, 504)
+
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/v1/chat/completions", "chat_completions", "OpenAI chat completion, "
+          "optionally streamed as server-sent events", "chat", ChatCompletionRequest,
+          ChatCompletion, "A completion, or with stream: true an SSE stream of chunks.",
+          _COMMON_ERRORS, ChatCompletionChunk),
+    Route("POST", "/v1/images/generations", "images_generations", "OpenAI image generation "
+          "(b64_json PNG only)", "images", ImagesRequest, ImagesResponse, "Base64 PNG images.",
+          _COMMON_ERRORS),
+    Route("GET", "/v1/models", "list_models", "The served model", response=ModelList),
+    Route("GET", "/v1/models/{model:.+}", "get_model", "Retrieve the served model",
+          response=ModelCard, errors=(404,)),
+    Route("POST", "/v1/pipelines/{name}/requests", "pipeline_request", "Run a request through "
+          "an arbitrary stage graph", "generic", GenericRequest, GenericResponse,
+          errors=_COMMON_ERRORS),
+    Route("POST", "/v1/pipelines/{name}/control", "pipeline_control", "Fan a control RPC "
+          f"({', '.join(CONTROL_OPS)}) out to stage replicas", "generic", ControlRequest,
+          ControlResponse, errors=(400, 404, 500, 503)),
+    Route("GET", "/livez", "livez", "Liveness: the process serves HTTP"),
+    Route("GET", "/readyz", "readyz", "Readiness: every stage has a routable replica and "
+          "admission is open", errors=(503,)),
+    Route("GET", "/metrics", "metrics_route", "Prometheus metrics of the orchestrator and its "
+          "HTTP layer"),
+    Route("GET", "/openapi.json", "openapi_json", "This document", response=dict[str, Any]),
+)
+
+# What a schema cannot say: when each error status happens.
+_ERRORS: dict[int, str] = {
+    400: "Bad input. `param` names the offending field (for example `messages[0].content`, "
+         "`size`, `params.denoiser.height`).",
+    404: "Unknown model (`model_not_found`), pipeline, route, or an API surface this pipeline "
+         "does not enable (`api_not_enabled`).",
+    413: "Request body larger than the server accepts.",
+    429: "A stage replica refused the request at admission (`overloaded`). Retry-After says "
+         "when to retry.",
+    500: "Internal error; for control, a worker-side exception (`exception_type`, `replica`).",
+    502: "A stage failed or its replica was lost (`stage_failed`, `replica_lost`).",
+    503: "No live replica for a stage (`no_replica`), not ready, draining, shutting down, or "
+         "the request was aborted (`aborted`). Retry-After when the server suggests a delay.",
+    504: "The request's deadline passed (`deadline`).",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "integer", "minimum": 1}}}
+
+
+class _NoFieldTitles(GenerateJsonSchema):
+    """Property titles only repeat the property names."""
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+
+def _schemas(types: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """JSON Schemas of the given types (name -> type), as component refs plus the components."""
+    inputs = [(name, "validation" if isinstance(t, type) and issubclass(t, BaseModel)
+               else "serialization", TypeAdapter(t)) for name, t in types.items()]
+    refs, defs = TypeAdapter.json_schemas(inputs, ref_template="#/components/schemas/{model}",
+                                          schema_generator=_NoFieldTitles)
+    return {name: schema for (name, _mode), schema in refs.items()}, defs.get("$defs", {})
+
+
+def _doc_path(path: str) -> str:
+    return re.sub(r"\{(\w+):[^}]+\}", r"{\1}", path)
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _body(name: str) -> dict[str, Any]:
-    return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
-
-
-def _errors(*statuses: int) -> dict[str, Any]:
-    return {str(s): {"$ref": f"#/components/responses/E{s}"} for s in statuses}
-
-
-_SEED = {"type": "integer", "minimum": 0, "maximum": MAX_SEED, "description": "Random seed; "
-         "child i of a request with n > 1 uses seed + i."}
-
-_ERROR_RESPONSES: dict[str, Any] = {
-    "E400": _json(_ref("Error"), "Bad input. `param` names the offending field (for example "
-                  "`messages[0].content`, `size`, `params.denoiser.height`)."),
-    "E404": _json(_ref("Error"), "Unknown model (`code: model_not_found`), pipeline, route, or "
-                  "an API surface this pipeline does not enable (`code: api_not_enabled`)."),
-    "E413": _json(_ref("Error"), "Request body larger than the server accepts."),
-    "E429": {
-        **_json(_ref("Error"), "A stage replica refused the request at admission "
-                "(`code: overloaded`). Retry after the given delay."),
-        "headers": {"Retry-After": {"description": "Seconds to wait before retrying.",
-                                    "schema": {"type": "integer", "minimum": 1}}},
-    },
-    "E500": _json(_ref("Error"), "Internal error; for control, a worker-side exception "
-                  "(`exception_type`, `replica`)."),
-    "E502": _json(_ref("Error"), "A stage failed or its replica was lost "
-                  "(`code: stage_failed | replica_lost`)."),
-    "E503": {
-        **_json(_ref("Error"), "No live replica for a stage (`no_replica`), not ready, draining, "
-                "shutting down, or the request was aborted (`aborted`)."),
-        "headers": {"Retry-After": {"description": "Present when the server suggests a delay.",
-                                    "schema": {"type": "integer", "minimum": 1}}},
-    },
-    "E504": _json(_ref("Error"), "The request's deadline passed (`code: deadline`)."),
-}
-
-_COMMON_ERRORS = (400, 404, 413, 429, 500, 502, 503, 504)
-
-_SCHEMAS: dict[str, Any] = {
-    "Error": {
-        "type": "object",
-        "description": "OpenAI's error shape. `code` is Omnistage's machine-readable reason.",
-        "required": ["error"],
-        "properties": {"error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string", "enum": [
-                    "invalid_request_error", "rate_limit_error", "server_error",
-                    "upstream_error", "service_unavailable_error", "timeout_error"]},
-                "param": {"type": ["string", "null"],
-                          "description": "The request field at fault, when there is one."},
-                "code": {"type": ["string", "null"], "examples": [
-                    "invalid_value", "invalid_type", "missing_required_parameter",
-                    "unsupported_parameter", "invalid_json", "model_not_found",
-                    "api_not_enabled", "overloaded", "deadline", "no_replica",
-                    "replica_lost", "stage_failed", "shutting_down", "aborted", "internal",
-                    "control_failed"]},
-                "replica": {"type": "string", "description": "control errors only"},
-                "exception_type": {"type": "string", "description": "control errors only"},
-            },
-        }},
-    },
-    "ContentPart": {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-    },
-    "ChatMessage": {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {"enum": list(CHAT_ROLES)},
-            "content": {"oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": _ref("ContentPart")},
-                {"type": "null", "description": "assistant messages only"},
-            ]},
-            "name": {"type": "string"},
-        },
-    },
-    "ChatCompletionRequest": {
-        "type": "object",
-        "required": ["messages"],
-        "description": "Unknown fields are ignored and listed in the X-Omnistage-Ignored-Fields "
-                       "response header. Sampling hints without an effect here (top_p, "
-                       "presence_penalty, frequency_penalty, ...) are accepted and ignored. "
-                       "Fields that would change the answer in ways Omnistage cannot honour "
-                       "(stop, tools, tool_choice, functions, function_call, logit_bias, "
-                       "logprobs: true, response_format other than text, audio, prediction, "
-                       "modalities other than [text]) are rejected with 400.",
-        "properties": {
-            "model": {"type": "string", "description": "Must equal the served model name."},
-            "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-            "max_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_MAX_TOKENS},
-            "max_completion_tokens": {"type": "integer", "minimum": 0,
-                                      "maximum": MAX_MAX_TOKENS,
-                                      "description": "Takes precedence over max_tokens."},
-            "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE},
-            "seed": _SEED,
-            "n": {"type": "integer", "minimum": 1, "maximum": MAX_N_CHAT, "default": 1},
-            "stream": {"type": "boolean", "default": False},
-            "stream_options": {"type": ["object", "null"], "properties": {
-                "include_usage": {"type": "boolean"}}},
-            "user": {"type": "string", "description": "Session key: pins the session to a "
-                     "replica while that replica lives."},
-            "ignore_eos": {"type": "boolean", "description": "Extension: generate max_tokens."},
-        },
-    },
-    "ChatCompletion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "chat.completion"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {"type": "array", "items": {
-                "type": "object",
-                "properties": {
-                    "index": {"type": "integer"},
-                    "message": {"type": "object", "properties": {
-                        "role": {"const": "assistant"}, "content": {"type": "string"}}},
-                    "finish_reason": {"enum": ["stop", "length", "abort"]},
-                },
-            }},
-            "usage": _ref("Usage"),
-        },
-    },
-    "ChatCompletionChunk": {
-        "type": "object",
-        "description": "One SSE `data:` event. The stream sends a role delta per choice, content "
-                       "deltas, a final delta per choice with finish_reason, an optional usage "
-                       "chunk (empty choices) and `data: [DONE]`. An error after the stream "
-                       "started arrives as `data: {\"error\": {...}}` and ends the stream.",
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "chat.completion.chunk"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {"type": "array", "items": {"type": "object", "properties": {
-                "index": {"type": "integer"},
-                "delta": {"type": "object", "properties": {
-                    "role": {"const": "assistant"}, "content": {"type": "string"}}},
-                "finish_reason": {"enum": ["stop", "length", "abort", None]},
-            }}},
-            "usage": {"oneOf": [_ref("Usage"), {"type": "null"}]},
-        },
-    },
-    "Usage": {
-        "type": "object",
-        "properties": {
-            "prompt_tokens": {"type": "integer"},
-            "completion_tokens": {"type": "integer"},
-            "total_tokens": {"type": "integer"},
-        },
-    },
-    "ImagesRequest": {
-        "type": "object",
-        "required": ["prompt"],
-        "description": "quality, style, background, moderation and output_compression are "
-                       "accepted and ignored; unknown fields are ignored and listed in the "
-                       "X-Omnistage-Ignored-Fields response header.",
-        "properties": {
-            "prompt": {"type": "string", "minLength": 1},
-            "model": {"type": "string"},
-            "negative_prompt": {"type": ["string", "null"], "description": "Extension: runs a "
-                                "companion request for classifier-free guidance."},
-            "n": {"type": "integer", "minimum": 1, "maximum": MAX_N_IMAGES, "default": 1},
-            "size": {"type": "string", "pattern": "^[0-9]+x[0-9]+$|^auto$",
-                     "description": f"WIDTHxHEIGHT, each {IMAGE_SIDE_MIN}..{IMAGE_SIDE_MAX} and "
-                                    f"a multiple of {IMAGE_SIDE_MULTIPLE}; auto or omitted "
-                                    "uses the stage's defaults."},
-            "response_format": {"enum": ["b64_json", None]},
-            "output_format": {"enum": ["png", None]},
-            "user": {"type": "string", "description": "Session key."},
-            "seed": _SEED,
-            "num_inference_steps": {"type": "integer", "minimum": 1, "maximum": MAX_STEPS},
-            "guidance_scale": {"type": "number", "minimum": 0, "maximum": MAX_GUIDANCE},
-        },
-    },
-    "ImagesResponse": {
-        "type": "object",
-        "required": ["created", "data"],
-        "properties": {
-            "created": {"type": "integer"},
-            "data": {"type": "array", "items": {"type": "object", "properties": {
-                "b64_json": {"type": "string", "contentEncoding": "base64",
-                             "contentMediaType": "image/png"}}}},
-            "output_format": {"const": "png"},
-        },
-    },
-    "ModelList": {
-        "type": "object",
-        "properties": {"object": {"const": "list"}, "data": {"type": "array",
-                                                             "items": _ref("Model")}},
-    },
-    "Model": {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"}, "object": {"const": "model"},
-            "created": {"type": "integer"}, "owned_by": {"type": "string"},
-        },
-    },
-    "JsonValue": {"description": "Any JSON value; strings must be valid Unicode and integers "
-                                 "fit in 64 bits (they travel as msgpack)."},
-    "GenericRequest": {
-        "type": "object",
-        "additionalProperties": False,
-        "description": "Unknown fields are errors on this route (it is Omnistage's own API).",
-        "properties": {
-            "prompt": {"type": "string", "default": ""},
-            "negative_prompt": {"type": ["string", "null"]},
-            "params": {"type": "object", "description": "Per-stage parameters, keyed by stage "
-                       "name; `*` applies to every stage.",
-                       "additionalProperties": {"type": "object",
-                                                "additionalProperties": _ref("JsonValue")}},
-            "n": {"type": "integer", "minimum": 1, "maximum": MAX_N_GENERIC, "default": 1},
-            "finals": {"type": ["array", "null"], "items": {"type": "string"}, "minItems": 1,
-                       "description": "Stages whose outputs to return; default: the pipeline's "
-                                      "finalOutput stages. Only the stages they need run."},
-            "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_S},
-            "session": {"type": ["string", "null"], "description": "Session affinity key."},
-        },
-    },
-    "Tensor": {
-        "type": "object",
-        "properties": {
-            "dtype": {"enum": ["float32", "float16", "bfloat16", "float64", "int64", "int32",
-                               "uint8", "bool"]},
-            "shape": {"type": "array", "items": {"type": "integer"}},
-            "data": {"type": "string", "contentEncoding": "base64",
-                     "description": "Raw little-endian bytes, C order (bfloat16 as 16-bit "
-                                    "words)."},
-        },
-    },
-    "GenericResponse": {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "status": {"enum": ["ok", "abort", "request_error", "fatal"]},
-            "children": {"type": "array", "items": {"type": "object", "properties": {
-                "index": {"type": "integer"},
-                "status": {"enum": ["ok", "abort", "request_error", "fatal"]},
-                "outputs": {"type": "object", "additionalProperties": {
-                    "type": "object", "properties": {
-                        "fields": {"type": "object"},
-                        "tensors": {"type": "object", "additionalProperties": _ref("Tensor")},
-                    }}},
-                "error": {"type": "object", "properties": {
-                    "code": {"type": "string"}, "message": {"type": "string"},
-                    "stage": {"type": ["string", "null"]}}},
-            }}},
-        },
-    },
-    "ControlRequest": {
-        "type": "object",
-        "required": ["op"],
-        "additionalProperties": False,
-        "properties": {
-            "op": {"enum": list(CONTROL_OPS)},
-            "stages": {"type": ["array", "null"], "items": {"type": "string"},
-                       "description": "Default: every stage."},
-        },
-    },
-    "ControlResponse": {
-        "type": "object",
-        "properties": {"results": {"type": "object", "description": "Replica name -> the "
-                                   "state its worker reported.",
-                                   "additionalProperties": {"type": "object"}}},
-    },
-}
-
-_NAME_PARAM = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
-               "description": "The pipeline's metadata.name."}
-_TEXT = {"text/plain": {"schema": {"type": "string"}}}
-
-# path -> (api surface or None for always-on, {method: operation})
-_PATHS: dict[str, tuple[str | None, dict[str, Any]]] = {
-    "/v1/chat/completions": ("chat", {"post": {
-        "summary": "OpenAI chat completion, optionally streamed as server-sent events",
-        "requestBody": _body("ChatCompletionRequest"),
-        "responses": {
-            "200": {"description": "A completion, or with stream: true an SSE stream of chunks.",
-                    "content": {"application/json": {"schema": _ref("ChatCompletion")},
-                                "text/event-stream": {"schema": _ref("ChatCompletionChunk")}}},
-            **_errors(*_COMMON_ERRORS),
-        },
-    }}),
-    "/v1/images/generations": ("images", {"post": {
-        "summary": "OpenAI image generation (b64_json PNG only)",
-        "requestBody": _body("ImagesRequest"),
-        "responses": {"200": _json(_ref("ImagesResponse"), "Base64 PNG images, one per "
-                                   "sample."), **_errors(*_COMMON_ERRORS)},
-    }}),
-    "/v1/models": (None, {"get": {
-        "summary": "The served model",
-        "responses": {"200": _json(_ref("ModelList"), "One model: the served model name.")},
-    }}),
-    "/v1/models/{model}": (None, {"get": {
-        "summary": "Retrieve the served model",
-        "parameters": [{"name": "model", "in": "path", "required": True,
-                        "schema": {"type": "string"}}],
-        "responses": {"200": _json(_ref("Model"), "The model."), **_errors(404)},
-    }}),
-    "/v1/pipelines/{name}/requests": ("generic", {"post": {
-        "summary": "Run a request through an arbitrary stage graph",
-        "parameters": [_NAME_PARAM],
-        "requestBody": _body("GenericRequest"),
-        "responses": {"200": _json(_ref("GenericResponse"), "Every child's final-stage "
-                                   "outputs; per-child failures are reported inline."),
-                      **_errors(*_COMMON_ERRORS)},
-    }}),
-    "/v1/pipelines/{name}/control": ("generic", {"post": {
-        "summary": "Fan a control RPC (sleep, wake_up, pause, resume) out to stage replicas",
-        "parameters": [_NAME_PARAM],
-        "requestBody": _body("ControlRequest"),
-        "responses": {"200": _json(_ref("ControlResponse"), "Each replica's reported state."),
-                      **_errors(400, 404, 500, 503)},
-    }}),
-    "/livez": (None, {"get": {
-        "summary": "Liveness: the process serves HTTP",
-        "responses": {"200": {"description": "ok", "content": _TEXT}},
-    }}),
-    "/readyz": (None, {"get": {
-        "summary": "Readiness: every stage has a routable replica and admission is open",
-        "responses": {"200": {"description": "ready", "content": _TEXT},
-                      "503": {"description": "The reason it is not ready.", "content": _TEXT}},
-    }}),
-    "/metrics": (None, {"get": {
-        "summary": "Prometheus metrics of the orchestrator and its HTTP layer",
-        "responses": {"200": {"description": "Prometheus text format 0.0.4.",
-                              "content": _TEXT}},
-    }}),
-    "/openapi.json": (None, {"get": {
-        "summary": "This document",
-        "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1 document.")},
-    }}),
-}
-
-
 def openapi_document(
     apis: Iterable[str] = ("chat", "images", "generic"),
     *,
+    routes: Iterable[Route] = ROUTES,
     title: str = "Omnistage orchestrator",
     version: str = "0.1.0",
     pipeline_name: str | None = None,
@@ -408,11 +131,42 @@ def openapi_document(
 ) -> dict[str, Any]:
     """The document for the routes a pipeline enables (disabled API surfaces are left out)."""
     enabled = set(apis)
-    paths = {
-        path: copy.deepcopy(ops)
-        for path, (surface, ops) in _PATHS.items()
-        if surface is None or surface in enabled
-    }
+    served = [r for r in routes if r.surface is None or r.surface in enabled]
+    types: dict[str, Any] = {"Error": ErrorBody}
+    for r in served:
+        for part, t in (("body", r.body), ("response", r.response), ("stream", r.stream)):
+            if t is not None:
+                types[f"{r.handler}.{part}"] = t
+    refs, components = _schemas(types)
+    paths: dict[str, dict[str, Any]] = {}
+    for r in served:
+        responses: dict[str, Any] = {}
+        if r.response is None:
+            responses["200"] = {"description": r.ok, "content": {"text/plain": {
+                "schema": {"type": "string"}}}}
+        else:
+            responses["200"] = _json(refs[f"{r.handler}.response"], r.ok)
+            if r.stream is not None:
+                responses["200"]["content"]["text/event-stream"] = {
+                    "schema": refs[f"{r.handler}.stream"]}
+        for status in r.errors:
+            if r.response is None:
+                responses[str(status)] = {"description": "The reason.", "content": {
+                    "text/plain": {"schema": {"type": "string"}}}}
+                continue
+            responses[str(status)] = _json(refs["Error"], _ERRORS[status])
+            if status in (429, 503):
+                responses[str(status)]["headers"] = _RETRY_AFTER
+        op: dict[str, Any] = {"summary": r.summary, "operationId": r.handler,
+                              "responses": responses}
+        params = re.findall(r"\{(\w+)", r.path)
+        if params:
+            op["parameters"] = [{"name": p, "in": "path", "required": True,
+                                 "schema": {"type": "string"}} for p in params]
+        if r.body is not None:
+            op["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": refs[f"{r.handler}.body"]}}}
+        paths.setdefault(_doc_path(r.path), {})[r.method.lower()] = op
     description = ("OpenAI-compatible front door of an Omnistage pipeline. Errors use OpenAI's "
                    "JSON error shape; see docs/http-api.md.")
     if pipeline_name:
@@ -423,8 +177,5 @@ def openapi_document(
         "openapi": "3.1.0",
         "info": {"title": title, "version": version, "description": description},
         "paths": paths,
-        "components": {
-            "schemas": copy.deepcopy(_SCHEMAS),
-            "responses": copy.deepcopy(_ERROR_RESPONSES),
-        },
+        "components": {"schemas": components},
     }

@@ -1,0 +1,145 @@
+"""HTTP errors in OpenAI's shape, and the mapping from engine outcomes to them (pure).
+
+Every error the API sends, whatever the route, is {"error": {message, type, param, code}};
+the engine's error codes map to statuses through requests.HTTP_STATUS and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from omnistage.orchestrator import requests as rq
+
+if TYPE_CHECKING:
+    from omnistage.orchestrator.schemas import ErrorBody
+
+__all__ = ["ERROR_TYPES", "ApiError", "ParamMap", "bad", "chat_param", "error_from_request_error",
+           "generic_param", "images_param", "outcome_error"]
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        self.extra = dict(extra or {})
+
+    @property
+    def type(self) -> str:
+        if self.status in ERROR_TYPES:
+            return ERROR_TYPES[self.status]
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> ErrorBody:
+        err = {"message": self.message, "type": self.type, "param": self.param,
+               "code": self.code, **self.extra}
+        return {"error": err}  # type: ignore[typeddict-item]
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After is mandatory on 429 (default 1 s) and passed on for 503 when known."""
+        after = self.retry_after
+        if after is None and self.status == 429:
+            after = 1.0
+        if after is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(after)))}
+
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+_PARAM_IN_MESSAGE = re.compile(r"\bparams\.([A-Za-z_]\w*)")
+ParamMap = Callable[[str, str | None], str | None]
+
+
+def _same_name(key: str, _stage: str | None) -> str | None:
+    return key
+
+
+def error_from_request_error(err: rq.RequestError, param_map: ParamMap = _same_name) -> ApiError:
+    """Engine/worker error to HTTP. A worker names a bad field as `params.X`; param_map turns
+    that into the field the client actually sent (for example height -> size)."""
+    param = None
+    match = _PARAM_IN_MESSAGE.search(err.message or "")
+    if match and err.http_status == 400:
+        param = param_map(match.group(1), err.stage)
+    message = err.message or err.code
+    if err.stage and err.http_status >= 500:
+        message = f"{message} (stage {err.stage})"
+    return ApiError(err.http_status, message, param=param, code=err.code,
+                    retry_after=err.retry_after)
+
+
+def outcome_error(outcome: rq.Outcome, param_map: ParamMap = _same_name) -> ApiError | None:
+    """The error an OpenAI route answers with, or None when the outcome can be rendered.
+
+    OpenAI responses have no room for partial failure, so a failed child fails the response.
+    An abort keeps whatever the stages returned (an AR prefix); with nothing left it is a 503.
+    """
+    if outcome.error is not None:
+        return error_from_request_error(outcome.error, param_map)
+    for child in sorted(outcome.children, key=lambda c: c.index):
+        if child.status in (rq.REQUEST_ERROR, rq.FATAL):
+            if child.error is not None:
+                return error_from_request_error(child.error, param_map)
+            return ApiError(502, f"sample {child.index} failed", code="stage_failed")
+    if outcome.status in (rq.REQUEST_ERROR, rq.FATAL):
+        return ApiError(500, "request failed without an error report", code="internal")
+    if outcome.status == rq.ABORT and not any(c.outputs for c in outcome.children):
+        return ApiError(503, "the request was aborted before producing output", code="aborted")
+    return None
+
+
+# Which field the client sent, for a worker's refusal that names params.<key>.
+
+
+def chat_param(key: str, _stage: str | None) -> str | None:
+    return {"prompt": "messages", "token_ids": "messages"}.get(key, key)
+
+
+_IMAGES_FIELD = {"height": "size", "width": "size", "num_inference_steps": "num_inference_steps",
+                 "guidance_scale": "guidance_scale", "seed": "seed"}
+
+
+def images_param(key: str, _stage: str | None) -> str | None:
+    """The images API sets only these knobs; any other refusal (the encoder's, for a prompt
+    longer than its context) is about the prompt, the one input the client gave it."""
+    return _IMAGES_FIELD.get(key, "prompt")
+
+
+def generic_param(key: str, stage: str | None) -> str | None:
+    if key == "prompt":
+        return "prompt"
+    return f"params.{stage}.{key}" if stage else f"params.{key}"

@@ -1,0 +1,253 @@
+"""Outcomes to response bodies: OpenAI chat completions and SSE chunks, images, generic JSON.
+
+Pure functions (no I/O), typed to return the response TypedDicts that the OpenAPI document
+shows (schemas.py). The handlers in http_api send what these return.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnistage.orchestrator import requests as rq
+from omnistage.orchestrator.errors import ApiError, chat_param, outcome_error
+from omnistage.orchestrator.images import ImageEncodeError, png_base64
+from omnistage.orchestrator.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChildJson,
+    GenericResponse,
+    ImagesResponse,
+    TensorJson,
+    Usage,
+)
+
+__all__ = [
+    "ChatCall",
+    "ChatStream",
+    "ImagesCall",
+    "dumps",
+    "jsonable",
+    "render_chat_completion",
+    "render_generic",
+    "render_images",
+    "sse_event",
+    "tensor_bytes",
+]
+
+
+def jsonable(value: Any) -> Any:
+    """Stage outputs (msgpack-decoded) as JSON: bytes become base64, NaN/inf become null."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return str(value)
+
+
+def dumps(obj: Any) -> bytes:
+    # ensure_ascii keeps any odd code point escaped, so encoding can never fail here.
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
+@dataclass
+class ChatCall:
+    """A validated chat request: what to submit and what the response needs to echo."""
+
+    request: rq.PipelineRequest
+    stage: str
+    model: str
+    include_usage: bool = False
+    ignored: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ImagesCall:
+    request: rq.PipelineRequest
+    stages: list[str]
+    size: tuple[int, int] | None = None
+    ignored: list[str] = field(default_factory=list)
+
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def _usage(outcome: rq.Outcome, stage: str) -> Usage:
+    """OpenAI counts the prompt once and completion tokens over all choices."""
+    prompt = completion = 0
+    for child in outcome.children:
+        out = child.outputs.get(stage)
+        if out is None:
+            continue
+        prompt = max(prompt, _as_int(out.fields.get("prompt_tokens")))
+        completion += _as_int(out.fields.get("completion_tokens"))
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _as_int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _choice_result(child: rq.ChildOutcome, stage: str) -> tuple[str, str]:
+    """(text, finish_reason) of one child; finish_reason keeps the stage's value ("abort"
+    included: the openai client accepts unknown finish reasons)."""
+    out = child.outputs.get(stage)
+    fields = out.fields if out is not None else {}
+    text = fields.get("text")
+    finish = fields.get("finish_reason")
+    default = "abort" if child.status == rq.ABORT else "stop"
+    return (text if isinstance(text, str) else "",
+            finish if isinstance(finish, str) and finish else default)
+
+
+def render_chat_completion(outcome: rq.Outcome, call: ChatCall, rid: str,
+                           created: int) -> ChatCompletion:
+    """A chat.completion object: one choice per child, in child order."""
+    choices = []
+    for child in sorted(outcome.children, key=lambda c: c.index):
+        text, finish = _choice_result(child, call.stage)
+        choices.append({"index": child.index,
+                        "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": None, "finish_reason": finish})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": call.model,
+            "system_fingerprint": None, "choices": choices,
+            "usage": _usage(outcome, call.stage)}
+
+
+class ChatStream:
+    """Turns engine events into chat.completion.chunk objects (pure: no I/O).
+
+    Order: a role delta per choice, content deltas as they come, then a final delta per choice
+    carrying finish_reason, then (with include_usage) a usage chunk with no choices.
+    """
+
+    def __init__(self, call: ChatCall, rid: str, created: int) -> None:
+        self.call = call
+        self.rid = rid
+        self.created = created
+        self.sent: dict[int, str] = {}
+
+    def _chunk(self, choices: list[Any], usage: Usage | None = None) -> ChatCompletionChunk:
+        chunk: ChatCompletionChunk = {
+            "id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.call.model, "system_fingerprint": None, "choices": choices}
+        if self.call.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    @staticmethod
+    def _choice(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def start(self) -> list[ChatCompletionChunk]:
+        n = self.call.request.n
+        for i in range(n):
+            self.sent[i] = ""
+        return [self._chunk([self._choice(i, {"role": "assistant", "content": ""})])
+                for i in range(n)]
+
+    def delta(self, event: rq.Delta) -> list[ChatCompletionChunk]:
+        if event.stage != self.call.stage or not event.text:
+            return []
+        self.sent[event.child] = self.sent.get(event.child, "") + event.text
+        return [self._chunk([self._choice(event.child, {"content": event.text})])]
+
+    def finish(self, outcome: rq.Outcome) -> list[ChatCompletionChunk]:
+        """Closing chunks; raises ApiError when the outcome is an error (sent as an event)."""
+        err = outcome_error(outcome, chat_param)
+        if err is not None:
+            raise err
+        chunks = []
+        for child in sorted(outcome.children, key=lambda c: c.index):
+            text, finish = _choice_result(child, self.call.stage)
+            sent = self.sent.get(child.index, "")
+            if len(text) > len(sent) and text.startswith(sent):
+                # Whatever the stream did not carry (held-back bytes, a lost delta).
+                chunks.append(self._chunk([self._choice(child.index,
+                                                        {"content": text[len(sent):]})]))
+            chunks.append(self._chunk([self._choice(child.index, {}, finish)]))
+        if self.call.include_usage:
+            chunks.append(self._chunk([], _usage(outcome, self.call.stage)))
+        return chunks
+
+
+def sse_event(data: Mapping[str, Any] | str) -> bytes:
+    """One server-sent event carrying a JSON object (or the literal [DONE])."""
+    payload = data if isinstance(data, str) else dumps(data).decode("ascii")
+    return f"data: {payload}\n\n".encode()
+
+
+def render_images(outcome: rq.Outcome, call: ImagesCall, created: int) -> ImagesResponse:
+    """{created, data: [{b64_json}]}: one PNG per child and image stage, in child order.
+
+    CPU-bound (PNG encoding); the handler runs it off the event loop.
+    """
+    data = []
+    for child in sorted(outcome.children, key=lambda c: c.index):
+        for stage in call.stages:
+            out = child.outputs.get(stage)
+            if out is None:
+                continue
+            tensor = out.tensors.get("image")
+            if tensor is None and len(out.tensors) == 1:
+                tensor = next(iter(out.tensors.values()))
+            if tensor is None:
+                raise ApiError(502, f"stage {stage} returned no image tensor "
+                               f"(tensors: {sorted(out.tensors)})", code="stage_failed")
+            try:
+                data.append({"b64_json": png_base64(tensor)})
+            except ImageEncodeError as exc:
+                raise ApiError(502, f"stage {stage} returned an unencodable image: {exc}",
+                               code="stage_failed") from None
+    if not data:
+        raise ApiError(502, "the pipeline returned no image", code="stage_failed")
+    return {"created": created, "data": data, "output_format": "png"}
+
+
+# --------------------------------------------------------------------------- generic
+
+
+def _tensor_json(tensor: Any) -> TensorJson:
+    arr = tensor.numpy() if hasattr(tensor, "numpy") else tensor
+    dtype = getattr(tensor, "dtype", None)
+    return {"dtype": dtype if isinstance(dtype, str) else str(arr.dtype),
+            "shape": [int(s) for s in arr.shape],
+            "data": base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def tensor_bytes(outcome: rq.Outcome) -> int:
+    return sum(getattr(t, "nbytes", 0) for c in outcome.children for o in c.outputs.values()
+               for t in o.tensors.values())
+
+
+def _error_json(err: rq.RequestError) -> dict[str, Any]:
+    return {"code": err.code, "message": err.message, "stage": err.stage}
+
+
+def render_generic(outcome: rq.Outcome, rid: str) -> GenericResponse:
+    """Every child's final outputs with tensors as base64; failures stay per child."""
+    children = []
+    for child in sorted(outcome.children, key=lambda c: c.index):
+        outputs = {
+            stage: {"fields": jsonable(out.fields),
+                    "tensors": {name: _tensor_json(t) for name, t in out.tensors.items()}}
+            for stage, out in child.outputs.items()
+        }
+        entry: ChildJson = {"index": child.index, "status": child.status,
+                                 "outputs": outputs}
+        if child.error is not None:
+            entry["error"] = _error_json(child.error)
+        children.append(entry)
+    return {"id": rid, "status": outcome.status, "children": children}

@@ -1,0 +1,521 @@
+"""The HTTP API's types: request bodies as pydantic models, response bodies as TypedDicts.
+
+Why: the body models validate requests (http_api.validate), name the field at fault (the
+error's `param`) and are the schemas of the OpenAPI document (openapi.py), so what
+/openapi.json says and what the server accepts cannot drift. The renderers are typed to return
+the response TypedDicts the document shows. Engine knobs take their type and bounds from
+EngineOptions (omnistage.params), the one bounds table. Prose is written only where a schema
+cannot say it.
+
+Union branches carry tags spelt `<name>` so a validation error names the field's request path
+(`messages[0].content`), not pydantic's branch label; see params.error_path.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Annotated, Any, Literal, NotRequired
+
+import annotated_types
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    WithJsonSchema,
+)
+from pydantic_core import PydanticCustomError
+from typing_extensions import TypedDict  # pydantic wants this one before Python 3.12
+
+from omnistage.orchestrator import requests as rq
+from omnistage.orchestrator.engine import CONTROL_OPS
+from omnistage.orchestrator.errors import ERROR_TYPES
+from omnistage.params import engine_type, per_request
+from omnistage.spec import STAGE_KINDS, EngineOptions
+
+__all__ = [
+    "AssistantMessage",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ControlRequest",
+    "ControlResponse",
+    "ErrorBody",
+    "GenericRequest",
+    "GenericResponse",
+    "ImagesRequest",
+    "ImagesResponse",
+    "Message",
+    "ModelCard",
+    "ModelList",
+    "image_size",
+]
+
+MAX_N_CHAT = 16
+MAX_N_IMAGES = 10
+MAX_N_GENERIC = 16
+MAX_TIMEOUT_S = 86_400.0
+MAX_WIRE_DEPTH = 32
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+
+# --------------------------------------------------------------------------- field types
+
+
+def _unicode(value: str) -> str:
+    """msgpack needs valid UTF-8, so a lone surrogate (legal in JSON) is refused up front."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_value", "is not valid Unicode text (lone surrogate at position {pos})",
+            {"pos": exc.start}) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+def _wire(value: Any, at: str = "", depth: int = 0) -> None:
+    """What msgpack can carry: valid text, integers within 64 bits, bounded nesting."""
+    def bad(message: str) -> PydanticCustomError:
+        return PydanticCustomError("invalid_value", message, {"at": at})
+
+    if depth > MAX_WIRE_DEPTH:
+        raise bad(f"is nested more than {MAX_WIRE_DEPTH} levels deep")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad("is not valid Unicode text (lone surrogate)") from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not _INT64_MIN <= value <= _UINT64_MAX:
+            raise bad("does not fit in 64 bits")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _wire(item, f"{at}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _wire(key, at, depth + 1)
+            _wire(item, f"{at}.{key}", depth + 1)
+
+
+def _wire_value(value: Any) -> Any:
+    _wire(value)
+    return value
+
+
+WireValue = Annotated[Any, AfterValidator(_wire_value), Field(
+    description="Any JSON value that can travel as msgpack: valid Unicode strings, integers "
+    f"within 64 bits, at most {MAX_WIRE_DEPTH} levels of nesting.")]
+
+
+def only(*allowed: Any, why: str) -> Any:
+    """A field Omnistage cannot honour: the listed values are accepted (they change nothing),
+    anything else is refused as unsupported_parameter. The same tuple makes the schema's enum."""
+    def check(value: Any) -> Any:
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise PydanticCustomError("unsupported_parameter", "is not supported: {why}",
+                                      {"why": why})
+        return value
+
+    return Annotated[Any, AfterValidator(check), WithJsonSchema(
+        {"enum": list(allowed), "description": f"Not supported: {why}. Only the listed values "
+         "are accepted; anything else is 400 unsupported_parameter."})]
+
+
+Ignored = Annotated[Any, Field(description="Accepted for compatibility; it has no effect here.")]
+MaxTokens = engine_type("max_tokens")
+Temperature = engine_type("temperature")
+Seed = engine_type("seed")
+Steps = engine_type("num_inference_steps")
+Guidance = engine_type("guidance_scale")
+Side = engine_type("width")
+
+
+class _Body(BaseModel):
+    """Strict: JSON has no implicit conversions, so "5" for an integer is the client's bug.
+    Optional fields accept null as "not given", as OpenAI's API does."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+# --------------------------------------------------------------------------- chat
+
+UserRole = Literal["system", "developer", "user", "tool", "function"]
+ROLES: tuple[str, ...] = (*typing.get_args(UserRole), "assistant")
+
+
+def _known_role(value: Any) -> Any:
+    """Unknown roles reach Message (the non-assistant branch); name every role, not its four."""
+    if not isinstance(value, str) or value not in ROLES:
+        raise PydanticCustomError("invalid_value", "must be one of {roles}",
+                                  {"roles": ", ".join(ROLES)})
+    return value
+
+
+class TextPart(_Body):
+    """One part of a message's content; only text parts are supported."""
+
+    type: only("text", why="only text content parts are supported")
+    text: Text
+
+
+def _content_tag(value: Any) -> str | None:
+    return "<text>" if isinstance(value, str) else "<parts>" if isinstance(value, list) else None
+
+
+Content = Annotated[
+    Annotated[Text, Tag("<text>")] | Annotated[list[TextPart], Tag("<parts>")],
+    Discriminator(_content_tag, custom_error_type="invalid_type",
+                  custom_error_message="must be a string or an array of text parts"),
+    Field(description="A string, or text parts joined with newlines."),
+]
+
+
+class Message(_Body):
+    """A system, developer, user, tool or function message: content is required."""
+
+    role: Annotated[UserRole, BeforeValidator(_known_role)]
+    content: Content
+    name: Text | None = None
+
+
+class AssistantMessage(_Body):
+    """An earlier assistant turn: content may be null or left out."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: Text | None = None
+
+
+def _role_tag(value: Any) -> str:
+    return "<assistant>" if isinstance(value, dict) and value.get("role") == "assistant" \
+        else "<message>"
+
+
+ChatMessage = Annotated[
+    Annotated[Message, Tag("<message>")] | Annotated[AssistantMessage, Tag("<assistant>")],
+    Discriminator(_role_tag),
+]
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = Field(None, description="Send a final chunk with usage.")
+
+
+_EMPTY = (None, "", [], {})
+
+
+class ChatCompletionRequest(_Body):
+    """OpenAI's chat completion request. Unknown fields are ignored and listed in the
+    X-Omnistage-Ignored-Fields response header (percent-encoded, comma-separated)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Text | None = Field(None, description="Must equal the served model name.")
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: MaxTokens | None = Field(None, description="Default: the stage's maxTokens.")
+    max_completion_tokens: MaxTokens | None = Field(
+        None, description="Takes precedence over max_tokens.")
+    temperature: Temperature | None = Field(
+        None, description="0 is greedy. Default: the stage's temperature.")
+    seed: Seed | None = Field(None, description="Sample i of a request with n > 1 uses seed + i.")
+    n: Annotated[int, Field(ge=1, le=MAX_N_CHAT)] | None = Field(
+        None, description="Samples, each its own child request. Default 1.")
+    stream: bool | None = Field(None, description="Answer as server-sent events.")
+    stream_options: StreamOptions | None = None
+    user: Text | None = Field(None, description="Session key: pins the session to a replica "
+                              "while that replica lives.")
+    ignore_eos: bool | None = Field(None, description="Extension: generate max_tokens tokens.")
+    stop: only(*_EMPTY, why="stop sequences") = None
+    tools: only(*_EMPTY, why="tools") = None
+    functions: only(*_EMPTY, why="functions") = None
+    logit_bias: only(*_EMPTY, why="logit_bias") = None
+    audio: only(*_EMPTY, why="audio output") = None
+    prediction: only(*_EMPTY, why="predicted outputs") = None
+    tool_choice: only(None, "none", why="tools") = None
+    function_call: only(None, "none", why="functions") = None
+    logprobs: only(None, False, why="logprobs") = None
+    response_format: only(None, {"type": "text"},
+                          why="structured output; only text is produced") = None
+    modalities: only(None, ["text"], why="output other than text") = None
+    top_p: Ignored = None
+    top_k: Ignored = None
+    presence_penalty: Ignored = None
+    frequency_penalty: Ignored = None
+    repetition_penalty: Ignored = None
+    metadata: Ignored = None
+    store: Ignored = None
+    service_tier: Ignored = None
+    parallel_tool_calls: Ignored = None
+    top_logprobs: Ignored = None
+    reasoning_effort: Ignored = None
+    verbosity: Ignored = None
+    prompt_cache_key: Ignored = None
+    safety_identifier: Ignored = None
+    web_search_options: Ignored = None
+
+
+# --------------------------------------------------------------------------- images
+
+
+def _bounds(name: str) -> tuple[Any, Any, Any]:
+    """(min, max, multiple) of an EngineOptions knob, for the prose a pattern cannot carry."""
+    lo = hi = None
+    multiple = 1
+    for m in EngineOptions.model_fields[name].metadata:
+        if isinstance(m, annotated_types.Ge):
+            lo = m.ge
+        elif isinstance(m, annotated_types.Le):
+            hi = m.le
+        elif isinstance(m, annotated_types.MultipleOf):
+            multiple = m.multiple_of
+    return lo, hi, multiple
+
+
+_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+_SIDE = TypeAdapter(Side)
+_SIDE_MIN, _SIDE_MAX, _SIDE_MULTIPLE = _bounds("width")
+
+
+def _size(value: str) -> str:
+    if value == "auto":
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise PydanticCustomError("invalid_value", "must look like WIDTHxHEIGHT (for example "
+                                  "'512x512'), got {value}", {"value": repr(value[:40])})
+    for side in match.groups():
+        if not _SIDE.validator.isinstance_python(int(side)):
+            raise PydanticCustomError(
+                "invalid_value", "{size}: each side must be {lo}..{hi} and a multiple of {m}",
+                {"size": value.strip(), "lo": _SIDE_MIN, "hi": _SIDE_MAX, "m": _SIDE_MULTIPLE})
+    return value
+
+
+def image_size(value: str | None) -> tuple[int, int] | None:
+    """A validated size as (width, height); None for auto or not given."""
+    match = _SIZE.match(value or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+Size = Annotated[str, AfterValidator(_size), Field(
+    json_schema_extra={"pattern": f"{_SIZE.pattern}|^auto$"},  # the validator's own regex
+    description=f"WIDTHxHEIGHT, each side {_SIDE_MIN}..{_SIDE_MAX} and a multiple of "
+    f"{_SIDE_MULTIPLE} (the stage's width/height bounds); auto or omitted uses the stage's "
+    "defaults. The model may need a larger multiple; the worker then answers 400 param size.")]
+
+
+class ImagesRequest(_Body):
+    """OpenAI's image generation request (base64 PNG only). Unknown fields are ignored and
+    listed in the X-Omnistage-Ignored-Fields response header."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+    model: Text | None = Field(None, description="Must equal the served model name.")
+    negative_prompt: Text | None = Field(None, description="Extension: runs a companion "
+                                         "request for classifier-free guidance.")
+    n: Annotated[int, Field(ge=1, le=MAX_N_IMAGES)] | None = Field(
+        None, description="Images, one per sample. Default 1.")
+    size: Size | None = None
+    response_format: only(None, "b64_json",
+                          why="image URLs; Omnistage does not host images, use b64_json") = None
+    output_format: only(None, "png", why="formats other than png") = None
+    stream: only(None, False, why="streaming image generation") = None
+    user: Text | None = Field(None, description="Session key.")
+    seed: Seed | None = Field(None, description="Extension. Sample i uses seed + i.")
+    num_inference_steps: Steps | None = Field(None, description="Extension.")
+    guidance_scale: Guidance | None = Field(None, description="Extension.")
+    quality: Ignored = None
+    style: Ignored = None
+    background: Ignored = None
+    moderation: Ignored = None
+    output_compression: Ignored = None
+    partial_images: Ignored = None
+
+
+# --------------------------------------------------------------------------- generic & control
+
+
+def _knobs_text() -> str:
+    kinds = [f"{kind}: {', '.join(per_request(kind))}" for kind in STAGE_KINDS]
+    return ("Per-stage parameters, keyed by stage name; `*` applies to every stage, a stage's "
+            "own entry wins. The engine knobs a stage kind takes (bounds as in EngineOptions): "
+            f"{'; '.join(kinds)}; ar also takes ignore_eos. Other keys are ignored by stages.")
+
+
+class GenericRequest(_Body):
+    """Omnistage's own request: unknown fields are errors here (typos must not pass)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Text | None = Field(None, description="Default: empty.")
+    negative_prompt: Text | None = None
+    params: dict[Text, dict[Text, WireValue]] | None = Field(None, description=_knobs_text())
+    n: Annotated[int, Field(ge=1, le=MAX_N_GENERIC)] | None = Field(None, description="Default 1.")
+    finals: list[str] | None = Field(
+        None, min_length=1, description="Stages whose outputs to return; default: the "
+        "pipeline's finalOutput stages. Only the stages they need run.")
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None
+    session: Text | None = Field(None, description="Session affinity key.")
+
+
+class ControlRequest(_Body):
+    """A control RPC for every live replica of the chosen stages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal[CONTROL_OPS]
+    stages: list[str] | None = Field(None, min_length=1, description="Default: every stage.")
+
+
+# --------------------------------------------------------------------------- responses
+
+Status = Literal[rq.OK, rq.ABORT, rq.REQUEST_ERROR, rq.FATAL]
+ErrorType = Literal[tuple(sorted(set(ERROR_TYPES.values())))]
+
+
+class ErrorDetail(TypedDict):
+    message: str
+    type: ErrorType
+    param: Annotated[str | None, Field(description="The request field at fault, if any.")]
+    code: Annotated[str | None, Field(description="Omnistage's machine-readable reason.")]
+    replica: NotRequired[Annotated[str, Field(description="control errors only")]]
+    exception_type: NotRequired[Annotated[str, Field(description="control errors only")]]
+
+
+class ErrorBody(TypedDict):
+    """OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: Annotated[int, Field(description="Summed over all choices.")]
+    total_tokens: int
+
+
+FinishReason = Annotated[str, Field(description="stop, length or abort (the request was "
+                                    "aborted; the content is the prefix generated so far).")]
+
+
+class AssistantOut(TypedDict):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class Choice(TypedDict):
+    index: int
+    message: AssistantOut
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(TypedDict):
+    """One choice per sample, in sample order."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[Choice]
+    usage: Usage
+
+
+class ChunkDelta(TypedDict, total=False):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChunkChoice(TypedDict):
+    index: int
+    delta: ChunkDelta
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(TypedDict):
+    """One SSE `data:` event: a role delta per choice, content deltas, a final delta per choice
+    with finish_reason, an optional usage chunk (empty choices), then `data: [DONE]`. An error
+    after the stream started arrives as `data: {"error": {...}}` and ends the stream."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChunkChoice]
+    usage: NotRequired[Usage | None]
+
+
+class ImageData(TypedDict):
+    b64_json: Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64",
+                                             "contentMediaType": "image/png"})]
+
+
+class ImagesResponse(TypedDict):
+    """One PNG per sample and image stage, in sample order."""
+
+    created: int
+    data: list[ImageData]
+    output_format: Literal["png"]
+
+
+class ModelCard(TypedDict):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TensorJson(TypedDict):
+    dtype: str
+    shape: list[int]
+    data: Annotated[str, WithJsonSchema({
+        "type": "string", "contentEncoding": "base64",
+        "description": "Raw little-endian bytes, C order (bfloat16 as 16-bit words)."})]
+
+
+class StageOutputJson(TypedDict):
+    fields: dict[str, Any]
+    tensors: dict[str, TensorJson]
+
+
+class ChildErrorJson(TypedDict):
+    code: str
+    message: str
+    stage: str | None
+
+
+class ChildJson(TypedDict):
+    index: int
+    status: Status
+    outputs: dict[str, StageOutputJson]
+    error: NotRequired[ChildErrorJson]
+
+
+class GenericResponse(TypedDict):
+    """Every child's final-stage outputs; per-child failures are reported inline."""
+
+    id: str
+    status: Status
+    children: list[ChildJson]
+
+
+class ControlResponse(TypedDict):
+    results: Annotated[dict[str, dict[str, Any]], Field(
+        description="Replica name -> the state its worker reported.")]
