@@ -48,13 +48,14 @@ async def launch(start_worker) -> AsyncIterator[Launch]:
     """Start workers for a pipeline and an Orchestrator over them (static membership)."""
     orchs: list[Orchestrator] = []
 
-    async def go(pipe: Any, workers: dict[str, list[tuple[str, ...]]], **kw: Any):
+    async def go(pipe: Any, workers: dict[str, list[dict[str, Any]]], **kw: Any):
+        """workers: per stage, one dict of start_worker options (e.g. a fixed port) a replica."""
         procs: dict[str, list[WorkerProcess]] = {}
         infos = []
-        for stage, arg_lists in workers.items():
-            for i, _args in enumerate(arg_lists):
+        for stage, replicas in workers.items():
+            for i, options in enumerate(replicas):
                 name = f"{pipe.metadata.name}-{stage}-{i}"
-                w = start_worker(pipe.spec.stage(stage), name=name)
+                w = start_worker(pipe.spec.stage(stage), name=name, **options)
                 procs.setdefault(stage, []).append(w)
                 infos.append(ReplicaInfo(stage, name, w.zmq))
         membership = StaticMembership(infos)
@@ -83,7 +84,7 @@ async def collect(orch: Orchestrator, req: PipelineRequest) -> tuple[list[Delta]
 
 async def test_two_stage_routing_follows_the_dag(launch) -> None:
     pipe = pipeline("two", [echo("a"), echo("b", ("a",), final=True)])
-    orch, _, _ = await launch(pipe, {"a": [()], "b": [()]})
+    orch, _, _ = await launch(pipe, {"a": [{}], "b": [{}]})
     _, out = await collect(orch, PipelineRequest(prompt="hello"))
     assert out.status == "ok", out
     [child] = out.children
@@ -94,7 +95,7 @@ async def test_two_stage_routing_follows_the_dag(launch) -> None:
 
 async def test_join_waits_for_all_inputs(launch) -> None:
     pipe = pipeline("join", [echo("a"), echo("slow"), echo("j", ("a", "slow"), final=True)])
-    orch, _, _ = await launch(pipe, {"a": [()], "slow": [()], "j": [()]})
+    orch, _, _ = await launch(pipe, {"a": [{}], "slow": [{}], "j": [{}]})
     req = PipelineRequest(prompt="x", params={"slow": {"delay_ms": 400}})
     _, out = await collect(orch, req)
     assert out.status == "ok"
@@ -107,7 +108,7 @@ async def test_ar_to_diffusion_with_negative_prompt_companion(launch) -> None:
         {"name": "img", "kind": "diffusion", "model": "tiny-unet", "inputs": ["enc"],
          "finalOutput": True},
     ])
-    orch, _, _ = await launch(pipe, {"enc": [()], "img": [()]})
+    orch, _, _ = await launch(pipe, {"enc": [{}], "img": [{}]})
     params = {"img": {"height": 32, "width": 32, "num_inference_steps": 2, "guidance_scale": 3.0}}
     _, plain = await collect(orch, PipelineRequest(prompt="a cat", params=params))
     assert plain.status == "ok", plain
@@ -128,7 +129,7 @@ async def test_companion_failure_fails_the_parent(launch) -> None:
         {"name": "img", "kind": "diffusion", "model": "tiny-unet", "inputs": ["enc"],
          "finalOutput": True},
     ])
-    orch, _, _ = await launch(pipe, {"enc": [()], "img": [()]})
+    orch, _, _ = await launch(pipe, {"enc": [{}], "img": [{}]})
     # An over-long negative prompt is refused by the AR worker: only the companion fails.
     _, out = await collect(orch, PipelineRequest(prompt="ok", negative_prompt="n" * 5000))
     assert out.status == "request_error"
@@ -141,7 +142,7 @@ async def test_companion_failure_fails_the_parent(launch) -> None:
 
 async def test_requests_spread_across_replicas_and_sessions_pin(launch) -> None:
     pipe = pipeline("spread", [echo("a", final=True)])
-    orch, _, _ = await launch(pipe, {"a": [(), ()]})
+    orch, _, _ = await launch(pipe, {"a": [{}, {}]})
     reqs = [PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 50}}) for i in range(20)]
     outs = await asyncio.gather(*(collect(orch, r) for r in reqs))
     used = Counter(o.children[0].outputs["a"].replica for _, o in outs)
@@ -154,7 +155,7 @@ async def test_requests_spread_across_replicas_and_sessions_pin(launch) -> None:
 async def test_abort_goes_to_the_bound_replica_and_returns_prefix(launch) -> None:
     pipe = pipeline("chat", [{"name": "llm", "kind": "ar", "model": "tiny-llama",
                               "finalOutput": True}])
-    orch, _, _ = await launch(pipe, {"llm": [(), ()]})
+    orch, _, _ = await launch(pipe, {"llm": [{}, {}]})
     handle = orch.submit(PipelineRequest(
         prompt="hi", stream=True,
         params={"llm": {"max_tokens": 1000, "ignore_eos": True}}))
@@ -178,7 +179,7 @@ async def test_abort_goes_to_the_bound_replica_and_returns_prefix(launch) -> Non
 async def test_several_final_stages_only_last_abort_is_terminal(launch) -> None:
     pipe = pipeline("multi", [echo("src"), echo("f1", ("src",), final=True),
                               echo("f2", ("src",), final=True)])
-    orch, _, _ = await launch(pipe, {"src": [()], "f1": [()], "f2": [()]})
+    orch, _, _ = await launch(pipe, {"src": [{}], "f1": [{}], "f2": [{}]})
     req = PipelineRequest(prompt="x", params={"f1": {"delay_ms": 300}, "f2": {"delay_ms": 2000}})
     handle = orch.submit(req)
     await asyncio.sleep(0.15)
@@ -194,7 +195,7 @@ async def test_several_final_stages_only_last_abort_is_terminal(launch) -> None:
 
 async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launch) -> None:
     pipe = pipeline("par", [echo("a", final=True)])
-    orch, _, _ = await launch(pipe, {"a": [(), ()]})
+    orch, _, _ = await launch(pipe, {"a": [{}, {}]})
     handle = orch.submit(PipelineRequest(prompt="p", n=3, params={"a": {"delay_ms": 1500}}))
     await asyncio.sleep(0.2)
     handle.abort(child=1)
@@ -217,7 +218,7 @@ async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launc
 
 async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
     pipe = pipeline("iso", [echo("a", final=True)])
-    orch, procs, _ = await launch(pipe, {"a": [(), ()]}, heartbeat_interval=0.2,
+    orch, procs, _ = await launch(pipe, {"a": [{}, {}]}, heartbeat_interval=0.2,
                                   heartbeat_timeout=1.0)
     handles = [orch.submit(PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 1500}}))
                for i in range(16)]
@@ -242,7 +243,7 @@ async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
 
 async def test_dead_downstream_stage(launch) -> None:
     pipe = pipeline("down", [echo("a"), echo("b", ("a",), final=True)])
-    orch, procs, _ = await launch(pipe, {"a": [()], "b": [()]},
+    orch, procs, _ = await launch(pipe, {"a": [{}], "b": [{}]},
                                            heartbeat_interval=0.2, heartbeat_timeout=1.0)
     handle = orch.submit(PipelineRequest(prompt="x", params={"b": {"delay_ms": 3000}}))
     await asyncio.sleep(0.3)
@@ -259,7 +260,7 @@ async def test_dead_downstream_stage(launch) -> None:
 
 async def test_unencodable_value_is_a_request_error_and_loop_keeps_running(launch) -> None:
     pipe = pipeline("enc", [echo("a", final=True)])
-    orch, _, _ = await launch(pipe, {"a": [()]})
+    orch, _, _ = await launch(pipe, {"a": [{}]})
     for bad in (PipelineRequest(prompt="\ud800"),
                 PipelineRequest(prompt="x", params={"a": {"seed": 2**70}})):
         _, out = await collect(orch, bad)
@@ -271,7 +272,7 @@ async def test_unencodable_value_is_a_request_error_and_loop_keeps_running(launc
 async def test_terminal_state_is_monotonic(launch) -> None:
     pipe = pipeline("mono", [echo("src"), echo("f1", ("src",), final=True),
                              echo("f2", ("src",), final=True)])
-    orch, _, _ = await launch(pipe, {"src": [()], "f1": [()], "f2": [()]})
+    orch, _, _ = await launch(pipe, {"src": [{}], "f1": [{}], "f2": [{}]})
     # f1 fails at once; f2 is still running when the request becomes terminal.
     handle = orch.submit(PipelineRequest(prompt="x", stream=True, params={
         "f1": {"delay_ms": -1}, "f2": {"delay_ms": 800}}))
@@ -296,7 +297,7 @@ async def test_terminal_state_is_monotonic(launch) -> None:
 
 async def test_draining_replica_takes_no_new_work(launch) -> None:
     pipe = pipeline("drain", [echo("a", final=True)])
-    orch, _, membership = await launch(pipe, {"a": [(), ()]})
+    orch, _, membership = await launch(pipe, {"a": [{}, {}]})
     info = next(r for r in membership.replicas if r.name == "drain-a-0")
     membership.publish(ReplicaInfo(info.stage, info.name, info.endpoint, "draining"))
     outs = [await collect(orch, PipelineRequest(prompt=str(i))) for i in range(6)]
@@ -308,7 +309,7 @@ async def test_draining_replica_takes_no_new_work(launch) -> None:
 
 async def test_control_fan_out_and_error_propagation(launch) -> None:
     pipe = pipeline("ctl", [echo("a"), echo("b", ("a",), final=True)])
-    orch, _, _ = await launch(pipe, {"a": [(), ()], "b": [()]})
+    orch, _, _ = await launch(pipe, {"a": [{}, {}], "b": [{}]})
     with pytest.raises(ValueError, match="unknown stage"):
         await orch.control("pause", ["a", "nope"])
     states = await orch.control("pause", ["a"])  # nothing was paused by the rejected call
@@ -327,7 +328,7 @@ async def test_control_fan_out_and_error_propagation(launch) -> None:
 
 async def test_stalled_replica_is_dropped_then_readmitted(launch) -> None:
     pipe = pipeline("stall", [echo("a", final=True)])
-    orch, procs, _ = await launch(pipe, {"a": [(), ()]}, heartbeat_interval=0.2,
+    orch, procs, _ = await launch(pipe, {"a": [{}, {}]}, heartbeat_interval=0.2,
                                   heartbeat_timeout=1.0)
     victim = procs["a"][0]
     victim.proc.send_signal(signal.SIGSTOP)  # alive but silent: heartbeats stop
@@ -361,7 +362,7 @@ def _state(w: WorkerProcess) -> dict[str, Any]:
 async def test_replicas_are_routed_only_after_a_handshake_of_our_version(launch, caplog) -> None:
     caplog.set_level(logging.INFO, logger="omnistage.orchestrator")
     pipe = pipeline("ver", [echo("a", final=True)])
-    orch, procs, membership = await launch(pipe, {"a": [()]})
+    orch, procs, membership = await launch(pipe, {"a": [{}]})
     # start() waited for the handshake: the replica is routable, bound to the process that
     # answered, and the first request finds it.
     real = orch.pools["a"].replicas["ver-a-0"]
@@ -392,14 +393,14 @@ async def test_replicas_are_routed_only_after_a_handshake_of_our_version(launch,
 async def test_a_restart_at_the_same_address_shows_in_the_heartbeat(launch, start_worker,
                                                                     caplog) -> None:
     pipe = pipeline("inc", [echo("a", final=True)])
-    port = str(free_port())
-    orch, procs, _ = await launch(pipe, {"a": [("--port", port)]}, heartbeat_interval=0.2,
+    port = free_port()
+    orch, procs, _ = await launch(pipe, {"a": [{"port": port}]}, heartbeat_interval=0.2,
                                   heartbeat_timeout=60)
     replica = orch.pools["a"].replicas["inc-a-0"]
     first = replica.incarnation
     assert first == (await asyncio.to_thread(_state, procs["a"][0]))["incarnation"]
     procs["a"][0].kill()
-    again = await asyncio.to_thread(start_worker, "echo", "--stage", "a", "--port", port,
+    again = await asyncio.to_thread(start_worker, pipe.spec.stage("a"), port=port,
                                     name="inc-a-0")
     second = (await asyncio.to_thread(_state, again))["incarnation"]
     assert second != first

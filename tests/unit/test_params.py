@@ -20,7 +20,7 @@ from omnistage.executors.diffusion import DiffusionParams
 from omnistage.executors.echo import EchoExecutor, EchoParams
 from omnistage.orchestrator.openapi import openapi_document
 from omnistage.params import per_request
-from omnistage.spec import STAGE_KINDS, EngineOptions
+from omnistage.spec import STAGE_KINDS, EngineOptions, Stage
 
 BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "type")
 
@@ -80,20 +80,23 @@ def test_the_unified_ranges() -> None:
     assert got["height"] == {"minimum": 8, "maximum": 2048, "multipleOf": 8, "type": "integer"}
 
 
-def test_create_executor_validates_the_engine_dict_into_typed_options() -> None:
-    ex = create_executor("echo", None, {"echoDelayMs": 7, "temperature": 1.5}, None)
-    assert isinstance(ex, EchoExecutor) and isinstance(ex.engine, EngineOptions)
+def _echo(engine: dict[str, Any]) -> Stage:
+    return Stage.model_validate({"name": "e", "kind": "echo", "engine": engine})
+
+
+def test_create_executor_gets_the_stages_typed_options() -> None:
+    stage = _echo({"echoDelayMs": 7, "temperature": 1.5})
+    ex = create_executor(stage, None)
+    assert isinstance(ex, EchoExecutor) and ex.engine is stage.engine
     assert (ex.engine.echo_delay_ms, ex.engine.temperature) == (7, 1.5)
-    typed = EngineOptions(echo_delay_ms=3)
-    assert create_executor("echo", None, typed, None).engine is typed
     with pytest.raises(ValidationError, match="temperature"):
-        create_executor("echo", None, {"temperature": 2.5}, None)
+        _echo({"temperature": 2.5})
     with pytest.raises(ValidationError, match="maxToken"):
-        create_executor("echo", None, {"maxToken": 5}, None)  # typo: unknown keys are errors
+        _echo({"maxToken": 5})  # typo: unknown keys are errors
 
 
 def test_echo_request_params_override_the_stage_default_within_bounds() -> None:
-    ex = create_executor("echo", None, {"echoDelayMs": 250}, None)
+    ex = create_executor(_echo({"echoDelayMs": 250}), None)
     assert ex.prepare({"prompt": "x"}, {}).delay_s == 0.25  # the stage default
     job = ex.prepare({"prompt": "x", "delay_ms": 5, "stream": True, "max_tokens": "ignored"}, {})
     assert (job.delay_s, job.stream, job.text) == (0.005, True, "x")
@@ -109,7 +112,7 @@ def test_echo_request_params_override_the_stage_default_within_bounds() -> None:
     ({"stream": "yes"}, "params.stream must be a valid boolean"),
 ])
 def test_executor_refusals_name_the_param(params: dict[str, Any], message: str) -> None:
-    ex = create_executor("echo", None, {}, None)
+    ex = create_executor(_echo({}), None)
     with pytest.raises(BadRequest) as info:
         ex.prepare({"prompt": "x", **params}, {})
     assert str(info.value).startswith(message), info.value

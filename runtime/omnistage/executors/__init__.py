@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from omnistage.executors.base import BadRequest, Executor, Outcome
-from omnistage.spec import EngineOptions
+from omnistage.spec import Stage
 
 __all__ = ["BadRequest", "Executor", "Outcome", "create_executor"]
 
 
-def create_executor(kind: str, model: str | None, engine: EngineOptions | Mapping[str, Any],
-                    device: Any) -> Executor:
-    """The executor for a stage kind; imports the heavy libraries only for the kind in use.
+def create_executor(stage: Stage, device: Any) -> Executor:
+    """The executor for a stage's kind; imports the heavy libraries only for the kind in use.
 
-    `engine` is the stage's EngineOptions; a mapping (the camelCase JSON a worker gets on its
-    command line) is validated into one here, so executors only ever see typed options.
+    The stage is already validated, so executors only ever see typed engine options.
     """
-    options = engine if isinstance(engine, EngineOptions) else EngineOptions.model_validate(engine)
+    kind, model, options = stage.kind, stage.model, stage.engine
     if kind == "echo":
         from omnistage.executors.echo import EchoExecutor
 

@@ -15,7 +15,6 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
-from omnistage.orchestrator.engine import CONTROL_OPS
 from omnistage.orchestrator.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -30,6 +29,7 @@ from omnistage.orchestrator.schemas import (
     ModelCard,
     ModelList,
 )
+from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
 
 __all__ = ["ROUTES", "Route", "openapi_document"]
 

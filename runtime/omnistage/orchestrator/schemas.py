@@ -33,9 +33,9 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict  # pydantic wants this one before Python 3.12
 
 from omnistage.orchestrator import requests as rq
-from omnistage.orchestrator.engine import CONTROL_OPS
 from omnistage.orchestrator.errors import ERROR_TYPES
 from omnistage.params import engine_type, per_request
+from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
 from omnistage.spec import STAGE_KINDS, EngineOptions
 
 __all__ = [

@@ -150,10 +150,7 @@ class StageWorker:
 
                 configure_threads()
                 device = select_device(self.cfg.device)
-            stage = self.cfg.stage
-            # MERGE(lead): pass stage.engine itself once executors take EngineOptions.
-            engine = stage.engine.model_dump(by_alias=True, mode="json")
-            self.executor = create_executor(stage.kind, stage.model, engine, device)
+            self.executor = create_executor(self.cfg.stage, device)
         self.executor.load()
         self.executor.warmup()
 
