@@ -48,6 +48,7 @@ from pathlib import Path
 
 import yaml
 
+from omnistage.kube import condition_status
 from omnistage.kubeapi import ApiError, Listed, Obj, resource_path
 from tests.harness.kubeclient import Kube
 
@@ -674,8 +675,7 @@ class PodWorker(threading.Thread):
         with self.lock:
             pod = self.pod
         gates = [g["conditionType"] for g in pod["spec"].get("readinessGates", [])]
-        current = {c["type"]: c for c in pod.get("status", {}).get("conditions", [])}
-        missing = [g for g in gates if current.get(g, {}).get("status") != "True"]
+        missing = [g for g in gates if condition_status(pod, g) != "True"]
         inits_done = all(
             c.terminated is not None and c.terminated.get("exitCode") == 0 for c in self.inits
         )
