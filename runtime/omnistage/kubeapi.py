@@ -385,6 +385,7 @@ class KubeApi:
                 payload = text
             if resp.status >= 300:
                 if resp.status in ignore:
+                    log.debug("%s %s: HTTP %d, ignored", method, url_path, resp.status)
                     return None
                 raise ApiError(resp.status, payload, method, url_path)
             return payload
