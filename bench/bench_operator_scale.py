@@ -48,6 +48,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "runtime"))  # the tree under test, like the operator it starts
+
+from omnistage.kube import condition, condition_status  # noqa: E402
+from omnistage.kubeapi import ApiError, SyncKubeApi, path, resource_path  # noqa: E402
+
 HACK = REPO / "hack"
 GROUP, VERSION, PLURAL = "omnistage.io", "v1alpha1", "omnipipelines"
 STAGES = ("a", "b", "c")
@@ -81,7 +86,7 @@ LATENCY_KEYS = (
     "PATCH stagepools/status",
     "GET poddisruptionbudgets",
 )
-WRITE_LINE = re.compile(r"omnistage\.operator\.writes: (?P<verb>[A-Z]+) (?P<path>/\S+)")
+WRITE_LINE = re.compile(r"omnistage\.kubeapi\.writes: (?P<verb>[A-Z]+) (?P<path>/\S+)")
 ERROR_RE = re.compile(r"Traceback|\bERROR\b|\bWARNING\b|failed|Error", re.IGNORECASE)
 
 Obj = dict[str, Any]
@@ -163,15 +168,8 @@ def tree_state() -> str:
     return f"{head or 'unknown'}{'+dirty' if dirty else ''}"
 
 
-def _cond(obj: Obj, ctype: str) -> Obj | None:
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c.get("type") == ctype:
-            return c
-    return None
-
-
 def pipeline_ready(obj: Obj) -> bool:
-    c = _cond(obj, "Ready")
+    c = condition(obj, "Ready")
     gen = obj["metadata"].get("generation")
     return bool(
         c
@@ -185,10 +183,7 @@ def pod_ready(pod: Obj) -> bool:
     return (
         st.get("phase") == "Running"
         and not pod["metadata"].get("deletionTimestamp")
-        and any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in st.get("conditions") or []
-        )
+        and condition_status(pod, "Ready") == "True"
     )
 
 
@@ -204,9 +199,7 @@ class Bench:
         self.op_log = self.work / "operator.log"
         self.metrics_port = free_port()
         self.ns = args.namespace
-        self.api: Any = None
-        self.core: Any = None
-        self.api_client: Any = None
+        self.kube: SyncKubeApi | None = None
         self.torn_down = False
 
     # ---- setup ---------------------------------------------------------------------------
@@ -286,17 +279,21 @@ class Bench:
         self.cluster_dir = None
 
     def connect(self) -> None:
-        from kubernetes import client, config
+        kube = SyncKubeApi.load(self.kubeconfig, pool_size=16, user_agent="omnistage-bench")
+        server = kube.config.server
+        if not re.match(r"https?://(127\.\d+\.\d+\.\d+|localhost)(:\d+)?$", server):
+            kube.close()
+            raise BenchError(f"refusing a non-loopback API server: {server}")
+        self.kube = kube
 
-        cfg = client.Configuration()
-        config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
-        if not re.match(r"https?://(127\.\d+\.\d+\.\d+|localhost)(:\d+)?$", cfg.host):
-            raise BenchError(f"refusing a non-loopback API server: {cfg.host}")
-        cfg.connection_pool_maxsize = 16
-        api_client = client.ApiClient(cfg)
-        self.api_client = api_client
-        self.api = client.CustomObjectsApi(api_client)
-        self.core = client.CoreV1Api(api_client)
+    @property
+    def k(self) -> SyncKubeApi:
+        if self.kube is None:
+            raise BenchError("not connected")
+        return self.kube
+
+    def pipelines_path(self, plural: str = PLURAL) -> str:
+        return resource_path(f"{GROUP}/{VERSION}", plural, self.ns)
 
     def kctl(self, *args: str, timeout: float = 120) -> str:
         proc = subprocess.run(
@@ -311,13 +308,9 @@ class Bench:
         return proc.stdout
 
     def check_capacity(self) -> None:
-        nodes = self.core.list_node(label_selector="omnistage.io/node-pool=kwok-scale").items
-        ready = [
-            n
-            for n in nodes
-            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
-        ]
-        slots = sum(int(n.status.allocatable.get("pods", "0")) for n in ready)
+        nodes = self.k.list(path("Node"), labelSelector="omnistage.io/node-pool=kwok-scale")
+        ready = [n for n in nodes if condition_status(n, "Ready") == "True"]
+        slots = sum(int(n["status"]["allocatable"].get("pods", "0")) for n in ready)
         want = self.args.pipelines * (len(STAGES) * self.args.replicas + 1)
         log(f"{len(ready)} ready kwok scale nodes, {slots} pod slots for {want} pods")
         if slots < want:
@@ -339,25 +332,18 @@ class Bench:
         for plural in (PLURAL, "stagepools"):
             while True:
                 try:
-                    self.api.list_cluster_custom_object(GROUP, VERSION, plural, limit=1)
+                    self.k.get(resource_path(f"{GROUP}/{VERSION}", plural), limit=1)
                     break
-                except Exception:
+                except ApiError:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
 
     def make_namespace(self) -> None:
-        from kubernetes.client.rest import ApiException
-
-        try:
-            self.core.read_namespace(self.ns)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            self.core.create_namespace({"metadata": {"name": self.ns}})
+        if self.k.get(path("Namespace", name=self.ns), ignore=(404,)) is None:
+            self.k.create(path("Namespace"), {"metadata": {"name": self.ns}})
             return
-        existing = self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
-        if existing["items"]:
+        if self.k.list(self.pipelines_path()):
             raise BenchError(f"namespace {self.ns} already holds OmniPipelines; use --namespace")
 
     def start_operator(self) -> None:
@@ -432,14 +418,10 @@ class Bench:
     def apiserver_metrics(self) -> tuple[dict[str, int], dict[str, tuple[float, int]]]:
         """From the API server's own /metrics: GETs served for the operator's resources, by
         resource; and (latency sum, count) by "VERB resource[/sub]" for every request."""
-        # Client-certificate auth lives in the connection pool, so no auth headers are needed.
-        resp = self.api_client.call_api(
-            "GET", self.api_client.configuration.host + "/metrics", _request_timeout=20
-        )
-        resp.read()
+        text = self.k.request("GET", "/metrics", raw=True, timeout=20)
         gets: dict[str, int] = {}
         lat: dict[str, list[float]] = {}
-        for line in resp.data.decode().splitlines():
+        for line in text.splitlines():
             m = APISERVER_METRIC.match(line)
             if not m:
                 continue
@@ -482,9 +464,7 @@ class Bench:
         names = [f"scale-{i:03d}" for i in range(self.args.pipelines)]
 
         def create(name: str) -> None:
-            self.api.create_namespaced_custom_object(
-                GROUP, VERSION, self.ns, PLURAL, pipeline_doc(name, self.args.replicas)
-            )
+            self.k.create(self.pipelines_path(), pipeline_doc(name, self.args.replicas))
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(create, names))
@@ -493,15 +473,13 @@ class Bench:
     def observe(self, pods: bool = True) -> tuple[int, int, int, int]:
         """(ready pipelines, ready stage pods, stage pods, ready orchestrator pods); the pod
         figures are -1 when pods=False (listing 650 pods is the expensive part of polling)."""
-        pipes = self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
+        pipes = self.k.list(self.pipelines_path())
         ready_pipes = sum(1 for p in pipes if pipeline_ready(p))
         if not pods:
             return ready_pipes, -1, -1, -1
         # Served from the API server's watch cache (resourceVersion=0).
-        resp = self.core.list_namespaced_pod(
-            self.ns, label_selector=LABEL_COMPONENT, resource_version="0", _preload_content=False
-        )
-        items = json.loads(resp.data)["items"]
+        items = self.k.list(path("Pod", self.ns), labelSelector=LABEL_COMPONENT,
+                            resourceVersion="0")
         stage = [p for p in items if p["metadata"]["labels"].get(LABEL_COMPONENT) == "stage"]
         orch = [p for p in items if p["metadata"]["labels"].get(LABEL_COMPONENT) == "orchestrator"]
         return (
@@ -634,10 +612,8 @@ class Bench:
         """Ready condition lastTransitionTime of every pipeline and pool (flap detection)."""
         out = {}
         for plural in (PLURAL, "stagepools"):
-            for obj in self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, plural)[
-                "items"
-            ]:
-                c = _cond(obj, "Ready") or {}
+            for obj in self.k.list(self.pipelines_path(plural)):
+                c = condition(obj, "Ready") or {}
                 out[f"{plural}/{obj['metadata']['name']}"] = f"{c.get('status')}@" + str(
                     c.get("lastTransitionTime")
                 )
@@ -677,23 +653,14 @@ class Bench:
         w0 = self.counters()[0]
         log(f"teardown: deleting {self.args.pipelines} pipelines")
         t0 = time.monotonic()
-        self.api.delete_collection_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
+        self.k.delete(self.pipelines_path())
         deadline = t0 + self.args.teardown_timeout
         last_print = 0.0
         while True:
-            pipes = len(
-                self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
-            )
-            pools = len(
-                self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, "stagepools")[
-                    "items"
-                ]
-            )
-            pods = len(
-                self.core.list_namespaced_pod(
-                    self.ns, label_selector=LABEL_COMPONENT, resource_version="0"
-                ).items
-            )
+            pipes = len(self.k.list(self.pipelines_path()))
+            pools = len(self.k.list(self.pipelines_path("stagepools")))
+            pods = len(self.k.list(path("Pod", self.ns), labelSelector=LABEL_COMPONENT,
+                                   resourceVersion="0"))
             now = time.monotonic()
             if pipes == pools == pods == 0:
                 break
@@ -724,17 +691,16 @@ class Bench:
 
     def delete_pipelines(self) -> None:
         """On a reused cluster: delete what we made while the operator still runs (finalizers)."""
-        if self.api is None:
+        if self.kube is None:
             return
         try:
-            self.api.delete_collection_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
+            self.k.delete(self.pipelines_path())
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
-                left = self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)
-                if not left["items"]:
+                if not self.k.list(self.pipelines_path()):
                     break
                 time.sleep(2)
-            self.core.delete_namespace(self.ns)
+            self.k.delete(path("Namespace", name=self.ns))
         except Exception as exc:  # cleanup is best effort; say what is left
             log(f"cleanup of namespace {self.ns} incomplete: {exc}")
 
@@ -844,6 +810,8 @@ class Bench:
         if self.cluster_dir is None and not self.args.keep and not self.torn_down:
             self.delete_pipelines()
         self.stop_operator()
+        if self.kube is not None:
+            self.kube.close()
         self.stop_cluster()
 
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_operator import builders, drain
-from omni_operator.kubeapi import ApiError, KubeApi, path
 from omni_operator.placement import unschedulable_message
-from omni_operator.readiness import gate_patch, is_draining
+from omni_operator.readiness import gate_patch, is_draining, is_ready
 from omni_operator.status import pipeline_status, pool_status
 from omnistage import kube
+from omnistage.kubeapi import RESOURCES, ApiError, KubeApi, Resource, path
 from omnistage.spec import OmniPipeline, SpecError, parse_pipeline
 
 log = logging.getLogger("omnistage.operator")
@@ -37,32 +37,25 @@ class Watched:
     """A kind the operator keeps a view of: kopf watches it, prime() lists it."""
 
     kind: str
-    group: str
-    version: str
-    plural: str
     managed_only: bool  # only objects carrying our managed-by label
 
     @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-    @property
-    def collection(self) -> str:
-        prefix = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        return f"{prefix}/{self.plural}"
+    def resource(self) -> Resource:
+        """Where it lives in the REST API (group, version, plural): the client's table."""
+        return RESOURCES[self.kind]
 
 
 WATCHED = (
-    Watched("OmniPipeline", "omnistage.io", "v1alpha1", "omnipipelines", False),
-    Watched("StagePool", "omnistage.io", "v1alpha1", "stagepools", False),
-    Watched("Deployment", "apps", "v1", "deployments", True),
-    Watched("Pod", "", "v1", "pods", True),
-    Watched("ConfigMap", "", "v1", "configmaps", True),
-    Watched("ServiceAccount", "", "v1", "serviceaccounts", True),
-    Watched("Service", "", "v1", "services", True),
-    Watched("Role", "rbac.authorization.k8s.io", "v1", "roles", True),
-    Watched("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings", True),
-    Watched("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets", True),
+    Watched("OmniPipeline", False),
+    Watched("StagePool", False),
+    Watched("Deployment", True),
+    Watched("Pod", True),
+    Watched("ConfigMap", True),
+    Watched("ServiceAccount", True),
+    Watched("Service", True),
+    Watched("Role", True),
+    Watched("RoleBinding", True),
+    Watched("PodDisruptionBudget", True),
 )
 # Owned children kept only as a view to diff against (the rest have reconcilers of their own).
 CHILD_KINDS = tuple(
@@ -217,14 +210,10 @@ class Controller:
         """
         managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
         for w in WATCHED:
-            head, plural = w.collection.rsplit("/", 1)
-            paths = [w.collection] if not namespaces else [
-                f"{head}/namespaces/{ns}/{plural}" for ns in namespaces
-            ]
-            for url in paths:
+            for url in [w.resource.path(ns) for ns in namespaces or [None]]:
                 for item in await self._list_patiently(url, managed if w.managed_only else None):
                     item.setdefault("kind", w.kind)
-                    item.setdefault("apiVersion", w.api_version)
+                    item.setdefault("apiVersion", w.resource.api_version)
                     self.observe(w.kind, None, item)
 
     async def _list_patiently(self, url: str, selector: str | None,
@@ -233,7 +222,7 @@ class Controller:
         end = time.monotonic() + timeout
         while True:
             try:
-                return await self.api.list(url, selector)
+                return await self.api.list(url, labelSelector=selector)
             except ApiError as exc:
                 if exc.status not in (404, 429, 500, 503) or time.monotonic() > end:
                     raise
@@ -325,7 +314,7 @@ class Controller:
             "count": 1,
         }
         try:
-            await self.api.create(body)
+            await self.api.create(path("Event", meta["namespace"]), body, ignore=(409,))
         except ApiError as exc:
             log.warning("event %s on %s not recorded: %s", reason, meta["name"], exc)
 
@@ -339,7 +328,8 @@ class Controller:
     ) -> None:
         """Create if missing, patch only the managed fields that differ, else do nothing."""
         if current is None:
-            created = await self.api.create(desired)
+            created = await self.api.create(
+                path(desired["kind"], desired["metadata"]["namespace"]), desired, ignore=(409,))
             if created is not None and on_create is not None:
                 await on_create()
             return
@@ -350,13 +340,14 @@ class Controller:
         }
         if not subset(managed, current):
             ns, name = meta["namespace"], meta["name"]
-            await self.api.patch(path(desired["kind"], ns, name), managed)
+            await self.api.patch(path(desired["kind"], ns, name), managed, ignore=(404,))
 
     async def patch_status(self, obj: Obj, status: Obj) -> None:
         if subset(status, obj.get("status") or {}) and subset(obj.get("status") or {}, status):
             return
         ns, name = _meta_key(obj)
-        await self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status})
+        await self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status},
+                             ignore=(404,))
 
     # ---- OmniPipeline ----------------------------------------------------------------------
 
@@ -377,6 +368,7 @@ class Controller:
             await self.api.patch(
                 path("OmniPipeline", ns, name),
                 {"metadata": {"finalizers": [*finalizers, FINALIZER]}},
+                ignore=(404,),
             )
         for child in builders.pipeline_children(obj, pipeline):
             await self._ensure_child(obj, child)
@@ -440,7 +432,7 @@ class Controller:
         wanted = {kube.pool_name(name, s.name) for s in pipeline.spec.stages}
         for (pns, pname), pool in list(self.pools.items()):
             if pns == ns and pool["spec"].get("pipeline") == name and pname not in wanted:
-                await self.api.delete(path("StagePool", ns, pname))
+                await self.api.delete(path("StagePool", ns, pname), ignore=(404, 409))
 
     async def shutdown_pipeline(self, obj: Obj) -> None:
         """Ordered shutdown: orchestrator drains first, then the stage pools, then release."""
@@ -452,7 +444,8 @@ class Controller:
         oname = builders.orchestrator_name(name)
         dep = self.deployments.get((ns, oname))
         if dep is not None and dep["spec"].get("replicas", 0) != 0:
-            await self.api.patch(path("Deployment", ns, oname), {"spec": {"replicas": 0}})
+            await self.api.patch(path("Deployment", ns, oname), {"spec": {"replicas": 0}},
+                                 ignore=(404,))
         if self.pods.get((ns, oname)):
             self.enqueue_later(key, 1.0)
             return
@@ -464,14 +457,16 @@ class Controller:
         for pns, pn in pools:
             if not self.pools[(pns, pn)]["metadata"].get("deletionTimestamp"):
                 await self.api.delete(
-                    path("StagePool", pns, pn), {"propagationPolicy": "Foreground"}
+                    path("StagePool", pns, pn), {"propagationPolicy": "Foreground"},
+                    ignore=(404, 409),
                 )
         if pools or any(self.pods.get((ns, pn)) for _, pn in pools):
             self.enqueue_later(key, 1.0)
             return
         remaining = [f for f in finalizers if f != FINALIZER]
         await self.api.patch(
-            path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}}
+            path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}},
+            ignore=(404,),
         )
         log.info("pipeline %s/%s shut down in order", ns, name)
 
@@ -499,7 +494,8 @@ class Controller:
             patch = gate_patch(pod, now)
             if patch is not None:
                 await self.api.patch(
-                    path("Pod", ns, pod["metadata"]["name"], "status"), patch, kind="strategic"
+                    path("Pod", ns, pod["metadata"]["name"], "status"), patch, kind="strategic",
+                    ignore=(404,),
                 )
             msg = unschedulable_message(pod)
             uid = pod["metadata"].get("uid", "")
@@ -520,7 +516,8 @@ class Controller:
         for pod in retiring:
             if await drain.finished(pod, pool):
                 self._retired.add(pod["metadata"].get("uid", ""))
-                await self.api.delete(path("Pod", ns, pod["metadata"]["name"]))
+                await self.api.delete(path("Pod", ns, pod["metadata"]["name"]),
+                                      ignore=(404, 409))
             else:
                 self.enqueue_later(key, drain.POLL_SECONDS)
 
@@ -541,7 +538,8 @@ class Controller:
         for ordinal in range(desired):
             if ordinal not in by_ordinal:
                 pod = builders.pool_pod(pool, ordinal)
-                if await self.api.create(pod) is not None:
+                ns = pod["metadata"]["namespace"]
+                if await self.api.create(path("Pod", ns), pod, ignore=(409,)) is not None:
                     created.append(pod["metadata"]["name"])
         if created:
             self._spawn(self.event(pool, "Normal", "ReplicasCreated",
@@ -573,13 +571,7 @@ class Controller:
             reverse=True,
         )
         all_ready = len(live) == desired and all(
-            (p.get("status") or {}).get("phase") == "Running"
-            and not is_draining(p)
-            and any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in (p.get("status") or {}).get("conditions", []) or []
-            )
-            for p in live
+            (p.get("status") or {}).get("phase") == "Running" and is_ready(p) for p in live
         )
         if stale and all_ready:
             victim = by_ordinal[stale[0]]

@@ -16,6 +16,7 @@ import urllib.request
 from typing import Any
 
 from omnistage import kube
+from omnistage.kubeapi import KubeApi, path
 from omnistage.spec import Stage
 
 Obj = dict[str, Any]
@@ -27,16 +28,14 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-async def begin(api: Any, pod: Obj) -> None:
-    from omni_operator.kubeapi import path
-
+async def begin(api: KubeApi, pod: Obj) -> None:
     meta = pod["metadata"]
     await api.patch(path("Pod", meta["namespace"], meta["name"]), {
         "metadata": {"annotations": {
             kube.ANNOTATION_DRAINING: "true",
             ANNOTATION_DRAINING_SINCE: _now().strftime("%Y-%m-%dT%H:%M:%SZ"),
         }}
-    })
+    }, ignore=(404,))
 
 
 def _inflight(url: str) -> int | None:

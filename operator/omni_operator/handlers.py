@@ -26,5 +26,6 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
 
     for w in WATCHED:
         labels = MANAGED if w.managed_only else None
-        kopf.on.event(w.group, w.version, w.plural, labels=labels, registry=registry)(
+        r = w.resource
+        kopf.on.event(r.group, r.version, r.plural, labels=labels, registry=registry)(
             feed(w.kind))

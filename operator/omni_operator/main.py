@@ -11,7 +11,7 @@ from aiohttp import web
 
 from omni_operator.controller import Controller
 from omni_operator.handlers import register
-from omni_operator.kubeapi import Config, KubeApi
+from omnistage.kubeapi import KubeApi, KubeConfig
 from omnistage.metrics import CONTENT_TYPE, Family, render
 
 log = logging.getLogger("omnistage.operator")
@@ -50,8 +50,9 @@ async def _serve_metrics(controller: Controller, host: str, port: int) -> web.Ap
 
 async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               resync_seconds: float, namespaces: list[str]) -> None:
-    config = Config.load(kubeconfig)
-    controller = Controller(KubeApi(config), resync_seconds=resync_seconds)
+    config = KubeConfig.load(kubeconfig)
+    controller = Controller(KubeApi(config, user_agent="omnistage-operator"),
+                            resync_seconds=resync_seconds)
     registry = kopf.OperatorRegistry()
     register(registry, controller)
 

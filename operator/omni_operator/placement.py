@@ -62,11 +62,7 @@ def pod_scheduling(pipeline: str, stage: Stage) -> dict[str, Any]:
 
 def unschedulable_message(pod: dict[str, Any]) -> str | None:
     """The scheduler's message when it could not place the pod, else None."""
-    for cond in pod.get("status", {}).get("conditions", []) or []:
-        if (
-            cond.get("type") == "PodScheduled"
-            and cond.get("status") == "False"
-            and cond.get("reason") == "Unschedulable"
-        ):
-            return str(cond.get("message") or "pod is unschedulable")
+    cond = kube.condition(pod, "PodScheduled") or {}
+    if cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+        return str(cond.get("message") or "pod is unschedulable")
     return None

@@ -9,15 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from omnistage import kube
+from omnistage.kube import condition_status
 
 Obj = dict[str, Any]
-
-
-def condition_status(pod: Obj, ctype: str) -> str | None:
-    for cond in pod.get("status", {}).get("conditions", []) or []:
-        if cond.get("type") == ctype:
-            return str(cond.get("status"))
-    return None
 
 
 def is_draining(pod: Obj) -> bool:

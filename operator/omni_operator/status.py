@@ -68,13 +68,6 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj
     }
 
 
-def _ready_condition(obj: Obj | None) -> Obj | None:
-    for cond in ((obj or {}).get("status") or {}).get("conditions", []) or []:
-        if cond.get("type") == "Ready":
-            return cond
-    return None
-
-
 def pipeline_status(
     pipeline: Obj, stages: list[str], pools: dict[str, Obj | None], deployment: Obj | None,
     want_orchestrators: int, endpoint: str, now: str,
@@ -89,7 +82,7 @@ def pipeline_status(
         desired = int(((pool or {}).get("spec") or {}).get("replicas", 0))
         per_stage[name] = {"pool": kube.pool_name(pipeline["metadata"]["name"], name),
                            "ready": int(st.get("readyReplicas", 0)), "desired": desired}
-        cond = _ready_condition(pool)
+        cond = kube.condition(pool, "Ready")
         fresh = st.get("observedGeneration") == (pool or {}).get("metadata", {}).get("generation")
         if pool is None or cond is None or not fresh:
             not_ready.append((name, "StagesPending", f"stage {name}: pool not reconciled yet"))

@@ -1,9 +1,13 @@
-"""Names shared by the operator (which writes them) and the orchestrator (which reads them).
+"""Names shared by the operator (which writes them) and the orchestrator (which reads them), and
+the one way to read an object's status conditions.
 
 Kept in the runtime because the operator depends on the runtime, never the reverse.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 LABEL_PIPELINE = "omnistage.io/pipeline"
 LABEL_STAGE = "omnistage.io/stage"
@@ -32,3 +36,18 @@ def replica_name(pool: str, ordinal: int) -> str:
 
 def stage_selector(pipeline: str) -> str:
     return f"{LABEL_PIPELINE}={pipeline},{LABEL_COMPONENT}=stage"
+
+
+def condition(obj: Mapping[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    """The status condition of type ``ctype`` of any object (Pod Ready, a pipeline's Ready,
+    a Node's Ready, a CRD's Established...), or None when it has none."""
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == ctype:
+            return dict(cond)
+    return None
+
+
+def condition_status(obj: Mapping[str, Any] | None, ctype: str) -> str | None:
+    """"True", "False" or "Unknown" for condition ``ctype``; None when it is absent."""
+    cond = condition(obj, ctype)
+    return None if cond is None else str(cond.get("status"))

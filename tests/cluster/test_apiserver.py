@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from omnistage.kube import condition_status
+from omnistage.kubeapi import ApiError, resource_path
 from tests.harness.cluster import Cluster
-from tests.harness.kubeclient import ApiError, resource_path, wait_until
+from tests.harness.kubeclient import wait_until
 
 
 def test_readyz_and_pinned_version(kube: Cluster) -> None:
@@ -71,11 +73,8 @@ def test_crd_cel_rule_rejects_bad_object(kube: Cluster, namespace: str) -> None:
     kube.kube.create(crd_path, _crd(group))
     try:
         wait_until(
-            lambda: any(
-                c["type"] == "Established" and c["status"] == "True"
-                for c in kube.kube.get(f"{crd_path}/widgets.{group}")["status"].get("conditions")
-                or []
-            ),
+            lambda: condition_status(kube.kube.get(f"{crd_path}/widgets.{group}"),
+                                     "Established") == "True",
             30,
             "CRD Established",
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -19,19 +20,21 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 
 from omnistage import kube as names
-from omnistage.orchestrator.k8s_membership import KubernetesMembership, load_core_api
+from omnistage.kubeapi import ApiError, KubeApi, KubeConfig, resource_path
+from omnistage.orchestrator.k8s_membership import KubernetesMembership
 from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.procs import spawn_worker
 from omnistage.spec import Stage
 from tests.harness.cluster import Cluster
-from tests.harness.kubeclient import ApiError, Kube, resource_path, wait_until
+from tests.harness.kubeclient import Kube, wait_until
 from tests.harness.local import free_port
 
 PIPELINE = "mp"
@@ -105,23 +108,23 @@ class Recorder:
 
 
 @pytest.fixture
-def core_api(kube: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+async def api(kube: Cluster, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeApi]:
     """The client the orchestrator would build from $KUBECONFIG (the test cluster's)."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
-    api = load_core_api()
-    yield api
-    api.api_client.close()
+    client = KubeApi(KubeConfig.load())
+    yield client
+    await client.close()
 
 
 async def test_membership_follows_pod_lifecycle(
-    kube: Cluster, namespace: str, core_api: Any
+    kube: Cluster, namespace: str, api: KubeApi
 ) -> None:
     k, ns = kube.kube, namespace
     pods_path = resource_path("v1", "pods", ns)
     created = ["mp-a-0", "mp-a-1", "mp-b-0", "other-a-0"]
     rec = Recorder()
-    m = KubernetesMembership(ns, PIPELINE, zmq_port=PORT, api=core_api, backoff=(0.1, 1.0))
+    m = KubernetesMembership(ns, PIPELINE, zmq_port=PORT, api=api, backoff=(0.1, 1.0))
     try:
         # Known before start: start() must report it before returning.
         k.create(pods_path, _pod("mp-b-0", "b"))
@@ -164,9 +167,11 @@ async def test_membership_follows_pod_lifecycle(
         await asyncio.sleep(0.3)
         assert sorted(m.replicas, key=lambda i: i.name) == before
         assert len(rec.seen) == count
+        # A relist does not count as a write, nor does anything else membership does.
+        assert api.writes == 0
         # An independent watcher's initial list agrees.
         fresh = Recorder()
-        other = KubernetesMembership(ns, PIPELINE, zmq_port=PORT, api=core_api)
+        other = KubernetesMembership(ns, PIPELINE, zmq_port=PORT, api=api)
         await other.start(fresh)
         await other.stop()
         assert sorted(fresh.seen, key=lambda i: i.name) == before
@@ -182,6 +187,110 @@ async def test_membership_follows_pod_lifecycle(
         for name in created:  # bound to a missing node: only a forced delete removes them
             _force_delete(k, ns, name)
 
+
+
+class CuttableProxy:
+    """A loopback TCP proxy to the API server that can drop every connection and refuse new
+    ones: what a restarted API server or a broken network looks like to a client. TLS passes
+    through untouched."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.down = False
+        self.accepted = 0
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        if self.down:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+    def cut(self) -> None:
+        self.down = True
+        for w in list(self._writers):
+            w.close()
+
+    def restore(self) -> None:
+        self.down = False
+
+    async def close(self) -> None:
+        """Stop accepting, drop every connection and let the handlers finish."""
+        if self._server is not None:
+            self._server.close()
+        self.cut()
+        if self._handlers:
+            await asyncio.wait(self._handlers, timeout=5)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+async def test_membership_loses_no_update_while_the_api_server_is_unreachable(
+    kube: Cluster, namespace: str, api: KubeApi
+) -> None:
+    """Every connection drops and new ones are refused (as while the API server restarts);
+    meanwhile a replica appears, one is deleted and one drains. Once the server is reachable
+    again the watch resumes from its last resourceVersion and reports all three."""
+    k, ns = kube.kube, namespace
+    pods_path = resource_path("v1", "pods", ns)
+    target = urlparse(api.config.server)
+    proxy = CuttableProxy(target.hostname or "127.0.0.1", target.port or 443)
+    port = await proxy.start()
+    via_proxy = KubeApi(dataclasses.replace(api.config, server=f"https://127.0.0.1:{port}"))
+    rec = Recorder()
+    m = KubernetesMembership(ns, PIPELINE, zmq_port=PORT, api=via_proxy, backoff=(0.1, 0.5))
+    created = ["mp-a-0", "mp-a-1", "mp-a-2"]
+    try:
+        for name, ip in (("mp-a-0", "127.0.30.1"), ("mp-a-2", "127.0.30.3")):
+            k.create(pods_path, _pod(name, "a"))
+            _set_status(k, ns, name, ip, ready=True)
+        await m.start(rec)
+        assert sorted((i.name, i.state) for i in rec.seen) == [
+            ("mp-a-0", "ready"), ("mp-a-2", "ready")]
+        await asyncio.sleep(0.3)  # the watch is established
+        proxy.cut()
+        k.create(pods_path, _pod("mp-a-1", "a"))
+        _set_status(k, ns, "mp-a-1", "127.0.30.2", ready=True)
+        _force_delete(k, ns, "mp-a-0")
+        k.patch(resource_path("v1", "pods", ns, "mp-a-2"),
+                {"metadata": {"annotations": {names.ANNOTATION_DRAINING: "true"}}})
+        accepted = proxy.accepted
+        await asyncio.sleep(1.0)
+        assert proxy.accepted > accepted, "the client retried while the server was unreachable"
+        assert len(rec.seen) == 2, "nothing can be learned while the server is unreachable"
+        proxy.restore()
+        await rec.wait(
+            lambda: rec.of("mp-a-1") == ["ready"] and rec.of("mp-a-0")[-1:] == ["gone"]
+            and rec.of("mp-a-2") == ["ready", "draining"],
+            "the changes made while unreachable", timeout=15)
+        assert m.relists == 1, "the watch resumed from its resourceVersion, without a relist"
+    finally:
+        await m.stop()
+        await via_proxy.close()
+        await proxy.close()
+        for name in created:
+            _force_delete(k, ns, name)
 
 
 def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:

@@ -12,7 +12,6 @@ from tests.harness.cluster import Cluster, pods
 from tests.harness.operator import (
     Operator,
     apply,
-    condition,
     get,
     pipeline_doc,
     wait_for,
@@ -55,7 +54,7 @@ def stage_pods(cluster: Cluster, ns: str, pipeline: str) -> list[dict[str, Any]]
 
 def ready(cluster: Cluster, ns: str, name: str) -> dict[str, Any] | None:
     obj = get(cluster, ns, "omnipipe", name)
-    cond = condition(obj, "Ready")
+    cond = k.condition(obj, "Ready")
     if (
         cond
         and cond["status"] == "True"
@@ -97,7 +96,7 @@ def test_apply_creates_pools_pods_orchestrator_and_reaches_ready(
     assert obj["status"]["phase"] == "Ready"
     assert obj["status"]["endpoint"] == f"http://t2i-orchestrator.{namespace}.svc:8000"
     for ctype in ("Ready", "StagesReady", "OrchestratorReady"):
-        cond = condition(obj, ctype)
+        cond = k.condition(obj, ctype)
         assert cond["status"] == "True"
         assert cond["observedGeneration"] == obj["metadata"]["generation"]
         assert cond["reason"] and cond["lastTransitionTime"]
@@ -157,7 +156,7 @@ def test_gpu_request_beyond_any_node_is_insufficient_capacity(
     apply(kube, namespace, kwok_pipeline("big", [stage("a", final=True, replicas=1, gpus=9)]))
 
     def capacity() -> dict[str, Any] | None:
-        cond = condition(get(kube, namespace, "omnipipe", "big"), "Ready")
+        cond = k.condition(get(kube, namespace, "omnipipe", "big"), "Ready")
         return cond if cond and cond["reason"] == "InsufficientCapacity" else None
 
     cond = wait_for(capacity, 60, "InsufficientCapacity", operator.log_tail)
@@ -300,10 +299,7 @@ def test_spec_update_rolls_replicas_one_at_a_time(
             for p in current
             if not p["metadata"].get("deletionTimestamp")
             and (p["metadata"].get("annotations") or {}).get(k.ANNOTATION_DRAINING) != "true"
-            and any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in p.get("status", {}).get("conditions", [])
-            )
+            and k.condition_status(p, "Ready") == "True"
         )
         worst = max(worst, unavailable)
         hashes = {p["metadata"]["annotations"][k.ANNOTATION_SPEC_HASH] for p in current}

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.cluster import PY_IMAGE, Cluster, PodRunner, condition, pods
-from tests.harness.kubeclient import Obj, resource_path, wait_until
+from omnistage.kube import condition, condition_status
+from omnistage.kubeapi import Obj, resource_path
+from tests.harness.cluster import PY_IMAGE, Cluster, PodRunner, pods
+from tests.harness.kubeclient import wait_until
 from tests.harness.local import alive
 
 # A pod-side HTTP server that drains gracefully on SIGTERM and leaves a marker proving it did.
@@ -78,7 +80,7 @@ def ready_pods(kube: Cluster, ns: str, selector: str) -> list[Obj]:
     return [
         p
         for p in pods(kube.kube, ns, selector)
-        if condition(p, "Ready") == "True" and not p["metadata"].get("deletionTimestamp")
+        if condition_status(p, "Ready") == "True" and not p["metadata"].get("deletionTimestamp")
     ]
 
 
@@ -111,7 +113,9 @@ def test_http_server_pod_answers_on_pod_ip_and_becomes_ready(
     path = resource_path("v1", "pods", namespace)
     kube.kube.create(path, pod)
     got = wait_until(
-        lambda: (p := kube.kube.get(f"{path}/web")) and condition(p, "Ready") == "True" and p,
+        lambda: (p := kube.kube.get(f"{path}/web"))
+        and condition_status(p, "Ready") == "True"
+        and p,
         60,
         "web pod Ready",
         on_timeout=lambda: podrunner.log_tail(namespace, "web"),
@@ -160,16 +164,20 @@ def test_readiness_gate_holds_ready_until_condition_true(
     path = resource_path("v1", "pods", namespace)
     kube.kube.create(path, pod)
     wait_until(
-        lambda: condition(kube.kube.get(f"{path}/gated"), "ContainersReady") == "True",
+        lambda: condition_status(kube.kube.get(f"{path}/gated"), "ContainersReady") == "True",
         60,
         "containers ready",
         on_timeout=lambda: podrunner.log_tail(namespace, "gated"),
     )
     time.sleep(2)  # several probe periods: the gate alone must keep the pod unready
     got = kube.kube.get(f"{path}/gated")
-    assert condition(got, "Ready") == "False"
-    ready = next(c for c in got["status"]["conditions"] if c["type"] == "Ready")
+    assert condition_status(got, "Ready") == "False"
+    ready = condition(got, "Ready")
+    assert ready is not None
     assert ready.get("reason") == "ReadinessGatesNotReady"
+
+    def gated_ready() -> str | None:
+        return condition_status(kube.kube.get(f"{path}/gated"), "Ready")
 
     def set_gate(value: str) -> None:
         cond = {"type": gate, "status": value, "reason": "Test", "lastTransitionTime": None}
@@ -178,13 +186,13 @@ def test_readiness_gate_holds_ready_until_condition_true(
         )
 
     set_gate("True")
-    wait_until(lambda: condition(kube.kube.get(f"{path}/gated"), "Ready") == "True", 30, "Ready")
+    wait_until(lambda: gated_ready() == "True", 30, "Ready")
     time.sleep(1.5)  # the runner keeps posting status; it must not clobber the gate condition
     got = kube.kube.get(f"{path}/gated")
-    assert condition(got, gate) == "True"
-    assert condition(got, "Ready") == "True"
+    assert condition_status(got, gate) == "True"
+    assert condition_status(got, "Ready") == "True"
     set_gate("False")
-    wait_until(lambda: condition(kube.kube.get(f"{path}/gated"), "Ready") == "False", 30, "unready")
+    wait_until(lambda: gated_ready() == "False", 30, "unready")
 
 
 def test_container_restarts_after_crash(
@@ -377,7 +385,7 @@ def test_init_container_then_completion_then_deletion(
     main = got["status"]["containerStatuses"][0]["state"]["terminated"]
     assert init["exitCode"] == 0 and main["exitCode"] == 0
     assert init["finishedAt"] <= main["startedAt"]
-    assert condition(got, "Ready") == "False"
+    assert condition_status(got, "Ready") == "False"
     assert "done" in podrunner.log_tail(namespace, "job", "main")
     kube.kube.delete(f"{path}/job")
     wait_until(lambda: not pods(kube.kube, namespace), 30, "completed pod removed")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+from omnistage.kubeapi import resource_path
 from tests.harness.cluster import Cluster
-from tests.harness.kubeclient import resource_path, wait_until
+from tests.harness.kubeclient import wait_until
 
 REPLICAS = 500
 

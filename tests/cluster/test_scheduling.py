@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tests.harness.cluster import Cluster, condition, pods
-from tests.harness.kubeclient import Obj, resource_path, wait_until
+from omnistage.kube import condition, condition_status
+from omnistage.kubeapi import Obj, resource_path
+from tests.harness.cluster import Cluster, pods
+from tests.harness.kubeclient import wait_until
 
 GPU_POOL = {"omnistage.io/node-pool": "kwok-gpu"}
 KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
@@ -73,11 +75,13 @@ def test_deployment_fills_gpu_nodes_exactly(kube: Cluster, namespace: str) -> No
 
 
 def _scheduled_condition(pod: Obj) -> Obj:
-    return next(c for c in pod["status"].get("conditions", []) if c["type"] == "PodScheduled")
+    cond = condition(pod, "PodScheduled")
+    assert cond is not None, pod.get("status")
+    return cond
 
 
 def _unschedulable(pod: Obj) -> bool:
-    if condition(pod, "PodScheduled") != "False":
+    if condition_status(pod, "PodScheduled") != "False":
         return False
     return _scheduled_condition(pod).get("reason") == "Unschedulable"
 

@@ -18,7 +18,6 @@ from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.operator import (
     Operator,
     apply,
-    condition,
     get,
     pipeline_doc,
     pod_url,
@@ -43,7 +42,7 @@ def test_kubectl_drain_loses_no_request(
     apply(kube, namespace, doc)
 
     def ready() -> bool:
-        cond = condition(get(kube, namespace, "omnipipe", "chat"), "Ready")
+        cond = k.condition(get(kube, namespace, "omnipipe", "chat"), "Ready")
         return bool(cond and cond["status"] == "True")
 
     wait_for(ready, 600, "chat Ready", operator.log_tail, interval=1)
@@ -95,7 +94,7 @@ def _drain_under_load(kube: Cluster, namespace: str, operator: Operator, client:
             for p in _live(kube, namespace, k.stage_selector("chat")):
                 if p["metadata"]["name"] == victim["metadata"]["name"] and \
                         p["metadata"]["uid"] != victim["metadata"]["uid"] and \
-                        (condition(p, "Ready") or {}).get("status") == "True":
+                        k.condition_status(p, "Ready") == "True":
                     return p
             return None
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
-from tests.harness.operator import Operator, apply, condition, get, pod_url, wait_for
+from tests.harness.operator import Operator, apply, get, pod_url, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text-to-image.yaml"
@@ -28,7 +28,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text-to-image.yaml
 
 def _ready(kube: Cluster, ns: str) -> dict[str, Any] | None:
     obj = get(kube, ns, "omnipipe", "text-to-image")
-    cond = condition(obj, "Ready")
+    cond = k.condition(obj, "Ready")
     return obj if cond and cond["status"] == "True" else None
 
 
@@ -123,8 +123,8 @@ def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Ope
     def back() -> dict[str, Any] | None:
         for p in _pod(kube, namespace, k.stage_selector("text-to-image")):
             if p["metadata"]["name"] == "text-to-image-encoder-1" and \
-                    p["metadata"]["uid"] != old_uid and condition(p, "Ready") and \
-                    condition(p, "Ready")["status"] == "True":
+                    p["metadata"]["uid"] != old_uid and \
+                    k.condition_status(p, "Ready") == "True":
                 return p
         return None
 

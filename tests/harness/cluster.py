@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.harness.kubeclient import ApiError, Kube, Obj, resource_path, wait_until
+from omnistage.kube import condition_status
+from omnistage.kubeapi import ApiError, Obj, resource_path
+from tests.harness.kubeclient import Kube, wait_until
 from tests.harness.podrunner import iter_events, kill_leftovers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -351,7 +353,7 @@ def ready_pool_nodes(kube: Kube) -> list[str]:
     """Ready nodes labelled omnistage.io/node-pool=local (a pod runner's, or kind's workers)."""
     selector = f"omnistage.io/node-pool={LOCAL_POOL}"
     nodes = kube.get(resource_path("v1", "nodes"), labelSelector=selector)["items"]
-    return sorted(n["metadata"]["name"] for n in nodes if condition(n, "Ready") == "True")
+    return sorted(n["metadata"]["name"] for n in nodes if condition_status(n, "Ready") == "True")
 
 
 def schedulable_real_nodes(kube: Kube) -> list[str]:
@@ -368,15 +370,7 @@ def node_ready(kube: Kube, name: str) -> bool:
         if e.status == 404:
             return False
         raise
-    return condition(node, "Ready") == "True"
-
-
-def condition(obj: Obj, ctype: str) -> str | None:
-    """Status of condition ``ctype`` ("True"/"False"/"Unknown") or None when absent."""
-    for c in obj.get("status", {}).get("conditions") or []:
-        if c["type"] == ctype:
-            return str(c["status"])
-    return None
+    return condition_status(node, "Ready") == "True"
 
 
 def pods(kube: Kube, namespace: str, selector: str | None = None) -> list[Obj]:

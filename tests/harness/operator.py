@@ -186,9 +186,3 @@ def get(cluster: Cluster, namespace: str, kind: str, name: str) -> Obj | None:
 
     return json.loads(proc.stdout)
 
-
-def condition(obj: Obj | None, ctype: str) -> Obj | None:
-    for cond in ((obj or {}).get("status") or {}).get("conditions", []) or []:
-        if cond.get("type") == ctype:
-            return cond
-    return None

@@ -48,7 +48,9 @@ from pathlib import Path
 
 import yaml
 
-from tests.harness.kubeclient import ApiError, Kube, Obj, resource_path
+from omnistage.kube import condition_status
+from omnistage.kubeapi import ApiError, Listed, Obj, resource_path
+from tests.harness.kubeclient import Kube
 
 log = logging.getLogger("podrunner")
 
@@ -673,8 +675,7 @@ class PodWorker(threading.Thread):
         with self.lock:
             pod = self.pod
         gates = [g["conditionType"] for g in pod["spec"].get("readinessGates", [])]
-        current = {c["type"]: c for c in pod.get("status", {}).get("conditions", [])}
-        missing = [g for g in gates if current.get(g, {}).get("status") != "True"]
+        missing = [g for g in gates if condition_status(pod, g) != "True"]
         inits_done = all(
             c.terminated is not None and c.terminated.get("exitCode") == 0 for c in self.inits
         )
@@ -942,39 +943,33 @@ class PodRunner:
 
     # ---- pods --------------------------------------------------------------------------------
     def _watch_node(self, node: str) -> None:
-        """List+watch pods bound to ``node`` and hand each to its worker; relist on expiry."""
-        path = resource_path("v1", "pods")
+        """List+watch pods bound to ``node`` and hand each to its worker (the shared client
+        resumes dropped watches and relists after 410 Gone)."""
         selector = f"spec.nodeName={node}"
         while not self.stopping.is_set():
             try:
-                listing = self.kube.get(path, fieldSelector=selector)
-                seen = set()
-                for pod in listing.get("items", []):
-                    seen.add(pod["metadata"]["uid"])
-                    self._on_pod("ADDED", pod)
-                for uid, worker in list(self.workers.items()):
-                    if worker.pod["spec"].get("nodeName") == node and uid not in seen:
-                        worker.mark_gone()
-                rv = listing["metadata"]["resourceVersion"]
-                while not self.stopping.is_set():
-                    for etype, obj in self.kube.watch(
-                        path, self.stopping, rv, fieldSelector=selector
-                    ):
-                        if etype == "ERROR":
-                            raise _Relist(obj.get("message", "watch error"))
-                        rv = obj["metadata"].get("resourceVersion", rv)
-                        if etype != "BOOKMARK":
-                            self._on_pod(etype, obj)
-            except _Relist as e:
-                log.debug("relisting pods on %s: %s", node, e)
-            except (ApiError, OSError, ValueError) as e:
-                if not self.stopping.is_set():
-                    log.warning("pod watch on %s failed: %s; retrying", node, e)
-                    self.stopping.wait(1.0)
-            except Exception as e:  # urllib3 protocol errors and the like: keep the kubelet alive
+                for item in self.kube.list_watch(resource_path("v1", "pods"), self.stopping,
+                                                 timeout_seconds=60, backoff=(1.0, 5.0),
+                                                 fieldSelector=selector):
+                    if isinstance(item, Listed):
+                        self._on_list(node, item.items)
+                    else:
+                        self._on_pod(item.type, item.object)
+            except Exception as e:  # a bug in handling one pod must not stop the kubelet
                 if not self.stopping.is_set():
                     log.warning("pod watch on %s broke: %r; retrying", node, e)
                     self.stopping.wait(1.0)
+
+    def _on_list(self, node: str, items: list[Obj]) -> None:
+        seen = set()
+        for pod in items:
+            seen.add(pod["metadata"]["uid"])
+            self._on_pod("ADDED", pod)
+        with self.lock:
+            workers = list(self.workers.items())
+        for uid, worker in workers:
+            if worker.pod["spec"].get("nodeName") == node and uid not in seen:
+                worker.mark_gone()
 
     def _on_pod(self, etype: str, pod: Obj) -> None:
         uid = pod["metadata"]["uid"]
@@ -1055,10 +1050,6 @@ class PodRunner:
         log.info("podrunner stopped")
 
 
-class _Relist(Exception):
-    """The watch expired (410 Gone) or failed: list again."""
-
-
 def kill_leftovers(state_dir: Path) -> list[int]:
     """Kill pod process groups a dead runner left behind (only groups carrying its marker env)."""
     killed = []
@@ -1111,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(threadName)s: %(message)s",
     )
-    logging.getLogger("urllib3").setLevel(logging.WARNING)
+    logging.getLogger("omnistage.kubeapi.writes").setLevel(logging.WARNING)
     labels = dict(item.split("=", 1) for item in args.label)
     runner = PodRunner(
         Kube.from_kubeconfig(args.kubeconfig),

@@ -1,19 +1,22 @@
 """Kubernetes membership without a cluster: the pod -> replica mapping, the cache diffing, and the
-watcher thread's list/watch/410/stop behaviour against a fake API, plus the CLI glue."""
+watcher task's list/watch/410/stop behaviour against a scripted loopback API server, plus the CLI
+glue."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from omnistage import kube
+from omnistage.kubeapi import ApiError, KubeApi, KubeConfig
 from omnistage.orchestrator.k8s_membership import (
     KubernetesMembership,
     Tracked,
@@ -184,67 +187,82 @@ def test_relist_diffs_against_known() -> None:
     assert known == {}
 
 
-# ---- the watcher thread against a fake API ---------------------------------------------------
+# ---- the watcher task against a fake API server -----------------------------------------------
 
 
-class FakeResp:
-    """A urllib3-like streaming response; `block` keeps it open until shutdown()/close()."""
-
-    def __init__(self, lines: list[dict[str, Any]] | None = None, body: Any = None,
-                 block: bool = False) -> None:
-        self.lines = lines or []
-        self.body = body
-        self.block = block
-        self.closed = threading.Event()
-
-    @property
-    def data(self) -> bytes:
-        return json.dumps(self.body).encode()
-
-    def stream(self, amt: Any = None, decode_content: bool = False) -> Any:
-        for line in self.lines:
-            text = json.dumps(line) + "\n"
-            mid = len(text) // 2  # chunk boundaries fall mid-line
-            yield text[:mid].encode()
-            yield text[mid:].encode()
-        if self.block:
-            self.closed.wait(30)
-            raise ConnectionError("connection shut down")
-
-    def shutdown(self) -> None:
-        self.closed.set()
-
-    def close(self) -> None:
-        self.closed.set()
-
-    def release_conn(self) -> None:
-        pass
-
-
-class FakeApi:
-    """Scripted list and watch answers; an exhausted script watches forever (blocking)."""
+class FakeApiServer:
+    """A loopback HTTP server answering the Pod list and watch calls from a script, so the
+    real client code (HTTP, streaming, 410, backoff) runs. An exhausted watch script keeps the
+    stream open until the client goes away."""
 
     def __init__(self, lists: list[list[dict[str, Any]]],
-                 watches: list[list[dict[str, Any]] | Exception]) -> None:
+                 watches: list[list[dict[str, Any]] | int]) -> None:
         self.lists = lists
         self.watches = watches
-        self.calls: list[dict[str, Any]] = []
-        self.open: list[FakeResp] = []
+        self.calls: list[dict[str, str]] = []
+        self.open_watches = 0
+        self.closed_watches = 0
+        self._runner: web.AppRunner | None = None
 
-    def list_namespaced_pod(self, namespace: str, **kw: Any) -> FakeResp:
-        self.calls.append({"namespace": namespace, **kw})
-        if not kw.get("watch"):
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/api/v1/namespaces/ns/pods", self._pods)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _pods(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append(dict(request.query))
+        if request.query.get("watch") != "true":
+            if not self.lists:
+                return web.json_response({"kind": "Status", "code": 500}, status=500)
             items = self.lists.pop(0)
-            return FakeResp(body={"metadata": {"resourceVersion": str(len(self.calls))},
-                                  "items": items})
-        if self.watches:
-            step = self.watches.pop(0)
-            if isinstance(step, Exception):
-                raise step
-            return FakeResp(lines=step)
-        resp = FakeResp(block=True)
-        self.open.append(resp)
+            rv = str(len(self.calls))
+            return web.json_response({"metadata": {"resourceVersion": rv}, "items": items})
+        step = self.watches.pop(0) if self.watches else None
+        if isinstance(step, int):
+            return web.json_response({"kind": "Status", "code": step, "message": "scripted"},
+                                     status=step)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        if step is None:
+            self.open_watches += 1
+            try:  # blank keep-alive lines (the client skips them) until the client goes away
+                for _ in range(3000):
+                    await resp.write(b"\n")
+                    await asyncio.sleep(0.01)
+            except (ConnectionError, RuntimeError):
+                pass
+            self.closed_watches += 1
+            return resp
+        for line in step:
+            text = (json.dumps(line) + "\n").encode()
+            mid = len(text) // 2  # chunk boundaries fall mid-line
+            await resp.write(text[:mid])
+            await asyncio.sleep(0.005)
+            await resp.write(text[mid:])
+        await resp.write_eof()
         return resp
+
+
+@contextlib.asynccontextmanager
+async def fake_server(lists: list[list[dict[str, Any]]],
+                      watches: list[list[dict[str, Any]] | int]) -> AsyncIterator[
+                          tuple[FakeApiServer, KubeApi]]:
+    server = FakeApiServer(lists, watches)
+    api = KubeApi(KubeConfig(server=await server.start()))
+    try:
+        yield server, api
+    finally:
+        await api.close()
+        await server.stop()
 
 
 def ev(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -258,88 +276,85 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-class ApiStatusError(Exception):
-    def __init__(self, status: int) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status = status
-
-
 async def test_watcher_lists_watches_relists_and_stops() -> None:
     expired = ev("ERROR", {"kind": "Status", "code": 410, "reason": "Expired"})
-    api = FakeApi(
+    async with fake_server(
         lists=[[pod("x-0", ready=False), pod("x-1")], [pod("x-0", draining="true"), pod("x-2")]],
         watches=[
             [ev("MODIFIED", pod("x-0")), ev("BOOKMARK", {"metadata": {"resourceVersion": "9"}})],
             [ev("ADDED", pod("x-1", rv="10"))],  # no change: not reported again
-            ApiStatusError(500),  # a reconnect with backoff, same resourceVersion
-            [expired],  # 410: relist, diffed against the cache
+            500,  # a reconnect with backoff, same resourceVersion
+            [expired],  # 410 inside the stream: relist, diffed against the cache
         ],
-    )
-    seen: list[ReplicaInfo] = []
-    loop_thread = threading.get_ident()
-
-    def on_change(info: ReplicaInfo) -> None:
-        assert threading.get_ident() == loop_thread  # always from the event loop thread
-        seen.append(info)
-
-    m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.05))
-    await m.start(on_change)
-    # start() reports what the first list found before returning.
-    assert [(i.name, i.state) for i in seen] == [("x-0", "joining"), ("x-1", "ready")]
-    await until(lambda: len(api.open) == 1)
-    assert [(i.name, i.state) for i in seen[2:]] == [
-        ("x-0", "ready"), ("x-0", "draining"), ("x-2", "ready"), ("x-1", "gone")]
-    assert m.relists == 2
-    assert sorted(i.name for i in m.replicas) == ["x-0", "x-2"]
-    watches = [c for c in api.calls if c.get("watch")]
-    assert all(c["label_selector"] == kube.stage_selector("p") for c in api.calls)
-    assert [c["resource_version"] for c in watches[:4]] == ["1", "9", "10", "10"]
-    assert watches[0]["allow_watch_bookmarks"] is True
-    t0 = time.monotonic()
-    await m.stop()
-    assert time.monotonic() - t0 < 2, "stop must interrupt the blocked watch"
-    assert api.open[0].closed.is_set()
+    ) as (server, api):
+        seen: list[ReplicaInfo] = []
+        m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.05))
+        await m.start(seen.append)
+        # start() reports what the first list found before returning.
+        assert [(i.name, i.state) for i in seen] == [("x-0", "joining"), ("x-1", "ready")]
+        await until(lambda: server.open_watches == 1)
+        assert [(i.name, i.state) for i in seen[2:]] == [
+            ("x-0", "ready"), ("x-0", "draining"), ("x-2", "ready"), ("x-1", "gone")]
+        assert m.relists == 2
+        assert sorted(i.name for i in m.replicas) == ["x-0", "x-2"]
+        assert all(c["labelSelector"] == kube.stage_selector("p") for c in server.calls)
+        watches = [c for c in server.calls if c.get("watch")]
+        assert [c["resourceVersion"] for c in watches[:4]] == ["1", "9", "10", "10"]
+        assert watches[0]["allowWatchBookmarks"] == "true"
+        assert watches[-1]["resourceVersion"] == "6"  # from the relist after the 410
+        t0 = time.monotonic()
+        await m.stop()
+        assert time.monotonic() - t0 < 1, "stop must end the open watch at once"
+        await until(lambda: server.closed_watches == 1)
+        assert api.writes == 0
 
 
 async def test_resync_relists_and_reports_nothing_new() -> None:
-    api = FakeApi(lists=[[pod("x-0")], [pod("x-0")], [pod("x-0"), pod("x-1")]], watches=[])
-    seen: list[ReplicaInfo] = []
-    m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.05))
-    await m.start(seen.append)
-    await until(lambda: len(api.open) == 1)
-    m.resync()
-    await until(lambda: len(api.open) == 2 and m.relists == 2)
-    assert [(i.name, i.state) for i in seen] == [("x-0", "ready")]
-    m.resync()
-    await until(lambda: len(seen) == 2)
-    assert seen[1] == ReplicaInfo("a", "x-1", ep(), "ready")
-    await m.stop()
+    async with fake_server(lists=[[pod("x-0")], [pod("x-0")], [pod("x-0"), pod("x-1")]],
+                           watches=[]) as (server, api):
+        seen: list[ReplicaInfo] = []
+        m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.05))
+        await m.start(seen.append)
+        await until(lambda: server.open_watches == 1)
+        m.resync()
+        await until(lambda: server.open_watches == 2 and m.relists == 2)
+        assert [(i.name, i.state) for i in seen] == [("x-0", "ready")]
+        m.resync()
+        await until(lambda: len(seen) == 2)
+        assert seen[1] == ReplicaInfo("a", "x-1", ep(), "ready")
+        await m.stop()
 
 
 async def test_initial_list_retries_then_fails() -> None:
-    class Broken:
-        calls = 0
-
-        def list_namespaced_pod(self, namespace: str, **kw: Any) -> Any:
-            Broken.calls += 1
-            raise ApiStatusError(403)
-
-    m = KubernetesMembership("ns", "p", api=Broken(), backoff=(0.01, 0.02), start_timeout=0.05)
-    with pytest.raises(ApiStatusError):
-        await m.start(lambda info: None)
-    assert Broken.calls >= 3
-    await m.stop()
+    async with fake_server(lists=[], watches=[]) as (server, api):
+        m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.02), start_timeout=0.1)
+        with pytest.raises(ApiError) as failed:
+            await m.start(lambda info: None)
+        assert failed.value.status == 500
+        assert len(server.calls) >= 3
+        await m.stop()
 
 
 async def test_no_reports_after_stop() -> None:
-    api = FakeApi(lists=[[pod("x-0")]], watches=[])
-    seen: list[ReplicaInfo] = []
-    m = KubernetesMembership("ns", "p", api=api)
-    await m.start(seen.append)
-    await m.stop()
-    m._emit([ReplicaInfo("a", "late", ep(), "ready")])  # a straggling batch from the thread
-    await asyncio.sleep(0.05)
-    assert [i.name for i in seen] == ["x-0"]
+    async with fake_server(lists=[[pod("x-0")]], watches=[]) as (server, api):
+        seen: list[ReplicaInfo] = []
+        m = KubernetesMembership("ns", "p", api=api)
+        await m.start(seen.append)
+        await until(lambda: server.open_watches == 1)
+        await m.stop()
+        m._emit([ReplicaInfo("a", "late", ep(), "ready")])  # a straggling batch
+        assert [i.name for i in seen] == ["x-0"]
+
+
+async def test_watch_start_410_relists_at_once() -> None:
+    async with fake_server(lists=[[pod("x-0")], [pod("x-1")]], watches=[410]) as (_, api):
+        seen: list[ReplicaInfo] = []
+        m = KubernetesMembership("ns", "p", api=api, backoff=(5.0, 5.0))  # no backoff on 410
+        await m.start(seen.append)
+        await until(lambda: len(seen) == 3, 2)
+        assert [(i.name, i.state) for i in seen] == [("x-0", "ready"), ("x-1", "ready"),
+                                                     ("x-0", "gone")]
+        await m.stop()
 
 
 # ---- CLI glue --------------------------------------------------------------------------------
@@ -394,17 +409,6 @@ async def test_serve_orchestrator_starts_and_drains_on_stop() -> None:
     stop.set()
     assert await asyncio.wait_for(task, 10) == 0
     assert signal.getsignal(signal.SIGINT) is before  # an embedding program keeps its handler
-
-
-async def test_watch_start_410_relists_at_once() -> None:
-    api = FakeApi(lists=[[pod("x-0")], [pod("x-1")]], watches=[ApiStatusError(410)])
-    seen: list[ReplicaInfo] = []
-    m = KubernetesMembership("ns", "p", api=api, backoff=(5.0, 5.0))  # no backoff on 410
-    await m.start(seen.append)
-    await until(lambda: len(seen) == 3, 2)
-    assert [(i.name, i.state) for i in seen] == [("x-0", "ready"), ("x-1", "ready"),
-                                                 ("x-0", "gone")]
-    await m.stop()
 
 
 def test_cli_usage_errors(monkeypatch: pytest.MonkeyPatch,

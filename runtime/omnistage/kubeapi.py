@@ -1,0 +1,599 @@
+"""The one Kubernetes client: async REST on plain dicts, list+watch, every write counted.
+
+Why one client: the operator's writes and lists, the orchestrator's Pod watch, the test harness
+and the benches all talk to the API server. They share this module, so credentials, errors,
+retries and watch semantics are the same everywhere. kopf still runs the operator's own watches;
+`KubeConfig.connection_info()` feeds it the same credentials. Objects stay JSON dicts exactly as
+the API server sends them: no generated model classes. Counting writes (every non-GET) is how the
+operator's idle-resync goal, zero writes, is measured.
+
+Synchronous code (tests, benches) uses `SyncKubeApi`: this same client on a private event loop in
+a daemon thread, not a second HTTP implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import contextlib
+import json
+import logging
+import os
+import queue
+import shutil
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import aiohttp
+import yaml
+
+log = logging.getLogger("omnistage.kubeapi")
+write_log = logging.getLogger("omnistage.kubeapi.writes")
+
+Obj = dict[str, Any]
+T = TypeVar("T")
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+PATCH_TYPES = {
+    "merge": "application/merge-patch+json",
+    "strategic": "application/strategic-merge-patch+json",
+    "json": "application/json-patch+json",
+}
+
+
+class ConfigError(RuntimeError):
+    """No usable credentials, or a kubeconfig this client cannot use (says which field)."""
+
+
+class ApiError(RuntimeError):
+    """A non-2xx answer from the API server; the Status body is kept for callers and tests."""
+
+    def __init__(self, status: int, body: Any, method: str, path: str) -> None:
+        self.status = status
+        self.body = body
+        self.reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
+        self.message = (
+            str(body.get("message", body)) if isinstance(body, dict) else str(body)[:500]
+        )
+        super().__init__(f"{method} {path}: HTTP {status} {self.reason}: {self.message}")
+
+
+class WatchExpired(ApiError):
+    """410 Gone: the watch's resourceVersion is older than the server keeps; list again."""
+
+
+# ---- REST paths ------------------------------------------------------------------------------
+
+
+def resource_path(
+    api_version: str,
+    resource: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    """REST path: ``("apps/v1", "deployments", "ns", "x")`` -> /apis/apps/v1/namespaces/ns/..."""
+    parts = [f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"]
+    if namespace:
+        parts.append(f"namespaces/{namespace}")
+    parts.append(resource)
+    if name:
+        parts.append(name)
+    if subresource:
+        parts.append(subresource)
+    return "/".join(parts)
+
+
+@dataclass(frozen=True)
+class Resource:
+    """Where a kind lives in the REST API."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str | None = None, name: str | None = None,
+             sub: str | None = None) -> str:
+        return resource_path(self.api_version, self.plural, namespace, name, sub)
+
+
+RESOURCES: dict[str, Resource] = {r.kind: r for r in (
+    Resource("Pod", "", "v1", "pods"),
+    Resource("Service", "", "v1", "services"),
+    Resource("ConfigMap", "", "v1", "configmaps"),
+    Resource("ServiceAccount", "", "v1", "serviceaccounts"),
+    Resource("Event", "", "v1", "events"),
+    Resource("Namespace", "", "v1", "namespaces"),
+    Resource("Node", "", "v1", "nodes"),
+    Resource("Deployment", "apps", "v1", "deployments"),
+    Resource("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
+    Resource("Role", "rbac.authorization.k8s.io", "v1", "roles"),
+    Resource("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings"),
+    Resource("OmniPipeline", "omnistage.io", "v1alpha1", "omnipipelines"),
+    Resource("StagePool", "omnistage.io", "v1alpha1", "stagepools"),
+)}
+
+
+def path(kind: str, namespace: str | None = None, name: str | None = None,
+         sub: str | None = None) -> str:
+    """REST path of a kind this project uses: ``path("Pod", "ns", "p-0", "status")``."""
+    return RESOURCES[kind].path(namespace, name, sub)
+
+
+# ---- credentials -----------------------------------------------------------------------------
+
+
+def in_cluster() -> bool:
+    """Running in a pod with a mounted service account."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and (SA_DIR / "token").exists()
+
+
+def default_namespace() -> str:
+    """$POD_NAMESPACE, else the service account's namespace, else "default"."""
+    ns = os.environ.get("POD_NAMESPACE")
+    if ns:
+        return ns
+    try:
+        return (SA_DIR / "namespace").read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
+@dataclass
+class KubeConfig:
+    """Where the API server is and how to authenticate: what a REST client and kopf need."""
+
+    server: str
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    token: str | None = None
+    token_file: str | None = None  # re-read when it changes (in-cluster tokens rotate)
+    insecure: bool = False
+    namespace: str | None = None  # the context's namespace, when it names one
+    _token_cache: tuple[float, str] | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def load(cls, kubeconfig: str | os.PathLike[str] | None = None,
+             context: str | None = None) -> KubeConfig:
+        """An explicit kubeconfig wins; else in-cluster credentials when running in a pod; else
+        the first existing file of $KUBECONFIG; else ~/.kube/config."""
+        if kubeconfig:
+            return cls.from_kubeconfig(kubeconfig, context)
+        if in_cluster():
+            return cls.in_cluster()
+        candidates = [p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p]
+        candidates.append(str(Path.home() / ".kube" / "config"))
+        for candidate in candidates:
+            if Path(candidate).is_file():
+                return cls.from_kubeconfig(candidate, context)
+        raise ConfigError(
+            "no Kubernetes credentials: not in a pod (KUBERNETES_SERVICE_HOST and a service "
+            f"account token at {SA_DIR}), and no kubeconfig at {', '.join(candidates)}"
+        )
+
+    @classmethod
+    def in_cluster(cls) -> KubeConfig:
+        """The pod's service account: its token (re-read as it rotates), CA and namespace."""
+        host = os.environ.get("KUBERNETES_SERVICE_HOST", "")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise ConfigError("in-cluster config: KUBERNETES_SERVICE_HOST is not set")
+        if not (SA_DIR / "token").exists():
+            raise ConfigError(f"in-cluster config: no service account token at {SA_DIR}/token")
+        ca = SA_DIR / "ca.crt"
+        try:
+            namespace = (SA_DIR / "namespace").read_text().strip() or None
+        except OSError:
+            namespace = None
+        return cls(
+            server=f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}",
+            ca_file=str(ca) if ca.exists() else None,
+            token_file=str(SA_DIR / "token"),
+            namespace=namespace,
+        )
+
+    @classmethod
+    def from_kubeconfig(cls, path: str | os.PathLike[str],
+                        context: str | None = None) -> KubeConfig:
+        """One context of a kubeconfig: client certificates, tokens (inline or tokenFile) and
+        embedded *-data fields (written to a private temp dir, removed at exit)."""
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+        ctx_name = context or doc.get("current-context")
+        ctx = _named(doc.get("contexts") or [], ctx_name, "context", path).get("context") or {}
+        cluster = _named(doc.get("clusters") or [], ctx.get("cluster"), "cluster", path)
+        cluster = cluster.get("cluster") or {}
+        user: Obj = {}
+        if ctx.get("user"):
+            user = _named(doc.get("users") or [], ctx["user"], "user", path).get("user") or {}
+        for unsupported in ("exec", "auth-provider", "username"):
+            if user.get(unsupported):
+                raise ConfigError(
+                    f"{path}: user {ctx.get('user')!r} authenticates with {unsupported!r}, "
+                    "which omnistage does not support (use a client certificate or a token)")
+        if not cluster.get("server"):
+            raise ConfigError(f"{path}: cluster {ctx.get('cluster')!r} has no server")
+        base = Path(path).resolve().parent
+        tmp: list[Path] = []
+
+        def file_of(key: str, obj: Obj) -> str | None:
+            if obj.get(key + "-data"):
+                if not tmp:
+                    tmp.append(Path(tempfile.mkdtemp(prefix="kubecfg-")))
+                    atexit.register(shutil.rmtree, tmp[0], True)
+                out = tmp[0] / key
+                out.write_bytes(base64.b64decode(obj[key + "-data"]))
+                out.chmod(0o600)
+                return str(out)
+            if obj.get(key):
+                return str(base / obj[key])
+            return None
+
+        token_file = user.get("tokenFile")
+        return cls(
+            server=str(cluster["server"]).rstrip("/"),
+            ca_file=file_of("certificate-authority", cluster),
+            cert_file=file_of("client-certificate", user),
+            key_file=file_of("client-key", user),
+            token=user.get("token"),
+            token_file=str(base / token_file) if token_file else None,
+            insecure=bool(cluster.get("insecure-skip-tls-verify")),
+            namespace=ctx.get("namespace"),
+        )
+
+    def bearer_token(self) -> str | None:
+        """The token to send now: inline, or the token file's current content."""
+        if self.token or not self.token_file:
+            return self.token
+        try:
+            mtime = os.stat(self.token_file).st_mtime
+            if self._token_cache is None or self._token_cache[0] != mtime:
+                self._token_cache = (mtime, Path(self.token_file).read_text().strip())
+        except OSError as exc:
+            if self._token_cache is None:
+                raise ConfigError(f"cannot read token file {self.token_file}: {exc}") from exc
+        return self._token_cache[1]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=None if self.insecure else self.ca_file)
+        if self.insecure:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if self.cert_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+    def connection_info(self) -> Any:
+        """The same credentials for kopf's watches, so both halves talk to one server."""
+        import kopf
+
+        token = self.bearer_token()
+        return kopf.ConnectionInfo(
+            server=self.server, ca_path=self.ca_file, insecure=self.insecure,
+            certificate_path=self.cert_file, private_key_path=self.key_file,
+            token=token, scheme="Bearer" if token else None, default_namespace=self.namespace,
+        )
+
+
+def _named(items: list[Obj], name: str | None, what: str, source: Any) -> Obj:
+    for item in items:
+        if item.get("name") == name:
+            return item
+    raise ConfigError(f"{source}: no {what} named {name!r}")
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+
+class WatchEvent(NamedTuple):
+    """One watch event: ADDED, MODIFIED, DELETED or BOOKMARK, and the object."""
+
+    type: str
+    object: Obj
+
+    @property
+    def resource_version(self) -> str:
+        return str((self.object.get("metadata") or {}).get("resourceVersion") or "")
+
+
+class Listed(NamedTuple):
+    """A full list: the state to diff against (after a start, a 410 or a forced relist)."""
+
+    items: list[Obj]
+    resource_version: str
+
+
+class KubeApi:
+    """Async JSON client. Calls return the decoded object or raise ApiError; a status listed in
+    ``ignore`` returns None instead (e.g. create with ignore=(409,): names are deterministic,
+    so "already exists" is success)."""
+
+    def __init__(self, config: KubeConfig, *, pool_size: int = 64,
+                 user_agent: str = "omnistage") -> None:
+        self.config = config
+        self.writes = 0
+        self.writes_by_verb: dict[str, int] = {}
+        self.pool_size = pool_size
+        self.user_agent = user_agent
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            ssl_ctx: ssl.SSLContext | bool = (
+                self.config.ssl_context() if self.config.server.startswith("https") else False
+            )
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=ssl_ctx, limit=self.pool_size),
+                headers={"Accept": "application/json", "User-Agent": self.user_agent},
+            )
+        return self._session
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {}
+        token = self.config.bearer_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    @staticmethod
+    def _query(params: dict[str, Any] | None) -> dict[str, str]:
+        out = {}
+        for k, v in (params or {}).items():
+            if v is None:
+                continue
+            out[k] = ("true" if v else "false") if isinstance(v, bool) else str(v)
+        return out
+
+    async def request(
+        self, method: str, url_path: str, body: Any = None, *,
+        params: dict[str, Any] | None = None, content_type: str = "application/json",
+        timeout: float = 60.0, raw: bool = False, ignore: tuple[int, ...] = (),
+    ) -> Any:
+        """One REST call. ``params`` become the query string (None values dropped); ``raw``
+        returns a 2xx body as text (proxy, log and metrics endpoints)."""
+        if method != "GET":
+            self.writes += 1
+            self.writes_by_verb[method] = self.writes_by_verb.get(method, 0) + 1
+            write_log.info("%s %s", method, url_path)
+        data = None if body is None else json.dumps(body)
+        async with self._http().request(
+            method, self.config.server + url_path, data=data, params=self._query(params),
+            headers=self._headers(content_type if body is not None else None),
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            text = await resp.text(errors="replace")
+            if resp.status < 300 and raw:
+                return text
+            try:
+                payload = json.loads(text) if text else None
+            except ValueError:
+                payload = text
+            if resp.status >= 300:
+                if resp.status in ignore:
+                    log.debug("%s %s: HTTP %d, ignored", method, url_path, resp.status)
+                    return None
+                raise ApiError(resp.status, payload, method, url_path)
+            return payload
+
+    async def get(self, url_path: str, *, ignore: tuple[int, ...] = (), **params: Any) -> Any:
+        return await self.request("GET", url_path, params=params, ignore=ignore)
+
+    async def list(self, url_path: str, **params: Any) -> list[Obj]:
+        """The items of a collection (``labelSelector=...``, ``fieldSelector=...``)."""
+        return list((await self.get(url_path, **params))["items"])
+
+    async def create(self, url_path: str, obj: Obj, *, ignore: tuple[int, ...] = (),
+                     **params: Any) -> Any:
+        return await self.request("POST", url_path, obj, params=params, ignore=ignore)
+
+    async def replace(self, url_path: str, obj: Obj, *, ignore: tuple[int, ...] = ()) -> Any:
+        return await self.request("PUT", url_path, obj, ignore=ignore)
+
+    async def patch(self, url_path: str, patch: Any, kind: str = "merge", *,
+                    ignore: tuple[int, ...] = (), **params: Any) -> Any:
+        """Patch with ``kind`` in merge|strategic|json."""
+        return await self.request("PATCH", url_path, patch, params=params,
+                                  content_type=PATCH_TYPES[kind], ignore=ignore)
+
+    async def delete(self, url_path: str, body: Obj | None = None, *,
+                     ignore: tuple[int, ...] = (), **params: Any) -> Any:
+        return await self.request("DELETE", url_path, body, params=params, ignore=ignore)
+
+    async def watch(self, url_path: str, resource_version: str | None = None, *,
+                    timeout_seconds: int = 300, **params: Any) -> AsyncIterator[WatchEvent]:
+        """Stream watch events (bookmarks included) from ``resource_version`` until the server
+        ends the watch. 410 Gone, as a status or an ERROR event, raises WatchExpired; any other
+        ERROR event raises ApiError. Cancel the consuming task to stop at once."""
+        query = self._query({
+            **params, "watch": True, "allowWatchBookmarks": True,
+            "resourceVersion": resource_version or None, "timeoutSeconds": timeout_seconds,
+        })
+        timeout = aiohttp.ClientTimeout(total=None, connect=15, sock_read=timeout_seconds + 30)
+        async with self._http().get(self.config.server + url_path, params=query,
+                                    headers=self._headers(), timeout=timeout) as resp:
+            if resp.status >= 300:
+                text = await resp.text(errors="replace")
+                try:
+                    body: Any = json.loads(text)
+                except ValueError:
+                    body = text
+                cls = WatchExpired if resp.status == 410 else ApiError
+                raise cls(resp.status, body, "WATCH", url_path)
+            buf = bytearray()
+            async for chunk in resp.content.iter_any():
+                buf.extend(chunk)
+                while (nl := buf.find(b"\n")) != -1:
+                    line, buf = bytes(buf[:nl]), buf[nl + 1:]
+                    if line.strip():
+                        yield _event(json.loads(line), url_path)
+            if buf.strip():
+                yield _event(json.loads(bytes(buf)), url_path)
+
+    async def list_watch(
+        self, url_path: str, *, resource_version: str | None = None,
+        timeout_seconds: int = 300, backoff: tuple[float, float] = (0.5, 15.0), **params: Any,
+    ) -> AsyncIterator[Listed | WatchEvent]:
+        """An informer's loop: a Listed, then ADDED/MODIFIED/DELETED events, forever.
+
+        Given ``resource_version`` (the caller has listed already), it watches from there first.
+        The watch resumes from the last resourceVersion seen (bookmarks included), so a dropped
+        connection or a restarted API server loses no update; 410 Gone relists at once (the
+        consumer diffs the Listed against what it knew); other errors retry with exponential
+        backoff. Bookmarks only move the resourceVersion and are not yielded.
+        """
+        rv = resource_version or ""
+        delay = backoff[0]
+        while True:
+            try:
+                if not rv:
+                    listing = await self.get(url_path, **params)
+                    rv = str((listing.get("metadata") or {}).get("resourceVersion") or "")
+                    yield Listed(list(listing.get("items") or []), rv)
+                started, events = time.monotonic(), 0
+                async for event in self.watch(url_path, rv, timeout_seconds=timeout_seconds,
+                                              **params):
+                    rv = event.resource_version or rv
+                    events += 1
+                    if event.type != "BOOKMARK":
+                        yield event
+                if events or time.monotonic() - started >= 1.0:
+                    delay = backoff[0]
+                    continue  # the server ended the watch (timeoutSeconds): resume from rv
+                raise ConnectionError("watch ended at once without events")
+            except WatchExpired:
+                log.info("watch of %s expired (410 Gone); listing again", url_path)
+                rv = ""
+            except (ApiError, aiohttp.ClientError, OSError, ValueError) as exc:  # OSError: timeouts
+                log.warning("list/watch of %s failed (%s: %s); retrying in %.1fs",
+                            url_path, type(exc).__name__, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, backoff[1])
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _event(doc: Obj, url_path: str) -> WatchEvent:
+    etype, obj = str(doc.get("type")), doc.get("object") or {}
+    if etype == "ERROR":
+        code = int(obj.get("code") or 500)
+        raise (WatchExpired if code == 410 else ApiError)(code, obj, "WATCH", url_path)
+    return WatchEvent(etype, obj)
+
+
+# ---- the same client for synchronous code ----------------------------------------------------
+
+
+class SyncKubeApi:
+    """`KubeApi` for threads and scripts: each call runs on a private event loop in a daemon
+    thread and blocks for its answer. Safe to call from many threads at once."""
+
+    def __init__(self, config: KubeConfig, **kwargs: Any) -> None:
+        self.config = config
+        self.api = KubeApi(config, **kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kubeapi",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    @classmethod
+    def load(cls, kubeconfig: str | os.PathLike[str] | None = None, **kwargs: Any) -> SyncKubeApi:
+        return cls(KubeConfig.load(kubeconfig), **kwargs)
+
+    @property
+    def writes(self) -> int:
+        return self.api.writes
+
+    def call(self, coro: Awaitable[T]) -> T:
+        """Run one coroutine of the async client on its loop and wait for the result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+
+    def request(self, method: str, url_path: str, body: Any = None, **kwargs: Any) -> Any:
+        return self.call(self.api.request(method, url_path, body, **kwargs))
+
+    def get(self, url_path: str, **params: Any) -> Any:
+        return self.call(self.api.get(url_path, **params))
+
+    def list(self, url_path: str, **params: Any) -> list[Obj]:
+        return self.call(self.api.list(url_path, **params))
+
+    def create(self, url_path: str, obj: Obj, **params: Any) -> Any:
+        return self.call(self.api.create(url_path, obj, **params))
+
+    def replace(self, url_path: str, obj: Obj, **kwargs: Any) -> Any:
+        return self.call(self.api.replace(url_path, obj, **kwargs))
+
+    def patch(self, url_path: str, patch: Any, kind: str = "merge", **params: Any) -> Any:
+        return self.call(self.api.patch(url_path, patch, kind, **params))
+
+    def delete(self, url_path: str, body: Obj | None = None, **params: Any) -> Any:
+        return self.call(self.api.delete(url_path, body, **params))
+
+    def watch(self, url_path: str, stop: threading.Event, resource_version: str | None = None,
+              **kwargs: Any) -> Iterator[WatchEvent]:
+        """`KubeApi.watch` as a blocking iterator; it ends when the server ends the watch or
+        ``stop`` is set."""
+        return self._iterate(lambda: self.api.watch(url_path, resource_version, **kwargs), stop)
+
+    def list_watch(self, url_path: str, stop: threading.Event,
+                   **kwargs: Any) -> Iterator[Listed | WatchEvent]:
+        """`KubeApi.list_watch` as a blocking iterator, until ``stop`` is set."""
+        return self._iterate(lambda: self.api.list_watch(url_path, **kwargs), stop)
+
+    def _iterate(self, make: Callable[[], AsyncIterator[T]], stop: threading.Event) -> Iterator[T]:
+        items: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async with contextlib.aclosing(make()) as stream:  # type: ignore[type-var]
+                    async for item in stream:
+                        items.put(("item", item))
+            except Exception as exc:
+                items.put(("error", exc))
+            finally:
+                items.put(("end", None))
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while not stop.is_set():
+                try:
+                    what, value = items.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if what == "end":
+                    return
+                if what == "error":
+                    raise value
+                yield value
+        finally:
+            future.cancel()
+
+    def close(self) -> None:
+        """Close the HTTP session and stop the loop thread (idempotent)."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.api.close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        with contextlib.suppress(RuntimeError):
+            self._loop.close()
+        atexit.unregister(self.close)

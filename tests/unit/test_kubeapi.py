@@ -1,0 +1,315 @@
+"""The one Kubernetes client without a cluster: credentials loading, condition lookup, and the
+HTTP behaviour (ignored statuses, write counting, watch streaming, the synchronous adapter)
+against a loopback aiohttp server. tests/cluster/test_kubeapi.py runs it against kube-apiserver."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+
+from omnistage import kubeapi
+from omnistage.kube import condition, condition_status
+from omnistage.kubeapi import (
+    ApiError,
+    ConfigError,
+    KubeApi,
+    KubeConfig,
+    Listed,
+    SyncKubeApi,
+    WatchEvent,
+    WatchExpired,
+    path,
+    resource_path,
+)
+
+# ---- conditions ------------------------------------------------------------------------------
+
+
+def test_condition_lookup() -> None:
+    pod = {"status": {"conditions": [{"type": "PodScheduled", "status": "True"},
+                                     {"type": "Ready", "status": "False", "reason": "Gate"}]}}
+    assert condition(pod, "Ready") == {"type": "Ready", "status": "False", "reason": "Gate"}
+    assert condition_status(pod, "Ready") == "False"
+    assert condition_status(pod, "PodScheduled") == "True"
+    for sparse in (None, {}, {"status": None}, {"status": {"conditions": None}}):
+        assert condition(sparse, "Ready") is None
+        assert condition_status(sparse, "Ready") is None
+
+
+def test_paths() -> None:
+    assert path("Pod", "ns", "p-0", "status") == "/api/v1/namespaces/ns/pods/p-0/status"
+    assert path("StagePool", "ns") == "/apis/omnistage.io/v1alpha1/namespaces/ns/stagepools"
+    assert path("Deployment") == "/apis/apps/v1/deployments"
+    assert resource_path("v1", "nodes", name="n") == "/api/v1/nodes/n"
+
+
+# ---- credentials -----------------------------------------------------------------------------
+
+
+def _kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | None = None,
+                namespace: str | None = None) -> Path:
+    ctx: dict[str, Any] = {"cluster": "c", "user": "u"}
+    if namespace:
+        ctx["namespace"] = namespace
+    doc = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "main",
+        "clusters": [{"name": "c", "cluster": cluster or {"server": "https://127.0.0.1:6443/"}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "other", "context": {"cluster": "missing"}},
+                     {"name": "main", "context": ctx}],
+    }
+    out = tmp_path / "kubeconfig"
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+def test_kubeconfig_files_relative_to_the_kubeconfig(tmp_path: Path) -> None:
+    path_ = _kubeconfig(
+        tmp_path, {"client-certificate": "pki/u.crt", "client-key": "pki/u.key"},
+        {"server": "https://127.0.0.1:6443/", "certificate-authority": "pki/ca.crt"},
+        namespace="team")
+    cfg = KubeConfig.from_kubeconfig(path_)
+    assert cfg.server == "https://127.0.0.1:6443"
+    assert cfg.ca_file == str(tmp_path / "pki" / "ca.crt")
+    assert (cfg.cert_file, cfg.key_file) == (str(tmp_path / "pki/u.crt"),
+                                             str(tmp_path / "pki/u.key"))
+    assert cfg.namespace == "team" and cfg.bearer_token() is None
+
+
+def test_kubeconfig_embedded_data_and_token(tmp_path: Path) -> None:
+    data = base64.b64encode(b"-----BEGIN CERTIFICATE-----\n").decode()
+    cfg = KubeConfig.from_kubeconfig(_kubeconfig(
+        tmp_path, {"token": "abc"},
+        {"server": "https://127.0.0.1:6443", "certificate-authority-data": data,
+         "insecure-skip-tls-verify": True}))
+    assert cfg.ca_file is not None
+    assert Path(cfg.ca_file).read_bytes() == b"-----BEGIN CERTIFICATE-----\n"
+    assert Path(cfg.ca_file).stat().st_mode & 0o077 == 0
+    assert cfg.bearer_token() == "abc" and cfg.insecure
+
+
+def test_token_file_is_reread_when_it_rotates(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    cfg = KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"tokenFile": "token"}))
+    assert cfg.bearer_token() == "first"
+    token.write_text("second\n")
+    import os
+
+    os.utime(token, (time.time() + 5, time.time() + 5))  # a new mtime even on coarse clocks
+    assert cfg.bearer_token() == "second"
+
+
+def test_kubeconfig_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'exec'"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"exec": {"command": "aws"}}))
+    with pytest.raises(ConfigError, match="no cluster named 'missing'"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}), context="other")
+    with pytest.raises(ConfigError, match="no context named 'nope'"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}), context="nope")
+    with pytest.raises(ConfigError, match="has no server"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}, {"server": ""}))
+
+
+@pytest.fixture
+def service_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    sa = tmp_path / "serviceaccount"
+    sa.mkdir()
+    (sa / "token").write_text("sa-token\n")
+    (sa / "namespace").write_text("prod\n")
+    (sa / "ca.crt").write_text("ca")
+    monkeypatch.setattr(kubeapi, "SA_DIR", sa)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "8443")
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    return sa
+
+
+def test_in_cluster_config(service_account: Path) -> None:
+    cfg = KubeConfig.load()
+    assert cfg.server == "https://[fd00::1]:8443"
+    assert cfg.ca_file == str(service_account / "ca.crt")
+    assert cfg.bearer_token() == "sa-token" and cfg.namespace == "prod"
+    assert kubeapi.default_namespace() == "prod"
+
+
+def test_load_precedence(service_account: Path, tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    explicit = _kubeconfig(tmp_path, {"token": "explicit"})
+    assert KubeConfig.load(explicit).bearer_token() == "explicit"  # an explicit file wins
+    monkeypatch.setenv("KUBECONFIG", str(explicit))
+    assert KubeConfig.load().bearer_token() == "sa-token"  # in a pod: the service account
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    assert KubeConfig.load().bearer_token() == "explicit"  # else $KUBECONFIG
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="no Kubernetes credentials"):
+        KubeConfig.load()
+    monkeypatch.setenv("POD_NAMESPACE", "mine")
+    assert kubeapi.default_namespace() == "mine"
+
+
+# ---- HTTP against a loopback server ----------------------------------------------------------
+
+
+class Server:
+    """Records requests; answers from `routes` (method, path) -> (status, body or lines)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, dict[str, str], dict[str, str], Any]] = []
+        self.routes: dict[tuple[str, str], tuple[int, Any]] = {}
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.text()
+        self.requests.append((request.method, request.path, dict(request.query),
+                              dict(request.headers), json.loads(body) if body else None))
+        status, answer = self.routes.get((request.method, request.path), (404, {
+            "kind": "Status", "code": 404, "reason": "NotFound", "message": "not here"}))
+        if isinstance(answer, list):  # a watch stream: one JSON document per line
+            resp = web.StreamResponse(status=status)
+            await resp.prepare(request)
+            for doc in answer:
+                await resp.write((json.dumps(doc) + "\n").encode())
+            await resp.write_eof()
+            return resp
+        if isinstance(answer, str):
+            return web.Response(status=status, text=answer)
+        return web.json_response(answer, status=status)
+
+
+@pytest.fixture
+async def server() -> Any:
+    srv = Server()
+    srv.url = await srv.start()  # type: ignore[attr-defined]
+    yield srv
+    await srv.stop()
+
+
+async def test_requests_ignore_count_and_errors(server: Server) -> None:
+    pods = path("Pod", "ns")
+    server.routes[("POST", pods)] = (409, {"kind": "Status", "reason": "AlreadyExists",
+                                          "message": "exists"})
+    server.routes[("PATCH", pods + "/p")] = (200, {"metadata": {"name": "p"}})
+    server.routes[("GET", "/readyz")] = (200, "ok")
+    api = KubeApi(KubeConfig(server=server.url, token="t0k"))  # type: ignore[attr-defined]
+    try:
+        assert await api.create(pods, {"kind": "Pod"}, ignore=(409,)) is None
+        with pytest.raises(ApiError) as exists:
+            await api.create(pods, {"kind": "Pod"})
+        assert (exists.value.status, exists.value.reason) == (409, "AlreadyExists")
+        assert "exists" in str(exists.value)
+        assert await api.patch(pods + "/p", {"a": 1}, "strategic") == {"metadata": {"name": "p"}}
+        assert await api.get(pods + "/q", ignore=(404,)) is None
+        with pytest.raises(ApiError, match="HTTP 404 NotFound: not here"):
+            await api.get(pods + "/q", labelSelector="a=b", limit=None, watch=False)
+        assert await api.request("GET", "/readyz") == "ok"
+        assert await api.delete(pods + "/q", {"gracePeriodSeconds": 0}, ignore=(404,)) is None
+    finally:
+        await api.close()
+    assert api.writes == 4 and api.writes_by_verb == {"POST": 2, "PATCH": 1, "DELETE": 1}
+    method, _, _, headers, body = server.requests[2]
+    assert method == "PATCH" and body == {"a": 1}
+    assert headers["Content-Type"] == "application/strategic-merge-patch+json"
+    assert headers["Authorization"] == "Bearer t0k"
+    assert server.requests[4][2] == {"labelSelector": "a=b", "watch": "false"}
+
+
+async def test_watch_streams_typed_events_and_raises_expired(server: Server) -> None:
+    pods = path("Pod", "ns")
+    big = {"metadata": {"name": "big", "resourceVersion": "5"}, "data": "x" * 300_000}
+    server.routes[("GET", pods)] = (200, [
+        {"type": "ADDED", "object": big},
+        {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}},
+        {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}},
+    ])
+    api = KubeApi(KubeConfig(server=server.url))  # type: ignore[attr-defined]
+    got: list[WatchEvent] = []
+    try:
+        with pytest.raises(WatchExpired):
+            async for event in api.watch(pods, "3", timeout_seconds=5):
+                got.append(event)
+    finally:
+        await api.close()
+    assert [(e.type, e.resource_version) for e in got] == [("ADDED", "5"), ("BOOKMARK", "7")]
+    assert got[0].object["data"] == big["data"]  # a line far longer than one read
+    assert server.requests[0][2] == {"watch": "true", "allowWatchBookmarks": "true",
+                                     "resourceVersion": "3", "timeoutSeconds": "5"}
+    assert api.writes == 0
+
+
+async def test_list_watch_backs_off_when_a_watch_ends_at_once(server: Server) -> None:
+    pods = path("Pod", "ns")
+    server.routes[("GET", pods)] = (200, [])  # every watch ends at once, without events
+    api = KubeApi(KubeConfig(server=server.url))  # type: ignore[attr-defined]
+    try:
+        async def consume() -> None:
+            async for _ in api.list_watch(pods, resource_version="1", backoff=(0.2, 0.2)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.7)
+        task.cancel()
+    finally:
+        await api.close()
+    assert 2 <= len(server.requests) <= 5, "a watch that ends at once must not spin"
+
+
+@pytest.fixture
+def threaded_server() -> Any:
+    """The same server on its own loop thread, for synchronous tests."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    srv = Server()
+    srv.url = asyncio.run_coroutine_threadsafe(srv.start(), loop).result(10)  # type: ignore[attr-defined]
+    yield srv
+    asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def test_sync_adapter_from_threads_and_watch_stop(threaded_server: Server) -> None:
+    server = threaded_server
+    pods = path("Pod", "ns")
+    server.routes[("POST", pods)] = (201, {"kind": "Pod"})
+    server.routes[("GET", pods)] = (200, {"metadata": {"resourceVersion": "1"}, "items": []})
+    kube = SyncKubeApi(KubeConfig(server=server.url))  # type: ignore[attr-defined]
+    try:
+        threads = [threading.Thread(target=kube.create, args=(pods, {"n": i})) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert kube.writes == 16
+        stop = threading.Event()
+        stream = kube.list_watch(pods, stop, backoff=(0.05, 0.05))
+        first = next(stream)
+        assert first == Listed([], "1")
+        stop.set()
+        assert list(stream) == []  # ends once stop is set
+    finally:
+        kube.close()
+        kube.close()  # idempotent
