@@ -31,6 +31,9 @@ from omnistage.admission import (
     SerialScheduler,
 )
 from omnistage.executors import BadRequest, Executor, Outcome, create_executor
+from omnistage.metrics import new_registry
+from omnistage.sideport import start_side_port
+from omnistage.worker.metrics import WorkerCollector
 
 log = logging.getLogger("omnistage.worker")
 
@@ -86,6 +89,10 @@ class StageWorker:
             "late_aborts": 0,
         }
         self.outcomes: dict[str, int] = {}
+        self.registry = new_registry(WorkerCollector(
+            stage=cfg.stage, replica=cfg.replica_id, ready=lambda: self.ready,
+            admission=self.admission, scheduler=self.scheduler, requests=self.requests,
+            counters=self.counters, outcomes=self.outcomes))
         self.exec_seconds = 0.0  # request latency inside the worker, admission to reply
         self._exit = asyncio.Event()
         self._quiet = asyncio.Event()  # set whenever a request or task finishes
@@ -97,8 +104,6 @@ class StageWorker:
 
     async def serve(self) -> int:
         """Run until drained; returns the process exit code."""
-        from omnistage.worker.http import start_http
-
         loop = asyncio.get_running_loop()
         self._loop = loop
         zctx = zmq.asyncio.Context()
@@ -112,7 +117,9 @@ class StageWorker:
         else:
             self.sock.bind_to_random_port(f"tcp://{self.cfg.host}")
         self.zmq_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        runner, self.http_url = await start_http(self, self.cfg.host, self.cfg.http_port)
+        runner, self.http_url = await start_side_port(
+            self.cfg.host, self.cfg.http_port, readiness=self.readiness, registry=self.registry,
+            state=self.state)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
         self._write_port_file()
@@ -205,6 +212,14 @@ class StageWorker:
     @property
     def ready(self) -> bool:
         return self.loaded and not self.draining
+
+    def readiness(self) -> tuple[bool, str]:
+        """What /readyz answers: ready, or why not."""
+        if self.ready:
+            return True, "ready"
+        if self.draining:
+            return False, "draining"
+        return False, f"load failed: {self.load_error}" if self.load_error else "loading"
 
     # ---- message handling ----------------------------------------------------------------
 
