@@ -69,7 +69,7 @@ def test_each_worker_and_orchestrator_reports_only_itself() -> None:
     for o, name in zip(orchs, ("p1", "p2"), strict=True):
         pipelines = {dict(labels).get("pipeline") for _, labels in samples(_text(o.registry))}
         assert pipelines == {name}
-        assert sample(o.metrics_text(), "omnistage_orchestrator_inflight_requests") == 0
+        assert sample(_text(o.registry), "omnistage_orchestrator_inflight_requests") == 0
 
 
 def test_orchestrator_counts_outcomes_by_status_with_latency() -> None:
