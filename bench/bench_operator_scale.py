@@ -374,12 +374,12 @@ class Bench:
                 raise BenchError(f"operator exited (rc={self.op.returncode}):\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.metrics_port}/healthz", timeout=1
+                    f"http://127.0.0.1:{self.metrics_port}/livez", timeout=1
                 ):
                     return
             except OSError:
                 time.sleep(0.3)
-        raise BenchError(f"operator /healthz not up in 60 s:\n{self.log_tail()}")
+        raise BenchError(f"operator /livez not up in 60 s:\n{self.log_tail()}")
 
     def stop_operator(self) -> None:
         if self.op is None or self.op.poll() is not None:

@@ -28,7 +28,7 @@ def register(sub: Any) -> None:
                    help="watch only this namespace (repeatable; default: all namespaces)")
     o.add_argument("--metrics-host", default="127.0.0.1")
     o.add_argument("--metrics-port", type=int, default=8081,
-                   help="serves /metrics (API write counts) and /healthz")
+                   help="serves /metrics (API write counts), /livez and /readyz")
     o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
                    help="how often every object is re-checked (writes only on drift)")
     o.set_defaults(handler=run)

@@ -4,48 +4,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import kopf
-from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from omni_operator.controller import Controller
 from omni_operator.handlers import register
 from omnistage.kubeapi import KubeApi, KubeConfig
-from omnistage.metrics import CONTENT_TYPE, Family, render
+from omnistage.metrics import family, new_registry
+from omnistage.sideport import start_side_port
 
 log = logging.getLogger("omnistage.operator")
 
 
-def operator_metrics(controller: Controller) -> str:
-    writes = Family("omnistage_operator_api_writes_total", "counter",
-                    "Write calls (POST/PATCH/PUT/DELETE) the operator made to the API server")
-    writes.add(controller.api.writes)
-    by_verb = Family("omnistage_operator_api_writes_by_verb_total", "counter",
-                     "Write calls by HTTP verb")
-    for verb, n in sorted(controller.api.writes_by_verb.items()):
-        by_verb.add(n, verb=verb)
-    return render([
-        writes, by_verb,
-        Family("omnistage_operator_reconciles_total", "counter", "Reconcile passes")
-        .add(controller.reconciles),
-    ])
+class OperatorCollector:
+    """The operator's write and reconcile counters, read from the controller when scraped.
 
+    Idle resyncs must write nothing; bench/bench_operator_scale.py and the cluster tests measure
+    that through these names.
+    """
 
-async def _serve_metrics(controller: Controller, host: str, port: int) -> web.AppRunner:
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=operator_metrics(controller).encode(),
-                            headers={"Content-Type": CONTENT_TYPE})
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
 
-    async def healthz(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    def collect(self) -> Iterator[Metric]:
+        api = self.controller.api
+        yield family(CounterMetricFamily, "omnistage_operator_api_writes_total",
+                     "Write calls (POST/PATCH/PUT/DELETE) the operator made to the API server",
+                     {}, [((), api.writes)])
+        yield family(CounterMetricFamily, "omnistage_operator_api_writes_by_verb_total",
+                     "Write calls by HTTP verb", {},
+                     [((verb,), n) for verb, n in sorted(api.writes_by_verb.items())], ["verb"])
+        yield family(CounterMetricFamily, "omnistage_operator_reconciles_total",
+                     "Reconcile passes", {}, [((), self.controller.reconciles)])
 
 
 async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
@@ -69,8 +62,11 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
 
     await controller.prime(namespaces)
     controller.start()
-    runner = await _serve_metrics(controller, metrics_host, metrics_port)
-    log.info("operator metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+    # Started once the caches are primed, so /readyz answering means the operator can reconcile.
+    runner, url = await start_side_port(
+        metrics_host, metrics_port, readiness=lambda: (True, "ready"),
+        registry=new_registry(OperatorCollector(controller)))
+    log.info("operator metrics on %s/metrics", url)
     try:
         await kopf.operator(
             registry=registry,

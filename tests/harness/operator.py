@@ -20,6 +20,7 @@ import yaml
 
 from tests.harness.cluster import Cluster, PodRunner
 from tests.harness.local import free_port
+from tests.harness.metrics import samples
 
 REPO = Path(__file__).resolve().parents[2]
 Obj = dict[str, Any]
@@ -51,13 +52,13 @@ class Operator:
                 cwd=REPO,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-        wait_for(lambda: self._healthy(), 60, "operator /healthz", self.log_tail)
+        wait_for(lambda: self._healthy(), 60, "operator /livez", self.log_tail)
 
     def _healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise AssertionError(f"operator exited:\n{self.log_tail()}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/livez", timeout=1):
                 return True
         except OSError:
             return False
@@ -76,14 +77,10 @@ class Operator:
                 self.kill()
 
     def metrics(self) -> dict[str, float]:
+        """The operator's unlabelled samples (its totals), by sample name."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return {name: value for (name, labels), value in samples(text).items() if not labels}
 
     def writes(self) -> int:
         return int(self.metrics()["omnistage_operator_api_writes_total"])

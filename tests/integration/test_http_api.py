@@ -32,6 +32,7 @@ from omnistage.orchestrator.http_api import serve_http
 from omnistage.orchestrator.membership import StaticMembership
 from omnistage.spec import load_pipeline
 from tests.harness.local import free_port
+from tests.harness.metrics import sample
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,13 +99,7 @@ async def _metric(url: str, name: str, **labels: str) -> float:
     """One sample of the server's /metrics (0 when absent)."""
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
         text = await resp.text()
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
-            return float(value)
-    return 0.0
+    return sample(text, name, **labels) or 0.0
 
 
 async def test_openai_client_chat_completion(oai: openai.AsyncOpenAI) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from omnistage import protocol as p
 from omnistage.client import ControlError, ReplicaChannel
+from tests.harness.metrics import sample
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -155,9 +156,9 @@ async def test_overload_reply_when_budget_full(start_worker, channels) -> None:
     _, third = await ch.request("c", slow)
     assert isinstance(third.header, p.Overloaded) and third.header.retry_after > 0
     assert (await q1.get()).type == "final" and (await q2.get()).type == "final"
-    _, status = await asyncio.to_thread(_get, w.http + "/metrics")
-    assert 'omnistage_worker_rejected_total{stage="echo",replica="echo-0",reason="budget"} 1' \
-        in status
+    _, text = await asyncio.to_thread(_get, w.http + "/metrics")
+    assert sample(text, "omnistage_worker_rejected_total", stage="echo", replica="echo-0",
+                  reason="budget") == 1
 
 
 async def test_overload_reply_when_queue_full(start_worker, channels) -> None:
@@ -353,11 +354,15 @@ async def test_http_side_port(start_worker, channels) -> None:
     await channels(w).request("m", {"prompt": "hi", "max_tokens": 2})
     status, text = await asyncio.to_thread(_get, w.http + "/metrics")
     assert status == 200
-    for name in ("omnistage_worker_queue_depth", "omnistage_worker_inflight_requests",
-                 "omnistage_worker_admitted_total", "omnistage_worker_rejected_total",
-                 "omnistage_worker_execution_seconds_sum"):
-        assert name in text
-    assert 'omnistage_worker_admitted_total{stage="ar",replica="ar-0"} 1' in text
+    labels = {"stage": "ar", "replica": "ar-0"}
+    assert sample(text, "omnistage_worker_ready", **labels) == 1
+    assert sample(text, "omnistage_worker_queue_depth", **labels) == 0
+    assert sample(text, "omnistage_worker_inflight_requests", **labels) == 0
+    assert sample(text, "omnistage_worker_admitted_total", **labels) == 1
+    assert sample(text, "omnistage_worker_rejected_total", reason="budget", **labels) == 0
+    assert sample(text, "omnistage_worker_replies_total", type="final", **labels) == 1
+    assert sample(text, "omnistage_worker_execution_seconds_count", **labels) == 1
+    assert sample(text, "omnistage_worker_execution_seconds_sum", **labels) > 0
     state = await _state(w)
     assert state["replica_id"] == "ar-0" and state["in_flight"] == 0
     assert state["draining"] is False and state["queued"] == 0

@@ -27,8 +27,9 @@ import zmq.asyncio
 
 from omnistage import protocol as p
 from omnistage.client import ChannelClosed, ReplicaChannel
-from omnistage.metrics import Family, render
+from omnistage.metrics import exposition, new_registry
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
+from omnistage.orchestrator.metrics import OrchestratorCollector
 from omnistage.orchestrator.pools import Replica, StagePool
 from omnistage.orchestrator.requests import (
     ABORT,
@@ -149,6 +150,10 @@ class Orchestrator:
             "latency_sum": 0.0,
         }
         self.outcomes: dict[str, int] = {}
+        # The HTTP layer adds its own request metrics to this registry; /metrics serves it.
+        self.registry = new_registry(OrchestratorCollector(
+            pipeline=self.name, outcomes=self.outcomes, requests=self.requests,
+            pools=self.pools, counters=self.counters))
         self._zctx: zmq.asyncio.Context | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
@@ -711,35 +716,5 @@ class Orchestrator:
         }
 
     def metrics_text(self) -> str:
-        reqs = Family("omnistage_orchestrator_requests_total", "counter",
-                      "Requests by terminal status")
-        for status, n in sorted(self.outcomes.items()):
-            reqs.add(n, status=status)
-        replicas = Family("omnistage_orchestrator_replicas", "gauge", "Replicas by stage and state")
-        inflight = Family("omnistage_orchestrator_replica_inflight", "gauge",
-                          "Tasks bound to each replica")
-        for stage, pool in self.pools.items():
-            states: dict[str, int] = {}
-            for r in pool.replicas.values():
-                states[r.info.state] = states.get(r.info.state, 0) + 1
-                inflight.add(r.inflight, stage=stage, replica=r.name)
-            for state, n in sorted(states.items()):
-                replicas.add(n, stage=stage, state=state)
-        done = sum(self.outcomes.values())
-        fams = [
-            reqs,
-            Family("omnistage_orchestrator_inflight_requests", "gauge", "Requests not terminal")
-            .add(len(self.requests)),
-            replicas,
-            inflight,
-            Family("omnistage_orchestrator_late_messages_total", "counter",
-                   "Replies for finished requests, dropped").add(self.counters["late_messages"]),
-            Family("omnistage_orchestrator_late_aborts_total", "counter",
-                   "Aborts for finished requests, dropped").add(self.counters["late_aborts"]),
-            Family("omnistage_orchestrator_replicas_lost_total", "counter",
-                   "Replicas declared lost").add(self.counters["replicas_lost"]),
-            Family("omnistage_orchestrator_request_seconds", "summary",
-                   "Request latency, admission to terminal outcome")
-            .add(self.counters["latency_sum"], _suffix="_sum").add(done, _suffix="_count"),
-        ]
-        return render(fams, {"pipeline": self.name})
+        """The registry in the Prometheus text format (what http_api's /metrics serves today)."""
+        return exposition(self.registry)[0].decode()

@@ -15,7 +15,7 @@ import signal
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,10 @@ from omnistage.admission import (
     SerialScheduler,
 )
 from omnistage.executors import BadRequest, Executor, Outcome, create_executor
+from omnistage.metrics import new_registry
+from omnistage.sideport import start_side_port
 from omnistage.worker.config import WorkerConfig
+from omnistage.worker.metrics import WorkerCollector
 
 log = logging.getLogger("omnistage.worker")
 
@@ -43,7 +46,6 @@ class _Request:
     ident: bytes
     rid: str
     ctx: ExecutionContext
-    started: float = field(default_factory=time.monotonic)
 
 
 class StageWorker:
@@ -71,7 +73,10 @@ class StageWorker:
             "late_aborts": 0,
         }
         self.outcomes: dict[str, int] = {}
-        self.exec_seconds = 0.0  # request latency inside the worker, admission to reply
+        self.registry = new_registry(WorkerCollector(
+            stage=cfg.stage.name, replica=cfg.replica_id, ready=lambda: self.ready,
+            admission=self.admission, scheduler=self.scheduler, requests=self.requests,
+            counters=self.counters, outcomes=self.outcomes))
         self._exit = asyncio.Event()
         self._quiet = asyncio.Event()  # set whenever a request or task finishes
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -83,8 +88,6 @@ class StageWorker:
 
     async def serve(self) -> int:
         """Run until drained; returns the process exit code."""
-        from omnistage.worker.http import start_http
-
         loop = asyncio.get_running_loop()
         self._loop = loop
         zctx = zmq.asyncio.Context()
@@ -98,7 +101,9 @@ class StageWorker:
         else:
             self.sock.bind_to_random_port(f"tcp://{self.cfg.host}")
         self.zmq_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        runner, self.http_url = await start_http(self, self.cfg.host, self.cfg.http_port)
+        runner, self.http_url = await start_side_port(
+            self.cfg.host, self.cfg.http_port, readiness=self.readiness, registry=self.registry,
+            state=self.state)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
         self._write_port_file()
@@ -191,6 +196,14 @@ class StageWorker:
     @property
     def ready(self) -> bool:
         return self.loaded and not self.draining
+
+    def readiness(self) -> tuple[bool, str]:
+        """What /readyz answers: ready, or why not."""
+        if self.ready:
+            return True, "ready"
+        if self.draining:
+            return False, "draining"
+        return False, f"load failed: {self.load_error}" if self.load_error else "loading"
 
     # ---- message handling ----------------------------------------------------------------
 
@@ -330,7 +343,6 @@ class StageWorker:
             self._finish(req)
 
     def _finish(self, req: _Request) -> None:
-        self.exec_seconds += time.monotonic() - req.started
         self.requests.pop((req.ident, req.rid), None)
         self._quiet.set()
 

@@ -1,0 +1,57 @@
+"""The orchestrator's Prometheus metrics, read from its live state at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sized
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from omnistage.metrics import family, summary
+from omnistage.orchestrator.pools import StagePool
+
+
+class OrchestratorCollector:
+    """Every family carries the label pipeline.
+
+    It holds references, not copies: `outcomes`, `requests`, `pools` and `counters` are the
+    orchestrator's own containers, which it keeps mutating.
+    """
+
+    def __init__(self, *, pipeline: str, outcomes: Mapping[str, int], requests: Sized,
+                 pools: Mapping[str, StagePool], counters: Mapping[str, float]) -> None:
+        self.common = {"pipeline": pipeline}
+        self.outcomes = outcomes
+        self.requests = requests
+        self.pools = pools
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        c, common = self.counters, self.common
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        by_state: list[tuple[tuple[str, str], float]] = []
+        inflight: list[tuple[tuple[str, str], float]] = []
+        for stage, pool in self.pools.items():
+            states: dict[str, int] = {}
+            for r in pool.replicas.values():
+                states[r.info.state] = states.get(r.info.state, 0) + 1
+                inflight.append(((stage, r.name), r.inflight))
+            by_state += [((stage, state), n) for state, n in sorted(states.items())]
+        yield family(counter, "omnistage_orchestrator_requests_total",
+                     "Requests by terminal status", common,
+                     [((status,), n) for status, n in sorted(self.outcomes.items())], ["status"])
+        yield family(gauge, "omnistage_orchestrator_inflight_requests", "Requests not terminal",
+                     common, [((), len(self.requests))])
+        yield family(gauge, "omnistage_orchestrator_replicas", "Replicas by stage and state",
+                     common, by_state, ["stage", "state"])
+        yield family(gauge, "omnistage_orchestrator_replica_inflight",
+                     "Tasks bound to each replica", common, inflight, ["stage", "replica"])
+        yield family(counter, "omnistage_orchestrator_late_messages_total",
+                     "Replies for finished requests, dropped", common,
+                     [((), c["late_messages"])])
+        yield family(counter, "omnistage_orchestrator_late_aborts_total",
+                     "Aborts for finished requests, dropped", common, [((), c["late_aborts"])])
+        yield family(counter, "omnistage_orchestrator_replicas_lost_total",
+                     "Replicas declared lost", common, [((), c["replicas_lost"])])
+        yield summary("omnistage_orchestrator_request_seconds",
+                      "Request latency, admission to terminal outcome", common,
+                      sum(self.outcomes.values()), c["latency_sum"])

@@ -1,0 +1,57 @@
+"""The stage worker's Prometheus metrics, read from its live state at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sized
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from omnistage.admission import BoundedAdmission, SerialScheduler
+from omnistage.metrics import family, summary
+
+
+class WorkerCollector:
+    """Every family carries the labels stage and replica.
+
+    It holds references, not copies: `requests`, `counters` and `outcomes` are the worker's own
+    containers, which the worker keeps mutating.
+    """
+
+    def __init__(self, *, stage: str, replica: str, ready: Callable[[], bool],
+                 admission: BoundedAdmission, scheduler: SerialScheduler, requests: Sized,
+                 counters: Mapping[str, int], outcomes: Mapping[str, int]) -> None:
+        self.common = {"stage": stage, "replica": replica}
+        self.ready = ready
+        self.admission = admission
+        self.scheduler = scheduler
+        self.requests = requests
+        self.counters = counters
+        self.outcomes = outcomes
+
+    def collect(self) -> Iterator[Metric]:
+        c, common = self.counters, self.common
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        stats = self.scheduler.stats
+        yield family(gauge, "omnistage_worker_ready", "1 when loaded, warmed up and not draining",
+                     common, [((), 1 if self.ready() else 0)])
+        yield family(gauge, "omnistage_worker_queue_depth",
+                     "Requests waiting for the execution permit", common,
+                     [((), self.scheduler.queued)])
+        yield family(gauge, "omnistage_worker_inflight_requests",
+                     "Admitted requests not yet answered", common, [((), len(self.requests))])
+        yield family(gauge, "omnistage_worker_admission_units_in_use",
+                     "Admission cost units held", common,
+                     [((), self.admission.report().units_in_use)])
+        yield family(counter, "omnistage_worker_admitted_total", "Requests admitted", common,
+                     [((), c["admitted"])])
+        yield family(counter, "omnistage_worker_rejected_total", "Requests refused, by reason",
+                     common, [(("budget",), c["rejected_budget"]),
+                              (("queue",), c["rejected_queue"]),
+                              (("draining",), c["rejected_draining"])], ["reason"])
+        yield family(counter, "omnistage_worker_malformed_messages_total",
+                     "Frames that failed to parse", common, [((), c["malformed"])])
+        yield family(counter, "omnistage_worker_replies_total", "Terminal replies, by type",
+                     common, [((kind,), n) for kind, n in sorted(self.outcomes.items())],
+                     ["type"])
+        yield summary("omnistage_worker_execution_seconds", "Executor time per request", common,
+                      stats.completed, stats.exec_seconds_total)

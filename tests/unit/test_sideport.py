@@ -1,0 +1,120 @@
+"""The side port over a real loopback socket: probes, metrics, state, and the bound URL."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge
+
+from omnistage.sideport import add_ops_routes, serve_app, start_side_port
+from tests.harness.metrics import sample
+
+Started = list[web.AppRunner]
+
+
+@pytest.fixture
+async def runners() -> AsyncIterator[Started]:
+    started: Started = []
+    yield started
+    for runner in started:
+        await runner.cleanup()
+
+
+async def _get(url: str, **headers: str) -> tuple[int, str, str]:
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as resp:
+        return resp.status, await resp.text(), resp.headers.get("Content-Type", "")
+
+
+async def test_probes_metrics_and_state_answer_from_live_callbacks(runners: Started) -> None:
+    ready: list[Any] = [False, "loading"]
+    registry = CollectorRegistry()
+    depth = Gauge("demo_queue_depth", "Requests waiting", registry=registry)
+    state = {"in_flight": 0}
+    runner, url = await start_side_port("127.0.0.1", 0, readiness=lambda: tuple(ready),
+                                        registry=registry, state=lambda: state)
+    runners.append(runner)
+    assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+
+    assert (await _get(url + "/livez"))[:2] == (200, "ok")
+    assert (await _get(url + "/readyz"))[:2] == (503, "loading")
+    ready[:] = [True, "ready"]
+    assert (await _get(url + "/readyz"))[:2] == (200, "ready")
+
+    status, text, ctype = await _get(url + "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    assert sample(text, "demo_queue_depth") == 0
+    depth.set(4)
+    assert sample((await _get(url + "/metrics"))[1], "demo_queue_depth") == 4
+    status, text, ctype = await _get(url + "/metrics", Accept="application/openmetrics-text")
+    assert ctype.startswith("application/openmetrics-text") and text.endswith("# EOF\n")
+
+    state["in_flight"] = 2
+    async with aiohttp.ClientSession() as s, s.get(url + "/state") as resp:
+        assert await resp.json() == {"in_flight": 2}
+
+
+async def test_state_route_exists_only_when_given(runners: Started) -> None:
+    runner, url = await start_side_port("127.0.0.1", 0, readiness=lambda: (True, "ready"),
+                                        registry=CollectorRegistry())
+    runners.append(runner)
+    assert (await _get(url + "/state"))[0] == 404
+    assert (await _get(url + "/livez"))[0] == 200
+
+
+async def test_ops_routes_join_an_existing_app(runners: Started) -> None:
+    """What an API server does: its own routes plus the ops routes, on one listener."""
+
+    async def hello(_: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    app = web.Application()
+    app.add_routes([web.get("/v1/hello", hello)])
+    add_ops_routes(app, readiness=lambda: (False, "stage 'a' has no ready replica"),
+                   registry=CollectorRegistry())
+    runner, url = await serve_app(app, "127.0.0.1", 0, handler_cancellation=True)
+    runners.append(runner)
+    assert (await _get(url + "/v1/hello"))[:2] == (200, "hello")
+    assert (await _get(url + "/readyz"))[:2] == (503, "stage 'a' has no ready replica")
+
+
+async def test_a_port_in_use_raises(runners: Started) -> None:
+    runner, url = await start_side_port("127.0.0.1", 0, readiness=lambda: (True, "ready"),
+                                        registry=CollectorRegistry())
+    runners.append(runner)
+    port = int(url.rsplit(":", 1)[1])
+    with pytest.raises(OSError):
+        await start_side_port("127.0.0.1", port, readiness=lambda: (True, "ready"),
+                              registry=CollectorRegistry())
+    assert (await _get(url + "/livez"))[0] == 200  # the first server is unharmed
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_ipv6_url_is_bracketed(runners: Started) -> None:
+    runner, url = await start_side_port("::1", 0, readiness=lambda: (True, "ready"),
+                                        registry=CollectorRegistry())
+    runners.append(runner)
+    assert url.startswith("http://[::1]:")
+    assert (await _get(url + "/livez"))[0] == 200
+
+
+async def test_cleanup_closes_the_port(runners: Started) -> None:
+    runner, url = await start_side_port("127.0.0.1", 0, readiness=lambda: (True, "ready"),
+                                        registry=CollectorRegistry())
+    await runner.cleanup()
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await _get(url + "/livez")
+
