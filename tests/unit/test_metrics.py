@@ -12,8 +12,9 @@ from omni_operator.main import OperatorCollector
 from omnistage.metrics import HttpMetrics, exposition
 from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.membership import StaticMembership
-from omnistage.spec import parse_pipeline
-from omnistage.worker.server import StageWorker, WorkerConfig
+from omnistage.spec import Stage, parse_pipeline
+from omnistage.worker.config import WorkerConfig
+from omnistage.worker.server import StageWorker
 from tests.harness.metrics import sample, samples
 
 
@@ -31,7 +32,7 @@ def _pipeline(name: str) -> Any:
 
 
 def test_worker_metrics_and_readiness_follow_the_worker_between_scrapes() -> None:
-    w = StageWorker(WorkerConfig(stage="enc", kind="echo", replica_id="enc-0"))
+    w = StageWorker(WorkerConfig(Stage(name="enc", kind="echo"), replica_id="enc-0"))
     ids = {"stage": "enc", "replica": "enc-0"}
     before = _text(w.registry)
     assert sample(before, "omnistage_worker_ready", **ids) == 0
@@ -59,7 +60,7 @@ def test_worker_metrics_and_readiness_follow_the_worker_between_scrapes() -> Non
 
 def test_each_worker_and_orchestrator_reports_only_itself() -> None:
     """Several components in one process: no shared (default) registry, no duplicate errors."""
-    workers = [StageWorker(WorkerConfig(stage="s", kind="echo", replica_id=f"s-{i}"))
+    workers = [StageWorker(WorkerConfig(Stage(name="s", kind="echo"), replica_id=f"s-{i}"))
                for i in range(2)]
     orchs = [Orchestrator(_pipeline(name), StaticMembership()) for name in ("p1", "p2")]
     for i, w in enumerate(workers):

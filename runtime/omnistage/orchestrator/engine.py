@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from omnistage import protocol as p
 from omnistage.client import ChannelClosed, ReplicaChannel
-from omnistage.metrics import exposition, new_registry
+from omnistage.metrics import new_registry
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
 from omnistage.orchestrator.metrics import OrchestratorCollector
 from omnistage.orchestrator.pools import Replica, StagePool
@@ -714,7 +714,3 @@ class Orchestrator:
             ]
             for stage, pool in self.pools.items()
         }
-
-    def metrics_text(self) -> str:
-        """The registry in the Prometheus text format (what http_api's /metrics serves today)."""
-        return exposition(self.registry)[0].decode()

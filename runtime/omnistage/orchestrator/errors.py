@@ -9,28 +9,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omnistage.orchestrator import requests as rq
-
-if TYPE_CHECKING:
-    from omnistage.orchestrator.schemas import ErrorBody
+from omnistage.orchestrator.schemas import ERROR_TYPES, ErrorBody
 
 __all__ = ["ERROR_TYPES", "ApiError", "ParamMap", "bad", "chat_param", "error_from_request_error",
            "generic_param", "images_param", "outcome_error"]
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    502: "upstream_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
 
 
 class ApiError(Exception):

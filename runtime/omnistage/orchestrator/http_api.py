@@ -10,7 +10,6 @@ nobody. See docs/http-api.md for the user-facing contract.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -22,10 +21,11 @@ from typing import Any, Protocol, TypeVar
 from urllib.parse import quote
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 
 from omnistage.client import ControlError
-from omnistage.metrics import CONTENT_TYPE, Family, render
+from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import (
     ApiError,
@@ -36,7 +36,7 @@ from omnistage.orchestrator.errors import (
     images_param,
     outcome_error,
 )
-from omnistage.orchestrator.openapi import ROUTES, Route, openapi_document
+from omnistage.orchestrator.openapi import OPS_HANDLERS, ROUTES, Route, openapi_document
 from omnistage.orchestrator.render import (
     ChatCall,
     ChatStream,
@@ -58,13 +58,12 @@ from omnistage.orchestrator.schemas import (
     image_size,
 )
 from omnistage.params import describe, json_type
+from omnistage.sideport import add_ops_routes, serve_app
 from omnistage.spec import OmniPipeline
 
 __all__ = [
     "API_KEY",
     "HttpApi",
-    "HttpMetrics",
-    "OperationalRoutes",
     "build_app",
     "error_response",
     "ignored_header",
@@ -118,7 +117,7 @@ class OrchestratorLike(Protocol):
 
     def readiness(self) -> tuple[bool, str]: ...
 
-    def metrics_text(self) -> str: ...
+    registry: CollectorRegistry
 
     async def control(self, op: str, stages: list[str] | None = None) -> dict[str, dict]: ...
 
@@ -332,87 +331,6 @@ def parse_control(body: Mapping[str, Any], pipeline: OmniPipeline,
     return req.op, _stage_list(req.stages, "stages", pipeline.spec.stage_names())
 
 
-# =========================================================================== operational
-# HttpMetrics and the /livez, /readyz and /metrics handlers, kept together in this one section so
-# they can move to a side-port module as a unit. HttpApi inherits the handlers.
-
-
-class HttpMetrics:
-    """HTTP-level counters; route labels are route templates, so cardinality stays bounded."""
-
-    WINDOW = 1024
-    QUANTILES = (0.5, 0.9, 0.99)
-
-    def __init__(self) -> None:
-        self.requests: collections.Counter[tuple[str, str, int]] = collections.Counter()
-        self.latency: dict[str, tuple[list[float], collections.deque[float]]] = {}
-        self.inflight = 0
-        self.disconnects = 0
-        self.stream_errors = 0
-
-    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
-        self.requests[(route, method, status)] += 1
-        totals, window = self.latency.setdefault(
-            route, ([0.0, 0.0], collections.deque(maxlen=self.WINDOW)))
-        totals[0] += seconds
-        totals[1] += 1
-        window.append(seconds)
-
-    def families(self) -> list[Family]:
-        reqs = Family("omnistage_http_requests_total", "counter",
-                      "HTTP requests, by route template, method and status")
-        for (route, method, status), count in sorted(self.requests.items()):
-            reqs.add(count, route=route, method=method, status=str(status))
-        lat = Family("omnistage_http_request_duration_seconds", "summary",
-                     f"HTTP request latency (quantiles over the last {self.WINDOW} requests "
-                     "per route; streams count until their last byte)")
-        for route, (totals, window) in sorted(self.latency.items()):
-            ordered = sorted(window)
-            for q in self.QUANTILES:
-                value = ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0
-                lat.add(value, route=route, quantile=f"{q:g}", _suffix="")
-            lat.add(totals[0], route=route, _suffix="_sum")
-            lat.add(totals[1], route=route, _suffix="_count")
-        return [
-            reqs,
-            lat,
-            Family("omnistage_http_inflight_requests", "gauge", "HTTP requests being served")
-            .add(self.inflight),
-            Family("omnistage_http_client_disconnects_total", "counter",
-                   "Requests aborted because the client went away").add(self.disconnects),
-            Family("omnistage_http_stream_errors_total", "counter",
-                   "Streams that ended with an error event after they started")
-            .add(self.stream_errors),
-        ]
-
-    def text(self) -> str:
-        return render(self.families())
-
-
-class OperationalRoutes:
-    """The /livez, /readyz and /metrics handlers of an HttpApi."""
-
-    orch: OrchestratorLike
-    metrics: HttpMetrics
-
-    async def livez(self, _request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def readyz(self, _request: web.Request) -> web.Response:
-        if not self.orch.accepting:
-            return web.Response(status=503, text="shutting down")
-        ok, reason = self.orch.readiness()
-        return web.Response(text="ready") if ok else web.Response(status=503, text=reason)
-
-    async def metrics_route(self, _request: web.Request) -> web.Response:
-        engine = self.orch.metrics_text()
-        if engine and not engine.endswith("\n"):
-            engine += "\n"
-        return web.Response(body=(engine + self.metrics.text()).encode(),
-                            headers={"Content-Type": CONTENT_TYPE})
-
-
-# =========================================================================== end of operational
 
 
 # --------------------------------------------------------------------------- the app
@@ -460,7 +378,7 @@ class _Flight:
             return
         self.aborted = True
         if disconnected:
-            self.api.metrics.disconnects += 1
+            self.api.metrics.disconnects.inc()
             log.info("client went away; aborting request %s", self.handle.id)
         try:
             self.handle.abort()
@@ -478,7 +396,7 @@ def _path_pattern(path: str) -> re.Pattern[str]:
     return re.compile("^" + re.sub(r"\\\{.*?\\\}", "[^/]+", re.escape(path)) + "/?$")
 
 
-class HttpApi(OperationalRoutes):
+class HttpApi:
     """Handlers bound to one orchestrator; build_app wires them to the route table's paths.
 
     `routes` (default openapi.ROUTES) is one table for both: the handlers validate with each
@@ -493,7 +411,7 @@ class HttpApi(OperationalRoutes):
         self.apis = list(self.pipeline.spec.orchestrator.api)
         self.model = self.pipeline.served_model_name()
         self.name = self.pipeline.metadata.name
-        self.metrics = HttpMetrics()
+        self.metrics = HttpMetrics(orch.registry)
         self.disconnect_poll_s = disconnect_poll_s
         self.started = int(time.time())
         table = list(routes)
@@ -513,7 +431,7 @@ class HttpApi(OperationalRoutes):
         """Errors to OpenAI's shape, and per-route counters for /metrics."""
         started = time.perf_counter()
         status = 500
-        self.metrics.inflight += 1
+        self.metrics.inflight.inc()
         try:
             response = await handler(request)
             status = response.status
@@ -532,7 +450,7 @@ class HttpApi(OperationalRoutes):
             log.exception("unhandled error in %s %s", request.method, request.path)
             return error_response(ApiError(500, "internal server error", code="internal"))
         finally:
-            self.metrics.inflight -= 1
+            self.metrics.inflight.dec()
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unmatched"
             self.metrics.observe(route, request.method, status, time.perf_counter() - started)
@@ -619,7 +537,7 @@ class HttpApi(OperationalRoutes):
                 flight.client_gone(disconnected=False)
                 err = ApiError(500, "internal server error", code="internal")
                 with contextlib.suppress(ConnectionError):
-                    self.metrics.stream_errors += 1
+                    self.metrics.stream_errors.inc()
                     await response.write(sse_event(err.body()))
                     await response.write_eof()
         return response
@@ -630,7 +548,7 @@ class HttpApi(OperationalRoutes):
             chunks = renderer.finish(outcome)
         except ApiError as err:
             # Too late for an HTTP status: OpenAI clients raise on an error event.
-            self.metrics.stream_errors += 1
+            self.metrics.stream_errors.inc()
             await response.write(sse_event(err.body()))
             return
         for chunk in chunks:
@@ -706,8 +624,16 @@ class HttpApi(OperationalRoutes):
     async def openapi_json(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.openapi, content_type="application/json")
 
+    def readiness(self) -> tuple[bool, str]:
+        """/readyz: fails first when shutdown begins, so endpoints stop sending traffic."""
+        if not self.orch.accepting:
+            return False, "shutting down"
+        return self.orch.readiness()
+
     def routes(self) -> list[web.RouteDef]:
-        return [web.route(r.method, r.path, getattr(self, r.handler)) for r in self.served]
+        """The table's routes, except the ops routes that omnistage.sideport serves."""
+        return [web.route(r.method, r.path, getattr(self, r.handler)) for r in self.served
+                if r.handler not in OPS_HANDLERS]
 
 
 API_KEY = web.AppKey("omnistage_http_api", HttpApi)
@@ -726,6 +652,7 @@ def build_app(orch: OrchestratorLike, *,
     app = web.Application(middlewares=[api.middleware], client_max_size=MAX_BODY_BYTES)
     app[API_KEY] = api
     app.add_routes(api.routes())
+    add_ops_routes(app, readiness=api.readiness, registry=orch.registry)
     return app
 
 
@@ -736,13 +663,6 @@ async def serve_http(orch: OrchestratorLike, host: str, port: int
     handler_cancellation makes a client disconnect cancel the handler at once, which aborts the
     request through the pipeline, so no per-request polling is needed.
     """
-    runner = web.AppRunner(build_app(orch, disconnect_poll_s=None), access_log=None,
-                           handle_signals=False, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
-    bound = sockets[0].getsockname()[1] if sockets else port
-    shown = f"[{host}]" if ":" in host else host
-    return runner, f"http://{shown}:{bound}"
+    return await serve_app(build_app(orch, disconnect_poll_s=None), host, port,
+                           handler_cancellation=True)
 

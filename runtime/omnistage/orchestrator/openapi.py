@@ -76,6 +76,8 @@ ROUTES: tuple[Route, ...] = (
           "HTTP layer"),
     Route("GET", "/openapi.json", "openapi_json", "This document", response=dict[str, Any]),
 )
+#: Routes documented here but served by omnistage.sideport, like every process's ops routes.
+OPS_HANDLERS = frozenset({"livez", "readyz", "metrics_route"})
 
 # What a schema cannot say: when each error status happens.
 _ERRORS: dict[int, str] = {

@@ -33,12 +33,12 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict  # pydantic wants this one before Python 3.12
 
 from omnistage.orchestrator import requests as rq
-from omnistage.orchestrator.errors import ERROR_TYPES
 from omnistage.params import engine_type, per_request
 from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
 from omnistage.spec import STAGE_KINDS, EngineOptions
 
 __all__ = [
+    "ERROR_TYPES",
     "AssistantMessage",
     "ChatCompletion",
     "ChatCompletionChunk",
@@ -378,6 +378,20 @@ class ControlRequest(_Body):
 # --------------------------------------------------------------------------- responses
 
 Status = Literal[rq.OK, rq.ABORT, rq.REQUEST_ERROR, rq.FATAL]
+#: OpenAI's error `type` for each HTTP status Omnistage answers with.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
 ErrorType = Literal[tuple(sorted(set(ERROR_TYPES.values())))]
 
 
