@@ -325,7 +325,3 @@ def pool_pdb(pool: Obj) -> Obj:
             "selector": {"matchLabels": {kube.LABEL_POOL: meta["name"]}},
         },
     }
-
-
-def pool_selector(pool: Obj) -> str:
-    return f"{kube.LABEL_POOL}={pool['metadata']['name']}"

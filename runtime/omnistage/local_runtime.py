@@ -255,11 +255,6 @@ class LocalStageRuntime:
         with self._lock:
             return {name: rep.worker.pid for name, rep in self.replicas.items()}
 
-    def endpoints(self) -> dict[str, str]:
-        """Replica name -> ZMQ endpoint of every replica that got as far as binding."""
-        with self._lock:
-            return {n: r.worker.zmq for n, r in self.replicas.items() if r.worker.zmq}
-
     # ---- shutdown --------------------------------------------------------------------------
 
     def shutdown(self, grace: float | None = None) -> None:
