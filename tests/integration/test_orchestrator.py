@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,7 @@ from omnistage.procs import WorkerProcess
 from omnistage.spec import parse_pipeline
 from tests.harness.fake_worker import FakeWorker
 from tests.harness.local import free_port
+from tests.harness.metrics import sample
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -390,23 +392,53 @@ async def test_replicas_are_routed_only_after_a_handshake_of_our_version(launch,
         await older.close()
 
 
-async def test_a_restart_at_the_same_address_shows_in_the_heartbeat(launch, start_worker,
-                                                                    caplog) -> None:
+async def test_a_restart_at_the_same_address_fails_the_old_work_at_once(
+        launch, start_worker, caplog) -> None:
+    """kill -9, and a new process at the same address before any heartbeat could tell: the work
+    bound to the old process fails within a second, and none of it reaches the new one."""
+    caplog.set_level(logging.INFO, logger="omnistage.orchestrator")
     pipe = pipeline("inc", [echo("a", final=True)])
     port = free_port()
-    orch, procs, _ = await launch(pipe, {"a": [{"port": port}]}, heartbeat_interval=0.2,
+    # Heartbeats too rare to notice anything during the test: the socket monitor must.
+    orch, procs, _ = await launch(pipe, {"a": [{"port": port}]}, heartbeat_interval=30,
                                   heartbeat_timeout=60)
     replica = orch.pools["a"].replicas["inc-a-0"]
     first = replica.incarnation
     assert first == (await asyncio.to_thread(_state, procs["a"][0]))["incarnation"]
-    procs["a"][0].kill()
+    handles = [orch.submit(PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 20000}}))
+               for i in range(4)]
+    for _ in range(200):
+        if replica.inflight == 4:
+            break
+        await asyncio.sleep(0.02)
+    procs["a"][0].kill()  # blocks the loop until the process is reaped
+    killed = time.monotonic()
+    # The loop has not yet seen the closed connection: this one still goes to the old process,
+    # so ZMQ queues it for whoever listens at the address next.
+    queued = orch.submit(PipelineRequest(prompt="queued", params={"a": {"delay_ms": 20000}}))
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(h.outcome() for h in [*handles, queued])), 5)
+    elapsed = time.monotonic() - killed
+    assert [o.error.code for o in outcomes if o.error] == ["replica_lost"] * 5, outcomes
+    assert elapsed < 1.0, elapsed
+    assert orch.readiness() == (False, "stage 'a' has no ready replica")  # until it answers
     again = await asyncio.to_thread(start_worker, pipe.spec.stage("a"), port=port,
                                     name="inc-a-0")
     second = (await asyncio.to_thread(_state, again))["incarnation"]
-    assert second != first
-    for _ in range(100):
+    for _ in range(200):  # routable again once the new process answered the hello
         if replica.incarnation == second:
             break
         await asyncio.sleep(0.05)
-    assert replica.incarnation == second
-    assert f"replica inc-a-0 restarted: incarnation {first} -> {second}" in caplog.text
+    assert replica.incarnation == second != first
+    _, out = await collect(orch, PipelineRequest(prompt="after"))
+    assert out.status == "ok" and out.children[0].outputs["a"].replica == "inc-a-0"
+    state = await asyncio.to_thread(_state, again)
+    metrics = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(again.http + "/metrics", timeout=5).read().decode())
+    labels = {"stage": "a", "replica": "inc-a-0"}
+    assert sample(metrics, "omnistage_worker_stale_messages_total", **labels) == 1  # "queued"
+    assert sample(metrics, "omnistage_worker_admitted_total", **labels) == 1  # only "after"
+    assert state["in_flight"] == 0
+    assert orch.counters["replica_restarts"] == 1
+    assert f"replica inc-a-0: connection closed: incarnation {first} is gone; failing 5 " \
+           "bound tasks" in caplog.text
