@@ -442,3 +442,61 @@ async def test_a_restart_at_the_same_address_fails_the_old_work_at_once(
     assert orch.counters["replica_restarts"] == 1
     assert f"replica inc-a-0: connection closed: incarnation {first} is gone; failing 5 " \
            "bound tasks" in caplog.text
+
+
+# ---- contract gaps: per-child failures, the stage's default deadline -----------------------
+
+
+async def test_generic_route_reports_failures_per_child(launch) -> None:
+    """One failed sample does not fail the request on the generic route (docs/http-api.md);
+    only a request whose every sample failed answers with an HTTP error."""
+    import aiohttp
+
+    from omnistage.orchestrator.http_api import serve_http
+
+    stage = {**echo("a", final=True), "admission": {"maxRequests": 1}}
+    pipe = pipeline("per", [stage])
+    orch, _, _ = await launch(pipe, {"a": [{}]})
+    runner, url = await serve_http(orch, "127.0.0.1", 0)
+    route = f"{url}/v1/pipelines/per/requests"
+    try:
+        async with aiohttp.ClientSession() as http:
+            # Two samples on a replica that admits one request: the second is refused.
+            body = {"prompt": "x", "n": 2, "params": {"a": {"delay_ms": 300}}}
+            async with http.post(route, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                got = await resp.json()
+            assert got["status"] == "ok"
+            assert [c["status"] for c in got["children"]] == ["ok", "request_error"]
+            assert got["children"][0]["outputs"]["a"]["fields"]["text"] == "x"
+            assert got["children"][1]["error"]["code"] == "overloaded"
+            assert got["children"][1]["error"]["stage"] == "a"
+            # A request whose only sample fails is a request-level error, with its status.
+            one = {"prompt": "y", "params": {"a": {"delay_ms": 300}}}
+            statuses = []
+            for coro in asyncio.as_completed([http.post(route, json=one) for _ in range(2)]):
+                async with await coro as resp:
+                    statuses.append(resp.status)
+                    if resp.status == 429:
+                        assert resp.headers["Retry-After"] == "1"
+                        assert (await resp.json())["error"]["code"] == "overloaded"
+            assert sorted(statuses) == [200, 429]
+    finally:
+        await runner.cleanup()
+
+
+async def test_stage_default_deadline_applies_through_the_orchestrator(launch) -> None:
+    stage = {**echo("a", final=True), "admission": {"defaultDeadlineSeconds": 0.5}}
+    pipe = pipeline("dl", [stage])
+    orch, _, _ = await launch(pipe, {"a": [{}]})
+    t0 = time.monotonic()
+    _, out = await collect(orch, PipelineRequest(prompt="x", params={"a": {"delay_ms": 5000}}))
+    elapsed = time.monotonic() - t0
+    assert out.status == "request_error" and out.error is not None
+    assert (out.error.code, out.error.stage) == ("deadline", "a")
+    # The stage's 0.5 s, not the orchestrator's 300 s request bound nor the 5 s of work.
+    assert 0.4 < elapsed < 3.0, elapsed
+    # A request that carries its own deadline is held to that one instead.
+    _, own = await collect(orch, PipelineRequest(prompt="y", timeout_s=20,
+                                                 params={"a": {"delay_ms": 1000}}))
+    assert own.status == "ok", own

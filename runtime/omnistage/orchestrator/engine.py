@@ -135,6 +135,8 @@ class Orchestrator:
         self.name = pipeline.metadata.name
         self.membership = membership
         self.kinds = {s.name: s.kind for s in self.spec.stages}
+        self.default_deadlines = {
+            s.name: float(s.admission.default_deadline_seconds) for s in self.spec.stages}
         self.inputs = {s.name: list(s.inputs) for s in self.spec.stages}
         self.topo = self.spec.topo_order()
         self.pools = {s.name: StagePool(s.name) for s in self.spec.stages}
@@ -484,6 +486,10 @@ class Orchestrator:
             self._fail_child(child, RequestError("deadline", "request deadline passed",
                                                  task.stage))
             return
+        if request.req.timeout_s is None:
+            # No deadline of the client's own: the stage's default applies to this stage, within
+            # the orchestrator's bound on the whole request.
+            remaining = min(remaining, self.default_deadlines[task.stage])
         submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining,
                           incarnation=replica.incarnation)
         try:
@@ -669,10 +675,12 @@ class Orchestrator:
             return
         outcomes = [c.outcome for c in request.children if c.outcome is not None]
         errors = [o for o in outcomes if o.status in (REQUEST_ERROR, FATAL)]
-        if errors:
+        if len(errors) == len(outcomes):
+            # Every sample failed, so did the request: with the first sample's error. When only
+            # some failed, the request succeeded and each failed child carries its own error.
             first = errors[0]
             status, error = first.status, first.error
-        elif all(o.status == ABORT for o in outcomes):
+        elif all(o.status in (ABORT, REQUEST_ERROR, FATAL) for o in outcomes):
             status, error = ABORT, None
         else:
             status, error = OK, None
