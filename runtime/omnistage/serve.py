@@ -87,7 +87,8 @@ def run_serve(
         try:
             return asyncio.run(serve_orchestrator(
                 pipeline, runtime.membership, host, port, say=_say, started=t0,
-                ignore_late_signals=True, shutdown_delay=shutdown_delay))
+                ignore_late_signals=True, shutdown_delay=shutdown_delay,
+                notes=runtime.notes, collectors=[runtime.collector]))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

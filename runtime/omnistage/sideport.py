@@ -30,9 +30,10 @@ def add_ops_routes(app: web.Application, *, readiness: Readiness,
                    registry: CollectorRegistry, state: StateView | None = None) -> None:
     """Add GET /livez, /readyz, /metrics (and /state when `state` is given) to `app`.
 
-    /livez answers 200 "ok" while the event loop serves HTTP. /readyz answers 200 "ready", or 503
-    with the reason from `readiness`. /metrics scrapes `registry` on the event loop, so
-    collectors read state that only the loop mutates. The callbacks run on every request.
+    /livez answers 200 "ok" while the event loop serves HTTP. /readyz answers 200 or 503 with
+    the reason from `readiness` ("ready", or "ready; ..." with what is degraded). /metrics
+    scrapes `registry` on the event loop, so collectors read state that only the loop mutates.
+    The callbacks run on every request.
     """
 
     async def livez(_: web.Request) -> web.Response:
@@ -40,7 +41,7 @@ def add_ops_routes(app: web.Application, *, readiness: Readiness,
 
     async def readyz(_: web.Request) -> web.Response:
         ok, reason = readiness()
-        return web.Response(text="ready") if ok else web.Response(status=503, text=reason)
+        return web.Response(status=200 if ok else 503, text=reason)
 
     async def metrics(request: web.Request) -> web.Response:
         body, content_type = exposition(registry, request.headers.get("Accept"))

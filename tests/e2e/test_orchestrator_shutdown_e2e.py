@@ -9,10 +9,7 @@ emulated by polling each orchestrator's /readyz (`Endpoints`).
 
 from __future__ import annotations
 
-import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +21,7 @@ import yaml
 from omnistage.procs import WorkerProcess, spawn_worker
 from omnistage.spec import load_pipeline
 from tests.harness.load import Endpoints, Load, Result, longest_gap, ready, summary
-from tests.harness.local import free_port
+from tests.harness.local import Proc, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,35 +38,6 @@ def echo_pipeline(tmp_path: Path, delay_ms: int = 100) -> Path:
     path = tmp_path / "echo.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-class Proc:
-    """An omnistage command whose output goes to a file the test can search."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "omnistage.cli", *args],
-                                         stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                         stdin=subprocess.DEVNULL)
-
-    @property
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            if m := re.search(pattern, self.output):
-                return m
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no {pattern!r} (rc={self.proc.poll()}):\n{self.output}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

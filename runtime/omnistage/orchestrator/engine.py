@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -129,7 +129,10 @@ class Orchestrator:
         *,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 3.0,
+        notes: Callable[[], Sequence[str]] | None = None,
     ) -> None:
+        """notes() adds lines to /readyz's reason, for what the placement knows and the
+        orchestrator cannot (a local replica crash-looping)."""
         self.pipeline = pipeline
         self.spec = pipeline.spec
         self.name = pipeline.metadata.name
@@ -144,6 +147,7 @@ class Orchestrator:
         self.tasks: dict[str, _Task] = {}
         self.suspects: dict[str, ReplicaInfo] = {}  # lost to heartbeats, still in membership
         self.accepting = False
+        self.notes = notes or (lambda: ())
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.counters: dict[str, float] = {
@@ -764,10 +768,11 @@ class Orchestrator:
     def readiness(self) -> tuple[bool, str]:
         if not self.accepting:
             return False, "not accepting requests"
+        notes = "".join(f"; {note}" for note in self.notes())
         for stage in self.topo:
             if not self.pools[stage].routable():
-                return False, f"stage {stage!r} has no ready replica"
-        return True, "ready"
+                return False, f"stage {stage!r} has no ready replica{notes}"
+        return True, f"ready{notes}"
 
     def status(self) -> dict[str, Any]:
         return {

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from prometheus_client.registry import Collector
+
 from omnistage import kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.spec import OmniPipeline, SpecError, load_pipeline, parse_pipeline
@@ -134,6 +136,8 @@ async def serve_orchestrator(
     say: Say | None = None,
     started: float | None = None,
     shutdown_delay: float | None = None,
+    notes: Callable[[], Sequence[str]] | None = None,
+    collectors: Sequence[Collector] = (),
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -143,6 +147,8 @@ async def serve_orchestrator(
     dates the "ready" line. on_ready(url) is called once the API listens (tests use it to learn
     the bound port). ignore_late_signals (the CLI) keeps signals harmless until the process has
     exited; otherwise the previous handlers come back (an embedding program keeps its own).
+    notes and collectors come from the placement (`omnistage serve`'s supervised replicas):
+    notes() lines join /readyz's reason, and the collectors' metrics /metrics.
     Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
@@ -175,7 +181,9 @@ async def serve_orchestrator(
     api_port = pipeline.spec.orchestrator.port if port is None else port
     delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
              else shutdown_delay)
-    orch = Orchestrator(pipeline, membership)
+    orch = Orchestrator(pipeline, membership, notes=notes)
+    for collector in collectors:
+        orch.registry.register(collector)
     runner: Any = None
     started_ok = serving = False
     drain = drain_timeout(pipeline)
