@@ -302,7 +302,8 @@ class ReplicaChannel:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(ChannelClosed(f"channel to {self.name} closed"))
-        self.sock.disable_monitor()
+        if not self.sock.closed:  # close() may be called again
+            self.sock.disable_monitor()
         self._monitor.close(linger=0)
         self.sock.close(linger=0)
 

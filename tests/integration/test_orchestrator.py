@@ -444,6 +444,58 @@ async def test_a_restart_at_the_same_address_fails_the_old_work_at_once(
            "bound tasks" in caplog.text
 
 
+async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work() -> None:
+    """When no closed connection was seen, a pong naming another incarnation, or a worker
+    refusing a submit as stale, has the same effect: the old work fails with replica_lost,
+    nothing more is sent for it, and the replica is routed to after a new handshake."""
+    stale: list[str] = []
+
+    def on_submit(msg: dict[str, Any]) -> list[Any] | None:
+        if msg["params"].get("prompt") == "refuse":
+            stale.append(msg["incarnation"])
+            return p.encode(p.Error(code="stale_incarnation", id=msg["id"], replica="fake",
+                                    message="the replica restarted"))
+        return None  # stays in flight
+
+    fake = FakeWorker(on_submit=on_submit)
+    pipe = pipeline("pong", [echo("a", final=True)])
+    orch = Orchestrator(pipe, StaticMembership([ReplicaInfo("a", "fake", fake.endpoint)]),
+                        heartbeat_interval=0.1, heartbeat_timeout=60)
+    await orch.start()
+    try:
+        replica = orch.pools["a"].replicas["fake"]
+        first = fake.incarnation
+        assert replica.incarnation == first
+        held = orch.submit(PipelineRequest(prompt="held"))
+        fake.incarnation = "second"  # the next pong says so; the connection never closed
+        out = await asyncio.wait_for(held.outcome(), 5)
+        assert out.error is not None and out.error.code == "replica_lost"
+        assert f"restarted: incarnation {first} -> second" in out.error.message
+        for _ in range(100):  # a hello went out, and its reply made the replica routable
+            if replica.incarnation == "second":
+                break
+            await asyncio.sleep(0.05)
+        assert replica.incarnation == "second"
+        # The submit named the process it was for; nothing more was sent for the lost work
+        # (no abort: the old process is gone).
+        [submit] = [m for m in fake.received if m["t"] in ("submit", "abort")]
+        assert (submit["t"], submit["incarnation"]) == ("submit", first)
+        assert [m["t"] for m in fake.received].count("hello") == 2
+        # A refusal as stale: that request fails, and the replica handshakes again.
+        fake.incarnation = "third"
+        out = await asyncio.wait_for(orch.submit(PipelineRequest(prompt="refuse")).outcome(), 5)
+        assert out.error is not None and out.error.code == "replica_lost"
+        assert stale == ["second"]
+        for _ in range(100):
+            if replica.incarnation == "third":
+                break
+            await asyncio.sleep(0.05)
+        assert replica.incarnation == "third" and orch.counters["replica_restarts"] == 2
+    finally:
+        await orch.stop(drain_timeout=1)
+        await fake.close()
+
+
 # ---- contract gaps: per-child failures, the stage's default deadline -----------------------
 
 
