@@ -41,7 +41,9 @@ def add_ops_routes(app: web.Application, *, readiness: Readiness,
 
     async def readyz(_: web.Request) -> web.Response:
         ok, reason = readiness()
-        return web.Response(status=200 if ok else 503, text=reason)
+        if ok:
+            return web.Response(text=reason or "ready")
+        return web.Response(status=503, text=reason)
 
     async def metrics(request: web.Request) -> web.Response:
         body, content_type = exposition(registry, request.headers.get("Accept"))
