@@ -318,7 +318,11 @@ class LocalStageRuntime:
         its restart under the same name."""
         rep.worker.kill()  # reap it and anything left in its process group
         rep.last_exit = rep.worker.proc.returncode
-        self._publish(rep, "gone")
+        if rep.state == "ready":
+            self._publish(rep, "gone")
+        else:  # a restart that never got ready was never published
+            with self._lock:
+                rep.state = "gone"
         rep.crashes += 1
         delay = self.restart.delay(rep.crashes)
         rep.restart_at = time.monotonic() + delay
