@@ -73,13 +73,29 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--port", type=int, default=None,
                    help="API port (default: spec.orchestrator.port; 0 = any free port)")
     s.add_argument("--log-dir", default=None, help="replica logs (default: a new temp folder)")
+    s.add_argument("--shutdown-delay", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, fail /readyz but keep serving this long before "
+                        "draining (default 0: nothing routes to a local server by its "
+                        "readiness; set it when a load balancer does)")
     s.set_defaults(handler=_run_serve)
+
+
+def _seconds(text: str) -> float:
+    """A duration argument: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value <= 300:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 300 seconds, got {text}")
+    return value
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from omnistage.serve import run_serve
 
-    return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir)
+    return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir,
+                     shutdown_delay=args.shutdown_delay)
 
 
 def _add_orchestrator(sub: Any) -> None:
@@ -99,6 +115,9 @@ def _add_orchestrator(sub: Any) -> None:
                    help="stage replicas' ZMQ port (kubernetes membership; default 5555)")
     o.add_argument("--replica", action="append", default=[], metavar="STAGE=NAME@tcp://HOST:PORT",
                    help="a replica (static membership; repeatable)")
+    o.add_argument("--shutdown-delay", type=_seconds, default=None, metavar="SECONDS",
+                   help="on SIGTERM, fail /readyz but keep serving this long before draining "
+                        "(default: spec.orchestrator.shutdownDelaySeconds)")
     o.set_defaults(handler=_run_orchestrator)
 
 
@@ -110,6 +129,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         pipeline_file=args.pipeline_file, membership=args.membership, namespace=args.namespace,
         host=args.host, port=args.port, replicas=args.replica,
         zmq_port=WORKER_ZMQ_PORT if args.zmq_port is None else args.zmq_port,
+        shutdown_delay=args.shutdown_delay,
     )
 
 

@@ -56,8 +56,13 @@ def run_serve(
     host: str = "127.0.0.1",
     port: int | None = None,
     log_dir: str | Path | None = None,
+    shutdown_delay: float = 0.0,
 ) -> int:
     """Serve the pipeline in file until SIGINT/SIGTERM; returns the process exit code.
+
+    shutdown_delay: how long /readyz fails before the orchestrator stops admitting (see
+    orchestrator.main); locally nothing routes by readiness unless the user put a load balancer
+    in front, so it defaults to 0 rather than to spec.orchestrator.shutdownDelaySeconds.
 
     Must run on the main thread: it owns the signal handlers, and the replicas' parent-death
     signal is tied to the thread that spawned them.
@@ -82,7 +87,8 @@ def run_serve(
         try:
             return asyncio.run(serve_orchestrator(
                 pipeline, runtime.membership, host, port, say=_say, started=t0,
-                ignore_late_signals=True))
+                ignore_late_signals=True, shutdown_delay=shutdown_delay,
+                notes=runtime.notes, collectors=[runtime.collector]))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

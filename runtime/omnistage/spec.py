@@ -481,6 +481,13 @@ class OrchestratorSpec(_Model):
     request_timeout_seconds: float = Field(
         300.0, gt=0, le=86_400, description="Upper bound on a request's lifetime end to end."
     )
+    shutdown_delay_seconds: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description="On SIGTERM an orchestrator fails /readyz at once but keeps serving this "
+        "long, so endpoints and load balancers drop it before it stops admitting and drains.",
+    )
     resources: OrchestratorResources = Field(
         default_factory=OrchestratorResources, description="Resources of each orchestrator replica."
     )
