@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,10 @@ from prometheus_client import CollectorRegistry
 from omnistage.metrics import exposition
 
 log = logging.getLogger("omnistage.sideport")
+
+# The listening sockets serve_app made for an app: owning them is how stop_listening can drain
+# the accept queue without reaching into aiohttp's private state.
+_LISTENERS = web.AppKey("omnistage_listeners", list[socket.socket])
 
 Readiness = Callable[[], tuple[bool, str]]
 """Returns (ready, reason); the reason is the 503 body when not ready."""
@@ -68,10 +73,16 @@ async def serve_app(app: web.Application, host: str, port: int,
 
     runner_options go to `web.AppRunner` (for example handler_cancellation=True).
     """
+    listeners: list[socket.socket] = []
+    app[_LISTENERS] = listeners  # before setup freezes the app
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, port), family=family, backlog=128)
+        listener.setblocking(False)
+        listeners.append(listener)
+        await web.SockSite(runner, listener).start()
     except BaseException:
         await runner.cleanup()
         raise
@@ -93,24 +104,23 @@ async def stop_listening(runner: web.AppRunner, settle: float = 2.0) -> None:
     """
     loop = asyncio.get_running_loop()
     taken: list[Any] = []
+    listeners = runner.app.get(_LISTENERS, []) if runner.app is not None else []
+    for listener in listeners:
+        loop.remove_reader(listener.fileno())  # asyncio accepts nothing more from it
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                log.warning("accepting the last connections failed: %s", exc)
+                break
+            conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                transport, _ = await loop.connect_accepted_socket(runner.server, conn)
+                taken.append(transport)
+    listeners.clear()  # stop_listening may run twice; the sites close the sockets
     for site in list(runner.sites):
-        server = getattr(site, "_server", None)  # aiohttp keeps its asyncio.Server private
-        for listener in (server.sockets if server is not None else ()):
-            loop.remove_reader(listener.fileno())  # asyncio accepts nothing more from it
-            with listener.dup() as sock:
-                sock.setblocking(False)
-                while True:
-                    try:
-                        conn, _ = sock.accept()
-                    except (BlockingIOError, InterruptedError):
-                        break
-                    except OSError as exc:
-                        log.warning("accepting the last connections failed: %s", exc)
-                        break
-                    conn.setblocking(False)
-                    with contextlib.suppress(OSError):
-                        transport, _ = await loop.connect_accepted_socket(runner.server, conn)
-                        taken.append(transport)
         await site.stop()
     deadline = loop.time() + settle
     # A transport offers no event for its closing; aiohttp's handler no hook we may set.
