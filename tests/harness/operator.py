@@ -88,6 +88,15 @@ class Operator:
             self.webhook = before
             self.start()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No operator process for a while (a test drives a Controller of its own)."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
