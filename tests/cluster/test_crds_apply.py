@@ -181,6 +181,23 @@ def test_stagepool_immutable_fields(crds: Cluster, namespace: str) -> None:
     assert "spec.stage.kind" in proc.stderr and "kind is immutable" in proc.stderr
 
 
+def test_every_status_the_operator_writes_is_stored_unpruned(crds: Cluster, namespace: str) -> None:
+    """Each status variant the status module can produce, through the real status subresource."""
+    from tests.unit.test_status import every_status
+
+    crds.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "echo.yaml"))
+    crds.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(_stagepool()))
+    for name, status in every_status():
+        ref = "sp/echo-a" if name.startswith("pool") else "omnipipe/echo"
+        proc = crds.kubectl(
+            "patch", "-n", namespace, ref, "--subresource=status", "--type=merge",
+            "--dry-run=server", "-o", "json", "-p", json.dumps({"status": status}), check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{name}: {proc.stderr}"
+        stored = json.loads(proc.stdout)["status"]
+        assert stored == status, f"{name}: the API server pruned or changed the status"
+
+
 # Invalid manifests: tests/cluster/test_validation.py runs each through the API server (with and
 # without the admission webhook) and through `omnistage validate`.
 

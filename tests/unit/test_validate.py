@@ -180,3 +180,33 @@ def test_parse_service() -> None:
     assert parse_service("ns/svc:9443") == ("ns", "svc", 9443)
     with pytest.raises(ValueError, match="NAMESPACE/NAME"):
         parse_service("svc")
+
+
+async def test_the_webhook_server_announces_a_service_or_a_url(tmp_path: Path) -> None:
+    """kopf's server, started for real on loopback; the client config it yields is what the
+    managed ValidatingWebhookConfiguration gets."""
+    import asyncio
+    import base64
+
+    from omni_operator.webhook import WebhookSettings, server
+    from tests.harness.local import free_port
+
+    async def refuse_all(request: Any, **_: Any) -> Any:
+        return {}
+
+    for settings, expected in (
+        (WebhookSettings(port=free_port(), service="omnistage-system/omnistage-webhook"),
+         {"service": {"namespace": "omnistage-system", "name": "omnistage-webhook",
+                      "port": 443}}),
+        (WebhookSettings(port=free_port()), None),
+    ):
+        configs = server(settings)(refuse_all)
+        config = await asyncio.wait_for(configs.__anext__(), 10)
+        try:
+            assert base64.b64decode(config["caBundle"]).startswith(b"-----BEGIN CERTIFICATE")
+            if expected:
+                assert {k: v for k, v in config.items() if k != "caBundle"} == expected
+            else:
+                assert config["url"] == f"https://127.0.0.1:{settings.port}"
+        finally:
+            await configs.aclose()
