@@ -10,6 +10,7 @@ from typing import Any
 import kopf
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from omni_operator import webhook
 from omni_operator.controller import Controller
 from omni_operator.handlers import register
 from omnistage.kubeapi import KubeApi, KubeConfig
@@ -42,12 +43,16 @@ class OperatorCollector:
 
 
 async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
-              resync_seconds: float, namespaces: list[str]) -> None:
+              resync_seconds: float, namespaces: list[str],
+              admission: webhook.WebhookSettings | None = None) -> None:
     config = KubeConfig.load(kubeconfig)
     controller = Controller(KubeApi(config, user_agent="omnistage-operator"),
                             resync_seconds=resync_seconds)
     registry = kopf.OperatorRegistry()
     register(registry, controller)
+    admission = admission or webhook.WebhookSettings(enabled=False)
+    if admission.enabled:
+        webhook.register(registry, admission)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -55,6 +60,8 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         settings.posting.enabled = False
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
+        if admission.enabled:
+            webhook.configure(settings, admission)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> Any:
@@ -81,6 +88,11 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
 
 def main(args: Any) -> int:
     logging.getLogger("kopf").setLevel(logging.WARNING)
+    admission = webhook.WebhookSettings(
+        enabled=args.webhook, addr=args.webhook_addr, port=args.webhook_port,
+        host=args.webhook_host, service=args.webhook_service, cert_dir=args.webhook_cert_dir,
+        failure_policy=args.webhook_failure_policy,
+    )
     asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port, args.resync_seconds,
-                    list(args.namespace or [])))
+                    list(args.namespace or []), admission))
     return 0
