@@ -31,6 +31,13 @@ def register(sub: Any) -> None:
                    help="serves /metrics (API write counts), /livez and /readyz")
     o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
                    help="how often every object is re-checked (writes only on drift)")
+    o.add_argument("--leader-elect", action="store_true",
+                   help="reconcile only while holding a coordination.k8s.io Lease, so several "
+                   "replicas can run and one leads (the Helm chart turns this on)")
+    o.add_argument("--leader-elect-namespace", default=None,
+                   help="namespace of the Lease (default: the pod's own namespace)")
+    o.add_argument("--leader-elect-name", default="omnistage-operator",
+                   help="name of the Lease (default omnistage-operator)")
     o.set_defaults(handler=run)
 
 
