@@ -43,55 +43,55 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{- /*
-Least privilege: one rule per thing the operator manages, and why. tests/chart/test_rbac.py runs
-the operator with exactly this ServiceAccount and fails on any 403 or on a verb it never uses.
+Least privilege: one rule per thing the operator manages, and why. It reads through list+watch
+caches (never a plain get) and leaves deleting its children to the garbage collector (they carry
+ownerReferences); it deletes only replica Pods and StagePools itself. tests/e2e/test_chart_rbac.py
+runs the operator with exactly this ServiceAccount and fails on any 403 or on a grant it never uses.
 */}}
 {{- define "omnistage.rules" -}}
-# Its own resources: OmniPipelines (reconciled) and StagePools (created per stage, reconciled).
+# Its pipelines: watched, and patched for the ordered-shutdown finalizer.
 - apiGroups: [omnistage.io]
-  resources: [omnipipelines, stagepools]
-  verbs: [get, list, watch, create, update, patch, delete]
+  resources: [omnipipelines]
+  verbs: [list, watch, patch]
+# StagePools: one per stage, created, kept as desired, deleted when their stage goes.
+- apiGroups: [omnistage.io]
+  resources: [stagepools]
+  verbs: [list, watch, create, patch, delete]
 # Status conditions, counts and the endpoint.
 - apiGroups: [omnistage.io]
   resources: [omnipipelines/status, stagepools/status]
-  verbs: [get, update, patch]
-# Ordered shutdown runs through a finalizer; setting ownerReferences with blockOwnerDeletion
-# also needs update on the owner's finalizers (the OwnerReferencesPermissionEnforcement
-# admission plugin checks it).
+  verbs: [patch]
+# Setting ownerReferences with blockOwnerDeletion needs update on the owner's finalizers (the
+# OwnerReferencesPermissionEnforcement admission plugin checks it; it is not a request).
 - apiGroups: [omnistage.io]
   resources: [omnipipelines/finalizers, stagepools/finalizers]
   verbs: [update]
 # Replica pods: created and deleted one by one, patched with the drain mark. list/watch are
-# also what the orchestrators' Roles grant, and RBAC only lets the operator grant verbs it
-# holds itself.
+# also what the orchestrators' Roles grant, and RBAC only lets the operator grant what it holds.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [list, watch, create, patch, delete]
 # The readiness gate omnistage.io/routable is a pod status condition the operator sets.
 - apiGroups: [""]
   resources: [pods/status]
   verbs: [patch]
-# Orchestrator Service and ServiceAccount, the ConfigMap with the resolved spec.
+# The orchestrator's Service, ServiceAccount and ConfigMap (the resolved spec), its Deployment,
+# its namespaced Role and RoleBinding (pods list/watch), and one PodDisruptionBudget per
+# StagePool: created, and patched back when they drift.
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
-  verbs: [get, list, watch, create, patch, delete]
-# The orchestrator Deployment.
+  verbs: [list, watch, create, patch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, delete]
-# One PodDisruptionBudget per StagePool.
+  verbs: [list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, delete]
-# The orchestrator's namespaced Role (pods list/watch) and its RoleBinding.
+  verbs: [list, watch, create, patch]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [get, list, watch, create, patch, delete]
-# Events: create, scale, unschedulable, replica lost (kopf posts core events; both APIs allowed).
+  verbs: [list, watch, create, patch]
+# Events: created, scale, unschedulable, replica lost.
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
-- apiGroups: [events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- end -}}
