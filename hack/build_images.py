@@ -389,6 +389,14 @@ class Buildah(Builder):
 
     def build(self, image: Image, tags: list[str], args: dict[str, str],
               secrets: dict[str, Path], volumes: list[str]) -> None:
+        # Build containers an interrupted build left behind (we hold the build lock: no other
+        # build is running in this storage).
+        out = run(self.cmd("containers", "--format", "{{.ContainerName}}")).stdout.split()
+        stale = [c for c in out if c.endswith("-working-container")
+                 or "-working-container-" in c]
+        if stale:
+            log(f"removing {len(stale)} build container(s) of an interrupted build")
+            run(self.cmd("rm", *stale), check=False)
         cmd = self.cmd("build", "--layers", "--isolation", "chroot", "--pull-never",
                        "-f", str(REPO / image.dockerfile))
         for tag in tags:
@@ -407,7 +415,8 @@ class Buildah(Builder):
         return {k: cfg.get(k) for k in CONFIG_KEYS if cfg.get(k) is not None}
 
     def size(self, image_id: str) -> str:
-        return run(self.cmd("images", "--format", "{{.Size}}", image_id)).stdout.strip()
+        out = run(self.cmd("images", "--format", "{{.Size}}", image_id)).stdout
+        return out.splitlines()[0].strip()
 
     def rootfs(self, name: str, image_id: str) -> Path:
         """One working container per image, mounted: its rootfs is what pods run in (read-only,
@@ -423,10 +432,10 @@ class Buildah(Builder):
 
     def prune(self, keep: set[str]) -> None:
         """Remove rootfs containers of images no index names any more."""
-        out = run(self.cmd("containers", "--format", "{{.ContainerName}} {{.ImageID}}")).stdout
+        out = run(self.cmd("containers", "--format", "{{.ContainerName}}|{{.ImageID}}")).stdout
         kept = {short_id(k) for k in keep}
         for line in out.splitlines():
-            ctr, _, image_id = line.partition(" ")
+            ctr, _, image_id = (part.strip() for part in line.partition("|"))
             if ctr.startswith("omnistage-rootfs-") and short_id(image_id) not in kept:
                 log(f"removing the unused rootfs {ctr}")
                 run(self.cmd("umount", ctr), check=False)
@@ -610,14 +619,11 @@ def build_all(only: list[str], force: bool, variant: str) -> dict[str, Any]:
     base = resolve_base(builder)
     base_id = builder.image_id(base) or ""
     state_dir = cache_dir() / "state" / checkout_id()
-    index = read_json(index_path()).get("images", {})
-    index[base] = index_entry(builder, "base", base, base_id)
+    index: dict[str, Any] = {base: index_entry(builder, "base", base, base_id)}
     index[BASE_ALIAS] = index[base]
     with tempfile.TemporaryDirectory(prefix="omnistage-pip-") as tmp:
         secrets, volumes = pip_secrets(Path(tmp))
         for image in IMAGES:
-            if only and image.name not in only:
-                continue
             args = {"BASE_IMAGE": base}
             if image.torch:
                 args["TORCH_VARIANT"] = variant
@@ -625,7 +631,13 @@ def build_all(only: list[str], force: bool, variant: str) -> dict[str, Any]:
             ref = image.ref(ver)
             state = read_json(state_dir / f"{image.name}.json")
             image_id = builder.image_id(ref)
-            if not force and state.get("inputs") == key and image_id == state.get("id"):
+            fresh = state.get("inputs") == key and image_id == state.get("id")
+            if only and image.name not in only:
+                if not fresh:
+                    log(f"{image.name} {ref}: not built (out of date or missing); not indexed")
+                    continue
+                log(f"{image.name} {ref}: cached (inputs {key[:12]})")
+            elif fresh and not force:
                 log(f"{image.name} {ref}: cached (inputs {key[:12]})")
             else:
                 log(f"{image.name} {ref}: building (inputs {key[:12]}; slow on a cold cache)")

@@ -146,6 +146,9 @@ def main(args: Any) -> int:
     logging.getLogger("kopf").setLevel(logging.WARNING)
     lease = None
     if args.leader_elect:
+        # A renewal every retry period is not news: keep the write log to reconciles.
+        logging.getLogger("omnistage.kubeapi.writes").addFilter(
+            lambda record: "/leases/" not in record.getMessage())
         identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
         lease = (args.leader_elect_namespace or default_namespace(), args.leader_elect_name,
                  identity)
