@@ -7,6 +7,8 @@ broken image. Each case below would succeed on the checkout's Python and must fa
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +16,8 @@ import pytest
 from omnistage.kubeapi import resource_path
 from omnistage.spec import DEFAULT_IMAGE
 from tests.e2e.conftest import require_images
-from tests.harness.cluster import PY_IMAGE, Cluster, PodRunner
+from tests.harness.cluster import HACK, PY_IMAGE, Cluster, PodRunner
+from tests.harness.images import LocalImages
 from tests.harness.kubeclient import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,6 +29,12 @@ LOCKED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
 # What every stage pod runs (builders.worker_command), for a model-free echo stage.
 STAGE_COMMAND = ["omnistage", "stage", "--stage-json", json.dumps({"name": "a", "kind": "echo"}),
                  "--port", "5555", "--http-port", "8081"]
+
+
+def build_images_index() -> Path:
+    out = subprocess.run([str(HACK / "build-images.sh"), "--print-index"], capture_output=True,
+                         text=True, check=True)
+    return Path(out.stdout.strip())
 
 
 def _pod(name: str, image: str, command: list[str], **spec: Any) -> Obj:
@@ -135,3 +144,33 @@ def test_the_runtime_image_runs_the_same_pod_as_the_nonroot_uid_on_a_read_only_r
     assert "\n65532\n" in out
     assert "Read-only file system" in out
     assert "tmp-writable" in out
+
+
+@pytest.mark.parametrize("name", ["runtime", "operator"])
+def test_images_are_nonroot_labelled_and_carry_no_compiler_or_pip_config(
+    images: PodRunner, name: str
+) -> None:
+    index = LocalImages(build_images_index())
+    ref = DEFAULT_IMAGE if name == "runtime" else OPERATOR_IMAGE
+    image = index.lookup(ref)
+    rootfs = Path(image.rootfs)
+    assert image.config["User"] == "65532:65532"
+    assert "nonroot:x:65532:65532:" in (rootfs / "etc" / "passwd").read_text()
+    labels = image.config["Labels"]
+    assert labels["org.opencontainers.image.version"] == DEFAULT_IMAGE.rsplit(":", 1)[1]
+    assert labels["org.opencontainers.image.title"] == (
+        "omnistage" if name == "runtime" else "omnistage-operator")
+    assert labels["org.opencontainers.image.base.name"]
+    compilers = [p for d in ("usr/bin", "usr/local/bin") for p in (rootfs / d).glob("*")
+                 if p.name in ("gcc", "cc", "c++", "g++", "clang", "make")
+                 or p.name.startswith(("x86_64-linux-gnu-gcc", "gcc-"))]
+    assert not compilers, compilers
+    for leak in ("etc/pip.conf", "etc/xdg/pip/pip.conf", "root/.config/pip/pip.conf",
+                 "run/secrets/pipconf", "run/secrets/pipca"):
+        assert not (rootfs / leak).exists(), leak
+    env = image.env
+    assert env["HOME"] == "/tmp" and env["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert not any(k.startswith("PIP_") for k in env)
+    has_torch = (rootfs / "opt" / "omnistage" / "lib" / "python3.11" / "site-packages"
+                 / "torch").is_dir()
+    assert has_torch == (name == "runtime")
