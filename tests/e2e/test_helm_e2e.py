@@ -23,7 +23,7 @@ from tests.e2e.conftest import E2E_VALUES, release_namespace, require_images
 from tests.harness.cluster import Cluster, PodRunner, cleanup_namespace, pods, temp_namespace
 from tests.harness.helm import Release
 from tests.harness.metrics import sample
-from tests.harness.operator import get, wait_for
+from tests.harness.operator import get, pod_url, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +121,13 @@ def _install_run_upgrade_uninstall(kube: Cluster, runner: PodRunner, release: Re
     [orch] = [p for p in pods(kube.kube, app_ns, f"{k.LABEL_PIPELINE}=echo,"
                                                   f"{k.LABEL_COMPONENT}=orchestrator")
               if not p["metadata"].get("deletionTimestamp")]
-    url = f"http://{orch['status']['podIP']}:8000/v1/pipelines/echo/requests"
+    with pod_url(runner, orch, 8000) as base:  # the pod IP here, a port-forward on kind
+        _serve_through_upgrade_and_uninstall(kube, release, app_ns,
+                                             f"{base}/v1/pipelines/echo/requests")
+
+
+def _serve_through_upgrade_and_uninstall(kube: Cluster, release: Release, app_ns: str,
+                                         url: str) -> None:
     assert _post(url, {"prompt": "hello"})[0] == 200
 
     # 3. helm upgrade with a changed value rolls the operator while the pipeline serves.

@@ -5,6 +5,8 @@ hack/kind-e2e.sh selects a kind cluster) we use that cluster as it is and never 
 we start a private local control plane with hack/cluster.sh (own state dir and free ports, so
 concurrent test sessions do not collide) and stop it at the end. The handles are process-wide,
 reference-counted singletons so several conftests can share one cluster per pytest session.
+The local pod runner runs every pod in its image (OMNISTAGE_POD_MODE=image, the default; the
+images are built or reused first) or, with OMNISTAGE_POD_MODE=process, on the checkout's Python.
 """
 
 from __future__ import annotations
