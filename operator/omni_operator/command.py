@@ -46,6 +46,13 @@ def register(sub: Any) -> None:
                         "self-signed CA generated at start")
     w.add_argument("--webhook-failure-policy", choices=["Ignore", "Fail"], default="Ignore",
                    help="what the API server does when the webhook cannot be reached")
+    o.add_argument("--leader-elect", action="store_true",
+                   help="reconcile only while holding a coordination.k8s.io Lease, so several "
+                   "replicas can run and one leads (the Helm chart turns this on)")
+    o.add_argument("--leader-elect-namespace", default=None,
+                   help="namespace of the Lease (default: the pod's own namespace)")
+    o.add_argument("--leader-elect-name", default="omnistage-operator",
+                   help="name of the Lease (default omnistage-operator)")
     o.set_defaults(handler=run)
 
 

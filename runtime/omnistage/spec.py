@@ -38,6 +38,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from omnistage import __version__
+
 __all__ = [
     "API_VERSION",
     "BUILTIN_MODELS",
@@ -72,7 +74,10 @@ __all__ = [
 API_VERSION = "omnistage.io/v1alpha1"
 KIND = "OmniPipeline"
 POOL_KIND = "StagePool"
-DEFAULT_IMAGE = "ghcr.io/omnistage/omnistage:0.1.0"
+#: The runtime image (runtime/Dockerfile). Its tag is the package version, the one version
+#: source that the chart's appVersion and the image tags share (tests/unit/test_versions.py).
+IMAGE_REPOSITORY = "ghcr.io/omnistage/omnistage"
+DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
 #: Upper bounds shared with the CRD's CEL rules, so the API server and the runtime agree.
 MAX_STAGES = 16
 MAX_REPLICAS = 64

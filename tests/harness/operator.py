@@ -159,7 +159,9 @@ def crds(kube: Cluster) -> None:
     apply_crds(kube)
 
 
-@pytest.fixture(scope="session")
+# Module scope: tests/e2e runs the operator from the Helm chart instead (tests/e2e/conftest.py),
+# and two operators must never reconcile the same cluster at once.
+@pytest.fixture(scope="module")
 def operator(
     kube: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
