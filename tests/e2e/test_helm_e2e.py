@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from omni_operator.webhook import CONFIGURATION
+from omni_operator.webhook import CONFIGURATION, SERVING_LABEL
 from omnistage import kube as k
 from omnistage.kubeapi import resource_path
 from omnistage.spec import DEFAULT_IMAGE
@@ -60,6 +60,16 @@ def _refused_by_the_webhook(kube: Cluster, ns: str, log_tail: Any) -> None:
         proc.stderr, proc.stderr
     assert f"{CYCLE_PATH}: cycle detected" in proc.stderr, proc.stderr
     assert get(kube, ns, "omnipipe", "cycle") is None
+
+
+def _only_the_leader_is_labelled(release: Release, leader: str) -> None:
+    """The webhook Service selects SERVING_LABEL: only the leader's pod may carry it."""
+    def labelled() -> list[str]:
+        return [p["metadata"]["name"] for p in release.operator_pods()
+                if p["metadata"].get("labels", {}).get(SERVING_LABEL) == "true"]
+
+    wait_for(lambda: labelled() == [leader], 30, f"only {leader} labelled {SERVING_LABEL}",
+             lambda: f"labelled: {labelled()}\n{release.log_tail()}", 0.5)
 
 
 def _reconciles(runner: PodRunner, pod: Obj) -> float:
@@ -139,10 +149,7 @@ def _install_run_upgrade_uninstall(kube: Cluster, runner: PodRunner, release: Re
     assert kube.kubectl("get", "crd", "omnipipelines.omnistage.io", check=False).returncode == 0
     assert "admission webhook" in notes
     _refused_by_the_webhook(kube, app_ns, release.log_tail)
-    if not kube.is_local:  # the webhook Service routes to the leader's pod only
-        labelled = [p["metadata"]["name"] for p in release.operator_pods()
-                    if p["metadata"]["labels"].get("omnistage.io/webhook") == "true"]
-        assert labelled == [leader], labelled
+    _only_the_leader_is_labelled(release, leader)
 
     # 2. A pipeline reconciled by the leader only.
     kube.kubectl("apply", "-n", app_ns, "-f", str(ECHO))
@@ -191,6 +198,7 @@ def _serve_through_upgrade_and_uninstall(kube: Cluster, release: Release, app_ns
         assert new_leader in {p["metadata"]["name"] for p in release.operator_pods()}
         # The new leader serves the webhook (it rewrote the configuration at its start).
         _refused_by_the_webhook(kube, app_ns, release.log_tail)
+        _only_the_leader_is_labelled(release, new_leader)
         # The new leader reconciles: a scale-up of a pool is carried out.
         kube.kubectl("scale", "-n", app_ns, "sp/echo-a", "--replicas=2")
         wait_for(lambda: sum(p["metadata"]["labels"].get(k.LABEL_STAGE) == "a"
