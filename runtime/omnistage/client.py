@@ -3,6 +3,10 @@
 A channel opens with the hello handshake (protocol version in, replica identity and incarnation
 out). Many requests share a channel; replies are routed back by request id, control replies and
 heartbeats by correlation id. The orchestrator, the CLI and the tests all use this.
+
+With a SegmentManager, the hello offers this process's shared-memory segment; when the worker
+can read it (and we can read the worker's), large tensors go through shared memory both ways
+and only their handles cross the socket (see omnistage.shm for who frees what, and when).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -20,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from omnistage import protocol as p
+from omnistage.shm import SegmentManager
 
 log = logging.getLogger("omnistage.client")
 _cids = itertools.count(1)
@@ -47,6 +53,7 @@ class ReplicaChannel:
         name: str = "",
         zctx: zmq.asyncio.Context | None = None,
         on_message: Callable[[Reply], None] | None = None,
+        shm: SegmentManager | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.name = name or endpoint
@@ -61,13 +68,16 @@ class ReplicaChannel:
         self._calls: dict[str, asyncio.Future[Reply]] = {}
         self.unsolicited: asyncio.Queue[Reply] = asyncio.Queue()
         self._on_message = on_message
+        self.shm = shm
+        self.shm_peer: str | None = None  # the worker's segment, once each side reads the other
+        self._sent: dict[str, list[int]] = {}  # request id -> our blocks the worker reads
         self.closed = False
         loop = asyncio.get_running_loop()
         # The worker answers the hello before anything sent after it, so the first hello_reply
         # or id-less error on this channel settles the handshake.
         self._peer: asyncio.Future[p.HelloReply] = loop.create_future()
         self._peer.add_done_callback(_retrieve)
-        self.send(p.Hello(version=p.PROTOCOL_VERSION))
+        self.send(p.Hello(version=p.PROTOCOL_VERSION, shm=shm.probe() if shm else None))
         self._recv_task: asyncio.Task[None] | None = asyncio.ensure_future(self._recv_loop())
 
     # ---- receiving -----------------------------------------------------------------------
@@ -76,7 +86,8 @@ class ReplicaChannel:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
-                msg = p.decode_reply(frames)
+                msg = p.decode_reply(frames, self.shm.resolve if self.shm else None)
+                msg.lender = self.shm_peer
             except p.ProtocolError as exc:
                 log.warning("bad reply from %s: %s", self.name, exc)
                 rid, cid = p.salvage_ids(frames)
@@ -91,6 +102,8 @@ class ReplicaChannel:
         h = msg.header
         if not self._peer.done() and self._settle_handshake(h):
             return
+        if isinstance(h, p.TERMINAL_REPLIES) and h.id is not None:
+            self._free_sent(h.id, msg)
         cid = getattr(h, "cid", None)
         if cid is not None:
             fut = self._calls.pop(cid, None)
@@ -116,6 +129,7 @@ class ReplicaChannel:
                     f"replica {self.name} at {self.endpoint} speaks protocol version "
                     f"{h.version}; this client speaks {p.PROTOCOL_VERSION}"))
             else:
+                self._peer_shm(h)
                 self._peer.set_result(h)
             return True
         if isinstance(h, p.Error) and h.id is None and h.cid is None:
@@ -126,6 +140,45 @@ class ReplicaChannel:
                 f"{h.code}: {h.message}"))
             return True
         return False
+
+    @property
+    def borrower(self) -> str | None:
+        """What a submit names as `shm`: our segment, when the worker may lend to us."""
+        return self.shm.name if self.shm is not None and self.shm_peer is not None else None
+
+    def _peer_shm(self, h: p.HelloReply) -> None:
+        """Use shared memory with this worker when it read our segment and we read its own."""
+        old, self.shm_peer = self.shm_peer, None
+        if old is not None and self.shm is not None:
+            self.shm.detach_lender(old, self._send_release)
+        if self.shm is not None and h.shm is not None and self.shm.verify(h.shm):
+            self.shm_peer = h.shm.segment
+            self.shm.attach_lender(self.shm_peer, self._send_release)
+
+    def _send_release(self, leases: list[int]) -> None:
+        for i in range(0, len(leases), 4096):
+            self.send(p.Release(leases=leases[i:i + 4096]))
+
+    def release(self, msg: Reply) -> None:
+        """Done with a reply: give the shared-memory blocks it carries back to their owner.
+
+        A reply's tensors are views of the worker's segment; once released they may be reused,
+        so copy (WireTensor.detached) whatever must outlive this call.
+        """
+        if self.shm is not None:
+            self.shm.release(msg)
+
+    def _free_sent(self, rid: str, reply: Reply | None = None) -> None:
+        """The worker is done with the blocks it was sent for rid (it answered, or is gone);
+        those the reply itself carries back are freed when the reply is released."""
+        leases = self._sent.pop(rid, None)
+        if not leases or self.shm is None:
+            return
+        if reply is not None:
+            kept = {wt.shm.lease for wt in reply.tensors.values()
+                    if wt.shm is not None and wt.shm.segment == self.shm.name}
+            leases = [lease for lease in leases if lease not in kept]
+        self.shm.free(leases)
 
     async def handshake(self, timeout: float | None = None) -> p.HelloReply:
         """The worker's hello reply; raises VersionMismatch when it speaks another version."""
@@ -143,7 +196,8 @@ class ReplicaChannel:
     def send(self, header: msgspec.Struct, tensors: Mapping[str, Any] | None = None) -> None:
         if self.closed:
             raise ChannelClosed(f"channel to {self.name} is closed")
-        self.sock.send_multipart(p.encode(header, tensors), copy=False)
+        self.sock.send_multipart(p.encode(header, tensors, shm=self.shm_peer is not None),
+                                 copy=False)
 
     def send_raw(self, frames: list[Any]) -> None:
         """Send frames as they are (used by tests to send malformed messages)."""
@@ -163,10 +217,49 @@ class ReplicaChannel:
         """
         if self._peer.done() and not self._peer.cancelled() and self._peer.exception():
             raise self._peer.exception()  # type: ignore[misc]
+        if self.borrower is not None and tensors:
+            tensors = self._place_now(rid, tensors)
         q: asyncio.Queue[Reply] = asyncio.Queue()
         self._streams[rid] = q
-        self.send(p.Submit(id=rid, params=dict(params), timeout_s=timeout_s), tensors)
+        try:
+            self.send(p.Submit(id=rid, params=dict(params), timeout_s=timeout_s,
+                               shm=self.borrower), tensors)
+        except BaseException:
+            self._streams.pop(rid, None)
+            self._free_sent(rid)
+            raise
         return q
+
+    def _place_now(self, rid: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """Large tensors copied into our segment where it has room now (the rest go as frames);
+        the blocks are freed when rid's terminal reply arrives."""
+        assert self.shm is not None
+        out = dict(tensors)
+        for name, value in tensors.items():
+            if self.shm.wants(value):
+                placed = self.shm.try_place(value)
+                if placed is not None:
+                    out[name] = placed
+                    self._sent.setdefault(rid, []).append(placed.shm.lease)  # type: ignore[union-attr]
+        return out
+
+    async def _place(self, rid: str, tensors: Mapping[str, Any],
+                     timeout_s: float | None) -> dict[str, Any]:
+        """As _place_now, but waits for room while our segment is full (back-pressure)."""
+        assert self.shm is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        out = dict(tensors)
+        try:
+            for name, value in tensors.items():
+                if self.shm.wants(value):
+                    placed = await self.shm.place(value, deadline=deadline)
+                    if placed is not None:
+                        out[name] = placed
+                        self._sent.setdefault(rid, []).append(placed.shm.lease)  # type: ignore[union-attr]
+        except BaseException:
+            self._free_sent(rid)
+            raise
+        return out
 
     async def stream(
         self,
@@ -175,8 +268,14 @@ class ReplicaChannel:
         tensors: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Reply]:
-        """Yield every reply for one request, ending with its terminal reply."""
+        """Yield every reply for one request, ending with its terminal reply.
+
+        Large tensors wait for room in shared memory when it is full (back-pressure), up to
+        timeout_s.
+        """
         await self.handshake()
+        if tensors and self.shm is not None and self.shm_peer is not None:
+            tensors = await self._place(rid, tensors, timeout_s)
         q = self.submit(rid, params, tensors, timeout_s)
         try:
             while True:
@@ -237,6 +336,11 @@ class ReplicaChannel:
         return reply
 
     async def close(self) -> None:
+        if self.shm is not None:
+            for rid in list(self._sent):  # the worker answers nothing more on this channel
+                self._free_sent(rid)
+            if self.shm_peer is not None:
+                self.shm.detach_lender(self.shm_peer, self._send_release)
         self.closed = True
         if self._recv_task is not None:
             self._recv_task.cancel()

@@ -7,6 +7,11 @@ operator gives pods), publishes them through a StaticMembership, and tears them 
 Workers are spawned from the thread that calls start(): the parent-death signal set in
 procs._child_setup fires when that *thread* exits, so call start() from the main thread or
 another thread that lives as long as the replicas (never from asyncio.to_thread).
+
+Everything is on one host, so each worker also serves a unix socket (ipc://), which the
+membership publishes; with a ShmConfig, workers and the orchestrator exchange large tensors
+through shared memory, and a reaper process sweeps the session's segments once this process is
+gone, however it goes (see omnistage.shm).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
 from omnistage.procs import StartupError, WorkerProcess, spawn_worker, wait_all_ready
+from omnistage.shm import ENV_DIR, ShmConfig, spawn_reaper
 from omnistage.spec import OmniPipeline, Stage
 from omnistage.worker.config import resolve_model
 
@@ -111,6 +117,8 @@ class LocalStageRuntime:
         gpus: Sequence[str] | None = None,
         ready_timeout: float = 300.0,
         watch_interval: float = 0.2,
+        ipc: bool = True,
+        shm: ShmConfig | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
@@ -122,6 +130,10 @@ class LocalStageRuntime:
         self._gpus = list(gpus) if gpus is not None else None
         self.ready_timeout = ready_timeout
         self.watch_interval = watch_interval
+        self.shm = shm  # the orchestrator of this runtime uses the same (serve passes it on)
+        self.ipc = ipc
+        self._ipc_dir: Path | None = None
+        self._reaper: subprocess.Popen[bytes] | None = None
         self.membership = StaticMembership()
         self.replicas: dict[str, _Replica] = {}
         self._lock = threading.Lock()
@@ -176,10 +188,16 @@ class LocalStageRuntime:
         t0 = time.monotonic()
         self.progress(f"starting {len(plans)} replica(s) of pipeline "
                       f"{self.pipeline.metadata.name} (logs: {self.log_dir})")
+        shm_env = self.shm.env() if self.shm is not None else {ENV_DIR: ""}
+        if self.shm is not None:
+            self._reaper = spawn_reaper(self.shm)
+        if self.ipc:  # short: a unix socket path has at most 107 bytes
+            self._ipc_dir = Path(tempfile.mkdtemp(prefix="omnistage-ipc-"))
         try:
-            for plan in plans:
+            for i, plan in enumerate(plans):
+                ipc = self._ipc_dir / f"{i}.sock" if self._ipc_dir is not None else None
                 worker = spawn_worker(plan.name, plan.stage, host=self.host,
-                                      log_dir=self.log_dir, env=plan.env)
+                                      log_dir=self.log_dir, env={**plan.env, **shm_env}, ipc=ipc)
                 with self._lock:
                     self.replicas[plan.name] = _Replica(plan, worker)
             self._wait_all_ready()
@@ -222,6 +240,14 @@ class LocalStageRuntime:
                 self._publish(rep, "gone")
         self._stopped = True
         self._stopping.set()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        """The replicas are gone: remove their sockets, and let the reaper sweep and exit."""
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._reaper is not None and self._reaper.stdin is not None:
+            self._reaper.stdin.close()
 
     # ---- liveness --------------------------------------------------------------------------
 
@@ -243,7 +269,7 @@ class LocalStageRuntime:
             if rep.state == state or rep.state == "gone":
                 return
             rep.state = state
-        info = ReplicaInfo(rep.plan.stage.name, rep.plan.name, rep.worker.zmq, state)
+        info = ReplicaInfo(rep.plan.stage.name, rep.plan.name, rep.worker.endpoint, state)
         try:
             self.membership.publish(info)
         except RuntimeError:  # the subscriber's event loop is already closed: nobody to tell
@@ -295,6 +321,7 @@ class LocalStageRuntime:
             if self._watcher is not None:
                 self._watcher.join(timeout=5)
             self._stopped = True
+            self._cleanup()
 
     def __enter__(self) -> LocalStageRuntime:
         self.start()

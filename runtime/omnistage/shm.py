@@ -317,8 +317,8 @@ class Segment:
         self.closed = True
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self._view.release()
         with contextlib.suppress(BufferError):  # a view still exported: the GC unmaps it later
+            self._view.release()
             self._mm.close()
         os.close(self._fd)
 

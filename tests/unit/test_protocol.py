@@ -85,7 +85,8 @@ def test_tensors_travel_as_raw_frames_and_decode_as_views() -> None:
 def test_tensors_only_on_messages_that_carry_them() -> None:
     with pytest.raises(TypeError, match="a ping message carries no tensors"):
         p.encode(p.Ping(cid="c"), {"x": np.zeros(1)})
-    with pytest.raises(p.ProtocolError, match="describes 0 tensors in frames but 1 data frames arrived"):
+    with pytest.raises(p.ProtocolError,
+                       match="describes 0 tensors in frames but 1 data frames arrived"):
         p.decode_request([p.encode(p.Ping(cid="c"))[0], b"1234"])
 
 
@@ -112,13 +113,15 @@ def test_tensors_only_on_messages_that_carry_them() -> None:
     ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "uint8",
                                                   "shape": [1] * 9}]}), b"1"],
      "length <= 8 - at `$.tensors[0].shape`"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "dtype": "uint8", "shape": [1]}]}), b"1"],
+    ([enc({"t": "submit", "id": "r",
+           "tensors": [{"in": "frame", "dtype": "uint8", "shape": [1]}]}), b"1"],
      "missing required field `name` - at `$.tensors[0]`"),
     ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "float32",
                                                   "shape": [4]}]}), b"123"],
      "tensors[0] (a) declares 16 bytes (float32[4]) but its frame has 3"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "uint8", "shape": [1]}]
-           * 2}), b"1", b"2"], "tensors[1].name 'a' is repeated"),
+    ([enc({"t": "submit", "id": "r",
+           "tensors": [{"in": "frame", "name": "a", "dtype": "uint8", "shape": [1]}] * 2}),
+      b"1", b"2"], "tensors[1].name 'a' is repeated"),
     ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "uint8",
                                                   "shape": [1]}]})],
      "describes 1 tensors in frames but 0 data frames arrived"),

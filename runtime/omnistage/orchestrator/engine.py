@@ -7,6 +7,12 @@ needs no locks; replies from workers arrive through ReplicaChannel callbacks.
 
 Terminal state is monotonic: once a child or request is terminal its tasks are detached, and any
 late reply, delta or abort for them is dropped and counted, never forwarded.
+
+With shared memory, a stage's output tensors arrive as handles to blocks the worker lent; they
+go on to the next stage as the same handles (the orchestrator never touches the bytes). The
+request keeps every reply it used until its outcome: then final outputs are copied out and all
+its blocks go back to their workers, so no block outlives its request. A reply that is dropped
+(late) gives its blocks back at once.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from omnistage.orchestrator.requests import (
     RequestError,
     StageOutput,
 )
+from omnistage.shm import SegmentManager, ShmConfig, start_segment_manager
 from omnistage.spec import OmniPipeline
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -93,6 +100,7 @@ class _Request:
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     outcome: Outcome | None = None
     timer: asyncio.TimerHandle | None = None
+    held: list[Reply] = field(default_factory=list)  # replies whose blocks it still uses
 
 
 class RequestHandle:
@@ -128,8 +136,11 @@ class Orchestrator:
         *,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 3.0,
+        shm: ShmConfig | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.shm_config = shm
+        self.shm: SegmentManager | None = None
         self.spec = pipeline.spec
         self.name = pipeline.metadata.name
         self.membership = membership
@@ -165,7 +176,15 @@ class Orchestrator:
     async def start(self) -> None:
         self._zctx = zmq.asyncio.Context()
         self._stopped = asyncio.Event()
-        await self.membership.start(self._on_member)
+        if self.shm_config is not None:
+            self.shm = start_segment_manager(self.shm_config)
+        try:
+            await self.membership.start(self._on_member)
+        except BaseException:
+            if self.shm is not None:  # stop() will not run: leave no segment behind
+                self.shm.close()
+                self.shm = None
+            raise
         # Replicas known at start become routable as their handshakes complete: wait for
         # those (bounded), so the first requests find them.
         pending = [r.handshake for pool in self.pools.values() for r in pool.replicas.values()
@@ -208,6 +227,8 @@ class Orchestrator:
             pool.replicas.clear()
         if self._zctx is not None:
             self._zctx.term()
+        if self.shm is not None:  # workers take back what we still borrowed when it goes
+            self.shm.close()
         self._stopped.set()
 
     # ---- membership and liveness -----------------------------------------------------------
@@ -240,7 +261,7 @@ class Orchestrator:
         replica = Replica(info)
         replica.channel = ReplicaChannel(
             info.endpoint, name=info.name, zctx=self._zctx,
-            on_message=partial(self._on_message, replica),
+            on_message=partial(self._on_message, replica), shm=self.shm,
         )
         pool.replicas[info.name] = replica
         replica.handshake = self._in_background(self._handshake(replica))
@@ -442,7 +463,8 @@ class Orchestrator:
             self._fail_child(child, RequestError("deadline", "request deadline passed",
                                                  task.stage))
             return
-        submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining)
+        submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining,
+                          shm=replica.channel.borrower)
         try:
             replica.channel.send(submit, self._tensors(task))
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
@@ -514,6 +536,7 @@ class Orchestrator:
         task = self.tasks.get(getattr(h, "id", None) or "")
         if task is None or task.replica is not replica:
             self.counters["late_messages"] += 1
+            self._release(msg)
             return
         if isinstance(h, p.Delta):
             self._on_delta(task, h)
@@ -521,6 +544,7 @@ class Orchestrator:
             self._on_terminal(task, msg)
         else:
             self.counters["late_messages"] += 1
+            self._release(msg)
 
     def _on_delta(self, task: _Task, h: p.Delta) -> None:
         child = task.child
@@ -535,7 +559,10 @@ class Orchestrator:
         child, stage = task.child, task.stage
         if child.outcome is not None:
             self.counters["late_messages"] += 1
+            self._release(msg)
             return
+        if msg.tensors:
+            child.request.held.append(msg)
         match msg.header:
             case p.Final():
                 if task.companion:
@@ -568,10 +595,18 @@ class Orchestrator:
                 self._fail_child(child, RequestError(kind, f"stage {stage}: {message}", stage))
 
     def _output(self, task: _Task, msg: Reply, replica: Replica | None) -> StageOutput:
-        """A final stage's result: the outcome fields the executor set, and its tensors."""
+        """A final stage's result: the outcome fields the executor set, and its tensors (in
+        memory of their own: shared-memory blocks go back when the request ends)."""
         h = msg.header
         fields = {f: v for f in p.RESULT_FIELDS if (v := getattr(h, f)) is not None}
-        return StageOutput(task.stage, fields, dict(msg.tensors), replica.name if replica else "")
+        tensors = {name: wt.detached() for name, wt in msg.tensors.items()}
+        return StageOutput(task.stage, fields, tensors, replica.name if replica else "")
+
+    def _release(self, *msgs: Reply) -> None:
+        """Give the shared-memory blocks these replies carry back to their workers."""
+        if self.shm is not None:
+            for msg in msgs:
+                self.shm.release(msg)
 
     def _detach(self, task: _Task) -> None:
         self.tasks.pop(task.wire_id, None)
@@ -627,6 +662,8 @@ class Orchestrator:
 
     def _emit_outcome(self, request: _Request, outcome: Outcome) -> None:
         request.outcome = outcome
+        self._release(*request.held)  # no block outlives its request
+        request.held.clear()
         if request.timer is not None:
             request.timer.cancel()
         self.requests.pop(request.id, None)

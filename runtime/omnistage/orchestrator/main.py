@@ -25,6 +25,7 @@ from typing import Any
 
 from omnistage import kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
+from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import OmniPipeline, SpecError, load_pipeline, parse_pipeline
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -111,6 +112,7 @@ async def serve_orchestrator(
     ignore_late_signals: bool = False,
     say: Say | None = None,
     started: float | None = None,
+    shm: ShmConfig | None = None,
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then drain; returns 0.
 
@@ -118,7 +120,8 @@ async def serve_orchestrator(
     log); started (a time.monotonic() value) dates the "ready" line. on_ready(url) is called
     once the API listens (tests use it to learn the bound port). ignore_late_signals (the CLI)
     keeps signals harmless until the process has exited; otherwise the previous handlers come
-    back (an embedding program keeps its own). Raises ApiBindError if the API cannot listen.
+    back (an embedding program keeps its own). shm: exchange tensors with replicas on this
+    machine through shared memory. Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
     from omnistage.orchestrator.http_api import serve_http
@@ -147,7 +150,7 @@ async def serve_orchestrator(
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests): `stop` is the only way out
     api_port = pipeline.spec.orchestrator.port if port is None else port
-    orch = Orchestrator(pipeline, membership)
+    orch = Orchestrator(pipeline, membership, shm=shm)
     runner: Any = None
     started_ok = False
     drain = _drain_timeout(pipeline)
@@ -208,19 +211,20 @@ def run_orchestrator(
         pipeline = read_pipeline(pipeline_file)
         members = make_membership(membership, pipeline, namespace=namespace,
                                   replicas=replicas, zmq_port=zmq_port)
+        shm = ShmConfig.from_env()  # the opt-in: a shared directory with the node's replicas
     except SpecError as exc:
         print(f"error: invalid pipeline {pipeline_file or '$' + kube.PIPELINE_ENV}:",
               file=sys.stderr)
         for path, message in exc.errors:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
-    except UsageError as exc:
+    except (UsageError, ShmError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     bind = host or os.environ.get("POD_IP") or "127.0.0.1"
     try:
         return asyncio.run(serve_orchestrator(pipeline, members, bind, port,
-                                              ignore_late_signals=True))
+                                              ignore_late_signals=True, shm=shm))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
