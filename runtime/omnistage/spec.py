@@ -31,6 +31,8 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from omnistage.kube import ANNOTATION_SHARED_MEMORY
+
 __all__ = [
     "API_VERSION",
     "BUILTIN_MODELS",
@@ -715,6 +717,16 @@ class Metadata(BaseModel):
     namespace: str | None = Field(None, description="Namespace of the pipeline on Kubernetes.")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+
+    @field_validator("annotations")
+    @classmethod
+    def _check_shared_memory(cls, value: dict[str, str]) -> dict[str, str]:
+        """The shared-memory opt-in is a switch: a typo must not silently mean "off"."""
+        flag = value.get(ANNOTATION_SHARED_MEMORY)
+        if flag is not None and flag not in ("true", "false"):
+            raise _field_error(f"{ANNOTATION_SHARED_MEMORY} must be \"true\" or \"false\", "
+                               f"got {flag!r}")
+        return value
 
 
 class OmniPipeline(_Model):
