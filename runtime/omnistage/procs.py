@@ -151,12 +151,13 @@ def spawn_worker(
     log_dir: str | Path | None = None,
     env: dict[str, str] | None = None,
     ipc: str | Path | None = None,
+    append_log: bool = False,
 ) -> WorkerProcess:
     """Start replica name of stage as `omnistage stage` (worker_args); returns at once.
 
-    It logs to <log_dir>/<name>.log and reports its bound addresses in <name>.ports.json;
-    port 0 binds any free port; ipc is a unix socket path it serves too. See wait_ready /
-    wait_all_ready.
+    It logs to <log_dir>/<name>.log (appended to with append_log, as a restart does, so the
+    crash stays readable) and reports its bound addresses in <name>.ports.json; port 0 binds
+    any free port; ipc is a unix socket path it serves too. See wait_ready / wait_all_ready.
     """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="omnistage-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +167,7 @@ def spawn_worker(
     cmd = [sys.executable, "-m", "omnistage.cli",
            *worker_args(stage, replica_id=name, host=host, port=port, port_file=port_file,
                         ipc=ipc)]
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab" if append_log else "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **worker_env(), **(env or {})}, preexec_fn=_child_setup,

@@ -125,10 +125,14 @@ class Submit(_Wire, tag="submit"):
     # The client's segment (as in its hello): the worker may put output tensors in its own
     # shared memory and lends them to this client, which releases them.
     shm: SegmentName | None = None
+    # The process (hello_reply.incarnation) the request is for. Another process, a restart at
+    # the same address, refuses it with error/stale_incarnation instead of running it.
+    incarnation: str | None = None
 
 
 class Abort(_Wire, tag="abort"):
     id: Id
+    incarnation: str | None = None  # as in submit: another process drops the abort
 
 
 class Control(_Wire, tag="control"):
@@ -246,7 +250,8 @@ class Draining(_Wire, tag="draining"):
     replica: str = ""
 
 
-ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch"]
+ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch",
+                    "stale_incarnation"]
 
 
 class Error(_Wire, tag="error"):
