@@ -15,6 +15,10 @@ lines `omnistage validate` prints.
 - TLS: a self-signed CA and serving certificate generated at every start (the CA goes into the
   configuration's caBundle), or the files of a cert-manager Certificate (tls.crt, tls.key,
   ca.crt), which kopf re-reads when they are renewed.
+- With leader election only the leader runs kopf, hence the webhook server. Behind a Service,
+  the leader labels its own pod (SERVING_LABEL) and the chart's Service selects that label, so
+  the API server never reaches a standby (which has no server, and whose self-signed CA the
+  caBundle would not trust anyway).
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ from typing import Any, Literal
 import kopf
 
 from omni_operator.models import GROUP, VERSION
+from omnistage.kubeapi import ApiError, KubeApi, path
 from omnistage.spec import SpecError, validate_manifest
 
 log = logging.getLogger("omnistage.operator")
 CONFIGURATION = "validation.omnistage.io"  # the managed ValidatingWebhookConfiguration
 KINDS = ("omnipipelines", "stagepools")
+#: on the leader's own pod while it serves the webhook; the chart's webhook Service selects it
+SERVING_LABEL = "omnistage.io/webhook"
 FailurePolicy = Literal["Ignore", "Fail"]
 
 
@@ -116,6 +123,20 @@ class _ServiceWebhookServer(kopf.WebhookServer):
             if "caBundle" in config:
                 out["caBundle"] = config["caBundle"]
             yield out
+
+
+async def mark_serving(api: KubeApi, pod: tuple[str, str] | None, serving: bool) -> None:
+    """Set or clear SERVING_LABEL on this operator's pod (namespace, name). Cleared at start
+    too: a container restarted after losing the lease must not keep the label it had."""
+    if pod is None:
+        return
+    namespace, name = pod
+    label = {SERVING_LABEL: "true" if serving else None}
+    try:
+        await api.patch(path("Pod", namespace, name), {"metadata": {"labels": label}})
+    except (TimeoutError, ApiError, OSError) as e:
+        log.warning("pod %s/%s: %s the label %s: %s", namespace, name,
+                    "setting" if serving else "clearing", SERVING_LABEL, e)
 
 
 def parse_service(text: str) -> tuple[str, str, int]:
