@@ -14,8 +14,8 @@ from asyncio.to_thread); the supervisor thread lives until shutdown has reaped e
 Everything is on one host, so each worker also serves a unix socket (ipc://), which the
 membership publishes; with a ShmConfig, workers and the orchestrator exchange large tensors
 through shared memory, and a reaper process sweeps the session's segments once this process is
-gone, however it goes (see omnistage.shm). A restarted replica serves the same unix socket and
-gets the same shared-memory settings.
+gone, however it goes (see omnistage.shm). A restarted replica gets the same shared-memory
+settings and a new unix socket (a new address, as it gets new ports).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class _Replica:
     worker: WorkerProcess
     started: float = field(default_factory=time.monotonic)
     state: ReplicaState = "joining"
-    ipc: Path | None = None  # the unix socket it serves, the same across restarts
+    ipc: Path | None = None  # the unix socket its current process serves
     # Supervision: `worker` is the current process (None-like once it exited, until restarted).
     restarts: int = 0
     crashes: int = 0  # in a row, without a stable run between them
@@ -362,10 +362,16 @@ class LocalStageRuntime:
 
     def _respawn(self, rep: _Replica) -> None:
         plan = rep.plan
+        ipc = None
+        if rep.ipc is not None:  # the dead process left its socket file
+            rep.ipc.unlink(missing_ok=True)
+            ordinal = rep.ipc.name.split(".")[0]  # start() named it <ordinal>.sock
+            ipc = rep.ipc.with_name(f"{ordinal}.{rep.restarts + 1}.sock")
         worker = spawn_worker(plan.name, plan.stage, host=self.host, log_dir=self.log_dir,
-                              env={**plan.env, **self._shm_env}, ipc=rep.ipc, append_log=True)
+                              env={**plan.env, **self._shm_env}, ipc=ipc, append_log=True)
         with self._lock:
             rep.worker = worker
+            rep.ipc = ipc
             rep.restarts += 1
             rep.restart_at = None
             rep.ready_at = None

@@ -255,6 +255,38 @@ async def test_kill_9_lender_leaves_no_segment(start_worker, shm_dir, managers) 
         await ch.close()
 
 
+async def test_a_worker_restarted_at_the_same_address_is_met_with_its_new_segment(
+        start_worker, shm_dir, managers, tmp_path) -> None:
+    """kill -9 and a new process on the same unix socket (what the local runtime's supervisor
+    does): the channel drops the dead segment at once, offers its own again in the new hello,
+    and borrows from the new process's segment; the dead one is swept."""
+    sock, env = tmp_path / "w.sock", config(shm_dir).env()
+    w = start_worker("echo", name="w", ipc=sock, env=env)
+    first = worker_state(w)["shm"]["segment"]
+    client = managers(shm_dir, min_bytes=NEVER)
+    ch = ReplicaChannel(w.endpoint, name="w", shm=client)
+    x = np.arange(MiB, dtype=np.uint8)
+    try:
+        await ch.handshake(10)
+        assert ch.shm_peer == first
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait(10)
+        await until(lambda: ch.disconnects == 1, what="the closed connection seen")
+        assert ch.shm_peer is None  # nothing is sent as a handle to a dead segment
+        w2 = start_worker("echo", name="w", ipc=sock, env=env)  # blocks the loop: fine here
+        second = worker_state(w2)["shm"]["segment"]
+        assert second != first and first not in segments(shm_dir)  # swept by the new worker
+        await until(lambda: ch.shm_peer == second, what="the new handshake")
+        _, final = await ch.request("after", {}, {"x": x})
+        got = final.tensors["x"]
+        assert got.shm is not None and got.shm.segment == second
+        np.testing.assert_array_equal(got.numpy(), x)
+        ch.release(final)
+        await until(lambda: worker_state(w2)["shm"]["lent"] == 0, what="the release")
+    finally:
+        await ch.close()
+
+
 # ---- a pipeline on the local runtime (what `omnistage serve` runs) -------------------------
 
 
