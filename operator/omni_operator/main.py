@@ -60,8 +60,9 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
                               admission=admission)
     elector = LeaderElector(KubeApi(config, user_agent="omnistage-operator-leader"), *lease)
     primed = False
-    # Behind a Service, only the leader's pod carries the label the Service selects.
-    own_pod = _own_pod() if admission.enabled and admission.service else None
+    # Only the leader's pod carries the label the chart's webhook Service selects (set with
+    # either client config, so `kubectl get pods -L omnistage.io/webhook` shows who serves).
+    own_pod = _own_pod() if admission.enabled else None
     serving = False
 
     def readiness() -> tuple[bool, str]:

@@ -23,6 +23,7 @@ lines `omnistage validate` prints.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import ipaddress
 import logging
@@ -85,7 +86,9 @@ class _QuietDenials(logging.Filter):
 
 
 def register(registry: kopf.OperatorRegistry, settings: WebhookSettings) -> None:
-    """One validating webhook per kind."""
+    """One validating webhook per kind. Called before kopf.operator() spawns its tasks (the
+    startup handler, where configure() runs, is too late for validating_only())."""
+    validating_only()
 
     def check(body: Any, old: Any, operation: str, **_: Any) -> None:
         review(_plain(body), _plain(old) if operation == "UPDATE" and old else None)
@@ -108,6 +111,29 @@ def configure(settings: kopf.OperatorSettings, webhook: WebhookSettings) -> None
     settings.admission.managed = CONFIGURATION
     logging.getLogger("kopf.objects").addFilter(_QuietDenials())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def validating_only() -> None:
+    """Keep kopf from managing a MutatingWebhookConfiguration.
+
+    With ``settings.admission.managed`` set, kopf runs two configuration managers, validating
+    and mutating, and the mutating one creates a MutatingWebhookConfiguration of the same name
+    even when no mutating handler exists. That needs `create` on mutatingwebhookconfigurations,
+    which RBAC cannot limit by name: the power to intercept every write in the cluster. We
+    register no mutating webhook, so its manager is replaced by one that idles (kopf's runner
+    looks the function up on its admission module when it spawns the task, before the startup
+    handlers run). A kopf release that renames it fails tests/unit/test_validate.py.
+    """
+    from kopf._core.engines import admission
+
+    if getattr(admission.mutating_configuration_manager, "omnistage_idle", False):
+        return
+
+    async def idle(**_: Any) -> None:
+        await asyncio.Event().wait()
+
+    idle.omnistage_idle = True  # type: ignore[attr-defined]
+    admission.mutating_configuration_manager = idle  # type: ignore[assignment]
 
 
 class _ServiceWebhookServer(kopf.WebhookServer):

@@ -92,6 +92,10 @@ def test_namespaced_scope_grants_nothing_cluster_wide_but_the_webhook_configurat
                  "--set=webhook.enabled=false")
     assert not by_kind(off, "ClusterRole") and not by_kind(off, "ClusterRoleBinding")
     # The leader labels its own pod for the webhook Service (in the release namespace).
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]} in next(
+        r for r in by_kind(render("--set=watch.scope=namespaced", "--set=watch.namespaces={a}",
+                                  "--set=webhook.clientConfig=podIP"), "Role")
+        if r["metadata"]["name"].endswith("-leader"))["rules"]
     leader = next(r for r in by_kind(objs, "Role") if r["metadata"]["name"].endswith("-leader"))
     assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]} in leader["rules"]
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(objs, "Role")}
