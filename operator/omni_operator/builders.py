@@ -12,6 +12,7 @@ from typing import Any
 from omni_operator.models import API_VERSION
 from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
+from omnistage.shm import ENV_CAP, ENV_DIR, ENV_SESSION
 from omnistage.spec import OmniPipeline, Stage, engine_for_kind
 from omnistage.tuning import worker_env
 from omnistage.worker.config import worker_args
@@ -21,6 +22,12 @@ Obj = dict[str, Any]
 ANNOTATION_SEED_REPLICAS = "omnistage.io/seed-replicas"
 PIPELINE_KEY = "pipeline.json"
 NONROOT_UID = 65532
+# The shared-memory opt-in (kube.ANNOTATION_SHARED_MEMORY): a directory on the node's tmpfs,
+# the same for the orchestrator and the stage pods, so those on one node see each other's
+# segments. It must be writable by NONROOT_UID (docs/protocol.md says how to make it so).
+SHM_HOST_PATH = "/dev/shm/omnistage"
+SHM_MOUNT_PATH = "/var/run/omnistage/shm"
+SHM_CAP_SHARE = 4  # a pod's segment takes at most this fraction of its memory limit
 
 
 def digest(value: Any) -> str:
@@ -84,6 +91,39 @@ def _container_security() -> Obj:
     }
 
 
+def shared_memory(annotations: dict[str, str] | None) -> bool:
+    return (annotations or {}).get(kube.ANNOTATION_SHARED_MEMORY) == "true"
+
+
+def _with_shared_memory(pod_spec: Obj, pipeline: str, memory_limit: str) -> None:
+    """Mount the node's shared directory and point the runtime at it (omnistage.shm).
+
+    Segment pages count toward the pod's memory limit, so the cap is a quarter of it.
+    """
+    container = pod_spec["containers"][0]
+    container["volumeMounts"].append({"name": "omnistage-shm", "mountPath": SHM_MOUNT_PATH})
+    container["env"] = [*container["env"],
+                        {"name": ENV_DIR, "value": SHM_MOUNT_PATH},
+                        {"name": ENV_SESSION, "value": pipeline},
+                        {"name": ENV_CAP,
+                         "value": str(_quantity_bytes(memory_limit) // SHM_CAP_SHARE >> 20)}]
+    pod_spec["volumes"].append({"name": "omnistage-shm",
+                                "hostPath": {"path": SHM_HOST_PATH, "type": "DirectoryOrCreate"}})
+
+
+_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+             "Ei": 1 << 60, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+             "E": 10**18, "m": 10**-3}
+
+
+def _quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (already validated by the spec) in bytes."""
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if quantity.endswith(suffix):
+            return int(float(quantity[:-len(suffix)]) * _SUFFIXES[suffix])
+    return int(float(quantity))
+
+
 def _http_probe(path: str, port: int, period: int, failures: int) -> Obj:
     return {
         "httpGet": {"path": path, "port": port},
@@ -114,7 +154,11 @@ def pool_stage(stage: Stage) -> Obj:
 def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage) -> Obj:
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     meta = _meta(kube.pool_name(name, stage.name), ns, labels(name, "stage", stage.name), owner)
-    meta["annotations"] = {ANNOTATION_SEED_REPLICAS: str(stage.replicas)}
+    meta["annotations"] = {
+        ANNOTATION_SEED_REPLICAS: str(stage.replicas),
+        # Always written, "false" included, so turning it off reaches the pool too.
+        kube.ANNOTATION_SHARED_MEMORY: str(shared_memory(pipeline.metadata.annotations)).lower(),
+    }
     return {
         "apiVersion": API_VERSION,
         "kind": "StagePool",
@@ -196,6 +240,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
         ],
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
+    if shared_memory(pipeline.metadata.annotations):
+        _with_shared_memory(pod_spec, name, orch.resources.memory)
     if orch.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(orch.node_selector.items()))
     if orch.tolerations:
@@ -289,6 +335,8 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
         "volumes": [{"name": "tmp", "emptyDir": {}}],
         **pod_scheduling(pipeline, stage),
     }
+    if shared_memory(pool["metadata"].get("annotations")):
+        _with_shared_memory(pod_spec, pipeline, res.memory)
     return pod_spec, digest(pod_spec)
 
 

@@ -5,6 +5,11 @@ out). Many requests share a channel; replies are routed back by request id, cont
 heartbeats by correlation id. When the connection closes (the peer process died), the channel
 says so at once and handshakes again with whatever process answers at the address next. The
 orchestrator, the CLI and the tests all use this.
+
+With a SegmentManager, the hello offers this process's shared-memory segment; when the worker
+can read it (and we can read the worker's), large tensors go through shared memory both ways
+and only their handles cross the socket (see omnistage.shm for who frees what, and when). Each
+handshake (a reconnect included) settles anew which worker segment that is.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -23,6 +29,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from omnistage import protocol as p
+from omnistage.shm import SegmentManager
 
 log = logging.getLogger("omnistage.client")
 _cids = itertools.count(1)
@@ -51,6 +58,7 @@ class ReplicaChannel:
         zctx: zmq.asyncio.Context | None = None,
         on_message: Callable[[Reply], None] | None = None,
         on_disconnect: Callable[[], None] | None = None,
+        shm: SegmentManager | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.name = name or endpoint
@@ -73,6 +81,9 @@ class ReplicaChannel:
         self._on_message = on_message
         self._on_disconnect = on_disconnect
         self.disconnects = 0  # connections to the peer that closed
+        self.shm = shm
+        self.shm_peer: str | None = None  # the worker's segment, once each side reads the other
+        self._sent: dict[str, list[int]] = {}  # request id -> our blocks the worker reads
         self.closed = False
         loop = asyncio.get_running_loop()
         # The worker answers the hello before anything sent after it, so the first hello_reply
@@ -80,7 +91,7 @@ class ReplicaChannel:
         self._peer: asyncio.Future[p.HelloReply] = loop.create_future()
         self._peer.add_done_callback(_retrieve)
         self._latest: p.HelloReply | None = None  # the newest accepted hello_reply
-        self.send(p.Hello(version=p.PROTOCOL_VERSION))
+        self.hello()
         self._recv_task: asyncio.Task[None] | None = asyncio.ensure_future(self._recv_loop())
 
     # ---- receiving -----------------------------------------------------------------------
@@ -103,7 +114,8 @@ class ReplicaChannel:
             except zmq.Again:
                 return
             try:
-                msg = p.decode_reply(frames)
+                msg = p.decode_reply(frames, self.shm.resolve if self.shm else None)
+                msg.lender = self.shm_peer
             except p.ProtocolError as exc:
                 log.warning("bad reply from %s: %s", self.name, exc)
                 rid, cid = p.salvage_ids(frames)
@@ -129,8 +141,9 @@ class ReplicaChannel:
         next which process (incarnation) it is."""
         self.disconnects += 1
         log.info("connection to %s at %s closed", self.name, self.endpoint)
+        self._forget_peer_shm()  # frames until the next process says which segment is its own
         if not self.closed:
-            self.send(p.Hello(version=p.PROTOCOL_VERSION))
+            self.hello()
         if self._on_disconnect is not None:
             self._on_disconnect()
 
@@ -138,9 +151,12 @@ class ReplicaChannel:
         h = msg.header
         if not self._peer.done() and self._settle_handshake(h):
             return
+        if isinstance(h, p.TERMINAL_REPLIES) and h.id is not None:
+            self._free_sent(h.id, msg)
         if isinstance(h, p.HelloReply):  # a later handshake: after a reconnect
             if h.version == p.PROTOCOL_VERSION:
                 self._latest = h
+                self._peer_shm(h)  # a new process has a new segment (or none)
         cid = getattr(h, "cid", None)
         if cid is not None:
             fut = self._calls.pop(cid, None)
@@ -167,6 +183,7 @@ class ReplicaChannel:
                     f"{h.version}; this client speaks {p.PROTOCOL_VERSION}"))
             else:
                 self._latest = h
+                self._peer_shm(h)
                 self._peer.set_result(h)
             return True
         if isinstance(h, p.Error) and h.id is None and h.cid is None:
@@ -177,6 +194,49 @@ class ReplicaChannel:
                 f"{h.code}: {h.message}"))
             return True
         return False
+
+    @property
+    def borrower(self) -> str | None:
+        """What a submit names as `shm`: our segment, when the worker may lend to us."""
+        return self.shm.name if self.shm is not None and self.shm_peer is not None else None
+
+    def _peer_shm(self, h: p.HelloReply) -> None:
+        """Use shared memory with this worker when it read our segment and we read its own."""
+        self._forget_peer_shm()
+        if self.shm is not None and h.shm is not None and self.shm.verify(h.shm):
+            self.shm_peer = h.shm.segment
+            self.shm.attach_lender(self.shm_peer, self._send_release)
+
+    def _forget_peer_shm(self) -> None:
+        """Releases for the worker's segment wait (in the SegmentManager) for a channel again."""
+        old, self.shm_peer = self.shm_peer, None
+        if old is not None and self.shm is not None:
+            self.shm.detach_lender(old, self._send_release)
+
+    def _send_release(self, leases: list[int]) -> None:
+        for i in range(0, len(leases), 4096):
+            self.send(p.Release(leases=leases[i:i + 4096]))
+
+    def release(self, msg: Reply) -> None:
+        """Done with a reply: give the shared-memory blocks it carries back to their owner.
+
+        A reply's tensors are views of the worker's segment; once released they may be reused,
+        so copy (WireTensor.detached) whatever must outlive this call.
+        """
+        if self.shm is not None:
+            self.shm.release(msg)
+
+    def _free_sent(self, rid: str, reply: Reply | None = None) -> None:
+        """The worker is done with the blocks it was sent for rid (it answered, or is gone);
+        those the reply itself carries back are freed when the reply is released."""
+        leases = self._sent.pop(rid, None)
+        if not leases or self.shm is None:
+            return
+        if reply is not None:
+            kept = {wt.shm.lease for wt in reply.tensors.values()
+                    if wt.shm is not None and wt.shm.segment == self.shm.name}
+            leases = [lease for lease in leases if lease not in kept]
+        self.shm.free(leases)
 
     async def handshake(self, timeout: float | None = None) -> p.HelloReply:
         """The worker's hello reply; raises VersionMismatch when it speaks another version."""
@@ -190,10 +250,16 @@ class ReplicaChannel:
 
     # ---- sending -------------------------------------------------------------------------
 
+    def hello(self) -> None:
+        """(Re)open the handshake, offering our shared-memory segment when we have one."""
+        self.send(p.Hello(version=p.PROTOCOL_VERSION,
+                          shm=self.shm.probe() if self.shm is not None else None))
+
     def send(self, header: msgspec.Struct, tensors: Mapping[str, Any] | None = None) -> None:
         if self.closed:
             raise ChannelClosed(f"channel to {self.name} is closed")
-        self.sock.send_multipart(p.encode(header, tensors), copy=False)
+        self.sock.send_multipart(p.encode(header, tensors, shm=self.shm_peer is not None),
+                                 copy=False)
 
     def send_raw(self, frames: list[Any]) -> None:
         """Send frames as they are (used by tests to send malformed messages)."""
@@ -214,11 +280,49 @@ class ReplicaChannel:
         """
         if self._peer.done() and not self._peer.cancelled() and self._peer.exception():
             raise self._peer.exception()  # type: ignore[misc]
+        if self.borrower is not None and tensors:
+            tensors = self._place_now(rid, tensors)
         q: asyncio.Queue[Reply] = asyncio.Queue()
         self._streams[rid] = q
-        self.send(p.Submit(id=rid, params=dict(params), timeout_s=timeout_s,
-                           incarnation=incarnation), tensors)
+        try:
+            self.send(p.Submit(id=rid, params=dict(params), timeout_s=timeout_s,
+                               incarnation=incarnation, shm=self.borrower), tensors)
+        except BaseException:
+            self._streams.pop(rid, None)
+            self._free_sent(rid)
+            raise
         return q
+
+    def _place_now(self, rid: str, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """Large tensors copied into our segment where it has room now (the rest go as frames);
+        the blocks are freed when rid's terminal reply arrives."""
+        assert self.shm is not None
+        out = dict(tensors)
+        for name, value in tensors.items():
+            if self.shm.wants(value):
+                placed = self.shm.try_place(value)
+                if placed is not None:
+                    out[name] = placed
+                    self._sent.setdefault(rid, []).append(placed.shm.lease)  # type: ignore[union-attr]
+        return out
+
+    async def _place(self, rid: str, tensors: Mapping[str, Any],
+                     timeout_s: float | None) -> dict[str, Any]:
+        """As _place_now, but waits for room while our segment is full (back-pressure)."""
+        assert self.shm is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        out = dict(tensors)
+        try:
+            for name, value in tensors.items():
+                if self.shm.wants(value):
+                    placed = await self.shm.place(value, deadline=deadline)
+                    if placed is not None:
+                        out[name] = placed
+                        self._sent.setdefault(rid, []).append(placed.shm.lease)  # type: ignore[union-attr]
+        except BaseException:
+            self._free_sent(rid)
+            raise
+        return out
 
     async def stream(
         self,
@@ -228,8 +332,14 @@ class ReplicaChannel:
         timeout_s: float | None = None,
         incarnation: str | None = None,
     ) -> AsyncIterator[Reply]:
-        """Yield every reply for one request, ending with its terminal reply."""
+        """Yield every reply for one request, ending with its terminal reply.
+
+        Large tensors wait for room in shared memory when it is full (back-pressure), up to
+        timeout_s.
+        """
         await self.handshake()
+        if tensors and self.shm is not None and self.shm_peer is not None:
+            tensors = await self._place(rid, tensors, timeout_s)
         q = self.submit(rid, params, tensors, timeout_s, incarnation)
         try:
             while True:
@@ -291,6 +401,10 @@ class ReplicaChannel:
         return reply
 
     async def close(self) -> None:
+        if self.shm is not None:
+            for rid in list(self._sent):  # the worker answers nothing more on this channel
+                self._free_sent(rid)
+            self._forget_peer_shm()
         self.closed = True
         if self._recv_task is not None:
             self._recv_task.cancel()

@@ -19,6 +19,9 @@ MANAGED_BY = "omnistage-operator"
 
 ANNOTATION_DRAINING = "omnistage.io/draining"  # "true" once retirement has begun
 ANNOTATION_SPEC_HASH = "omnistage.io/spec-hash"
+# On an OmniPipeline: "true" lets its orchestrator and stage pods that share a node exchange
+# tensors through shared memory (docs/protocol.md); "false" or absent: TCP only.
+ANNOTATION_SHARED_MEMORY = "omnistage.io/shared-memory"
 READINESS_GATE = "omnistage.io/routable"  # pod condition the operator controls
 
 WORKER_ZMQ_PORT = 5555

@@ -10,6 +10,12 @@ Workers are spawned from the thread that calls start(), and restarts from the su
 the parent-death signal set in procs._child_setup fires when the spawning *thread* exits, so
 call start() from the main thread or another thread that lives as long as the replicas (never
 from asyncio.to_thread); the supervisor thread lives until shutdown has reaped every replica.
+
+Everything is on one host, so each worker also serves a unix socket (ipc://), which the
+membership publishes; with a ShmConfig, workers and the orchestrator exchange large tensors
+through shared memory, and a reaper process sweeps the session's segments once this process is
+gone, however it goes (see omnistage.shm). A restarted replica gets the same shared-memory
+settings and a new unix socket (a new address, as it gets new ports).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from omnistage.metrics import family
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
 from omnistage.procs import StartupError, WorkerProcess, spawn_worker, wait_all_ready
+from omnistage.shm import ENV_DIR, ShmConfig, spawn_reaper
 from omnistage.spec import OmniPipeline, Stage
 from omnistage.worker.config import resolve_model
 
@@ -122,6 +129,7 @@ class _Replica:
     worker: WorkerProcess
     started: float = field(default_factory=time.monotonic)
     state: ReplicaState = "joining"
+    ipc: Path | None = None  # the unix socket its current process serves
     # Supervision: `worker` is the current process (None-like once it exited, until restarted).
     restarts: int = 0
     crashes: int = 0  # in a row, without a stable run between them
@@ -149,6 +157,8 @@ class LocalStageRuntime:
         ready_timeout: float = 300.0,
         watch_interval: float = 0.2,
         restart: RestartPolicy | None = None,
+        ipc: bool = True,
+        shm: ShmConfig | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
@@ -161,6 +171,11 @@ class LocalStageRuntime:
         self.ready_timeout = ready_timeout
         self.watch_interval = watch_interval
         self.restart = restart or RestartPolicy()
+        self.shm = shm  # the orchestrator of this runtime uses the same (serve passes it on)
+        self.ipc = ipc
+        self._ipc_dir: Path | None = None
+        self._shm_env: dict[str, str] = {}  # what every worker (restarts too) is given
+        self._reaper: subprocess.Popen[bytes] | None = None
         self.membership = StaticMembership()
         self.replicas: dict[str, _Replica] = {}
         self.collector = RuntimeCollector(self)
@@ -218,12 +233,18 @@ class LocalStageRuntime:
         t0 = time.monotonic()
         self.progress(f"starting {len(plans)} replica(s) of pipeline "
                       f"{self.pipeline.metadata.name} (logs: {self.log_dir})")
+        self._shm_env = self.shm.env() if self.shm is not None else {ENV_DIR: ""}
+        if self.shm is not None:
+            self._reaper = spawn_reaper(self.shm)
+        if self.ipc:  # short: a unix socket path has at most 107 bytes
+            self._ipc_dir = Path(tempfile.mkdtemp(prefix="omnistage-ipc-"))
         try:
-            for plan in plans:
-                worker = spawn_worker(plan.name, plan.stage, host=self.host,
-                                      log_dir=self.log_dir, env=plan.env)
+            for i, plan in enumerate(plans):
+                ipc = self._ipc_dir / f"{i}.sock" if self._ipc_dir is not None else None
+                worker = spawn_worker(plan.name, plan.stage, host=self.host, log_dir=self.log_dir,
+                                      env={**plan.env, **self._shm_env}, ipc=ipc)
                 with self._lock:
-                    self.replicas[plan.name] = _Replica(plan, worker)
+                    self.replicas[plan.name] = _Replica(plan, worker, ipc=ipc)
             self._wait_all_ready()
         except BaseException:
             self._rollback()
@@ -266,6 +287,14 @@ class LocalStageRuntime:
         self._stopped = True
         self._stopping.set()
         self._closed.set()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        """The replicas are gone: remove their sockets, and let the reaper sweep and exit."""
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._reaper is not None and self._reaper.stdin is not None:
+            self._reaper.stdin.close()
 
     # ---- supervision -----------------------------------------------------------------------
 
@@ -333,10 +362,16 @@ class LocalStageRuntime:
 
     def _respawn(self, rep: _Replica) -> None:
         plan = rep.plan
+        ipc = None
+        if rep.ipc is not None:  # the dead process left its socket file
+            rep.ipc.unlink(missing_ok=True)
+            ordinal = rep.ipc.name.split(".")[0]  # start() named it <ordinal>.sock
+            ipc = rep.ipc.with_name(f"{ordinal}.{rep.restarts + 1}.sock")
         worker = spawn_worker(plan.name, plan.stage, host=self.host, log_dir=self.log_dir,
-                              env=plan.env, append_log=True)
+                              env={**plan.env, **self._shm_env}, ipc=ipc, append_log=True)
         with self._lock:
             rep.worker = worker
+            rep.ipc = ipc
             rep.restarts += 1
             rep.restart_at = None
             rep.ready_at = None
@@ -365,7 +400,7 @@ class LocalStageRuntime:
             if rep.state == state or rep.state == "gone":
                 return
             rep.state = state
-        info = ReplicaInfo(rep.plan.stage.name, rep.plan.name, rep.worker.zmq, state)
+        info = ReplicaInfo(rep.plan.stage.name, rep.plan.name, rep.worker.endpoint, state)
         try:
             self.membership.publish(info)
         except RuntimeError:  # the subscriber's event loop is already closed: nobody to tell
@@ -417,6 +452,7 @@ class LocalStageRuntime:
             if self._watcher is not None:
                 self._watcher.join(timeout=5)
             self._stopped = True
+            self._cleanup()
 
     def __enter__(self) -> LocalStageRuntime:
         self.start()

@@ -57,6 +57,12 @@ class WorkerProcess:
     port_file: Path
     zmq: str = ""
     http: str = ""
+    ipc: str = ""  # ipc://PATH when the worker also serves a unix socket
+
+    @property
+    def endpoint(self) -> str:
+        """Where a client on this host connects: the unix socket when there is one."""
+        return self.ipc or self.zmq
 
     @property
     def pid(self) -> int:
@@ -79,7 +85,7 @@ class WorkerProcess:
             raise self.startup_error(f"exited with code {code}")
         if not self.http and self.port_file.exists():
             info = json.loads(self.port_file.read_text())
-            self.zmq, self.http = info["zmq"], info["http"]
+            self.zmq, self.http, self.ipc = info["zmq"], info["http"], info.get("ipc", "")
         return bool(self.http) and http_ok(self.http + "/readyz")
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -144,13 +150,14 @@ def spawn_worker(
     port: int = 0,
     log_dir: str | Path | None = None,
     env: dict[str, str] | None = None,
+    ipc: str | Path | None = None,
     append_log: bool = False,
 ) -> WorkerProcess:
     """Start replica name of stage as `omnistage stage` (worker_args); returns at once.
 
     It logs to <log_dir>/<name>.log (appended to with append_log, as a restart does, so the
     crash stays readable) and reports its bound addresses in <name>.ports.json; port 0 binds
-    any free port. See wait_ready / wait_all_ready.
+    any free port; ipc is a unix socket path it serves too. See wait_ready / wait_all_ready.
     """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="omnistage-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +165,8 @@ def spawn_worker(
     port_file = log_dir / f"{name}.ports.json"
     port_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "omnistage.cli",
-           *worker_args(stage, replica_id=name, host=host, port=port, port_file=port_file)]
+           *worker_args(stage, replica_id=name, host=host, port=port, port_file=port_file,
+                        ipc=ipc)]
     with open(log_path, "ab" if append_log else "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -5,23 +5,26 @@ tensor frames. Each header is one of the msgspec Structs below, tagged by its `t
 worker decodes the request union and the client the reply union, so a header is validated by
 its type and nothing is checked by hand. Tensors travel as bytes described by (name, dtype,
 shape) in the header, so nothing on the wire is ever unpickled and large payloads are sent
-without copies.
+without copies. A tensor descriptor is itself a tagged union: `frame` (the bytes follow as a
+data frame) or `shm` (the bytes lie in a shared-memory segment on this machine, see
+omnistage.shm; only the handle travels).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
+from typing import Annotated, Any, Generic, Literal, NamedTuple, TypeVar, get_args
 
 import msgspec
 import numpy as np
 
-# Version 2: typed messages and the hello handshake. Bump it on any change an older peer would
-# misread; hello, hello_reply and error keep their fields so any two versions can tell each
-# other apart.
-PROTOCOL_VERSION = 2
+# Version 2: typed messages and the hello handshake. Version 3: tensor descriptors are a tagged
+# union (frame | shm), the shared-memory handshake fields and the release message. Bump it on
+# any change an older peer would misread; hello, hello_reply and error keep their fields so any
+# two versions can tell each other apart.
+PROTOCOL_VERSION = 3
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -56,13 +59,44 @@ WireDType = Literal[tuple(_WIRE_DTYPES)]  # type: ignore[valid-type]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 
 
-class TensorDesc(msgspec.Struct, frozen=True, gc=False):
-    """One tensor frame, described in the header in frame order."""
+# A shared-memory segment's file name (omnistage.shm makes them). A receiver checks it against
+# shm.NAME_RE before it opens anything, so it never names a path; a regex here would cost every
+# message about 2 us.
+SegmentName = Annotated[str, msgspec.Meta(min_length=1, max_length=80)]
 
+
+class _TensorDesc(msgspec.Struct, frozen=True, gc=False, tag_field="in"):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
     dtype: WireDType
     shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
                      msgspec.Meta(max_length=MAX_TENSOR_DIMS)]
+
+
+class FrameTensor(_TensorDesc, tag="frame"):
+    """The tensor's bytes are the next data frame (frames follow the descriptors' order)."""
+
+
+class ShmTensor(_TensorDesc, tag="shm"):
+    """The tensor's bytes lie in a shared-memory segment: `nbytes` from `offset` in `segment`.
+
+    `lease` names the block in its owner's segment; the owner frees it when the borrower sends
+    `release` (or dies). A receiver maps the segment read-only and never copies the bytes.
+    """
+
+    segment: SegmentName
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    lease: Annotated[int, msgspec.Meta(ge=0)]
+
+
+TensorDesc = FrameTensor | ShmTensor
+
+
+class ShmProbe(msgspec.Struct, frozen=True, gc=False):
+    """A process's segment and the nonce written in its header: a peer that can read the same
+    nonce from the same file shares this machine's shared-memory directory."""
+
+    segment: SegmentName
+    nonce: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
 
 
 # ---- messages ------------------------------------------------------------------------------
@@ -76,9 +110,11 @@ class _Wire(msgspec.Struct, tag_field="t", omit_defaults=True, kw_only=True, gc=
 
 
 class Hello(_Wire, tag="hello"):
-    """The first message on every channel: the client's protocol version."""
+    """The first message on every channel: the client's protocol version, and its shared-memory
+    segment when it has one (the worker answers with its own if it can read the client's)."""
 
     version: int
+    shm: ShmProbe | None = None
 
 
 class Submit(_Wire, tag="submit"):
@@ -86,6 +122,9 @@ class Submit(_Wire, tag="submit"):
     params: dict[str, Any] = {}
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # the worker's default if unset
     tensors: list[TensorDesc] = []
+    # The client's segment (as in its hello): the worker may put output tensors in its own
+    # shared memory and lends them to this client, which releases them.
+    shm: SegmentName | None = None
     # The process (hello_reply.incarnation) the request is for. Another process, a restart at
     # the same address, refuses it with error/stale_incarnation instead of running it.
     incarnation: str | None = None
@@ -105,7 +144,13 @@ class Ping(_Wire, tag="ping"):
     cid: Id
 
 
-Request = Hello | Submit | Abort | Control | Ping
+class Release(_Wire, tag="release"):
+    """The client is done with these blocks the worker lent it (ShmTensor.lease); no reply."""
+
+    leases: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=4096)]
+
+
+Request = Hello | Submit | Abort | Control | Ping | Release
 
 # Replies (worker -> client). Each terminal reply type is distinct so callers never parse text.
 
@@ -135,6 +180,7 @@ class HelloReply(_Wire, tag="hello_reply"):
     stage: str
     kind: str
     incarnation: str  # a new random id at every process start
+    shm: ShmProbe | None = None  # the worker's segment, when it could read the client's
 
 
 class Delta(_Wire, tag="delta"):
@@ -263,13 +309,26 @@ class VersionMismatch(ConnectionError):
     """The peer speaks another protocol version (or refused ours); nothing is routed to it."""
 
 
+class ShmRef(NamedTuple):
+    """Where a tensor lies in shared memory: a block of a segment, and its lease there."""
+
+    segment: str
+    offset: int
+    lease: int
+
+
 @dataclass(slots=True)
 class WireTensor:
-    """A tensor as it travels: dtype name, shape and the frame buffer (never copied on decode)."""
+    """A tensor as it travels: dtype name, shape and the frame buffer (never copied on decode).
+
+    A tensor received through (or placed in) shared memory also keeps its `shm` block, so it is
+    passed on as the same handle, never copied, to a peer that shares the segment.
+    """
 
     dtype: str
     shape: tuple[int, ...]
-    buffer: Any  # bytes, memoryview or zmq.Frame
+    buffer: Any  # bytes, memoryview or zmq.Frame; for shm, a read-only view of the block
+    shm: ShmRef | None = None
 
     @property
     def nbytes(self) -> int:
@@ -279,6 +338,13 @@ class WireTensor:
         """A read-only numpy view over the frame (bfloat16 comes back as uint16 words)."""
         buf = self.buffer.buffer if hasattr(self.buffer, "buffer") else self.buffer
         return np.frombuffer(buf, dtype=_WIRE_DTYPES[self.dtype]).reshape(self.shape)
+
+    def detached(self) -> WireTensor:
+        """This tensor in memory of its own: a copy when it lies in shared memory (whose block
+        goes back to its owner), else itself."""
+        if self.shm is None:
+            return self
+        return WireTensor(self.dtype, self.shape, memoryview(bytes(_frame_buffer(self.buffer))))
 
     def torch(self, device: Any = None) -> Any:
         """A torch tensor owning its memory (one copy, so the model may write to it)."""
@@ -297,9 +363,9 @@ class WireTensor:
         if isinstance(value, WireTensor):
             return value
         if isinstance(value, np.ndarray):
-            arr = np.ascontiguousarray(value)
-            name = _numpy_name(arr.dtype)
-            return cls(name, tuple(int(s) for s in arr.shape), memoryview(arr).cast("B"))
+            arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+            name = _NUMPY_NAMES.get(arr.dtype) or _numpy_name(arr.dtype)
+            return cls(name, arr.shape, memoryview(arr).cast("B"))
         mod = type(value).__module__
         if mod.startswith("torch"):
             import torch
@@ -314,6 +380,10 @@ class WireTensor:
             arr = t.numpy()
             return cls(_numpy_name(arr.dtype), tuple(t.shape), memoryview(arr).cast("B"))
         raise TypeError(f"cannot send value of type {type(value).__name__} as a tensor")
+
+
+_NUMPY_NAMES: dict[np.dtype[Any], str] = {
+    dt: name for name, dt in _WIRE_DTYPES.items() if name != "bfloat16"}
 
 
 def _numpy_name(dt: np.dtype[Any]) -> str:
@@ -332,6 +402,9 @@ class Message(Generic[H]):
 
     header: H
     tensors: dict[str, WireTensor] = field(default_factory=dict)
+    # The segment of the worker that sent it (set by ReplicaChannel): its blocks in `tensors`
+    # are lent to the reader, who gives them back with SegmentManager.release(msg).
+    lender: str | None = None
 
     @property
     def type(self) -> str:
@@ -353,36 +426,58 @@ class _Ids(msgspec.Struct):
 _ids_decoder = msgspec.msgpack.Decoder(_Ids)
 
 
-def encode(header: msgspec.Struct, tensors: Mapping[str, Any] | None = None) -> list[Any]:
-    """Frames for one message: header first, then one frame per tensor in header order.
+def encode(
+    header: msgspec.Struct, tensors: Mapping[str, Any] | None = None, *, shm: bool = False
+) -> list[Any]:
+    """Frames for one message: header first, then one frame per `frame` tensor in header order.
 
-    Tensors fill the header's `tensors` list (only submit, final and aborted carry any).
+    Tensors fill the header's `tensors` list (only submit, final and aborted carry any). With
+    `shm` (the peer shares this machine's segments) a tensor that lies in shared memory goes as
+    its handle; otherwise its bytes go as a frame. A shared-memory block is copied into that
+    frame: the frame may leave after the block went back to its owner.
     """
     frames: list[Any] = []
     if tensors:
         if not isinstance(header, Submit | _Result):
             raise TypeError(f"a {tag(header)} message carries no tensors")
-        descs = []
+        descs: list[TensorDesc] = []
         for name, value in tensors.items():
             wt = WireTensor.from_any(value)
-            descs.append(TensorDesc(name, wt.dtype, list(wt.shape)))
-            frames.append(wt.buffer)
+            ref = wt.shm
+            if ref is not None and shm:
+                descs.append(ShmTensor(name, wt.dtype, list(wt.shape), ref.segment, ref.offset,
+                                       ref.lease))
+                continue
+            descs.append(FrameTensor(name, wt.dtype, list(wt.shape)))
+            frames.append(wt.buffer if ref is None else bytes(_frame_buffer(wt.buffer)))
         header.tensors = descs
     return [_encoder.encode(header), *frames]
 
 
-def decode_request(frames: Sequence[Any]) -> Message[Request]:
+# Maps a shared-memory descriptor to a read-only view of its bytes (omnistage.shm provides it);
+# raises ShmUnavailable naming the segment when it cannot.
+ShmResolver = Callable[[ShmTensor, int], memoryview]
+
+
+class ShmUnavailable(ValueError):
+    """A shared-memory tensor whose segment or block this process cannot map."""
+
+
+def decode_request(frames: Sequence[Any], shm: ShmResolver | None = None) -> Message[Request]:
     """A worker's view of frames from a client; raises ProtocolError naming what is wrong."""
-    return _decode(frames, _request_decoder, REQUEST_TYPES)
+    return _decode(frames, _request_decoder, REQUEST_TYPES, shm)
 
 
-def decode_reply(frames: Sequence[Any]) -> Message[Reply]:
+def decode_reply(frames: Sequence[Any], shm: ShmResolver | None = None) -> Message[Reply]:
     """A client's view of frames from a worker; raises ProtocolError naming what is wrong."""
-    return _decode(frames, _reply_decoder, REPLY_TYPES)
+    return _decode(frames, _reply_decoder, REPLY_TYPES, shm)
 
 
 def _decode(
-    frames: Sequence[Any], decoder: msgspec.msgpack.Decoder[Any], types: tuple[str, ...]
+    frames: Sequence[Any],
+    decoder: msgspec.msgpack.Decoder[Any],
+    types: tuple[str, ...],
+    shm: ShmResolver | None,
 ) -> Message[Any]:
     if not frames:
         raise ProtocolError("empty message")
@@ -397,23 +492,53 @@ def _decode(
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     descs: list[TensorDesc] = getattr(header, "tensors", ())
-    if len(descs) != len(frames) - 1:
+    if not descs and len(frames) == 1:
+        return Message(header)
+    in_frames = sum(1 for d in descs if isinstance(d, FrameTensor))
+    if in_frames != len(frames) - 1:
         raise ProtocolError(
-            f"header describes {len(descs)} tensors but {len(frames) - 1} data frames arrived"
+            f"header describes {in_frames} tensors in frames but {len(frames) - 1} data frames "
+            "arrived"
         )
     tensors: dict[str, WireTensor] = {}
-    for i, (desc, frame) in enumerate(zip(descs, frames[1:], strict=True)):
+    data = iter(frames[1:])
+    for i, desc in enumerate(descs):
         if desc.name in tensors:
             raise ProtocolError(f"tensors[{i}].name {desc.name!r} is repeated")
-        wt = WireTensor(desc.dtype, tuple(desc.shape), frame)
+        nbytes = _WIRE_DTYPES[desc.dtype].itemsize * math.prod(desc.shape)
+        if isinstance(desc, ShmTensor):
+            if shm is None:
+                raise ProtocolError(
+                    f"tensors[{i}] ({desc.name}) is in shared memory, which this peer did not "
+                    "offer")
+            try:
+                view = shm(desc, nbytes)
+            except ShmUnavailable as exc:
+                raise ProtocolError(f"tensors[{i}] ({desc.name}): {exc}") from None
+            tensors[desc.name] = WireTensor(desc.dtype, tuple(desc.shape), view,
+                                            ShmRef(desc.segment, desc.offset, desc.lease))
+            continue
+        frame = next(data)
         size = len(_frame_buffer(frame))
-        if size != wt.nbytes:
+        if size != nbytes:
             raise ProtocolError(
-                f"tensors[{i}] ({desc.name}) declares {wt.nbytes} bytes "
+                f"tensors[{i}] ({desc.name}) declares {nbytes} bytes "
                 f"({desc.dtype}{desc.shape}) but its frame has {size}"
             )
-        tensors[desc.name] = wt
+        tensors[desc.name] = WireTensor(desc.dtype, tuple(desc.shape), frame)
     return Message(header, tensors)
+
+
+def lent_leases(msg: Message[Any], segment: str | None) -> list[int]:
+    """The blocks of `segment` (the replying worker's own) that this message lends its reader.
+
+    A reply may also carry blocks of other segments (an echo stage returns its input's handle):
+    those were lent by someone else and are released there.
+    """
+    if segment is None:
+        return []
+    return [wt.shm.lease for wt in msg.tensors.values()
+            if wt.shm is not None and wt.shm.segment == segment]
 
 
 def salvage_ids(frames: Sequence[Any]) -> tuple[str | None, str | None]:

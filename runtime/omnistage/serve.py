@@ -22,6 +22,7 @@ from typing import Any
 from omnistage import validate
 from omnistage.local_runtime import LocalStageRuntime, PlacementError, ReplicaStartupError
 from omnistage.orchestrator.main import ApiBindError, serve_orchestrator
+from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import KIND, SpecError, load_pipeline
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -76,8 +77,13 @@ def run_serve(
         for path, message in exc.errors:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
+    try:
+        shm = ShmConfig.local()  # one machine: tensors go through shared memory
+    except ShmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     runtime = LocalStageRuntime(pipeline, base_dir=Path(file).resolve().parent, log_dir=log_dir,
-                                host=host, progress=_say)
+                                host=host, progress=_say, shm=shm)
     t0 = time.monotonic()
     _install(_raise_interrupted)  # a signal during startup rolls every replica back
     try:
@@ -90,7 +96,7 @@ def run_serve(
             return asyncio.run(serve_orchestrator(
                 pipeline, runtime.membership, host, port, say=_say, started=t0,
                 ignore_late_signals=True, shutdown_delay=shutdown_delay,
-                notes=runtime.notes, collectors=[runtime.collector]))
+                notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

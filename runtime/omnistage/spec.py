@@ -39,6 +39,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from omnistage import __version__
+from omnistage.kube import ANNOTATION_SHARED_MEMORY
 
 __all__ = [
     "API_VERSION",
@@ -849,6 +850,11 @@ def _check_annotations(annotations: dict[str, str]) -> dict[str, str]:
     size = sum(len(k) + len(v) for k, v in annotations.items())
     if size > ANNOTATIONS_MAX_BYTES:
         raise _field_error(f"annotations total {size} bytes; at most {ANNOTATIONS_MAX_BYTES}")
+    # The shared-memory opt-in is a switch: a typo must not silently mean "off".
+    flag = annotations.get(ANNOTATION_SHARED_MEMORY)
+    if flag is not None and flag not in ("true", "false"):
+        raise _field_error(f"{ANNOTATION_SHARED_MEMORY} must be \"true\" or \"false\", "
+                           f"got {flag!r}")
     return annotations
 
 

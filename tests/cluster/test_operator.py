@@ -358,3 +358,32 @@ def test_delete_is_ordered_and_children_are_not_recreated(
     # No replica was created while the owner was being deleted.
     assert not [e for e in log if e[1] == "stage" and e[0] == "ADDED"], log
     assert {e[2] for e in log if e[1] == "stage"} <= before
+
+
+def test_shared_memory_opt_in_reaches_every_pod_and_can_be_turned_off(
+    kube: Cluster, namespace: str, operator: Operator
+) -> None:
+    def mounted(spec: dict[str, Any]) -> bool:
+        return any(v.get("hostPath", {}).get("path") == "/dev/shm/omnistage"
+                   for v in spec.get("volumes", []))
+
+    doc = kwok_pipeline("shm", [stage("a", final=True, replicas=1)])
+    doc["metadata"]["annotations"] = {k.ANNOTATION_SHARED_MEMORY: "true"}
+    apply(kube, namespace, doc)
+    wait_ready(kube, namespace, "shm", operator)
+    [pod] = stage_pods(kube, namespace, "shm")
+    assert mounted(pod["spec"])
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["OMNISTAGE_SHM_DIR"] == "/var/run/omnistage/shm"
+    deployment = get(kube, namespace, "deployment", "shm-orchestrator")
+    assert mounted(deployment["spec"]["template"]["spec"])
+
+    doc["metadata"]["annotations"] = {k.ANNOTATION_SHARED_MEMORY: "false"}
+    apply(kube, namespace, doc)
+    wait_for(lambda: (pods_ := stage_pods(kube, namespace, "shm")) and all(
+        not mounted(p["spec"]) and not p["metadata"].get("deletionTimestamp") for p in pods_),
+        120, "stage pods rolled without shared memory", operator.log_tail)
+    wait_for(lambda: not mounted(
+        get(kube, namespace, "deployment", "shm-orchestrator")["spec"]["template"]["spec"]),
+        60, "orchestrator without shared memory", operator.log_tail)
+    wait_ready(kube, namespace, "shm", operator)

@@ -20,16 +20,18 @@ def start_worker(tmp_path: Path) -> Iterator[StartWorker]:
     """Start `omnistage stage` processes; every one is killed at teardown.
 
     start_worker(stage) runs a Stage; start_worker("echo", admission={"maxRequests": 2}) runs
-    a stage of that kind (named after it) with those Stage fields; port fixes the ZMQ port.
+    a stage of that kind (named after it) with those Stage fields; port fixes the ZMQ port, env
+    adds to the worker's environment, ipc is a unix socket path it serves too.
     """
     started: list[WorkerProcess] = []
 
     def start(stage: Stage | str, *, name: str | None = None, ready: bool = True,
-              timeout: float = 180.0, port: int = 0, **fields: Any) -> WorkerProcess:
+              timeout: float = 180.0, port: int = 0, env: dict[str, str] | None = None,
+              ipc: Path | None = None, **fields: Any) -> WorkerProcess:
         if isinstance(stage, str):
             stage = Stage.model_validate({"name": stage, "kind": stage, **fields})
         name = name or f"{stage.kind}-{len(started)}"
-        w = spawn_worker(name, stage, port=port, log_dir=tmp_path)
+        w = spawn_worker(name, stage, port=port, log_dir=tmp_path, env=env, ipc=ipc)
         started.append(w)
         if ready:
             w.wait_ready(timeout)

@@ -98,9 +98,9 @@ async def test_two_replicas_ready_publish_membership_and_gone(runtimes, tmp_path
     name = p.metadata.name
     infos = {r.name: r for r in rt.membership.replicas}
     assert sorted(infos) == [f"{name}-a-0", f"{name}-a-1", f"{name}-b-0"]
-    assert all(
-        r.state == "ready" and r.endpoint.startswith("tcp://127.0.0.1:") for r in infos.values()
-    )
+    # One host: membership publishes each worker's unix socket (it serves TCP as well).
+    assert all(r.state == "ready" and r.endpoint.startswith("ipc://") for r in infos.values())
+    assert all(rep.worker.zmq.startswith("tcp://127.0.0.1:") for rep in rt.replicas.values())
     assert len({r.endpoint for r in infos.values()}) == 3
     assert [r.stage for r in sorted(infos.values(), key=lambda r: r.name)] == ["a", "a", "b"]
     assert any(n.startswith("[3/3] ") and "ready (" in n for n in notes), notes

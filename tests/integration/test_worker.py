@@ -222,14 +222,19 @@ async def test_malformed_frames_get_error_and_worker_keeps_serving(start_worker,
          (None, None)),
         ([enc({"t": "final", "id": "f"})], "'final' - at `$.t`", ("f", None)),  # a reply type
         ([enc({"t": "submit"})], "missing required field `id`", (None, None)),
-        ([enc({"t": "submit", "id": "x", "tensors": [{"name": "a", "dtype": "float32",
-                                                      "shape": [4]}]}), b"123"],
-         "declares 16 bytes", ("x", None)),
-        ([enc({"t": "submit", "id": "y", "tensors": [{"name": "a", "dtype": "complex",
-                                                      "shape": [1]}]}), b"1234"],
-         "`$.tensors[0].dtype`", ("y", None)),
+        ([enc({"t": "submit", "id": "x", "tensors": [{"in": "frame", "name": "a",
+                                                      "dtype": "float32", "shape": [4]}]}),
+          b"123"], "declares 16 bytes", ("x", None)),
+        ([enc({"t": "submit", "id": "y", "tensors": [{"in": "frame", "name": "a",
+                                                      "dtype": "complex", "shape": [1]}]}),
+          b"1234"], "`$.tensors[0].dtype`", ("y", None)),
         ([enc({"t": "submit", "id": "z", "tensors": [{}]})], "`$.tensors[0]`", ("z", None)),
-        ([enc({"t": "ping", "cid": "p"}), b"extra"], "describes 0 tensors but 1 data frames",
+        # A handle to shared memory from a client that offered none: this worker has no segment.
+        ([enc({"t": "submit", "id": "s", "tensors": [{
+            "in": "shm", "name": "a", "dtype": "uint8", "shape": [1], "offset": 4096, "lease": 1,
+            "segment": "omnistage-shm.x.1.0123456789abcdef"}]})],
+         "tensors[0] (a) is in shared memory, which this peer did not offer", ("s", None)),
+        ([enc({"t": "ping", "cid": "p"}), b"extra"], "describes 0 tensors in frames but 1 data",
          (None, "p")),
         ([enc({"t": "control", "cid": "c", "op": "self_destruct"})], "`$.op`", (None, "c")),
     ]
@@ -312,10 +317,12 @@ async def test_handshake_of_another_version_is_refused(start_worker, channels,
     assert reply.header.message == ("protocol version 1 is not supported: replica echo-0 speaks "
                                     f"version {p.PROTOCOL_VERSION}")
     # A client of a newer version learns it from the handshake, and sends nothing else.
-    monkeypatch.setattr(p, "PROTOCOL_VERSION", p.PROTOCOL_VERSION + 1)
+    newer_version = p.PROTOCOL_VERSION + 1
+    monkeypatch.setattr(p, "PROTOCOL_VERSION", newer_version)
     newer = channels(w)
     with pytest.raises(p.VersionMismatch, match="refused the handshake: version_mismatch: "
-                                                "protocol version 3 is not supported"):
+                                                f"protocol version {newer_version} is not "
+                                                "supported"):
         await newer.handshake(10)
     with pytest.raises(p.VersionMismatch):
         await newer.request("r", {"prompt": "x"})

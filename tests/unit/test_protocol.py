@@ -71,8 +71,8 @@ def test_tensors_travel_as_raw_frames_and_decode_as_views() -> None:
     assert len(frames) == 3
     assert bytes(frames[1]) == x.tobytes()  # the array's own memory, not a serialised copy
     header = msgspec.msgpack.decode(frames[0])
-    assert header["tensors"] == [{"name": "x", "dtype": "float32", "shape": [3, 4]},
-                                 {"name": "mask", "dtype": "bool", "shape": [2]}]
+    assert header["tensors"] == [{"in": "frame", "name": "x", "dtype": "float32", "shape": [3, 4]},
+                                 {"in": "frame", "name": "mask", "dtype": "bool", "shape": [2]}]
     received = [frames[0], bytearray(frames[1]), bytearray(frames[2])]
     msg = p.decode_request(received)
     view = msg.tensors["x"].numpy()
@@ -85,7 +85,8 @@ def test_tensors_travel_as_raw_frames_and_decode_as_views() -> None:
 def test_tensors_only_on_messages_that_carry_them() -> None:
     with pytest.raises(TypeError, match="a ping message carries no tensors"):
         p.encode(p.Ping(cid="c"), {"x": np.zeros(1)})
-    with pytest.raises(p.ProtocolError, match="describes 0 tensors but 1 data frames arrived"):
+    with pytest.raises(p.ProtocolError,
+                       match="describes 0 tensors in frames but 1 data frames arrived"):
         p.decode_request([p.encode(p.Ping(cid="c"))[0], b"1234"])
 
 
@@ -103,25 +104,27 @@ def test_tensors_only_on_messages_that_carry_them() -> None:
     ([enc({"t": "submit", "id": "r", "timeout_s": True})], "`$.timeout_s`"),
     ([enc({"t": "control", "cid": "c", "op": "self_destruct"})], "`$.op`"),
     ([enc({"t": "hello"})], "missing required field `version`"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"name": "a", "dtype": "complex",
+    ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "complex",
                                                   "shape": [1]}]}), b"1"],
      "'complex' - at `$.tensors[0].dtype`"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"name": "a", "dtype": "uint8",
+    ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "uint8",
                                                   "shape": [-1]}]}), b""],
      "`$.tensors[0].shape[0]`"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"name": "a", "dtype": "uint8",
+    ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "uint8",
                                                   "shape": [1] * 9}]}), b"1"],
      "length <= 8 - at `$.tensors[0].shape`"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"dtype": "uint8", "shape": [1]}]}), b"1"],
+    ([enc({"t": "submit", "id": "r",
+           "tensors": [{"in": "frame", "dtype": "uint8", "shape": [1]}]}), b"1"],
      "missing required field `name` - at `$.tensors[0]`"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"name": "a", "dtype": "float32",
+    ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "float32",
                                                   "shape": [4]}]}), b"123"],
      "tensors[0] (a) declares 16 bytes (float32[4]) but its frame has 3"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"name": "a", "dtype": "uint8", "shape": [1]}]
-           * 2}), b"1", b"2"], "tensors[1].name 'a' is repeated"),
-    ([enc({"t": "submit", "id": "r", "tensors": [{"name": "a", "dtype": "uint8",
+    ([enc({"t": "submit", "id": "r",
+           "tensors": [{"in": "frame", "name": "a", "dtype": "uint8", "shape": [1]}] * 2}),
+      b"1", b"2"], "tensors[1].name 'a' is repeated"),
+    ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "uint8",
                                                   "shape": [1]}]})],
-     "describes 1 tensors but 0 data frames arrived"),
+     "describes 1 tensors in frames but 0 data frames arrived"),
 ])
 def test_malformed_requests_name_what_is_wrong(frames: list[bytes], error: str) -> None:
     with pytest.raises(p.ProtocolError) as exc:
@@ -178,7 +181,8 @@ async def test_handshake_accepts_the_same_version_and_reports_the_incarnation() 
 @pytest.mark.parametrize(("version", "reason"), [
     (p.PROTOCOL_VERSION + 1, f"speaks protocol version {p.PROTOCOL_VERSION + 1}; this client "
                              f"speaks {p.PROTOCOL_VERSION}"),
-    (None, "may speak a protocol version older than 2): malformed: unknown message type"),
+    (None, f"may speak a protocol version older than {p.PROTOCOL_VERSION}): malformed: "
+             "unknown message type"),
 ])
 async def test_handshake_refuses_another_version(version: int | None, reason: str) -> None:
     fake = FakeWorker(version)

@@ -7,6 +7,12 @@ needs no locks; replies from workers arrive through ReplicaChannel callbacks.
 
 Terminal state is monotonic: once a child or request is terminal its tasks are detached, and any
 late reply, delta or abort for them is dropped and counted, never forwarded.
+
+With shared memory, a stage's output tensors arrive as handles to blocks the worker lent; they
+go on to the next stage as the same handles (the orchestrator never touches the bytes). The
+request keeps every reply it used until its outcome: then final outputs are copied out and all
+its blocks go back to their workers, so no block outlives its request. A reply that is dropped
+(late) gives its blocks back at once.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from omnistage.orchestrator.requests import (
     RequestError,
     StageOutput,
 )
+from omnistage.shm import SegmentManager, ShmConfig, start_segment_manager
 from omnistage.spec import OmniPipeline
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -94,6 +101,7 @@ class _Request:
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     outcome: Outcome | None = None
     timer: asyncio.TimerHandle | None = None
+    held: list[Reply] = field(default_factory=list)  # replies whose blocks it still uses
 
 
 class RequestHandle:
@@ -130,10 +138,13 @@ class Orchestrator:
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 3.0,
         notes: Callable[[], Sequence[str]] | None = None,
+        shm: ShmConfig | None = None,
     ) -> None:
         """notes() adds lines to /readyz's reason, for what the placement knows and the
         orchestrator cannot (a local replica crash-looping)."""
         self.pipeline = pipeline
+        self.shm_config = shm
+        self.shm: SegmentManager | None = None
         self.spec = pipeline.spec
         self.name = pipeline.metadata.name
         self.membership = membership
@@ -173,7 +184,15 @@ class Orchestrator:
     async def start(self) -> None:
         self._zctx = zmq.asyncio.Context()
         self._stopped = asyncio.Event()
-        await self.membership.start(self._on_member)
+        if self.shm_config is not None:
+            self.shm = start_segment_manager(self.shm_config)
+        try:
+            await self.membership.start(self._on_member)
+        except BaseException:
+            if self.shm is not None:  # stop() will not run: leave no segment behind
+                self.shm.close()
+                self.shm = None
+            raise
         # Replicas known at start become routable as their handshakes complete: wait for
         # those (bounded), so the first requests find them.
         pending = [r.handshake for pool in self.pools.values() for r in pool.replicas.values()
@@ -216,6 +235,8 @@ class Orchestrator:
             pool.replicas.clear()
         if self._zctx is not None:
             self._zctx.term()
+        if self.shm is not None:  # workers take back what we still borrowed when it goes
+            self.shm.close()
         self._stopped.set()
 
     # ---- membership and liveness -----------------------------------------------------------
@@ -249,7 +270,7 @@ class Orchestrator:
         replica.channel = ReplicaChannel(
             info.endpoint, name=info.name, zctx=self._zctx,
             on_message=partial(self._on_message, replica),
-            on_disconnect=partial(self._on_disconnect, replica),
+            on_disconnect=partial(self._on_disconnect, replica), shm=self.shm,
         )
         pool.replicas[info.name] = replica
         replica.handshake = self._in_background(self._handshake(replica))
@@ -291,7 +312,7 @@ class Orchestrator:
         new = pong.state.incarnation
         if replica.incarnation is not None and new != replica.incarnation:
             self._restarted(replica, f"restarted: incarnation {replica.incarnation} -> {new}")
-            replica.channel.send(p.Hello(version=p.PROTOCOL_VERSION))
+            replica.channel.hello()
 
     def _on_hello(self, replica: Replica, hello: p.HelloReply | p.Error) -> None:
         """A handshake after a reconnect: the new process may be routed to."""
@@ -495,7 +516,7 @@ class Orchestrator:
             # the orchestrator's bound on the whole request.
             remaining = min(remaining, self.default_deadlines[task.stage])
         submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining,
-                          incarnation=replica.incarnation)
+                          incarnation=replica.incarnation, shm=replica.channel.borrower)
         try:
             replica.channel.send(submit, self._tensors(task))
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
@@ -571,6 +592,7 @@ class Orchestrator:
         task = self.tasks.get(getattr(h, "id", None) or "")
         if task is None or task.replica is not replica:
             self.counters["late_messages"] += 1
+            self._release(msg)
             return
         if isinstance(h, p.Delta):
             self._on_delta(task, h)
@@ -578,6 +600,7 @@ class Orchestrator:
             self._on_terminal(task, msg)
         else:
             self.counters["late_messages"] += 1
+            self._release(msg)
 
     def _on_delta(self, task: _Task, h: p.Delta) -> None:
         child = task.child
@@ -592,7 +615,10 @@ class Orchestrator:
         child, stage = task.child, task.stage
         if child.outcome is not None:
             self.counters["late_messages"] += 1
+            self._release(msg)
             return
+        if msg.tensors:
+            child.request.held.append(msg)
         match msg.header:
             case p.Final():
                 if task.companion:
@@ -621,7 +647,7 @@ class Orchestrator:
                 # Sent before we saw the restart; the new process refused to run it.
                 if replica is not None and replica.incarnation == task.incarnation:
                     self._restarted(replica, "refused a request for its previous incarnation")
-                    replica.channel.send(p.Hello(version=p.PROTOCOL_VERSION))
+                    replica.channel.hello()
                 self._fail_child(child, RequestError(
                     "replica_lost", f"replica {replica.name if replica else '?'} of stage "
                     f"{stage} restarted: {message}", stage))
@@ -633,10 +659,18 @@ class Orchestrator:
                 self._fail_child(child, RequestError(kind, f"stage {stage}: {message}", stage))
 
     def _output(self, task: _Task, msg: Reply, replica: Replica | None) -> StageOutput:
-        """A final stage's result: the outcome fields the executor set, and its tensors."""
+        """A final stage's result: the outcome fields the executor set, and its tensors (in
+        memory of their own: shared-memory blocks go back when the request ends)."""
         h = msg.header
         fields = {f: v for f in p.RESULT_FIELDS if (v := getattr(h, f)) is not None}
-        return StageOutput(task.stage, fields, dict(msg.tensors), replica.name if replica else "")
+        tensors = {name: wt.detached() for name, wt in msg.tensors.items()}
+        return StageOutput(task.stage, fields, tensors, replica.name if replica else "")
+
+    def _release(self, *msgs: Reply) -> None:
+        """Give the shared-memory blocks these replies carry back to their workers."""
+        if self.shm is not None:
+            for msg in msgs:
+                self.shm.release(msg)
 
     def _detach(self, task: _Task) -> None:
         self.tasks.pop(task.wire_id, None)
@@ -695,6 +729,8 @@ class Orchestrator:
 
     def _emit_outcome(self, request: _Request, outcome: Outcome) -> None:
         request.outcome = outcome
+        self._release(*request.held)  # no block outlives its request
+        request.held.clear()
         if request.timer is not None:
             request.timer.cancel()
         self.requests.pop(request.id, None)

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from omnistage import kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
+from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import OmniPipeline, SpecError, load_pipeline, parse_pipeline
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -138,6 +139,7 @@ async def serve_orchestrator(
     shutdown_delay: float | None = None,
     notes: Callable[[], Sequence[str]] | None = None,
     collectors: Sequence[Collector] = (),
+    shm: ShmConfig | None = None,
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -148,7 +150,8 @@ async def serve_orchestrator(
     the bound port). ignore_late_signals (the CLI) keeps signals harmless until the process has
     exited; otherwise the previous handlers come back (an embedding program keeps its own).
     notes and collectors come from the placement (`omnistage serve`'s supervised replicas):
-    notes() lines join /readyz's reason, and the collectors' metrics /metrics.
+    notes() lines join /readyz's reason, and the collectors' metrics /metrics. shm: exchange
+    tensors with replicas on this machine through shared memory.
     Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
@@ -181,7 +184,7 @@ async def serve_orchestrator(
     api_port = pipeline.spec.orchestrator.port if port is None else port
     delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
              else shutdown_delay)
-    orch = Orchestrator(pipeline, membership, notes=notes)
+    orch = Orchestrator(pipeline, membership, notes=notes, shm=shm)
     for collector in collectors:
         orch.registry.register(collector)
     runner: Any = None
@@ -256,20 +259,21 @@ def run_orchestrator(
         pipeline = read_pipeline(pipeline_file)
         members = make_membership(membership, pipeline, namespace=namespace,
                                   replicas=replicas, zmq_port=zmq_port)
+        shm = ShmConfig.from_env()  # the opt-in: a shared directory with the node's replicas
     except SpecError as exc:
         print(f"error: invalid pipeline {pipeline_file or '$' + kube.PIPELINE_ENV}:",
               file=sys.stderr)
         for path, message in exc.errors:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
-    except UsageError as exc:
+    except (UsageError, ShmError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     bind = host or os.environ.get("POD_IP") or "127.0.0.1"
     try:
         return asyncio.run(serve_orchestrator(pipeline, members, bind, port,
                                               ignore_late_signals=True,
-                                              shutdown_delay=shutdown_delay))
+                                              shutdown_delay=shutdown_delay, shm=shm))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1

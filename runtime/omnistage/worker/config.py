@@ -41,6 +41,7 @@ class WorkerConfig:
     http_port: int = 0  # health/metrics side port; 0 = any free port
     device: str | None = None  # torch device; None = cuda if visible, else cpu
     port_file: str | None = None  # where the bound addresses are written as JSON
+    ipc: str | None = None  # also serve ZMQ on this unix socket path (same-host clients)
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -63,6 +64,7 @@ def worker_args(
     http_port: int | None = None,
     device: str | None = None,
     port_file: str | Path | None = None,
+    ipc: str | Path | None = None,
 ) -> list[str]:
     """`stage --stage-json ...` plus the placement flags given (None: the worker's default).
 
@@ -72,7 +74,7 @@ def worker_args(
     args = ["stage", "--stage-json", stage_json(stage)]
     placement: dict[str, Any] = {"--replica-id": replica_id, "--host": host, "--port": port,
                                  "--http-port": http_port, "--device": device,
-                                 "--port-file": port_file}
+                                 "--port-file": port_file, "--ipc": ipc}
     for flag, value in placement.items():
         if value is not None:
             args += [flag, str(value)]
@@ -97,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="health/metrics port (0 = any free port)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if visible)")
     parser.add_argument("--port-file", default=None, help="write bound addresses here as JSON")
+    parser.add_argument("--ipc", default=None, metavar="PATH",
+                        help="also serve ZMQ on this unix socket (ipc://PATH), for clients on "
+                             "this host")
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -109,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     else:
         stage = stage_from_file(args.pipeline_file, args.stage)
     return WorkerConfig(stage=stage, replica_id=args.replica_id, host=args.host, port=args.port,
-                        http_port=args.http_port, device=args.device, port_file=args.port_file)
+                        http_port=args.http_port, device=args.device, port_file=args.port_file,
+                        ipc=args.ipc)
 
 
 def parse_stage_json(text: str) -> Stage:

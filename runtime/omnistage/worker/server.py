@@ -2,6 +2,10 @@
 
 The event loop only moves messages; model work runs on the SerialScheduler's worker thread.
 Every submit gets exactly one terminal reply (see protocol.TERMINAL_REPLIES).
+
+Given a shared-memory directory ($OMNISTAGE_SHM_DIR), the worker owns a segment there: it reads
+clients' tensors in place and lends its large outputs to clients that offered theirs (see
+omnistage.shm).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import signal
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,7 @@ from omnistage.admission import (
 )
 from omnistage.executors import BadRequest, Executor, Outcome, create_executor
 from omnistage.metrics import new_registry
+from omnistage.shm import SegmentManager, ShmConfig, WaitCancelled, start_segment_manager
 from omnistage.sideport import start_side_port
 from omnistage.worker.config import WorkerConfig
 from omnistage.worker.metrics import WorkerCollector
@@ -46,11 +53,17 @@ class _Request:
     ident: bytes
     rid: str
     ctx: ExecutionContext
+    borrower: str | None = None  # the client's segment: outputs may be lent to it
 
 
 class StageWorker:
-    def __init__(self, cfg: WorkerConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, executor: Executor | None = None,
+        shm: ShmConfig | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.shm_config = shm if shm is not None else ShmConfig.from_env()
+        self.shm: SegmentManager | None = None
         self.executor = executor
         # The only place the worker reads its stage's settings.
         stage = cfg.stage
@@ -102,9 +115,15 @@ class StageWorker:
         else:
             self.sock.bind_to_random_port(f"tcp://{self.cfg.host}")
         self.zmq_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.ipc_endpoint = ""
+        if self.cfg.ipc:
+            self.sock.bind(f"ipc://{self.cfg.ipc}")
+            self.ipc_endpoint = f"ipc://{self.cfg.ipc}"
         runner, self.http_url = await start_side_port(
             self.cfg.host, self.cfg.http_port, readiness=self.readiness, registry=self.registry,
             state=self.state)
+        if self.shm_config is not None:  # last: from here on the finally below closes it
+            self.shm = start_segment_manager(self.shm_config)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
         self._write_port_file()
@@ -124,6 +143,11 @@ class StageWorker:
             self.sock.close(linger=2000)
             zctx.term()
             self.scheduler.close()
+            if self.cfg.ipc:  # ZMQ leaves the socket file of a named ipc endpoint
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.cfg.ipc)
+            if self.shm is not None:
+                self.shm.close()
         log.info("replica %s exited after drain", self.cfg.replica_id)
         return 1 if self.load_error else 0
 
@@ -132,8 +156,8 @@ class StageWorker:
             return
         path = Path(self.cfg.port_file)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"zmq": self.zmq_endpoint, "http": self.http_url,
-                                   "pid": os.getpid()}))
+        tmp.write_text(json.dumps({"zmq": self.zmq_endpoint, "ipc": self.ipc_endpoint,
+                                   "http": self.http_url, "pid": os.getpid()}))
         tmp.replace(path)
 
     async def _load(self) -> None:
@@ -213,7 +237,7 @@ class StageWorker:
             frames = await self.sock.recv_multipart(copy=False)
             ident = frames[0].bytes
             try:
-                msg = p.decode_request(frames[1:])
+                msg = p.decode_request(frames[1:], self.shm.resolve if self.shm else None)
             except p.ProtocolError as exc:
                 self.counters["malformed"] += 1
                 log.warning("malformed message from %r: %s", ident, exc)
@@ -247,13 +271,17 @@ class StageWorker:
                 self._send(ident, p.Pong(cid=cid, state=self.snapshot()))
             case p.Control(cid=cid, op=op):
                 self._spawn(self._control(ident, cid, op))
-            case p.Hello(version=version):
-                self._hello(ident, version)
+            case p.Hello(version=version, shm=probe):
+                self._hello(ident, version, probe)
+            case p.Release(leases=leases):
+                if self.shm is not None:
+                    self.shm.free(leases)
             case other:  # a request type added to the union without a handler here
                 raise TypeError(f"no handler for {p.tag(other)} messages")
 
-    def _hello(self, ident: bytes, version: int) -> None:
-        """Answer the handshake; a client of another protocol version is refused."""
+    def _hello(self, ident: bytes, version: int, probe: p.ShmProbe | None = None) -> None:
+        """Answer the handshake; a client of another protocol version is refused. A client
+        whose segment we can read gets ours back: shared memory both ways."""
         cfg = self.cfg
         if version != p.PROTOCOL_VERSION:
             log.warning("refusing client %r: it speaks protocol version %s, this worker %s",
@@ -263,9 +291,11 @@ class StageWorker:
                 message=f"protocol version {version} is not supported: replica "
                         f"{cfg.replica_id} speaks version {p.PROTOCOL_VERSION}"))
             return
+        shared = self.shm is not None and self.shm.verify(probe)
         self._send(ident, p.HelloReply(version=p.PROTOCOL_VERSION, replica=cfg.replica_id,
                                        stage=cfg.stage.name, kind=cfg.stage.kind,
-                                       incarnation=self.incarnation))
+                                       incarnation=self.incarnation,
+                                       shm=self.shm.probe() if shared else None))  # type: ignore[union-attr]
 
     def _submit(self, ident: bytes, msg: p.Submit, tensors: dict[str, p.WireTensor]) -> None:
         rid, replica = msg.id, self.cfg.replica_id
@@ -301,7 +331,8 @@ class StageWorker:
         self.counters["admitted"] += 1
         timeout = msg.timeout_s if msg.timeout_s is not None else self.default_deadline
         ctx = ExecutionContext.with_timeout(timeout, permits=[permit])
-        req = _Request(ident, rid, ctx)
+        borrower = msg.shm if self.shm is not None and msg.shm in self.shm.peers else None
+        req = _Request(ident, rid, ctx, borrower)
         self.requests[(ident, rid)] = req
         self._spawn(self._run(req, job))
 
@@ -342,17 +373,58 @@ class StageWorker:
                                                message=f"{type(exc).__name__}: {exc}"))
                 return self._finish(req)
             result = p.Aborted if outcome.aborted else p.Final
+            tensors: dict[str, Any] = outcome.tensors
             try:
+                if req.borrower is not None and tensors:
+                    tensors = await self._lend(req, tensors)
                 frames = p.encode(result(id=rid, replica=replica, seq=seq + 1, **outcome.fields),
-                                  outcome.tensors)
+                                  tensors, shm=req.borrower is not None)
+            except TimeoutError as exc:
+                self._reply(req.ident, p.Deadline(id=rid, replica=replica, message=str(exc)))
+                return self._finish(req)
+            except WaitCancelled:
+                self._reply(req.ident, p.Aborted(id=rid, replica=replica, seq=seq + 1,
+                                                 finish_reason="abort"))
+                return self._finish(req)
             except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+                self._take_back(tensors)
                 log.exception("request %s: the executor's outcome cannot be sent", rid)
                 self._reply(req.ident, p.Error(code="internal", id=rid, replica=replica,
                                                message=f"outcome cannot be encoded: {exc}"))
                 return self._finish(req)
             self._count(p.tag(result))
-            self._send_frames(req.ident, frames)
+            # A reply that never leaves (the client is gone) lends nothing: take it back.
+            self._send_frames(req.ident, frames, on_fail=lambda: self._take_back(tensors))
             self._finish(req)
+
+    async def _lend(self, req: _Request, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Large outputs copied into our segment and lent to the client (it releases them).
+
+        A full segment makes this wait for the client to give blocks back (back-pressure), up
+        to the request's deadline (TimeoutError) or its cancellation (WaitCancelled). Tensors
+        already in shared memory (an input passed through) keep their handle.
+        """
+        assert self.shm is not None
+        out = dict(tensors)
+        try:
+            for name, value in tensors.items():
+                if self.shm.wants(value):
+                    placed = await self.shm.place(value, req.borrower, req.ctx.deadline,
+                                                  lambda: req.ctx.token.cancelled)
+                    if placed is not None:
+                        out[name] = placed
+        except BaseException:
+            self._take_back(out)
+            raise
+        return out
+
+    def _take_back(self, tensors: dict[str, Any]) -> None:
+        """Free the blocks of our segment that tensors were lent in."""
+        if self.shm is None:
+            return
+        self.shm.free([v.shm.lease for v in tensors.values()
+                       if isinstance(v, p.WireTensor) and v.shm is not None
+                       and v.shm.segment == self.shm.name])
 
     def _finish(self, req: _Request) -> None:
         self.requests.pop((req.ident, req.rid), None)
@@ -374,14 +446,17 @@ class StageWorker:
             return
         self._send_frames(ident, frames)
 
-    def _send_frames(self, ident: bytes, frames: list[Any]) -> None:
+    def _send_frames(self, ident: bytes, frames: list[Any],
+                     on_fail: Callable[[], None] | None = None) -> None:
         try:
             fut = self.sock.send_multipart([ident, *frames], copy=False)
         except zmq.ZMQError as exc:  # the peer went away; its requests are its problem
             log.warning("dropping reply for gone peer %r: %s", ident, exc)
+            if on_fail is not None:
+                on_fail()
             return
         if isinstance(fut, asyncio.Future):
-            fut.add_done_callback(_log_send_failure)
+            fut.add_done_callback(partial(_log_send_failure, on_fail=on_fail))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -450,10 +525,16 @@ class StageWorker:
         )
 
     def state(self) -> dict[str, Any]:
-        """The same state as plain builtins, for the HTTP side port's /state."""
-        return msgspec.structs.asdict(self.snapshot())
+        """The same state as plain builtins, for the HTTP side port's /state (plus the
+        shared-memory segment's figures when there is one)."""
+        state = msgspec.structs.asdict(self.snapshot())
+        if self.shm is not None:
+            state["shm"] = {"segment": self.shm.name, **self.shm.stats()}
+        return state
 
 
-def _log_send_failure(fut: asyncio.Future[Any]) -> None:
+def _log_send_failure(fut: asyncio.Future[Any], on_fail: Callable[[], None] | None) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("reply not delivered: %s", fut.exception())
+        if on_fail is not None:
+            on_fail()
