@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,10 @@ class Result:
     first_error: str = ""
     elapsed: float = 0.0
     note: str = ""
+    rounds: list[float] = field(default_factory=list)  # req/s of each measured round
+    warm_ok: int = 0  # requests answered during the warm-up
+    cpu_s: float = 0.0  # the front process's CPU time over warm-up + measured rounds
+    cpu_requests: int = 0
 
     @property
     def ok(self) -> int:
@@ -76,8 +81,10 @@ class Result:
         if self.note:
             return f"{self.name:<11} unavailable: {self.note}"
         err = f" (first: {self.first_error})" if self.errors else ""
+        cpu = (f"  front CPU {1e6 * self.cpu_s / self.cpu_requests:.0f} us/req"
+               if self.cpu_requests else "")
         return (f"{self.name:<11} {self.rps:9.1f} req/s  p50 {self.pct(50):7.2f} ms  "
-                f"p99 {self.pct(99):7.2f} ms  ok {self.ok}  errors {self.errors}{err}  "
+                f"p99 {self.pct(99):7.2f} ms  ok {self.ok}  errors {self.errors}{err}{cpu}  "
                 f"(concurrency {concurrency}, {self.elapsed:.1f}s)")
 
 
@@ -87,9 +94,10 @@ Call = Callable[[], Awaitable[None]]
 async def drive(name: str, call: Call, concurrency: int, duration: float, max_requests: int,
                 warmup: float) -> Result:
     """Closed-loop load: `concurrency` clients until duration or max_requests is reached."""
+    warm = Result(name)
     if warmup > 0:
-        await _loop(Result(name), call, concurrency, warmup, max_requests)
-    res = Result(name)
+        await _loop(warm, call, concurrency, warmup, max_requests)
+    res = Result(name, warm_ok=warm.ok)
     t0 = time.perf_counter()
     await _loop(res, call, concurrency, duration, max_requests)
     res.elapsed = time.perf_counter() - t0
@@ -179,6 +187,13 @@ class Server:
                                f"log tail:\n{tail}")
         return self.match
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the server process itself has used: for the orchestrator,
+        its own cost, without the stage workers'. A shared machine changes wall-clock
+        throughput from second to second; CPU per request stays put."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM, then SIGKILL everything the server started (Ray workers set own groups)."""
         tree = _descendants(self.proc.pid)
@@ -215,38 +230,55 @@ def _descendants(root: int) -> list[int]:
 
 
 # ---- systems -----------------------------------------------------------------------------
+#
+# Each system is an async context manager that starts it, checks one request, and yields the
+# `call` the load generator drives. All of them stay up together, so the measured rounds can
+# alternate between them (see measure()).
+
+@dataclass
+class Target:
+    """What the load generator drives: one request, and the front process's CPU clock (None
+    where the front end is the load generator itself)."""
+
+    call: Call
+    cpu: Callable[[], float] | None = None
 
 
-async def bench_http(name: str, url: str, check: Callable[[Any], bool],
-                     args: argparse.Namespace) -> Result:
+System = Callable[[argparse.Namespace, Path], contextlib.AbstractAsyncContextManager[Target]]
+
+
+@contextlib.asynccontextmanager
+async def http_system(url: str, check: Callable[[Any], bool], args: argparse.Namespace,
+                      server: Server) -> AsyncIterator[Target]:
     conn = aiohttp.TCPConnector(limit=args.concurrency)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         call = http_call(session, url, check)
         await call()  # fail fast with a clear error if the route is wrong
-        return await drive(name, call, args.concurrency, args.duration, args.max_requests,
-                           args.warmup)
+        yield Target(call, server.cpu_seconds)
 
 
-async def bench_omnistage(args: argparse.Namespace, tmp: Path) -> Result:
+@contextlib.asynccontextmanager
+async def omnistage_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
     port = free_port()
     server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(ECHO_YAML),
                      "--port", str(port), "--log-dir", str(tmp / "omnistage-logs")],
                     r"ready at (http://\S+)", tmp / "omnistage.log")
     try:
-        url = server.wait_ready(120).group(1)
-        return await bench_http("omnistage", f"{url}/v1/pipelines/echo/requests",
-                                _omnistage_ok, args)
+        url = server.wait_ready(180).group(1)
+        async with http_system(f"{url}/v1/pipelines/echo/requests", _omnistage_ok,
+                               args, server) as target:
+            yield target
     finally:
         server.stop()
 
 
-async def bench_ray(args: argparse.Namespace, tmp: Path) -> Result:
+@contextlib.asynccontextmanager
+async def ray_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
     try:
         import ray.serve  # noqa: F401
     except ImportError as exc:
-        return Result("ray-serve", note=f"import ray.serve failed ({exc}); "
-                      'pip install "ray[serve]"')
+        raise Unavailable(f'import ray.serve failed ({exc}); pip install "ray[serve]"') from None
     port = free_port()
     server = Server([sys.executable, str(ROOT / "bench" / "ray_echo.py"), "--port", str(port)],
                     r"READY (http://\S+)", tmp / "ray.log")
@@ -254,13 +286,15 @@ async def bench_ray(args: argparse.Namespace, tmp: Path) -> Result:
         try:
             url = server.wait_ready(300).group(1)
         except RuntimeError as exc:
-            return Result("ray-serve", note=str(exc))
-        return await bench_http("ray-serve", url, _ray_ok, args)
+            raise Unavailable(str(exc)) from None
+        async with http_system(url, _ray_ok, args, server) as target:
+            yield target
     finally:
         server.stop(grace=20)
 
 
-async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
+@contextlib.asynccontextmanager
+async def zmq_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
     from omnistage.client import ReplicaChannel
     from omnistage.local_runtime import LocalStageRuntime
     from omnistage.spec import load_pipeline
@@ -282,8 +316,7 @@ async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
 
         try:
             await call()
-            return await drive("zmq-direct", call, args.concurrency, args.duration,
-                               args.max_requests, args.warmup)
+            yield Target(call)
         finally:
             await a.close()
             await b.close()
@@ -291,38 +324,82 @@ async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
         runtime.shutdown()
 
 
+class Unavailable(RuntimeError):
+    """The system cannot run here (not installed, failed to start); its line says why."""
+
+
+SYSTEMS: dict[str, tuple[str, System]] = {
+    "omnistage": ("omnistage", omnistage_system),
+    "ray": ("ray-serve", ray_system),
+    "zmq": ("zmq-direct", zmq_system),
+}
+
+
+async def measure(targets: dict[str, Target], args: argparse.Namespace) -> dict[str, Result]:
+    """Alternate the systems in --rounds short rounds, so that a change in the machine's load
+    (it is shared) hits every system alike instead of whichever ran last."""
+    results = {key: Result(SYSTEMS[key][0]) for key in targets}
+    per_round = args.duration / args.rounds
+    warm = args.warmup / args.rounds
+    for _ in range(args.rounds):
+        for key, target in targets.items():
+            cpu0 = target.cpu() if target.cpu else 0.0
+            part = await drive(key, target.call, args.concurrency, per_round, args.max_requests,
+                               warm)
+            res = results[key]
+            if target.cpu is not None:  # includes the warm-up's requests: counted below
+                res.cpu_s += target.cpu() - cpu0
+                res.cpu_requests += part.ok + part.warm_ok
+            res.latencies += part.latencies
+            res.errors += part.errors
+            res.first_error = res.first_error or part.first_error
+            res.elapsed += part.elapsed
+            res.rounds.append(part.rps)
+    return results
+
+
 async def main_async(args: argparse.Namespace) -> int:
-    systems = {"omnistage": bench_omnistage, "ray": bench_ray, "zmq": bench_zmq}
+    keys = args.systems.split(",")
+    unknown = [k for k in keys if k not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown system(s) {unknown}; expected {list(SYSTEMS)}")
     results: dict[str, Result] = {}
+    targets: dict[str, Target] = {}
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-") as tmp:
-        for key in args.systems.split(","):
-            try:
-                res = await systems[key](args, Path(tmp))
-            except Exception as exc:
-                res = Result(key, note=f"{type(exc).__name__}: {exc}")
-            results[key] = res
-            print(res.line(args.concurrency), flush=True)
+        async with contextlib.AsyncExitStack() as stack:
+            for key in keys:  # started one after another: startup is not measured
+                label, system = SYSTEMS[key]
+                try:
+                    targets[key] = await stack.enter_async_context(system(args, Path(tmp)))
+                except Exception as exc:
+                    results[key] = Result(label, note=f"{type(exc).__name__}: {exc}")
+            results.update(await measure(targets, args))
+    for key in keys:
+        print(results[key].line(args.concurrency), flush=True)
     print(summary(results), flush=True)
     return 0 if all(not r.note and r.ok for r in results.values()) else 1
 
 
 def summary(results: dict[str, Result]) -> str:
+    """Ratios of omnistage to each baseline, and whether each goal holds."""
     omni = results.get("omnistage")
     parts = []
-    for key, label in (("ray", "ray-serve"), ("zmq", "zmq-direct")):
+    for key, goal in (("ray", 2.0), ("zmq", 0.9), ("dynamo", None)):
         other = results.get(key)
         if omni is None or other is None:
             continue
+        label = other.name
         if omni.note or other.note or not other.rps:
             parts.append(f"omnistage/{label} = n/a")
             continue
         ratio = omni.rps / other.rps
-        if key == "ray":
-            verdict = "PASS" if ratio >= 2 else "MISS"
-            parts.append(f"omnistage/{label} = {ratio:.2f}x (goal >= 2x: {verdict})")
-        else:
-            parts.append(f"omnistage/{label} = {ratio:.2f}x (share of raw ZMQ round-trip "
-                         f"throughput kept through orchestrator + HTTP)")
+        spread = ""
+        if len(omni.rounds) > 1 and len(omni.rounds) == len(other.rounds):
+            each = sorted(o / b for o, b in zip(omni.rounds, other.rounds, strict=True) if b)
+            spread = f" [rounds {each[0]:.2f}-{each[-1]:.2f}]"
+        verdict = "" if goal is None else (
+            f" (goal >= {goal:g}x: {'PASS' if ratio >= goal else 'MISS'})")
+        parts.append(f"omnistage/{label} = {ratio:.2f}x{spread}{verdict}")
     return "summary: " + ("; ".join(parts) or "nothing to compare")
 
 
@@ -330,12 +407,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-c", "--concurrency", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds/system")
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds/system")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     parser.add_argument("--max-requests", type=int, default=200_000,
                         help="upper bound on requests per phase")
-    parser.add_argument("--systems", default="omnistage,ray,zmq",
-                        help="comma-separated subset of omnistage,ray,zmq")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating rounds the duration is split into")
+    parser.add_argument("--systems", default="omnistage,zmq,ray",
+                        help=f"comma-separated subset of {','.join(SYSTEMS)}")
     return asyncio.run(main_async(parser.parse_args()))
 
 
