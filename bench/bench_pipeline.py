@@ -159,11 +159,12 @@ def free_port() -> int:
 class Server:
     """A server subprocess whose stdout is scanned for a ready pattern; stopped with its tree."""
 
-    def __init__(self, cmd: list[str], ready: str, log: Path) -> None:
+    def __init__(self, cmd: list[str], ready: str, log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.log = log
         self._fh = open(log, "w")  # closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._fh, text=True,
-                                     cwd=ROOT, start_new_session=True)
+                                     cwd=ROOT, start_new_session=True, env=env)
         self._ready = re.compile(ready)
         self.match: re.Match[str] | None = None
         self._seen = threading.Event()
@@ -258,19 +259,30 @@ async def http_system(url: str, check: Callable[[Any], bool], args: argparse.Nam
         yield Target(call, server.cpu_seconds)
 
 
-@contextlib.asynccontextmanager
-async def omnistage_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
-    port = free_port()
-    server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(ECHO_YAML),
-                     "--port", str(port), "--log-dir", str(tmp / "omnistage-logs")],
-                    r"ready at (http://\S+)", tmp / "omnistage.log")
-    try:
-        url = server.wait_ready(180).group(1)
-        async with http_system(f"{url}/v1/pipelines/echo/requests", _omnistage_ok,
-                               args, server) as target:
-            yield target
-    finally:
-        server.stop()
+def omnistage_system(tree: Path | None = None) -> System:
+    """`omnistage serve` of this tree, or of another checkout's runtime/ (--baseline-tree):
+    a change to the orchestrator is then measured against the code before it, in one run."""
+    tag = "" if tree is None else "-base"
+
+    @contextlib.asynccontextmanager
+    async def system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
+        port = free_port()
+        env = None
+        if tree is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(tree / "runtime"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(ECHO_YAML),
+                         "--port", str(port), "--log-dir", str(tmp / f"omnistage{tag}-logs")],
+                        r"ready at (http://\S+)", tmp / f"omnistage{tag}.log", env=env)
+        try:
+            url = server.wait_ready(180).group(1)
+            async with http_system(f"{url}/v1/pipelines/echo/requests", _omnistage_ok,
+                                   args, server) as target:
+                yield target
+        finally:
+            server.stop()
+
+    return system
 
 
 @contextlib.asynccontextmanager
@@ -329,7 +341,7 @@ class Unavailable(RuntimeError):
 
 
 SYSTEMS: dict[str, tuple[str, System]] = {
-    "omnistage": ("omnistage", omnistage_system),
+    "omnistage": ("omnistage", omnistage_system()),
     "ray": ("ray-serve", ray_system),
     "zmq": ("zmq-direct", zmq_system),
 }
@@ -360,6 +372,8 @@ async def measure(targets: dict[str, Target], args: argparse.Namespace) -> dict[
 
 async def main_async(args: argparse.Namespace) -> int:
     keys = args.systems.split(",")
+    if args.baseline_tree:
+        keys.insert(1, "omnistage-base")
     unknown = [k for k in keys if k not in SYSTEMS]
     if unknown:
         raise SystemExit(f"--systems: unknown system(s) {unknown}; expected {list(SYSTEMS)}")
@@ -384,7 +398,7 @@ def summary(results: dict[str, Result]) -> str:
     """Ratios of omnistage to each baseline, and whether each goal holds."""
     omni = results.get("omnistage")
     parts = []
-    for key, goal in (("ray", 2.0), ("zmq", 0.9), ("dynamo", None)):
+    for key, goal in (("ray", 2.0), ("zmq", 0.9), ("dynamo", None), ("omnistage-base", None)):
         other = results.get(key)
         if omni is None or other is None:
             continue
@@ -411,11 +425,20 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     parser.add_argument("--max-requests", type=int, default=200_000,
                         help="upper bound on requests per phase")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="also run `omnistage serve` from this checkout (e.g. a git "
+                        "worktree of the commit before a change) as omnistage-base")
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternating rounds the duration is split into")
     parser.add_argument("--systems", default="omnistage,zmq,ray",
                         help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    return asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    if args.baseline_tree:
+        tree = Path(args.baseline_tree).resolve()
+        if not (tree / "runtime" / "omnistage").is_dir():
+            parser.error(f"--baseline-tree: {tree} has no runtime/omnistage")
+        SYSTEMS["omnistage-base"] = ("omnistage-base", omnistage_system(tree))
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
