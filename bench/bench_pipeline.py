@@ -123,9 +123,9 @@ async def _loop(res: Result, call: Call, concurrency: int, duration: float,
     await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-def http_call(session: aiohttp.ClientSession, url: str,
-              check: Callable[[Any], bool]) -> Call:
-    body = {"prompt": PROMPT}
+def http_call(session: aiohttp.ClientSession, url: str, check: Callable[[Any], bool],
+              body: dict[str, Any] | None = None) -> Call:
+    body = body or {"prompt": PROMPT}
 
     async def call() -> None:
         async with session.post(url, json=body) as resp:
@@ -250,11 +250,12 @@ System = Callable[[argparse.Namespace, Path], contextlib.AbstractAsyncContextMan
 
 @contextlib.asynccontextmanager
 async def http_system(url: str, check: Callable[[Any], bool], args: argparse.Namespace,
-                      server: Server) -> AsyncIterator[Target]:
+                      server: Server, body: dict[str, Any] | None = None
+                      ) -> AsyncIterator[Target]:
     conn = aiohttp.TCPConnector(limit=args.concurrency)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        call = http_call(session, url, check)
+        call = http_call(session, url, check, body)
         await call()  # fail fast with a clear error if the route is wrong
         yield Target(call, server.cpu_seconds)
 
@@ -336,6 +337,90 @@ async def zmq_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Targe
         runtime.shutdown()
 
 
+DYNAMO_PYTHON = ROOT / "bench" / ".venv-dynamo" / "bin" / "python"
+DYNAMO_INSTALL = (f"python -m venv {DYNAMO_PYTHON.parents[1]} && "
+                  f"{DYNAMO_PYTHON.parent}/pip install --no-deps ai-dynamo==1.6.1 "
+                  "ai-dynamo-runtime==1.6.1 && "
+                  f"{DYNAMO_PYTHON.parent}/pip install aiohttp msgspec prometheus-client pyzmq "
+                  "transformers pydantic uvloop kubernetes redis tqdm zstandard")
+# Every Dynamo address on loopback: without these it binds 0.0.0.0 and advertises (and
+# connects to) the machine's routable address.
+DYNAMO_ENV = {
+    "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+    "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def _dynamo_model(tmp: Path) -> Path:
+    """The tiny LLM's tokenizer, which the mocker loads to count tokens (it runs no
+    weights), with a plain chat template, which Dynamo's chat route requires."""
+    import shutil
+
+    from omnistage.models import ModelRef
+
+    src, dest = ModelRef("ar", "tiny-llama").resolve(), tmp / "dynamo-model"
+    dest.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(src / name, dest / name)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def _dynamo_ok(reply: Any) -> bool:
+    return reply["usage"]["completion_tokens"] == DYNAMO_TOKENS and bool(reply["choices"])
+
+
+DYNAMO_TOKENS = 2
+
+
+@contextlib.asynccontextmanager
+async def dynamo_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
+    """NVIDIA Dynamo's OpenAI frontend in front of one mocker engine (no model run, no
+    simulated delay: --speedup-ratio 0), fed a chat completion of DYNAMO_TOKENS tokens."""
+    python = Path(args.dynamo_python)
+    if not await asyncio.to_thread(python.exists):
+        raise Unavailable(f"{python} not found; install with: {DYNAMO_INSTALL}")
+    model = await asyncio.to_thread(_dynamo_model, tmp)
+    env = {**os.environ, **DYNAMO_ENV, "DYN_FILE_KV": str(tmp / "dynamo-kv")}
+    env.pop("PYTHONPATH", None)
+    port = free_port()
+    mocker = Server([str(python), "-m", "dynamo.mocker", "--model-path", str(model),
+                     "--model-name", "tiny", "--speedup-ratio", "0"], r".",
+                    tmp / "dynamo-mocker.log", env=env)
+    frontend = Server([str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                       "--http-port", str(port)], r".", tmp / "dynamo-frontend.log", env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    async with session.get(f"{url}/v1/models") as resp:
+                        if resp.status == 200 and (await resp.json())["data"]:
+                            break
+                except (aiohttp.ClientError, KeyError, ValueError):
+                    pass
+                for server in (mocker, frontend):
+                    if server.proc.poll() is not None:
+                        tail = "\n".join(server.log.read_text().splitlines()[-10:])
+                        raise Unavailable(f"dynamo exited ({server.proc.returncode}): {tail}")
+                if time.monotonic() > deadline:
+                    raise Unavailable("dynamo frontend listed no model after 180 s")
+                await asyncio.sleep(1.0)
+        body = {"model": "tiny", "max_tokens": DYNAMO_TOKENS,
+                "messages": [{"role": "user", "content": PROMPT}]}
+        async with http_system(f"{url}/v1/chat/completions", _dynamo_ok, args, frontend,
+                               body=body) as target:
+            yield target
+    finally:
+        frontend.stop()
+        mocker.stop()
+
+
 class Unavailable(RuntimeError):
     """The system cannot run here (not installed, failed to start); its line says why."""
 
@@ -344,6 +429,7 @@ SYSTEMS: dict[str, tuple[str, System]] = {
     "omnistage": ("omnistage", omnistage_system()),
     "ray": ("ray-serve", ray_system),
     "zmq": ("zmq-direct", zmq_system),
+    "dynamo": ("dynamo", dynamo_system),
 }
 
 
@@ -428,9 +514,11 @@ def main() -> int:
     parser.add_argument("--baseline-tree", default=None,
                         help="also run `omnistage serve` from this checkout (e.g. a git "
                         "worktree of the commit before a change) as omnistage-base")
+    parser.add_argument("--dynamo-python", default=str(DYNAMO_PYTHON),
+                        help="the interpreter of a venv with ai-dynamo (see DYNAMO_INSTALL)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternating rounds the duration is split into")
-    parser.add_argument("--systems", default="omnistage,zmq,ray",
+    parser.add_argument("--systems", default="omnistage,zmq,ray,dynamo",
                         help=f"comma-separated subset of {','.join(SYSTEMS)}")
     args = parser.parse_args()
     if args.baseline_tree:
