@@ -454,6 +454,21 @@ class Bench:
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def operator_memory(self) -> dict[str, float]:
+        """The operator's resident memory now and at its peak (VmRSS, VmHWM), in MiB."""
+        out: dict[str, float] = {}
+        if self.op is None:
+            return out
+        try:
+            for line in Path(f"/proc/{self.op.pid}/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    mib = int(value.split()[0]) / 1024
+                    out["rss" if key == "VmRSS" else "peak"] = round(mib, 1)
+        except OSError:
+            pass
+        return out
+
     def by_verb(self) -> dict[str, int]:
         out = {}
         for k, v in self.metrics().items():
@@ -781,6 +796,7 @@ class Bench:
             "reconciles_to_ready": r_settled - r_start,
             "apiserver_gets_to_ready": sum(g_settled.values()) - sum(g_start.values()),
             "operator_cpu_to_ready_s": round(c_settled - c_start, 2),
+            "operator_memory_mib": self.operator_memory(),
             "apiserver_latency_to_ready": latency,
             "loadavg_at_ready": load_at_ready,
             "idle_seconds": self.args.idle_seconds,
@@ -808,7 +824,8 @@ class Bench:
             f"operator_scale: pipelines={p} pods={pods} apply_to_ready={t_ready - t0:.1f}s "
             f"writes_total={writes_total} writes_per_pod={writes_total / pods:.2f} "
             f"idle_writes_{secs}s={idle['writes']} idle_reconciles_{secs}s={idle['reconciles']} "
-            f"idle_api_gets_{secs}s={idle['apiserver_gets']}"
+            f"idle_api_gets_{secs}s={idle['apiserver_gets']} "
+            f"operator_peak_rss={result['operator_memory_mib'].get('peak', 0):.0f}MiB"
         )
         if "restart" in result:
             rs = result["restart"]
