@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from omnistage import validate
 from omnistage.local_runtime import LocalStageRuntime, PlacementError, ReplicaStartupError
 from omnistage.orchestrator.main import ApiBindError, serve_orchestrator
-from omnistage.spec import SpecError, load_pipeline
+from omnistage.spec import KIND, SpecError, load_pipeline
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -101,3 +103,22 @@ def run_serve(
         _install(_note_ignored)
         runtime.shutdown()
         _install(signal.SIG_DFL)
+
+
+def dry_run(file: str | Path, *, output: str = "text") -> int:
+    """`omnistage serve --dry-run FILE`: every check serve makes before starting anything.
+
+    That is `omnistage validate` with local model paths checked, plus the GPU placement plan.
+    Exit 0 when serve would start, 2 when it would refuse.
+    """
+    report = validate.Report(str(file), 0, kind=KIND)
+    try:
+        pipeline = load_pipeline(file)
+        report.name = pipeline.metadata.name
+        LocalStageRuntime(pipeline, base_dir=Path(file).resolve().parent,
+                          log_dir=Path(tempfile.gettempdir())).plan()
+    except SpecError as exc:
+        report.errors = [(path, message) for path, message in exc.errors]
+    except PlacementError as exc:
+        report.errors = [("(placement)", str(exc))]
+    return validate.emit([report], output)
