@@ -53,6 +53,9 @@ sys.path.insert(0, str(REPO / "runtime"))  # the tree under test, like the opera
 from omnistage.kube import condition, condition_status  # noqa: E402
 from omnistage.kubeapi import ApiError, SyncKubeApi, path, resource_path  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lws_baseline import LwsBaseline, apiserver_writes, controller_writes  # noqa: E402
+
 HACK = REPO / "hack"
 GROUP, VERSION, PLURAL = "omnistage.io", "v1alpha1", "omnipipelines"
 STAGES = ("a", "b", "c")
@@ -451,6 +454,21 @@ class Bench:
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def operator_memory(self) -> dict[str, float]:
+        """The operator's resident memory now and at its peak (VmRSS, VmHWM), in MiB."""
+        out: dict[str, float] = {}
+        if self.op is None:
+            return out
+        try:
+            for line in Path(f"/proc/{self.op.pid}/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    mib = int(value.split()[0]) / 1024
+                    out["rss" if key == "VmRSS" else "peak"] = round(mib, 1)
+        except OSError:
+            pass
+        return out
+
     def by_verb(self) -> dict[str, int]:
         out = {}
         for k, v in self.metrics().items():
@@ -724,6 +742,7 @@ class Bench:
             f"creating {p} pipelines x {st} stages x {rep} replicas = {pods} stage pods "
             f"(+{p} orchestrator pods) in namespace {self.ns}"
         )
+        api_w0 = apiserver_writes(self)
         t0 = time.monotonic()
         t_created = self.create_pipelines()
         log(f"  {p} OmniPipelines created in {t_created - t0:.2f}s")
@@ -731,6 +750,7 @@ class Bench:
         w_ready, _ = self.counters()
         settle_s = self.settle()
         w_settled, r_settled = self.counters()
+        api_writes = controller_writes(api_w0, apiserver_writes(self))
         (g_settled, lat_settled), c_settled = self.apiserver_metrics(), self.operator_cpu()
         latency = {}
         for key in LATENCY_KEYS:
@@ -751,7 +771,11 @@ class Bench:
             + ", ".join(f"{k} {v['mean_ms']}ms (n={v['n']})" for k, v in latency.items())
             + f"; load average {load_at_ready} on {os.cpu_count()} CPUs"
         )
+        api_idle0 = apiserver_writes(self)
         idle = self.window(self.args.idle_seconds, "idle")
+        idle["controller_writes_by_verb_resource"] = controller_writes(
+            api_idle0, apiserver_writes(self))
+        idle["controller_writes"] = sum(idle["controller_writes_by_verb_resource"].values())
         if idle["writes"]:
             log(f"idle writes: {idle['writes_logged'] or idle['writes_by_verb']}")
         result: Obj = {
@@ -765,9 +789,14 @@ class Bench:
             "writes_total": writes_total,
             "writes_per_pod": round(writes_total / pods, 2),
             "writes_by_verb": verbs_total,
+            # Counted by the API server, as for the LWS baseline (see bench/lws_baseline.py).
+            "controller_writes_total": sum(api_writes.values()),
+            "controller_writes_per_pod": round(sum(api_writes.values()) / pods, 2),
+            "controller_writes_by_verb_resource": api_writes,
             "reconciles_to_ready": r_settled - r_start,
             "apiserver_gets_to_ready": sum(g_settled.values()) - sum(g_start.values()),
             "operator_cpu_to_ready_s": round(c_settled - c_start, 2),
+            "operator_memory_mib": self.operator_memory(),
             "apiserver_latency_to_ready": latency,
             "loadavg_at_ready": load_at_ready,
             "idle_seconds": self.args.idle_seconds,
@@ -781,6 +810,8 @@ class Bench:
         if not self.args.keep and self.args.teardown_timeout > 0:
             result["teardown"] = self.teardown()
             self.torn_down = True
+        if self.args.lws:
+            result["lws"] = self.run_lws()
         problems = self.log_problems()
         result["operator_log_problem_lines"] = len(problems)
         result["operator_log"] = str(self.op_log)
@@ -793,7 +824,8 @@ class Bench:
             f"operator_scale: pipelines={p} pods={pods} apply_to_ready={t_ready - t0:.1f}s "
             f"writes_total={writes_total} writes_per_pod={writes_total / pods:.2f} "
             f"idle_writes_{secs}s={idle['writes']} idle_reconciles_{secs}s={idle['reconciles']} "
-            f"idle_api_gets_{secs}s={idle['apiserver_gets']}"
+            f"idle_api_gets_{secs}s={idle['apiserver_gets']} "
+            f"operator_peak_rss={result['operator_memory_mib'].get('peak', 0):.0f}MiB"
         )
         if "restart" in result:
             rs = result["restart"]
@@ -804,7 +836,29 @@ class Bench:
         if "teardown" in result:
             line += f" delete_to_gone={result['teardown']['delete_to_gone_s']:.1f}s"
         print(line, flush=True)
+        if "lws" in result:
+            print(lws_summary(result, secs), flush=True)
         return result
+
+    def run_lws(self) -> Obj:
+        """The LWS baseline on the same cluster and kwok nodes, after the Omnistage fleet is
+        gone (the nodes are sized for one fleet): one LeaderWorkerSet per stage pool."""
+        version = read_versions()["LWS_VERSION"]
+        cache = Path(os.environ.get("OMNISTAGE_CACHE") or Path.home() / ".cache" / "omnistage")
+        binary = cache / "bin" / f"lws-controller-{version}"
+        if not binary.exists():
+            raise BenchError(f"{binary} is missing: run hack/build-k8s.sh lws")
+        placement = {"nodeSelector": dict(SCALE_POOL), "tolerations": [dict(KWOK_TOLERATION)]}
+        lws = LwsBaseline(self, binary, version, placement=placement, pod_ready=pod_ready,
+                          log=log, free_port=free_port)
+        try:
+            lws.start()
+            return lws.run(self.args.pipelines * len(STAGES), self.args.replicas,
+                           self.args.idle_seconds, self.args.timeout)
+        except RuntimeError as exc:
+            raise BenchError(f"LWS baseline: {exc}") from None
+        finally:
+            lws.stop()
 
     def cleanup(self) -> None:
         if self.cluster_dir is None and not self.args.keep and not self.torn_down:
@@ -813,6 +867,34 @@ class Bench:
         if self.kube is not None:
             self.kube.close()
         self.stop_cluster()
+
+
+def read_versions() -> dict[str, str]:
+    """hack/versions.env, the pins shared with the build scripts."""
+    out = {}
+    for line in (HACK / "versions.env").read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and not key.startswith("#"):
+            out[key] = value
+    return out
+
+
+def lws_summary(result: Obj, idle_s: int) -> str:
+    """The comparison line: Omnistage against LWS, same cluster, same run."""
+    lws = result["lws"]
+    omni_t, lws_t = result["apply_to_ready_s"], lws["apply_to_ready_s"]
+    omni_w, lws_w = result["controller_writes_per_pod"], lws["controller_writes_per_pod"]
+    faster = "PASS" if omni_t <= lws_t else "MISS"
+    fewer = "PASS" if omni_w <= lws_w else "MISS"
+    return (
+        f"operator_vs_lws: pods omnistage={result['pods']} lws={lws['pods']} "
+        f"apply_to_ready omnistage={omni_t:.1f}s lws={lws_t:.1f}s "
+        f"ratio={omni_t / lws_t:.2f}x (goal <= 1: {faster}) "
+        f"controller_writes_per_pod omnistage={omni_w:.2f} lws={lws_w:.2f} "
+        f"ratio={omni_w / lws_w:.2f}x (goal <= 1: {fewer}) "
+        f"idle_controller_writes_{idle_s}s omnistage={result['idle']['controller_writes']} "
+        f"lws={lws['idle_controller_writes']} (operator's own: {result['idle']['writes']})"
+    )
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -861,6 +943,12 @@ def main() -> int:
         help="first of 6 loopback ports for the private control plane",
     )
     ap.add_argument("--json", default=None, help="also write the figures here as JSON")
+    ap.add_argument(
+        "--lws",
+        action="store_true",
+        help="then run the LeaderWorkerSet controller baseline on the same cluster "
+        "(bench/lws_baseline.py; build it with hack/build-k8s.sh lws)",
+    )
     ap.add_argument(
         "--keep",
         action="store_true",

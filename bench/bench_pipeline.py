@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,10 @@ class Result:
     first_error: str = ""
     elapsed: float = 0.0
     note: str = ""
+    rounds: list[float] = field(default_factory=list)  # req/s of each measured round
+    warm_ok: int = 0  # requests answered during the warm-up
+    cpu_s: float = 0.0  # the front process's CPU time over warm-up + measured rounds
+    cpu_requests: int = 0
 
     @property
     def ok(self) -> int:
@@ -76,8 +81,10 @@ class Result:
         if self.note:
             return f"{self.name:<11} unavailable: {self.note}"
         err = f" (first: {self.first_error})" if self.errors else ""
+        cpu = (f"  front CPU {1e6 * self.cpu_s / self.cpu_requests:.0f} us/req"
+               if self.cpu_requests else "")
         return (f"{self.name:<11} {self.rps:9.1f} req/s  p50 {self.pct(50):7.2f} ms  "
-                f"p99 {self.pct(99):7.2f} ms  ok {self.ok}  errors {self.errors}{err}  "
+                f"p99 {self.pct(99):7.2f} ms  ok {self.ok}  errors {self.errors}{err}{cpu}  "
                 f"(concurrency {concurrency}, {self.elapsed:.1f}s)")
 
 
@@ -87,9 +94,10 @@ Call = Callable[[], Awaitable[None]]
 async def drive(name: str, call: Call, concurrency: int, duration: float, max_requests: int,
                 warmup: float) -> Result:
     """Closed-loop load: `concurrency` clients until duration or max_requests is reached."""
+    warm = Result(name)
     if warmup > 0:
-        await _loop(Result(name), call, concurrency, warmup, max_requests)
-    res = Result(name)
+        await _loop(warm, call, concurrency, warmup, max_requests)
+    res = Result(name, warm_ok=warm.ok)
     t0 = time.perf_counter()
     await _loop(res, call, concurrency, duration, max_requests)
     res.elapsed = time.perf_counter() - t0
@@ -115,9 +123,9 @@ async def _loop(res: Result, call: Call, concurrency: int, duration: float,
     await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-def http_call(session: aiohttp.ClientSession, url: str,
-              check: Callable[[Any], bool]) -> Call:
-    body = {"prompt": PROMPT}
+def http_call(session: aiohttp.ClientSession, url: str, check: Callable[[Any], bool],
+              body: dict[str, Any] | None = None) -> Call:
+    body = body or {"prompt": PROMPT}
 
     async def call() -> None:
         async with session.post(url, json=body) as resp:
@@ -151,11 +159,12 @@ def free_port() -> int:
 class Server:
     """A server subprocess whose stdout is scanned for a ready pattern; stopped with its tree."""
 
-    def __init__(self, cmd: list[str], ready: str, log: Path) -> None:
+    def __init__(self, cmd: list[str], ready: str, log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.log = log
         self._fh = open(log, "w")  # closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._fh, text=True,
-                                     cwd=ROOT, start_new_session=True)
+                                     cwd=ROOT, start_new_session=True, env=env)
         self._ready = re.compile(ready)
         self.match: re.Match[str] | None = None
         self._seen = threading.Event()
@@ -178,6 +187,13 @@ class Server:
             raise RuntimeError(f"not ready after {timeout:.0f}s (exit {self.proc.poll()}); "
                                f"log tail:\n{tail}")
         return self.match
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the server process itself has used: for the orchestrator,
+        its own cost, without the stage workers'. A shared machine changes wall-clock
+        throughput from second to second; CPU per request stays put."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM, then SIGKILL everything the server started (Ray workers set own groups)."""
@@ -215,38 +231,67 @@ def _descendants(root: int) -> list[int]:
 
 
 # ---- systems -----------------------------------------------------------------------------
+#
+# Each system is an async context manager that starts it, checks one request, and yields the
+# `call` the load generator drives. All of them stay up together, so the measured rounds can
+# alternate between them (see measure()).
+
+@dataclass
+class Target:
+    """What the load generator drives: one request, and the front process's CPU clock (None
+    where the front end is the load generator itself)."""
+
+    call: Call
+    cpu: Callable[[], float] | None = None
 
 
-async def bench_http(name: str, url: str, check: Callable[[Any], bool],
-                     args: argparse.Namespace) -> Result:
+System = Callable[[argparse.Namespace, Path], contextlib.AbstractAsyncContextManager[Target]]
+
+
+@contextlib.asynccontextmanager
+async def http_system(url: str, check: Callable[[Any], bool], args: argparse.Namespace,
+                      server: Server, body: dict[str, Any] | None = None
+                      ) -> AsyncIterator[Target]:
     conn = aiohttp.TCPConnector(limit=args.concurrency)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        call = http_call(session, url, check)
+        call = http_call(session, url, check, body)
         await call()  # fail fast with a clear error if the route is wrong
-        return await drive(name, call, args.concurrency, args.duration, args.max_requests,
-                           args.warmup)
+        yield Target(call, server.cpu_seconds)
 
 
-async def bench_omnistage(args: argparse.Namespace, tmp: Path) -> Result:
-    port = free_port()
-    server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(ECHO_YAML),
-                     "--port", str(port), "--log-dir", str(tmp / "omnistage-logs")],
-                    r"ready at (http://\S+)", tmp / "omnistage.log")
-    try:
-        url = server.wait_ready(120).group(1)
-        return await bench_http("omnistage", f"{url}/v1/pipelines/echo/requests",
-                                _omnistage_ok, args)
-    finally:
-        server.stop()
+def omnistage_system(tree: Path | None = None) -> System:
+    """`omnistage serve` of this tree, or of another checkout's runtime/ (--baseline-tree):
+    a change to the orchestrator is then measured against the code before it, in one run."""
+    tag = "" if tree is None else "-base"
+
+    @contextlib.asynccontextmanager
+    async def system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
+        port = free_port()
+        env = None
+        if tree is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(tree / "runtime"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(ECHO_YAML),
+                         "--port", str(port), "--log-dir", str(tmp / f"omnistage{tag}-logs")],
+                        r"ready at (http://\S+)", tmp / f"omnistage{tag}.log", env=env)
+        try:
+            url = server.wait_ready(180).group(1)
+            async with http_system(f"{url}/v1/pipelines/echo/requests", _omnistage_ok,
+                                   args, server) as target:
+                yield target
+        finally:
+            server.stop()
+
+    return system
 
 
-async def bench_ray(args: argparse.Namespace, tmp: Path) -> Result:
+@contextlib.asynccontextmanager
+async def ray_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
     try:
         import ray.serve  # noqa: F401
     except ImportError as exc:
-        return Result("ray-serve", note=f"import ray.serve failed ({exc}); "
-                      'pip install "ray[serve]"')
+        raise Unavailable(f'import ray.serve failed ({exc}); pip install "ray[serve]"') from None
     port = free_port()
     server = Server([sys.executable, str(ROOT / "bench" / "ray_echo.py"), "--port", str(port)],
                     r"READY (http://\S+)", tmp / "ray.log")
@@ -254,13 +299,15 @@ async def bench_ray(args: argparse.Namespace, tmp: Path) -> Result:
         try:
             url = server.wait_ready(300).group(1)
         except RuntimeError as exc:
-            return Result("ray-serve", note=str(exc))
-        return await bench_http("ray-serve", url, _ray_ok, args)
+            raise Unavailable(str(exc)) from None
+        async with http_system(url, _ray_ok, args, server) as target:
+            yield target
     finally:
         server.stop(grace=20)
 
 
-async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
+@contextlib.asynccontextmanager
+async def zmq_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
     from omnistage.client import ReplicaChannel
     from omnistage.local_runtime import LocalStageRuntime
     from omnistage.spec import load_pipeline
@@ -282,8 +329,7 @@ async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
 
         try:
             await call()
-            return await drive("zmq-direct", call, args.concurrency, args.duration,
-                               args.max_requests, args.warmup)
+            yield Target(call)
         finally:
             await a.close()
             await b.close()
@@ -291,38 +337,169 @@ async def bench_zmq(args: argparse.Namespace, tmp: Path) -> Result:
         runtime.shutdown()
 
 
+DYNAMO_PYTHON = ROOT / "bench" / ".venv-dynamo" / "bin" / "python"
+DYNAMO_INSTALL = (f"python -m venv {DYNAMO_PYTHON.parents[1]} && "
+                  f"{DYNAMO_PYTHON.parent}/pip install --no-deps ai-dynamo==1.6.1 "
+                  "ai-dynamo-runtime==1.6.1 && "
+                  f"{DYNAMO_PYTHON.parent}/pip install aiohttp msgspec prometheus-client pyzmq "
+                  "transformers pydantic uvloop kubernetes redis tqdm zstandard")
+# Every Dynamo address on loopback: without these it binds 0.0.0.0 and advertises (and
+# connects to) the machine's routable address.
+DYNAMO_ENV = {
+    "DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+    "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def _dynamo_model(tmp: Path) -> Path:
+    """The tiny LLM's tokenizer, which the mocker loads to count tokens (it runs no
+    weights), with a plain chat template, which Dynamo's chat route requires."""
+    import shutil
+
+    from omnistage.models import ModelRef
+
+    src, dest = ModelRef("ar", "tiny-llama").resolve(), tmp / "dynamo-model"
+    dest.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        shutil.copy(src / name, dest / name)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def _dynamo_ok(reply: Any) -> bool:
+    return reply["usage"]["completion_tokens"] == DYNAMO_TOKENS and bool(reply["choices"])
+
+
+DYNAMO_TOKENS = 2
+
+
+@contextlib.asynccontextmanager
+async def dynamo_system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
+    """NVIDIA Dynamo's OpenAI frontend in front of one mocker engine (no model run, no
+    simulated delay: --speedup-ratio 0), fed a chat completion of DYNAMO_TOKENS tokens."""
+    python = Path(args.dynamo_python)
+    if not await asyncio.to_thread(python.exists):
+        raise Unavailable(f"{python} not found; install with: {DYNAMO_INSTALL}")
+    model = await asyncio.to_thread(_dynamo_model, tmp)
+    env = {**os.environ, **DYNAMO_ENV, "DYN_FILE_KV": str(tmp / "dynamo-kv")}
+    env.pop("PYTHONPATH", None)
+    port = free_port()
+    mocker = Server([str(python), "-m", "dynamo.mocker", "--model-path", str(model),
+                     "--model-name", "tiny", "--speedup-ratio", "0"], r".",
+                    tmp / "dynamo-mocker.log", env=env)
+    frontend = Server([str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                       "--http-port", str(port)], r".", tmp / "dynamo-frontend.log", env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    async with session.get(f"{url}/v1/models") as resp:
+                        if resp.status == 200 and (await resp.json())["data"]:
+                            break
+                except (aiohttp.ClientError, KeyError, ValueError):
+                    pass
+                for server in (mocker, frontend):
+                    if server.proc.poll() is not None:
+                        tail = "\n".join(server.log.read_text().splitlines()[-10:])
+                        raise Unavailable(f"dynamo exited ({server.proc.returncode}): {tail}")
+                if time.monotonic() > deadline:
+                    raise Unavailable("dynamo frontend listed no model after 180 s")
+                await asyncio.sleep(1.0)
+        body = {"model": "tiny", "max_tokens": DYNAMO_TOKENS,
+                "messages": [{"role": "user", "content": PROMPT}]}
+        async with http_system(f"{url}/v1/chat/completions", _dynamo_ok, args, frontend,
+                               body=body) as target:
+            yield target
+    finally:
+        frontend.stop()
+        mocker.stop()
+
+
+class Unavailable(RuntimeError):
+    """The system cannot run here (not installed, failed to start); its line says why."""
+
+
+SYSTEMS: dict[str, tuple[str, System]] = {
+    "omnistage": ("omnistage", omnistage_system()),
+    "ray": ("ray-serve", ray_system),
+    "zmq": ("zmq-direct", zmq_system),
+    "dynamo": ("dynamo", dynamo_system),
+}
+
+
+async def measure(targets: dict[str, Target], args: argparse.Namespace) -> dict[str, Result]:
+    """Alternate the systems in --rounds short rounds, so that a change in the machine's load
+    (it is shared) hits every system alike instead of whichever ran last."""
+    results = {key: Result(SYSTEMS[key][0]) for key in targets}
+    per_round = args.duration / args.rounds
+    warm = args.warmup / args.rounds
+    for _ in range(args.rounds):
+        for key, target in targets.items():
+            cpu0 = target.cpu() if target.cpu else 0.0
+            part = await drive(key, target.call, args.concurrency, per_round, args.max_requests,
+                               warm)
+            res = results[key]
+            if target.cpu is not None:  # includes the warm-up's requests: counted below
+                res.cpu_s += target.cpu() - cpu0
+                res.cpu_requests += part.ok + part.warm_ok
+            res.latencies += part.latencies
+            res.errors += part.errors
+            res.first_error = res.first_error or part.first_error
+            res.elapsed += part.elapsed
+            res.rounds.append(part.rps)
+    return results
+
+
 async def main_async(args: argparse.Namespace) -> int:
-    systems = {"omnistage": bench_omnistage, "ray": bench_ray, "zmq": bench_zmq}
+    keys = args.systems.split(",")
+    if args.baseline_tree:
+        keys.insert(1, "omnistage-base")
+    unknown = [k for k in keys if k not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown system(s) {unknown}; expected {list(SYSTEMS)}")
     results: dict[str, Result] = {}
+    targets: dict[str, Target] = {}
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-") as tmp:
-        for key in args.systems.split(","):
-            try:
-                res = await systems[key](args, Path(tmp))
-            except Exception as exc:
-                res = Result(key, note=f"{type(exc).__name__}: {exc}")
-            results[key] = res
-            print(res.line(args.concurrency), flush=True)
+        async with contextlib.AsyncExitStack() as stack:
+            for key in keys:  # started one after another: startup is not measured
+                label, system = SYSTEMS[key]
+                try:
+                    targets[key] = await stack.enter_async_context(system(args, Path(tmp)))
+                except Exception as exc:
+                    results[key] = Result(label, note=f"{type(exc).__name__}: {exc}")
+            results.update(await measure(targets, args))
+    for key in keys:
+        print(results[key].line(args.concurrency), flush=True)
     print(summary(results), flush=True)
     return 0 if all(not r.note and r.ok for r in results.values()) else 1
 
 
 def summary(results: dict[str, Result]) -> str:
+    """Ratios of omnistage to each baseline, and whether each goal holds."""
     omni = results.get("omnistage")
     parts = []
-    for key, label in (("ray", "ray-serve"), ("zmq", "zmq-direct")):
+    for key, goal in (("ray", 2.0), ("zmq", 0.9), ("dynamo", None), ("omnistage-base", None)):
         other = results.get(key)
         if omni is None or other is None:
             continue
+        label = other.name
         if omni.note or other.note or not other.rps:
             parts.append(f"omnistage/{label} = n/a")
             continue
         ratio = omni.rps / other.rps
-        if key == "ray":
-            verdict = "PASS" if ratio >= 2 else "MISS"
-            parts.append(f"omnistage/{label} = {ratio:.2f}x (goal >= 2x: {verdict})")
-        else:
-            parts.append(f"omnistage/{label} = {ratio:.2f}x (share of raw ZMQ round-trip "
-                         f"throughput kept through orchestrator + HTTP)")
+        spread = ""
+        if len(omni.rounds) > 1 and len(omni.rounds) == len(other.rounds):
+            each = sorted(o / b for o, b in zip(omni.rounds, other.rounds, strict=True) if b)
+            spread = f" [rounds {each[0]:.2f}-{each[-1]:.2f}]"
+        verdict = "" if goal is None else (
+            f" (goal >= {goal:g}x: {'PASS' if ratio >= goal else 'MISS'})")
+        parts.append(f"omnistage/{label} = {ratio:.2f}x{spread}{verdict}")
     return "summary: " + ("; ".join(parts) or "nothing to compare")
 
 
@@ -330,13 +507,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-c", "--concurrency", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds/system")
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds/system")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     parser.add_argument("--max-requests", type=int, default=200_000,
                         help="upper bound on requests per phase")
-    parser.add_argument("--systems", default="omnistage,ray,zmq",
-                        help="comma-separated subset of omnistage,ray,zmq")
-    return asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--baseline-tree", default=None,
+                        help="also run `omnistage serve` from this checkout (e.g. a git "
+                        "worktree of the commit before a change) as omnistage-base")
+    parser.add_argument("--dynamo-python", default=str(DYNAMO_PYTHON),
+                        help="the interpreter of a venv with ai-dynamo (see DYNAMO_INSTALL)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating rounds the duration is split into")
+    parser.add_argument("--systems", default="omnistage,zmq,ray,dynamo",
+                        help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    args = parser.parse_args()
+    if args.baseline_tree:
+        tree = Path(args.baseline_tree).resolve()
+        if not (tree / "runtime" / "omnistage").is_dir():
+            parser.error(f"--baseline-tree: {tree} has no runtime/omnistage")
+        SYSTEMS["omnistage-base"] = ("omnistage-base", omnistage_system(tree))
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

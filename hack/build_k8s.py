@@ -106,6 +106,8 @@ class Target:
     replaces: dict[str, str] = field(default_factory=dict)
     ldflags: list[str] = field(default_factory=list)
     main_src: Path | None = None
+    # Only built when named on the command line (benchmark baselines, not test components).
+    optional: bool = False
 
     def outputs(self, bindir: Path) -> list[Path]:
         return [bindir / f"{b}-{self.version}" for b in self.binaries]
@@ -144,6 +146,7 @@ def targets(v: dict[str, str], workdir: Path) -> list[Target]:
     """All components; the Kubernetes replace list is only computed when that target is stale."""
     k8s = v["K8S_VERSION"]
     kwok, helm, etcd = v["KWOK_VERSION"], v["HELM_VERSION"], v["ETCD_VERSION"]
+    lws = v["LWS_VERSION"]
     helm_major = helm.split(".")[0]
     helm_mod = "helm.sh/helm/v3" if helm_major == "v3" else f"helm.sh/helm/{helm_major}"
     return [
@@ -179,6 +182,17 @@ def targets(v: dict[str, str], workdir: Path) -> list[Target]:
             requires={helm_mod: helm},
             ldflags=[f"-X {helm_mod}/internal/version.version={helm}"],
         ),
+        # LeaderWorkerSet's controller: the Go controller-runtime baseline of
+        # bench/bench_operator_scale.py --lws (`hack/build-k8s.sh lws`).
+        Target(
+            name="lws",
+            version=lws,
+            binaries=("lws-controller",),
+            packages=("sigs.k8s.io/lws/cmd",),
+            requires={"sigs.k8s.io/lws": lws},
+            ldflags=[f"-X sigs.k8s.io/lws/pkg/version.GitVersion={lws}"],
+            optional=True,
+        ),
     ]
 
 
@@ -203,8 +217,8 @@ def build(t: Target, bindir: Path, srcroot: Path, k8s_version: str) -> None:
         ldflags = " ".join(["-s", "-w", *t.ldflags])
         cmd = ["go", "build", "-v", "-trimpath", f"-ldflags={ldflags}", "-o", tmp + "/"]
         cmd += t.packages
-        if t.packages == (".",):
-            cmd[-2:] = [str(Path(tmp) / t.binaries[0]), "."]
+        if len(t.packages) == 1 and len(t.binaries) == 1:  # name the binary, not its folder
+            cmd[-2:] = [str(Path(tmp) / t.binaries[0]), t.packages[0]]
         started = time.monotonic()
         run_build(cmd, cwd=moddir)
         for b in t.binaries:
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         log("another build-k8s is running; waiting for it")
         fcntl.flock(lock, fcntl.LOCK_EX)
     for t in targets(versions, srcroot):
-        if args.only and t.name not in args.only:
+        if (args.only and t.name not in args.only) or (t.optional and t.name not in args.only):
             continue
         outs = t.outputs(bindir)
         if not args.force and all(p.exists() for p in outs):

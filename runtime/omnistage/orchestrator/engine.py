@@ -153,6 +153,8 @@ class Orchestrator:
             s.name: float(s.admission.default_deadline_seconds) for s in self.spec.stages}
         self.inputs = {s.name: list(s.inputs) for s in self.spec.stages}
         self.topo = self.spec.topo_order()
+        self.final_stages = tuple(self.spec.final_stages())
+        self._plans: dict[tuple[str, ...], tuple[tuple[str, ...], frozenset[str]]] = {}
         self.pools = {s.name: StagePool(s.name) for s in self.spec.stages}
         self.requests: dict[str, _Request] = {}
         self.tasks: dict[str, _Task] = {}
@@ -444,24 +446,18 @@ class Orchestrator:
             return RequestError("shutting_down", "orchestrator is not accepting requests")
         if isinstance(req.n, bool) or not isinstance(req.n, int) or not 1 <= req.n <= MAX_N:
             return RequestError("bad_request", f"n must be an integer in [1, {MAX_N}]")
-        finals = list(req.finals) if req.finals else self.spec.final_stages()
+        finals = list(req.finals) if req.finals else list(self.final_stages)
         unknown = [s for s in finals if s not in self.pools]
         if unknown:
             return RequestError("bad_request", f"finals: unknown stage(s) {unknown}")
         unknown = [s for s in req.params if s != "*" and s not in self.pools]
         if unknown:
             return RequestError("bad_request", f"params: unknown stage(s) {unknown}")
-        needed: set[str] = set()
-        stack = list(finals)
-        while stack:
-            stage = stack.pop()
-            if stage not in needed:
-                needed.add(stage)
-                stack.extend(self.inputs[stage])
+        order, needed = self._stage_plan(tuple(finals))
         request.finals = finals
-        request.order = [s for s in self.topo if s in needed]
+        request.order = list(order)
         for stage in request.order:
-            if not self.pools[stage].routable():
+            if not self.pools[stage].has_routable():
                 return RequestError("no_replica", f"stage {stage!r} has no live replica", stage)
         if req.negative_prompt is not None:
             request.companions = {
@@ -470,6 +466,22 @@ class Orchestrator:
                 and any(self.kinds[d] == "diffusion" and s in self.inputs[d] for d in needed)
             }
         return None
+
+    def _stage_plan(self, finals: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[str]]:
+        """The stages that finals need, in topological order, and as a set. Computed once
+        per distinct finals (a pipeline has few), not on every request."""
+        plan = self._plans.get(finals)
+        if plan is None:
+            needed: set[str] = set()
+            stack = list(finals)
+            while stack:
+                stage = stack.pop()
+                if stage not in needed:
+                    needed.add(stage)
+                    stack.extend(self.inputs[stage])
+            plan = tuple(s for s in self.topo if s in needed), frozenset(needed)
+            self._plans[finals] = plan
+        return plan
 
     def _advance(self, child: _Child) -> None:
         """Start every stage whose inputs are complete; settle the child when nothing runs."""
@@ -806,7 +818,7 @@ class Orchestrator:
             return False, "not accepting requests"
         notes = "".join(f"; {note}" for note in self.notes())
         for stage in self.topo:
-            if not self.pools[stage].routable():
+            if not self.pools[stage].has_routable():
                 return False, f"stage {stage!r} has no ready replica{notes}"
         return True, f"ready{notes}"
 

@@ -46,8 +46,14 @@ class StagePool:
         self._rng = rng or random.Random()
 
     def routable(self, exclude: Iterable[str] = ()) -> list[Replica]:
+        if not exclude:  # the common case, on every request: no set to build
+            return [r for r in self.replicas.values() if r.routable]
         skip = set(exclude)
         return [r for r in self.replicas.values() if r.routable and r.name not in skip]
+
+    def has_routable(self) -> bool:
+        """Whether any replica can take a task (admission and readiness ask this)."""
+        return any(r.routable for r in self.replicas.values())
 
     def pick(self, session: str | None = None, exclude: Iterable[str] = ()) -> Replica | None:
         """Choose a replica for a new task, or None when the stage has no routable replica."""
