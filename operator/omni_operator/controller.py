@@ -228,7 +228,11 @@ class Controller:
         if owner is not None and owner["metadata"].get("deletionTimestamp"):
             return
         retired = (meta.get("annotations") or {}).get(kube.ANNOTATION_DRAINING) == "true"
-        if retired or retirement.ordinal_of(pod) not in retirement.wanted_ordinals(pool):
+        present = {retirement.ordinal_of(p): p
+                   for p in self.pods.get((meta["namespace"], pool["metadata"]["name"]), {})
+                   .values()}
+        if retired or retirement.ordinal_of(pod) not in retirement.wanted_ordinals(
+                pool, _staying(present)):
             return
         name = meta["name"]
         if intended:
@@ -659,8 +663,8 @@ class Controller:
         `--replace`d replica drains once every wanted replica is Ready; then the rollout drains
         one out-of-date replica while all are Ready."""
         ns = pool["metadata"]["namespace"]
-        wanted = retirement.wanted_ordinals(pool)
         by_ordinal = {retirement.ordinal_of(p): p for p in pods.values()}
+        wanted = retirement.wanted_ordinals(pool, _staying(by_ordinal))
         # Create missing replicas, lowest ordinal first; a lost replica returns under its name.
         created = []
         for ordinal in wanted:
@@ -710,6 +714,11 @@ class Controller:
             await drain.begin(self.api, victim)
             self._event(pool, "Normal", "RollingUpdate",
                         f"replacing {victim['metadata']['name']} with the new spec")
+
+
+def _staying(by_ordinal: dict[int, Obj]) -> list[int]:
+    """Ordinals of replicas that are not on their way out (draining or terminating)."""
+    return [o for o, p in by_ordinal.items() if not is_draining(p)]
 
 
 def _spec_hash(pod: Obj) -> str | None:

@@ -17,6 +17,7 @@ Pure functions: the CLI and the controller share them.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,16 +72,22 @@ def expired(pool: Obj) -> bool:
     return bool(text) and (state is None or _replicas(pool) > state.at_replicas)
 
 
-def wanted_ordinals(pool: Obj) -> list[int]:
-    """The ordinals the pool's replicas should have: the lowest `replicas` not retired."""
+def wanted_ordinals(pool: Obj, present: Iterable[int] = ()) -> list[int]:
+    """The ordinals the pool's replicas should have: `replicas` of them, never a retired one.
+
+    Replicas that exist keep their ordinals (lowest first when there are too many), so a
+    scale-up that frees retired ordinals moves nobody; the rest are the lowest free ordinals,
+    so a lost replica comes back under its name.
+    """
     skip = retired(pool).ordinals
-    out: list[int] = []
+    want = _replicas(pool)
+    out = sorted(o for o in set(present) if o not in skip)[:want]
     ordinal = 0
-    while len(out) < _replicas(pool):
-        if ordinal not in skip:
+    while len(out) < want:
+        if ordinal not in skip and ordinal not in out:
             out.append(ordinal)
         ordinal += 1
-    return out
+    return sorted(out)
 
 
 def ordinal_of(pod: Obj) -> int:
@@ -103,8 +110,10 @@ def drain_patch(pool: Obj, pod: Obj, mode: Mode) -> Obj:
     state = retired(pool)
     if ordinal in state.ordinals:
         raise DrainRefused(f"{name} is already being retired")
-    if ordinal not in wanted_ordinals(pool):
-        raise DrainRefused(f"{name} is already leaving the pool (scale-down or drain)")
+    meta = pod["metadata"]
+    if meta.get("deletionTimestamp") or (meta.get("annotations") or {}).get(
+            kube.ANNOTATION_DRAINING) == "true":
+        raise DrainRefused(f"{name} is already leaving the pool (scale-down, rollout or drain)")
     replicas = _replicas(pool)
     if mode == "retire":
         replicas -= 1

@@ -30,15 +30,24 @@ def _pod(ordinal: int, pool: str = "p-a") -> Obj:
                          "labels": {kube.LABEL_POOL: pool, kube.LABEL_ORDINAL: str(ordinal)}}}
 
 
+def _leaving(ordinal: int) -> Obj:
+    pod = _pod(ordinal)
+    pod["metadata"]["annotations"] = {kube.ANNOTATION_DRAINING: "true"}
+    return pod
+
+
 def _apply(pool: Obj, patch: Obj) -> Obj:
     meta = {**pool["metadata"], "annotations": {
         **(pool["metadata"].get("annotations") or {}), **patch["metadata"]["annotations"]}}
     return {"metadata": meta, "spec": {**pool["spec"], **patch.get("spec", {})}}
 
 
-def test_wanted_ordinals_are_the_lowest_not_retired() -> None:
+def test_wanted_ordinals_keep_existing_replicas_and_fill_the_lowest_free() -> None:
     assert retirement.wanted_ordinals(_pool(3)) == [0, 1, 2]
-    assert retirement.wanted_ordinals(_pool(0)) == []
+    assert retirement.wanted_ordinals(_pool(0), [0, 1]) == []
+    assert retirement.wanted_ordinals(_pool(2), [0, 1, 2]) == [0, 1]  # scale-down: highest go
+    assert retirement.wanted_ordinals(_pool(3), [0, 2]) == [0, 1, 2]  # a lost 1 comes back
+    assert retirement.wanted_ordinals(_pool(3), [0, 3]) == [0, 1, 3]  # nobody moves
 
 
 def test_retire_lowers_replicas_and_keeps_the_ordinal_free_until_a_scale_up() -> None:
@@ -47,11 +56,12 @@ def test_retire_lowers_replicas_and_keeps_the_ordinal_free_until_a_scale_up() ->
     assert patch["spec"] == {"replicas": 2}
     assert patch["metadata"]["resourceVersion"] == "7"  # a concurrent change answers 409
     after = _apply(pool, patch)
-    assert retirement.wanted_ordinals(after) == [0, 2]  # 1 does not come back
+    assert retirement.wanted_ordinals(after, [0, 2]) == [0, 2]  # 1 does not come back
+    assert retirement.wanted_ordinals(after, [0]) == [0, 2]
     assert not retirement.expired(after)
     scaled = {**after, "spec": {**after["spec"], "replicas": 3}}
     assert retirement.expired(scaled)
-    assert retirement.wanted_ordinals(scaled) == [0, 1, 2]  # the scale-up reuses it first
+    assert retirement.wanted_ordinals(scaled, [0, 2]) == [0, 1, 2]  # the scale-up reuses it
 
 
 def test_replace_keeps_replicas_and_moves_the_replica_to_a_new_ordinal() -> None:
@@ -59,18 +69,18 @@ def test_replace_keeps_replicas_and_moves_the_replica_to_a_new_ordinal() -> None
     patch = retirement.drain_patch(pool, _pod(1), "replace")
     assert "spec" not in patch
     after = _apply(pool, patch)
-    assert retirement.wanted_ordinals(after) == [0, 2, 3]
+    assert retirement.wanted_ordinals(after, [0, 1, 2]) == [0, 2, 3]
     assert retirement.retired(after).replace == {1}
     # A second named retirement adds to the first.
     again = _apply(after, retirement.drain_patch(after, _pod(2), "retire"))
-    assert retirement.wanted_ordinals(again) == [0, 3]
+    assert retirement.wanted_ordinals(again, [0, 2, 3]) == [0, 3]
     assert retirement.retired(again).ordinals == {1, 2}
 
 
 @pytest.mark.parametrize(("pool", "pod", "message"), [
     (_pool(2, json.dumps({"ordinals": [1], "replace": [], "atReplicas": 2})), _pod(1),
      "already being retired"),
-    (_pool(2), _pod(5), "already leaving the pool"),
+    (_pool(2), _leaving(1), "already leaving the pool"),
     (_pool(2), _pod(0, pool="other"), "is not a replica of StagePool p-a"),
 ])
 def test_drain_refusals_say_why(pool: Obj, pod: Obj, message: str) -> None:
@@ -80,7 +90,7 @@ def test_drain_refusals_say_why(pool: Obj, pod: Obj, message: str) -> None:
 
 def test_an_unreadable_annotation_is_ignored_and_then_cleared() -> None:
     pool = _pool(2, "{not json")
-    assert retirement.wanted_ordinals(pool) == [0, 1]
+    assert retirement.wanted_ordinals(pool, [0, 1]) == [0, 1]
     assert retirement.expired(pool)
 
 
