@@ -204,7 +204,9 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
                             "--port", str(orch.port)],
                 "env": env,
                 "ports": [{"name": "http", "containerPort": orch.port}],
-                "readinessProbe": _http_probe("/readyz", orch.port, 2, 3),
+                # Every second: a replacement orchestrator joins endpoints as soon as it can
+                # serve, which is most of the gap after a deleted orchestrator pod.
+                "readinessProbe": _http_probe("/readyz", orch.port, 1, 3),
                 "livenessProbe": _http_probe("/livez", orch.port, 10, 3),
                 "resources": {
                     "requests": {"cpu": orch.resources.cpu, "memory": orch.resources.memory},
