@@ -84,7 +84,7 @@ def _assert_nothing_lost(figures: dict[str, Any], results: list[Any]) -> None:
     bad = [r for r in results if r.kind not in ("ok",)]
     assert figures["failed"] == figures["refused"] == 0, bad[:5]
     assert figures["reset"] == figures["hung"] == figures["unreachable"] == 0, bad[:5]
-    assert figures["unavailable"] == 0, bad[:5]
+    assert figures["unavailable"] == figures["aborted"] == 0, bad[:5]
 
 
 def _pipeline_ready(kube: Cluster, ns: str, name: str) -> bool:
@@ -318,17 +318,25 @@ def test_named_drain_replace_and_retire_under_load(
     assert names == [f"{pool}-0", f"{pool}-2", f"{pool}-3"], names
     assert dip >= 3, dip  # the replacement was Ready before the replica stopped taking work
 
-    # --retire of the (new) middle replica: replicas 3 -> 2, and the name stays free.
+    # --retire of the (new) middle replica: replicas 3 -> 2, and the name stays free. The
+    # operator is killed right after the drain is asked for: the StagePool holds the state,
+    # so the restarted operator carries it out.
     with _loaded(kube, namespace, name) as load:
         begun = time.monotonic()
-        out = _kubectl_plugin(kube, tmp_path, "drain", f"{pool}-2", "--retire", "-n", namespace)
-        done = time.monotonic()
+        out = _kubectl_plugin(kube, tmp_path, "drain", f"{pool}-2", "--retire", "--no-wait",
+                              "-n", namespace)
         assert out.returncode == 0, out.stderr
+        operator.kill()
+        operator.start()
+        wait_for(lambda: f"{pool}-2" not in {p["metadata"]["name"] for p in
+                                             pods(kube.kube, namespace)}, 120,
+                 f"{pool}-2 retired by the restarted operator", operator.log_tail)
+        done = time.monotonic()
         time.sleep(3 * operator.resync)  # resyncs must not bring it back
         load.wait_for(load.count() + 20)
         results = load.snapshot()
-    figures = _report("omnistage drain --retire of a middle replica", results,
-                      drain_s=round(done - begun, 3))
+    figures = _report("omnistage drain --retire of a middle replica, operator killed",
+                      results, drain_s=round(done - begun, 3))
     _assert_nothing_lost(figures, results)
     names = sorted(p["metadata"]["name"] for p in _replicas(kube, namespace, name))
     assert names == [f"{pool}-0", f"{pool}-3"], names
@@ -392,10 +400,11 @@ def test_drain_timeout_is_reported_and_cut_requests_end(
     cut = int(event["message"].split(" with ")[1].split(" ")[0])
     print(f"\n[drain timeout event] {event['message']}")
     assert cut >= 1
-    failed = [r for r in results if r.kind == "failed"]
-    # Each cut request got a terminal error; nothing hung, broke off or was refused.
-    assert 1 <= len(failed) <= cut, failed
-    assert all(r.status and r.status >= 500 and r.code for r in failed), failed
+    # Each cut request ended terminally: aborted (the pipeline route's 200 with status
+    # "abort"), or an error with a code; nothing hung, broke off or was refused.
+    cut_off = [r for r in results if r.kind in ("aborted", "failed")]
+    assert 1 <= len(cut_off) <= cut, cut_off
+    assert all(r.kind == "aborted" or (r.status and r.code) for r in cut_off), cut_off
     assert figures["hung"] == figures["reset"] == figures["refused"] == 0, figures
 
 
