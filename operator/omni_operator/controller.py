@@ -634,7 +634,8 @@ class Controller:
                     cut = "an unknown number of" if progress.cut is None else str(progress.cut)
                     self._event(pool, "Warning", "DrainTimeout",
                                 f"{pname}: drain timed out with {cut} request(s) in flight; "
-                                "stopping it cuts them (each gets a terminal error)")
+                                "stopping it: what is still running after its SIGTERM drain "
+                                "is aborted (each gets a terminal abort or error)")
                 self._intended.add(pod["metadata"].get("uid", ""))
                 await self._delete("Pod", ns, pname)
             else:
