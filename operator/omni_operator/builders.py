@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 from omni_operator.models import API_VERSION
 from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
+from omnistage.orchestrator.main import shutdown_seconds
 from omnistage.shm import ENV_CAP, ENV_DIR, ENV_SESSION
 from omnistage.spec import OmniPipeline, Stage, engine_for_kind
 from omnistage.tuning import worker_env
@@ -136,11 +138,28 @@ def _http_probe(path: str, port: int, period: int, failures: int) -> Obj:
 # ---- OmniPipeline -> children ------------------------------------------------------------------
 
 
+#: Stage fields only the stage runtime reads (engine, pool size, resources, scheduling,
+#: budgets). The orchestrator's copy of the pipeline leaves them out, so changing one of them
+#: rolls the stage's replicas and never the orchestrator. The orchestrator reads a stage's name,
+#: kind, model, inputs, finalOutput, drainTimeoutSeconds and admission.defaultDeadlineSeconds.
+STAGE_RUNTIME_ONLY = ("engine", "replicas", "resources", "placement", "maxUnavailable")
+ADMISSION_ORCHESTRATOR_READS = ("defaultDeadlineSeconds",)
+
+
 def pipeline_manifest(pipeline: OmniPipeline) -> Obj:
-    """The resolved pipeline the orchestrator runs: spec and identity, no server state."""
+    """The pipeline as the orchestrator runs it: identity and spec, without the stage fields
+    only the stage runtime reads (see STAGE_RUNTIME_ONLY) and no server state."""
     man = pipeline.to_manifest()
     man.pop("status", None)
     man["metadata"] = {"name": pipeline.metadata.name}
+    for stage in man["spec"]["stages"]:
+        for key in STAGE_RUNTIME_ONLY:
+            stage.pop(key, None)
+        admission = {k: v for k, v in (stage.get("admission") or {}).items()
+                     if k in ADMISSION_ORCHESTRATOR_READS}
+        stage.pop("admission", None)
+        if admission:
+            stage["admission"] = admission
     return man
 
 
@@ -219,7 +238,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
     pod_spec: Obj = {
         "serviceAccountName": oname,
         "securityContext": _pod_security(),
-        "terminationGracePeriodSeconds": 60,
+        # SIGTERM -> shutdown delay, drain, close: the kubelet must not SIGKILL before.
+        "terminationGracePeriodSeconds": math.ceil(shutdown_seconds(pipeline)),
         "containers": [
             {
                 "name": "orchestrator",
@@ -228,7 +248,9 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
                             "--port", str(orch.port)],
                 "env": env,
                 "ports": [{"name": "http", "containerPort": orch.port}],
-                "readinessProbe": _http_probe("/readyz", orch.port, 2, 3),
+                # Every second: a replacement orchestrator joins endpoints as soon as it can
+                # serve, which is most of the gap after a deleted orchestrator pod.
+                "readinessProbe": _http_probe("/readyz", orch.port, 1, 3),
                 "livenessProbe": _http_probe("/livez", orch.port, 10, 3),
                 "resources": {
                     "requests": {"cpu": orch.resources.cpu, "memory": orch.resources.memory},
@@ -323,10 +345,12 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
                     {"name": "http", "containerPort": kube.WORKER_HTTP_PORT},
                 ],
                 # /livez answers while the model loads, so liveness never kills a slow load;
-                # the startup probe allows 30 minutes before liveness starts counting.
-                "startupProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 5, 360),
+                # the startup probe allows 30 minutes before liveness starts counting. Both
+                # the startup and readiness probes run every second, so a replica is Ready
+                # about 1 s after its worker is (each rollout step waits for that).
+                "startupProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 1, 1800),
                 "livenessProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 10, 3),
-                "readinessProbe": _http_probe("/readyz", kube.WORKER_HTTP_PORT, 2, 3),
+                "readinessProbe": _http_probe("/readyz", kube.WORKER_HTTP_PORT, 1, 3),
                 "resources": {"requests": requests, "limits": limits},
                 "securityContext": _container_security(),
                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omni_operator import builders, drain
+from omni_operator import builders, drain, retirement
 from omni_operator.events import EventRecorder, now_iso
 from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import gate_patch, is_draining, is_ready
@@ -227,9 +227,12 @@ class Controller:
         owner = self.pipelines.get((meta["namespace"], pool["spec"].get("pipeline", "")))
         if owner is not None and owner["metadata"].get("deletionTimestamp"):
             return
-        ordinal = int(meta["labels"].get(kube.LABEL_ORDINAL, "0"))
         retired = (meta.get("annotations") or {}).get(kube.ANNOTATION_DRAINING) == "true"
-        if retired or ordinal >= int(pool["spec"].get("replicas", 0)):
+        present = {retirement.ordinal_of(p): p
+                   for p in self.pods.get((meta["namespace"], pool["metadata"]["name"]), {})
+                   .values()}
+        if retired or retirement.ordinal_of(pod) not in retirement.wanted_ordinals(
+                pool, _staying(present)):
             return
         name = meta["name"]
         if intended:
@@ -606,7 +609,6 @@ class Controller:
         pods = dict(self.pods.get((ns, name), {}))
         _, template_hash = builders.pod_template(pool)
         now = now_iso()
-        desired = int(pool["spec"].get("replicas", 0))
         owner = self.pipelines.get((ns, pool["spec"]["pipeline"]))
         deleting = bool(pool["metadata"].get("deletionTimestamp")) or bool(
             owner and owner["metadata"].get("deletionTimestamp")
@@ -637,14 +639,28 @@ class Controller:
             if is_draining(p) and not p["metadata"].get("deletionTimestamp")
         ]
         for pod in retiring:
-            if await drain.finished(pod, pool):
+            progress = await drain.finished(pod, pool)
+            if progress.done:
+                pname = pod["metadata"]["name"]
+                if progress.timed_out:
+                    cut = "an unknown number of" if progress.cut is None else str(progress.cut)
+                    self._event(pool, "Warning", "DrainTimeout",
+                                f"{pname}: drain timed out with {cut} request(s) in flight; "
+                                "stopping it: what is still running after its SIGTERM drain "
+                                "is aborted (each gets a terminal abort or error)")
                 self._intended.add(pod["metadata"].get("uid", ""))
-                await self._delete("Pod", ns, pod["metadata"]["name"])
+                await self._delete("Pod", ns, pname)
             else:
                 self.enqueue_later(key, drain.POLL_SECONDS)
 
+        if not deleting and retirement.expired(pool):
+            # A scale-up freed the retired ordinals: forget them (one write, then none).
+            await self._write("StagePool", ns, name, self.api.patch(
+                path("StagePool", ns, name),
+                {"metadata": {"annotations": {retirement.ANNOTATION_RETIRED: None}}}))
+
         if not deleting:
-            await self._converge_pods(pool, pods, desired, template_hash, bool(retiring))
+            await self._converge_pods(pool, pods, template_hash, bool(retiring))
 
         if deleting:
             return  # the pool is going away: its status is of no use to anyone
@@ -652,48 +668,74 @@ class Controller:
         await self.patch_status(pool, status)
 
     async def _converge_pods(
-        self, pool: Obj, pods: dict[str, Obj], desired: int, template_hash: str, retiring: bool
+        self, pool: Obj, pods: dict[str, Obj], template_hash: str, retiring: bool
     ) -> None:
-        by_ordinal = {int(p["metadata"]["labels"][kube.LABEL_ORDINAL]): p for p in pods.values()}
+        """Create what is missing, then at most one drain at a time, in this order:
+        out-of-date replicas that serve nothing are replaced at once (a fixed spec converges
+        from any state); replicas leaving the pool (scale-down, `--retire`) drain; a
+        `--replace`d replica drains once every wanted replica is Ready; then the rollout drains
+        one out-of-date replica while all are Ready."""
+        ns = pool["metadata"]["namespace"]
+        by_ordinal = {retirement.ordinal_of(p): p for p in pods.values()}
+        wanted = retirement.wanted_ordinals(pool, _staying(by_ordinal))
         # Create missing replicas, lowest ordinal first; a lost replica returns under its name.
         created = []
-        for ordinal in range(desired):
+        for ordinal in wanted:
             if ordinal not in by_ordinal:
                 pod = builders.pool_pod(pool, ordinal)
-                ns = pod["metadata"]["namespace"]
                 if await self.api.create(path("Pod", ns), pod, ignore=(409,)) is not None:
                     created.append(pod["metadata"]["name"])
         if created:
             self._event(pool, "Normal", "ReplicasCreated",
-                        f"created {', '.join(created)} (replicas {desired})")
+                        f"created {', '.join(created)} (replicas {len(wanted)})")
+        live = {o: p for o, p in by_ordinal.items() if not p["metadata"].get("deletionTimestamp")}
+        stale_idle = [
+            p for o, p in sorted(live.items())
+            if o in wanted and not is_draining(p) and not is_ready(p)
+            and _spec_hash(p) != template_hash
+        ]
+        if stale_idle:
+            names = [p["metadata"]["name"] for p in stale_idle]
+            for p in stale_idle:
+                self._intended.add(p["metadata"].get("uid", ""))
+                await self._delete("Pod", ns, p["metadata"]["name"])
+            self._event(pool, "Normal", "RollingUpdate",
+                        f"replacing {', '.join(names)} (out of date and not ready)")
         if retiring:
             return  # one retirement at a time keeps us within the disruption budget
-        extra = sorted((o for o in by_ordinal if o >= desired), reverse=True)
-        live = [p for p in by_ordinal.values() if not p["metadata"].get("deletionTimestamp")]
-        if extra:
-            victim = by_ordinal[extra[0]]
-            if not victim["metadata"].get("deletionTimestamp"):
-                await drain.begin(self.api, victim)
-                self._event(pool, "Normal", "ScalingDown",
-                            f"retiring {victim['metadata']['name']} (replicas -> {desired})")
+        replacing = retirement.retired(pool).replace
+        leaving = sorted((o for o in live if o not in wanted and o not in replacing),
+                         reverse=True)
+        if leaving:
+            victim = live[leaving[0]]
+            await drain.begin(self.api, victim)
+            self._event(pool, "Normal", "ScalingDown",
+                        f"retiring {victim['metadata']['name']} (replicas -> {len(wanted)})")
             return
-        stale = sorted(
-            (
-                o
-                for o, p in by_ordinal.items()
-                if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_SPEC_HASH)
-                != template_hash
-            ),
-            reverse=True,
-        )
-        all_ready = len(live) == desired and all(
-            (p.get("status") or {}).get("phase") == "Running" and is_ready(p) for p in live
-        )
-        if stale and all_ready:
-            victim = by_ordinal[stale[0]]
+        all_ready = all(o in live and is_ready(live[o]) for o in wanted)
+        replaced = sorted(o for o in live if o not in wanted and o in replacing)
+        if replaced and all_ready:
+            victim = live[replaced[0]]
+            await drain.begin(self.api, victim)
+            self._event(pool, "Normal", "Replaced",
+                        f"retiring {victim['metadata']['name']}: its replacement is Ready")
+            return
+        stale = sorted((o for o in wanted if o in live and _spec_hash(live[o]) != template_hash),
+                       reverse=True)
+        if stale and all_ready and not replaced:
+            victim = live[stale[0]]
             await drain.begin(self.api, victim)
             self._event(pool, "Normal", "RollingUpdate",
                         f"replacing {victim['metadata']['name']} with the new spec")
+
+
+def _staying(by_ordinal: dict[int, Obj]) -> list[int]:
+    """Ordinals of replicas that are not on their way out (draining or terminating)."""
+    return [o for o, p in by_ordinal.items() if not is_draining(p)]
+
+
+def _spec_hash(pod: Obj) -> str | None:
+    return (pod["metadata"].get("annotations") or {}).get(kube.ANNOTATION_SPEC_HASH)
 
 
 def _evicted(pod: Obj) -> bool:

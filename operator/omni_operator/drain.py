@@ -4,6 +4,10 @@
    membership stops routing new work to it.
 2. Wait until its in-flight work reaches zero (its /state), or its drain timeout passes.
 3. Delete it; the worker drains again on SIGTERM within terminationGracePeriodSeconds.
+
+A drain that times out with work still in flight is reported (a Warning event with the count);
+the worker aborts what is left when its own SIGTERM drain times out, so each cut request gets a
+terminal error.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import datetime as dt
 import json
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 from omnistage import kube
@@ -52,16 +57,28 @@ def _inflight(url: str) -> int | None:
         return None
 
 
-async def finished(pod: Obj, pool: Obj) -> bool:
+@dataclass(frozen=True)
+class Progress:
+    """Where a retirement stands: done (delete the pod now); timed_out with `cut` requests
+    still in flight (None: the replica could not be asked)."""
+
+    done: bool
+    timed_out: bool = False
+    cut: int | None = None
+
+
+async def finished(pod: Obj, pool: Obj) -> Progress:
     status = pod.get("status") or {}
     ip = status.get("podIP")
     if not ip or status.get("phase") != "Running":
-        return True
+        return Progress(True)
+    left = await asyncio.to_thread(_inflight, f"http://{ip}:{kube.WORKER_HTTP_PORT}/state")
+    if left == 0:
+        return Progress(True)
     since_text = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_DRAINING_SINCE)
     timeout = Stage.model_validate(pool["spec"]["stage"]).drain_timeout_seconds
     if since_text:
         since = dt.datetime.strptime(since_text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
         if (_now() - since).total_seconds() >= timeout:
-            return True
-    left = await asyncio.to_thread(_inflight, f"http://{ip}:{kube.WORKER_HTTP_PORT}/state")
-    return left == 0
+            return Progress(True, timed_out=True, cut=left)
+    return Progress(False)

@@ -7,6 +7,8 @@ client, so connections are reused exactly as a keep-alive client would).
 
 A request ends as exactly one of:
 - ok: 200;
+- aborted: 200 whose body says `"status": "abort"` (the pipeline route's terminal abort, for
+  example a request cut by a replica's drain timeout);
 - refused: 503 with a code that says it was never admitted (`shutting_down`, `no_replica`,
   `draining`, `not_ready`), so the client may retry it anywhere;
 - failed: any other status (for example 502 `replica_lost`);
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import random
 import threading
 import time
@@ -54,7 +57,7 @@ def summary(results: Sequence[Result]) -> dict[str, Any]:
     kinds = Counter(r.kind for r in results)
     ok = sorted(r.seconds for r in results if r.kind == "ok")
     out: dict[str, Any] = {"total": len(results), **{k: kinds.get(k, 0) for k in (
-        "ok", "refused", "failed", "reset", "unreachable", "hung", "unavailable")}}
+        "ok", "aborted", "refused", "failed", "reset", "unreachable", "hung", "unavailable")}}
     if ok:
         out["ok_p50_s"] = round(ok[len(ok) // 2], 3)
         out["ok_max_s"] = round(ok[-1], 3)
@@ -62,6 +65,14 @@ def summary(results: Sequence[Result]) -> dict[str, Any]:
     if bad:
         out["failed_max_s"] = round(max(bad), 3)
     return out
+
+
+def _aborted(payload: bytes) -> bool:
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("status") == "abort"
 
 
 def longest_gap(results: Sequence[Result]) -> float:
@@ -184,6 +195,8 @@ class Load:
                         code = (await resp.json(content_type=None))["error"]["code"]
                 kind = ("ok" if resp.status == 200 else
                         "refused" if resp.status == 503 and code in REFUSED_CODES else "failed")
+                if kind == "ok" and _aborted(payload):
+                    kind = "aborted"
                 return Result(kind, sent, time.monotonic() - sent, target, resp.status, code,
                               closing, payload[:200].decode(errors="replace") if kind != "ok"
                               else "")

@@ -62,7 +62,9 @@ def _declared_commands() -> list[EntryPoint]:
 def test_operator_command_is_registered_by_entry_point() -> None:
     declared = _declared_commands()
     assert [(ep.name, ep.value) for ep in declared] == [
-        ("operator", "omni_operator.command:register")]
+        ("operator", "omni_operator.command:register"),
+        ("drain", "omni_operator.replicas_cli:register_drain"),
+        ("status", "omni_operator.replicas_cli:register_status")]
     args = build_parser(plugins=declared).parse_args(
         ["operator", "--kubeconfig", "/k", "--namespace", "a", "--namespace", "b",
          "--resync-seconds", "2"])
@@ -80,3 +82,15 @@ def test_a_broken_plugin_fails_only_its_own_command(capsys) -> None:
     assert "'broken' command failed to load (ModuleNotFoundError" in capsys.readouterr().err
     assert parser.parse_args(["models", "list"]).handler is not None  # the rest still works
     assert main(["models", "list"]) == 0
+
+
+def test_drain_and_status_commands_come_from_the_operator_package() -> None:
+    """`omnistage drain|status` are the operator's (they know the StagePool's retirement
+    state); the runtime's CLI only finds them through the entry points."""
+    parser = build_parser(plugins=_declared_commands())
+    drain = parser.parse_args(["drain", "p-a-1", "--retire", "-n", "ns", "--no-wait"])
+    assert (drain.replica, drain.mode, drain.namespace, drain.wait) == ("p-a-1", "retire", "ns",
+                                                                      False)
+    assert parser.parse_args(["drain", "p-a-1"]).mode == "replace"
+    status = parser.parse_args(["status", "p"])
+    assert status.pipeline == "p" and status.handler.__module__ == "omni_operator.replicas_cli"

@@ -1,0 +1,129 @@
+"""Named retirement: which ordinals a pool wants, and the StagePool patch `omnistage drain` writes.
+
+The state lives on the StagePool (one annotation), so a restarted operator resumes a drain:
+
+    omnistage.io/retired: {"ordinals": [1], "replace": [1], "atReplicas": 3}
+
+- `ordinals`: retired ordinals. They stay free: the pool's replicas take the lowest ordinals NOT
+  in this set, so a retired replica never comes back under its name.
+- `replace`: those of them retired with `--replace`. Such a replica keeps serving until every
+  wanted replica (its replacement included) is Ready, so capacity never dips.
+- `atReplicas`: spec.replicas when the set was written. A scale-up past it frees the ordinals
+  again (lowest first), as KubeRay's workersToDelete is forgotten once processed.
+
+Pure functions: the CLI and the controller share them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from omnistage import kube
+
+Obj = dict[str, Any]
+ANNOTATION_RETIRED = "omnistage.io/retired"
+Mode = Literal["replace", "retire"]
+
+
+@dataclass(frozen=True)
+class Retired:
+    ordinals: frozenset[int] = frozenset()
+    replace: frozenset[int] = frozenset()
+    at_replicas: int = 0
+
+    def to_annotation(self) -> str:
+        return json.dumps({"ordinals": sorted(self.ordinals), "replace": sorted(self.replace),
+                           "atReplicas": self.at_replicas}, sort_keys=True)
+
+
+def _replicas(pool: Obj) -> int:
+    return int((pool.get("spec") or {}).get("replicas", 0))
+
+
+def stored(pool: Obj) -> Retired | None:
+    """The annotation as written, or None when there is none (or it is unreadable)."""
+    text = ((pool.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RETIRED)
+    if not text:
+        return None
+    try:
+        doc = json.loads(text)
+        return Retired(frozenset(int(o) for o in doc.get("ordinals", [])),
+                       frozenset(int(o) for o in doc.get("replace", [])),
+                       int(doc.get("atReplicas", 0)))
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def retired(pool: Obj) -> Retired:
+    """The retirement in force: none once the pool was scaled up past atReplicas."""
+    state = stored(pool)
+    if state is None or _replicas(pool) > state.at_replicas:
+        return Retired()
+    return state
+
+
+def expired(pool: Obj) -> bool:
+    """The annotation exists but no longer applies (a scale-up freed its ordinals)."""
+    state = stored(pool)
+    text = ((pool.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RETIRED)
+    return bool(text) and (state is None or _replicas(pool) > state.at_replicas)
+
+
+def wanted_ordinals(pool: Obj, present: Iterable[int] = ()) -> list[int]:
+    """The ordinals the pool's replicas should have: `replicas` of them, never a retired one.
+
+    Replicas that exist keep their ordinals (lowest first when there are too many), so a
+    scale-up that frees retired ordinals moves nobody; the rest are the lowest free ordinals,
+    so a lost replica comes back under its name.
+    """
+    skip = retired(pool).ordinals
+    want = _replicas(pool)
+    out = sorted(o for o in set(present) if o not in skip)[:want]
+    ordinal = 0
+    while len(out) < want:
+        if ordinal not in skip and ordinal not in out:
+            out.append(ordinal)
+        ordinal += 1
+    return sorted(out)
+
+
+def ordinal_of(pod: Obj) -> int:
+    return int(((pod.get("metadata") or {}).get("labels") or {}).get(kube.LABEL_ORDINAL, "0"))
+
+
+class DrainRefused(ValueError):
+    """The named replica cannot be drained as asked; the message says why."""
+
+
+def drain_patch(pool: Obj, pod: Obj, mode: Mode) -> Obj:
+    """The StagePool merge patch that retires `pod` (`--replace` keeps replicas, `--retire`
+    lowers them by one). It carries the pool's resourceVersion, so a concurrent change makes
+    the API server answer 409 instead of losing one of the two."""
+    name = pod["metadata"]["name"]
+    pool_name = pool["metadata"]["name"]
+    if (pod["metadata"].get("labels") or {}).get(kube.LABEL_POOL) != pool_name:
+        raise DrainRefused(f"{name} is not a replica of StagePool {pool_name}")
+    ordinal = ordinal_of(pod)
+    state = retired(pool)
+    if ordinal in state.ordinals:
+        raise DrainRefused(f"{name} is already being retired")
+    meta = pod["metadata"]
+    if meta.get("deletionTimestamp") or (meta.get("annotations") or {}).get(
+            kube.ANNOTATION_DRAINING) == "true":
+        raise DrainRefused(f"{name} is already leaving the pool (scale-down, rollout or drain)")
+    replicas = _replicas(pool)
+    if mode == "retire":
+        replicas -= 1
+    new = Retired(state.ordinals | {ordinal},
+                  state.replace | {ordinal} if mode == "replace" else state.replace,
+                  replicas)
+    patch: Obj = {"metadata": {
+        "resourceVersion": pool["metadata"].get("resourceVersion"),
+        "annotations": {ANNOTATION_RETIRED: new.to_annotation()},
+    }}
+    if mode == "retire":
+        patch["spec"] = {"replicas": replicas}
+    return patch
