@@ -178,21 +178,67 @@ async def test_abort_goes_to_the_bound_replica_and_returns_prefix(launch) -> Non
     assert orch.counters["late_messages"] == 0
 
 
+async def _until(pred: Callable[[], Any], what: str, timeout: float = 60) -> None:
+    """Wait for observable state (not for a wall-clock window); the timeout only bounds a hang."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def _running(handle: Any, child: int = 0) -> set[str]:
+    return {stage for stage, _ in handle._request.children[child].running}
+
+
 async def test_several_final_stages_only_last_abort_is_terminal(launch) -> None:
+    """Two final stages run; an abort reaches both. The first `aborted` reply must not end the
+    request: the outcome comes with the last one, and carries both stages' abort outputs.
+
+    Kills: `_settle` ignoring `child.running` (the first final-stage abort made terminal), and an
+    `Aborted` reply failing the child at once: either way f2's output is missing and its reply
+    arrives after the terminal outcome (counted as a late message)."""
     pipe = pipeline("multi", [echo("src"), echo("f1", ("src",), final=True),
                               echo("f2", ("src",), final=True)])
     orch, _, _ = await launch(pipe, {"src": [{}], "f1": [{}], "f2": [{}]})
-    req = PipelineRequest(prompt="x", params={"f1": {"delay_ms": 300}, "f2": {"delay_ms": 2000}})
+    # Long delays: the abort, not the clock, ends both stages.
+    req = PipelineRequest(prompt="x", params={"f1": {"delay_ms": 60000},
+                                              "f2": {"delay_ms": 60000}})
     handle = orch.submit(req)
-    await asyncio.sleep(0.15)
+    await _until(lambda: _running(handle) == {"f1", "f2"}, "f1 and f2 both running")
     handle.abort()
     events = [ev async for ev in handle.events()]
     assert len(events) == 1 and isinstance(events[0], Outcome)
     out = events[0]
     assert out.status == "abort"
-    assert out.children[0].outputs == {} or all(
-        o.fields["finish_reason"] == "abort" for o in out.children[0].outputs.values())
+    outputs = out.children[0].outputs
+    assert set(outputs) == {"f1", "f2"}, outputs  # both abort replies arrived before the end
+    assert all(o.fields["finish_reason"] == "abort" for o in outputs.values())
     assert not orch.requests and not orch.tasks
+    assert orch.counters["late_messages"] == 0
+
+
+async def test_abort_after_one_final_stage_finished_keeps_its_output(launch) -> None:
+    """f1 finished, f2 still runs: the abort ends the request as `abort` only once f2 answers,
+    with f1's completed output kept beside f2's abort output.
+
+    Kills: an abort that drops the outputs already gathered, and `abort_requested` ignored
+    when the outputs happen to be complete after the aborted stage answers."""
+    pipe = pipeline("multi2", [echo("src"), echo("f1", ("src",), final=True),
+                               echo("f2", ("src",), final=True)])
+    orch, _, _ = await launch(pipe, {"src": [{}], "f1": [{}], "f2": [{}]})
+    handle = orch.submit(PipelineRequest(prompt="x", params={"f2": {"delay_ms": 60000}}))
+    child = handle._request.children[0]
+    await _until(lambda: "f1" in child.outputs and _running(handle) == {"f2"},
+                 "f1 done while f2 runs")
+    handle.abort()
+    out = await handle.outcome()
+    assert out.status == "abort"
+    outputs = out.children[0].outputs
+    assert outputs["f1"].fields == {"text": "x", "finish_reason": "stop"}
+    assert outputs["f2"].fields["finish_reason"] == "abort"
+    assert orch.counters["late_messages"] == 0
 
 
 async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launch) -> None:
