@@ -598,3 +598,118 @@ async def test_stage_default_deadline_applies_through_the_orchestrator(launch) -
     _, own = await collect(orch, PipelineRequest(prompt="y", timeout_s=20,
                                                  params={"a": {"delay_ms": 1000}}))
     assert own.status == "ok", own
+
+
+# ---- worker refusals through the real engine ------------------------------------------------
+
+
+def _metrics(w: WorkerProcess) -> str:
+    with urllib.request.urlopen(w.http + "/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+async def test_overloaded_worker_is_429_with_retry_after_through_the_real_engine(launch) -> None:
+    """A real worker whose admission budget is full refuses; the real engine and HTTP layer turn
+    that into 429 with Retry-After, and the held request is unaffected.
+
+    Kills: the engine mapping `overloaded` to another kind (500/503 or a retry), and a refusal
+    that fails the held request too. (Dropping `retry_after` is not observable here: the worker
+    always says 1 s, which is also the HTTP layer's default.)"""
+    import aiohttp
+
+    from omnistage.orchestrator.http_api import serve_http
+
+    stage = {**echo("a", final=True), "admission": {"maxRequests": 1}}
+    pipe = pipeline("ovl", [stage])
+    orch, procs, _ = await launch(pipe, {"a": [{}]})
+    runner, url = await serve_http(orch, "127.0.0.1", 0)
+    route = f"{url}/v1/pipelines/ovl/requests"
+    replica = orch.pools["a"].replicas["ovl-a-0"]
+    try:
+        async with aiohttp.ClientSession() as http:
+            held = orch.submit(PipelineRequest(prompt="held", params={"a": {"delay_ms": 60000}}))
+            # Admitted, not merely sent: the worker counts it once its budget holds it.
+            await _until(lambda: replica.inflight == 1, "the held request in flight")
+            await _until(lambda: (sample(_metrics(procs["a"][0]),
+                                         "omnistage_worker_admitted_total",
+                                         stage="a", replica="ovl-a-0") or 0) >= 1,
+                         "the worker admitted the held request")
+            async with http.post(route, json={"prompt": "y"}) as resp:
+                assert resp.status == 429, await resp.text()
+                assert resp.headers["Retry-After"] == "1"
+                body = await resp.json()
+            assert body["error"]["code"] == "overloaded"
+            assert "admission budget full" in body["error"]["message"]
+            assert sample(_metrics(procs["a"][0]), "omnistage_worker_rejected_total",
+                          stage="a", replica="ovl-a-0", reason="budget") == 1
+            assert held.id in orch.requests  # the refusal touched only the new request
+            held.abort()
+            assert (await held.outcome()).status == "abort"
+            async with http.post(route, json={"prompt": "z"}) as resp:  # room again
+                assert resp.status == 200, await resp.text()
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_draining_reply_is_retried_on_another_replica(launch) -> None:
+    """A real worker that is draining (SIGTERM, one request still held) but still listed by
+    membership refuses new work with `draining`; the engine retries it on the other replica.
+
+    Kills: the `Draining` case failing the child instead of retrying (the request would end as
+    an error), and a retry that excludes nothing (it would go back to the draining replica)."""
+    pipe = pipeline("dr", [echo("a", final=True)])
+    orch, procs, _ = await launch(pipe, {"a": [{}, {}]})
+    held = orch.submit(PipelineRequest(prompt="held", session="s",
+                                       params={"a": {"delay_ms": 60000}}))
+    child = held._request.children[0]
+    await _until(lambda: ("a", False) in child.running, "the held request sent")
+    victim = child.running[("a", False)].replica
+    assert victim is not None
+    other = next(n for n in orch.pools["a"].replicas if n != victim.name)
+    proc = next(w for w in procs["a"] if w.name == victim.name)
+    proc.proc.send_signal(signal.SIGTERM)
+    await _until(lambda: _state_or_none(proc).get("draining") is True, "the victim draining")
+    # Membership still lists it as ready and the session pins to it: the engine sends there.
+    assert victim.routable
+    _, out = await collect(orch, PipelineRequest(prompt="new", session="s"))
+    assert out.status == "ok", out
+    assert out.children[0].outputs["a"].replica == other
+    assert sample(_metrics(proc), "omnistage_worker_rejected_total", stage="a",
+                  replica=victim.name, reason="draining") == 1
+    held.abort()
+    assert (await held.outcome()).status == "abort"
+
+
+def _state_or_none(w: WorkerProcess) -> dict[str, Any]:
+    try:
+        return _state(w)
+    except OSError:
+        return {}
+
+
+async def test_a_not_ready_reply_is_retried_on_another_replica(launch) -> None:
+    """A replica still loading its model answers `not_ready`; the engine tries the next one.
+
+    A real worker cannot be held in its loading phase, so the loading replica is a FakeWorker;
+    the engine and the serving replica are real. Kills: `not_ready` handled as a stage failure,
+    and a retry that does not exclude the replica that refused."""
+    pipe = pipeline("nr", [echo("a", final=True)])
+    orch, _, membership = await launch(pipe, {"a": [{}]})
+
+    def not_ready(msg: dict[str, Any]) -> list[Any]:
+        return p.encode(p.Error(code="not_ready", id=msg["id"], replica="loading",
+                                message="model is still loading"))
+
+    loading = FakeWorker(on_submit=not_ready)
+    try:
+        membership.publish(ReplicaInfo("a", "loading", loading.endpoint))
+        await _until(lambda: "loading" in orch.pools["a"].replicas
+                     and orch.pools["a"].replicas["loading"].routable, "the fake routable")
+        # Pin a session to the loading replica so the first try must go there.
+        orch.pools["a"].sessions["s"] = "loading"
+        _, out = await collect(orch, PipelineRequest(prompt="x", session="s"))
+        assert out.status == "ok", out
+        assert out.children[0].outputs["a"].replica == "nr-a-0"
+        assert [m["t"] for m in loading.received].count("submit") == 1
+    finally:
+        await loading.close()
