@@ -59,3 +59,30 @@ def test_env_override_to_an_absent_gpu_is_a_clear_error(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"device 'cuda:1' requested but CUDA is not"):
         select_device()
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, 1), ("3", 3)])
+def test_configure_threads_caps_torch_threads(monkeypatch: pytest.MonkeyPatch,
+                                              value: str | None, want: int) -> None:
+    """Kills: a default other than one thread per worker, and ignoring OMNISTAGE_TORCH_THREADS."""
+    from omnistage.devices import configure_threads
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    if value is None:
+        monkeypatch.delenv("OMNISTAGE_TORCH_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMNISTAGE_TORCH_THREADS", value)
+    configure_threads()
+    assert calls == [want]
+
+
+def test_configure_threads_zero_leaves_torch_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kills: `n > 0` turned into `n >= 0` (torch rejects 0 threads)."""
+    from omnistage.devices import configure_threads
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setenv("OMNISTAGE_TORCH_THREADS", "0")
+    configure_threads()
+    assert calls == []
