@@ -33,7 +33,7 @@ class _StateServer:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-
+            def do_GET(self) -> None:
                 outer.hits += 1
                 code = 200 if self.path == "/state" else 404
                 self.send_response(code)
