@@ -58,6 +58,7 @@ for mod in "${MODULES[@]}"; do
     cd "$stage"
     # Worker subprocesses started by the tests import the staged packages too.
     export PYTHONPATH="$stage/mutants:$stage"
+    mkdir -p mutants  # on sys.path from the start (a missing dir is cached as unimportable)
     mutmut run --max-children "${MUTATION_JOBS:-1}" >mutmut.log 2>&1 || true
     mutmut results --all true >results.txt 2>&1 || true
     python - "$mod" <<'EOF' | tee score.txt

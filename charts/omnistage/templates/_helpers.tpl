@@ -90,8 +90,9 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [list, watch, create, patch]
-# Events: created, scale, unschedulable, replica lost.
+# Events: created, scale, unschedulable, replica lost. Aggregated as kubectl shows them: a
+# repeat patches count on the same Event; a restarted operator reads that count once (get).
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, get, patch]
 {{- end -}}
