@@ -200,11 +200,16 @@ def _hold_one_on_each(podrunner: PodRunner, url: str, replicas: list[dict[str, A
                       delay_ms: int) -> list[_Held]:
     """Two held requests: the engine's least-in-flight choice puts one on each replica."""
     held = [_Held(url, delay_ms)]
-    wait_for(lambda: sum(_inflight(podrunner, p) for p in replicas) == 1, 60, "first held")
+
+    def detail() -> str:
+        return f"in flight {[_inflight(podrunner, p) for p in replicas]}; " \
+               f"results {[h.result for h in held]}"
+
+    wait_for(lambda: sum(_inflight(podrunner, p) for p in replicas) == 1, 60, "first held",
+             detail)
     held.append(_Held(url, delay_ms))
     wait_for(lambda: [_inflight(podrunner, p) for p in replicas] == [1, 1], 60,
-             "one held request on each replica",
-             lambda: str([_inflight(podrunner, p) for p in replicas]))
+             "one held request on each replica", detail)
     return held
 
 
