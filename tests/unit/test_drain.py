@@ -97,9 +97,13 @@ async def test_busy_replica_is_not_finished_until_its_work_reaches_zero(state) -
     assert await drain.finished(pod(since=now()), pool()) is False
     state.answer({"in_flight": 0, "queued": 2})  # queued work is work too
     assert await drain.finished(pod(since=now()), pool()) is False
+    state.answer({"in_flight": 2, "queued": 2})  # a sum, not a difference
+    assert await drain.finished(pod(since=now()), pool()) is False
     state.answer({"in_flight": 0, "queued": 0})
     assert await drain.finished(pod(since=now()), pool()) is True
-    assert state.hits == 3
+    state.answer({})  # fields it does not report count as zero
+    assert await drain.finished(pod(since=now()), pool()) is True
+    assert state.hits == 5
 
 
 async def test_drain_timeout_ends_the_wait_even_while_busy(state) -> None:
