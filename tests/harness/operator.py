@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from omni_operator.webhook import CONFIGURATION
 from tests.harness.cluster import Cluster, PodRunner
 from tests.harness.local import free_port
 from tests.harness.metrics import samples
@@ -182,10 +183,17 @@ def crds(kube: Cluster) -> None:
 def operator(
     kube: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    op = Operator(kube, tmp_path_factory.mktemp("operator") / "operator.log")
+    # The webhook listens on this machine's loopback, which only the local control plane's API
+    # server can call; kind's API server runs in a container (tests/e2e installs the chart there).
+    op = Operator(kube, tmp_path_factory.mktemp("operator") / "operator.log",
+                  webhook=kube.is_local)
     op.start()
     yield op
     op.stop()
+    # kopf created the webhook configuration; the chart (tests/e2e, same session) owns one of
+    # that name and helm refuses to adopt an object it did not create.
+    kube.kubectl("delete", "--ignore-not-found", "--wait=false",
+                 f"validatingwebhookconfigurations.admissionregistration.k8s.io/{CONFIGURATION}")
 
 
 def pipeline_doc(name: str, stages: list[Obj], **spec: Any) -> Obj:
