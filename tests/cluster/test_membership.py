@@ -181,11 +181,15 @@ async def test_membership_follows_pod_lifecycle(
         await rec.wait(lambda: rec.of("mp-a-1")[-1:] == ["gone"], "mp-a-1 gone")
         assert not rec.of("other-a-0")
     finally:
+        # No assertion here: it would hide the failure that brought us here.
         t0 = time.monotonic()
         await m.stop()
-        assert time.monotonic() - t0 < 3, "stop() must end the watch promptly"
+        stop_seconds = time.monotonic() - t0
         for name in created:  # bound to a missing node: only a forced delete removes them
             _force_delete(k, ns, name)
+    # The open watch runs for minutes: a stop that waited for it instead of ending it would
+    # take that long. A bound far from both, so a loaded machine does not matter.
+    assert stop_seconds < 30, f"stop() took {stop_seconds:.1f}s: it must end the watch"
 
 
 

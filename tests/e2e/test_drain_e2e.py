@@ -7,15 +7,22 @@ brings the replica back under the same name on another node.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import threading
+import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import openai
 import pytest
 
+from omni_operator.drain import ANNOTATION_DRAINING_SINCE
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
+from tests.harness.metrics import sample
 from tests.harness.operator import (
     apply,
     get,
@@ -111,3 +118,194 @@ def _drain_under_load(kube: Cluster, namespace: str, operator: Release, client: 
     failures = [r for r in results if r != "ok"]
     assert not failures, failures[:5]
     assert len(results) >= 16
+
+
+# ---- operator-driven retirement with a request known to be in flight on the victim -----------
+
+ECHO = "held"
+ECHO_ROUTE = f"/v1/pipelines/{ECHO}/requests"
+
+
+class _Held(threading.Thread):
+    """One request held open on the generic route for `delay_ms` of echo work."""
+
+    def __init__(self, url: str, delay_ms: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.delay_ms = url, delay_ms
+        self.sent = time.time()
+        self.result: tuple[int, dict[str, Any]] | None = None
+        self.done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        body = json.dumps({"prompt": "held", "params": {"a": {"delay_ms": self.delay_ms}}})
+        req = urllib.request.Request(self.url + ECHO_ROUTE, body.encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with _opener().open(req, timeout=300) as resp:
+                self.result = (resp.status, json.loads(resp.read()))
+        except urllib.error.HTTPError as exc:
+            self.result = (exc.code, json.loads(exc.read() or b"{}"))
+        except OSError as exc:
+            self.result = (0, {"error": str(exc)})
+        finally:
+            self.done.set()
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _post(url: str, prompt: str) -> int:
+    body = json.dumps({"prompt": prompt}).encode()
+    req = urllib.request.Request(url + ECHO_ROUTE, body, {"Content-Type": "application/json"})
+    with _opener().open(req, timeout=120) as resp:
+        return int(resp.status)
+
+
+def _worker_metric(podrunner: PodRunner, pod: dict[str, Any], name: str, **labels: str) -> float:
+    text = podrunner.http_get(pod, k.WORKER_HTTP_PORT, "/metrics")[1]
+    return sample(text, name, **labels) or 0.0
+
+
+def _inflight(podrunner: PodRunner, pod: dict[str, Any]) -> int:
+    state = json.loads(podrunner.http_get(pod, k.WORKER_HTTP_PORT, "/state")[1])
+    return int(state["in_flight"]) + int(state["queued"])
+
+
+def _stamp(text: str) -> float:
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+def _held_pipeline(kube: Cluster, namespace: str, operator: Release,
+                   drain_timeout: int) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """An echo pipeline of two replicas; (orchestrator URL, replica 0, replica 1)."""
+    apply(kube, namespace, pipeline_doc(ECHO, [{
+        "name": "a", "kind": "echo", "finalOutput": True, "replicas": 2,
+        "drainTimeoutSeconds": drain_timeout,
+    }], orchestrator={"api": ["generic"]}))
+
+    def ready() -> bool:
+        cond = k.condition(get(kube, namespace, "omnipipe", ECHO), "Ready")
+        return bool(cond and cond["status"] == "True")
+
+    wait_for(ready, 600, f"{ECHO} Ready", operator.log_tail, interval=1)
+    [orch] = _live(kube, namespace, f"{k.LABEL_PIPELINE}={ECHO},{k.LABEL_COMPONENT}=orchestrator")
+    by_name = {p["metadata"]["name"]: p for p in _live(kube, namespace, k.stage_selector(ECHO))}
+    return f"http://{orch['status']['podIP']}:8000", by_name[f"{ECHO}-a-0"], \
+        by_name[f"{ECHO}-a-1"]
+
+
+def _hold_one_on_each(podrunner: PodRunner, url: str, replicas: list[dict[str, Any]],
+                      delay_ms: int) -> list[_Held]:
+    """Two held requests: the engine's least-in-flight choice puts one on each replica."""
+    held = [_Held(url, delay_ms)]
+
+    def detail() -> str:
+        return f"in flight {[_inflight(podrunner, p) for p in replicas]}; " \
+               f"results {[h.result for h in held]}"
+
+    wait_for(lambda: sum(_inflight(podrunner, p) for p in replicas) == 1, 60, "first held",
+             detail)
+    held.append(_Held(url, delay_ms))
+    wait_for(lambda: [_inflight(podrunner, p) for p in replicas] == [1, 1], 60,
+             "one held request on each replica", detail)
+    return held
+
+
+def _orchestrator_sees_draining(url: str) -> bool:
+    with _opener().open(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return (sample(text, "omnistage_orchestrator_replicas", stage="a", state="draining")
+            or 0) >= 1
+
+
+def test_scale_down_waits_for_the_request_in_flight_on_the_retiring_replica(
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
+) -> None:
+    """Scale 2 -> 1 while a request is held on replica 1: it is marked draining, gets no new
+    work, and is deleted only once that request has completed (which it does, ok).
+
+    Kills: deleting the victim at once (drain.finished always True, or the wait skipped), a
+    drain mark that does not stop routing, and a wait that ignores the replica's in-flight
+    work (the deletion would come before the held request could have finished)."""
+    if not podrunner.local:
+        pytest.skip("reads worker /state on loopback pod IPs: needs the local pod runner")
+    delay_ms = 45_000
+    url, keep, victim = _held_pipeline(kube, namespace, operator, drain_timeout=600)
+    held = _hold_one_on_each(podrunner, url, [keep, victim], delay_ms)
+    vname = victim["metadata"]["name"]
+    kube.kubectl("scale", "-n", namespace, f"sp/{ECHO}-a", "--replicas=1")
+
+    def marked() -> dict[str, Any] | None:
+        pod = get(kube, namespace, "pod", vname) or {}
+        annotations = pod.get("metadata", {}).get("annotations") or {}
+        return pod if annotations.get(k.ANNOTATION_DRAINING) == "true" else None
+
+    drained = wait_for(marked, 60, f"{vname} marked draining", operator.log_tail)
+    assert not drained["metadata"].get("deletionTimestamp")
+    wait_for(lambda: _orchestrator_sees_draining(url), 60, "the orchestrator to see it draining")
+    labels = {"stage": "a", "replica": vname}
+    admitted = _worker_metric(podrunner, victim, "omnistage_worker_admitted_total", **labels)
+    assert not held[1].done.is_set(), "the held request finished before the test could check"
+    assert [_post(url, f"new-{i}") for i in range(6)] == [200] * 6
+    assert _worker_metric(podrunner, victim, "omnistage_worker_admitted_total",
+                          **labels) == admitted  # no new work on the retiring replica
+    assert (get(kube, namespace, "pod", vname) or {}).get("metadata", {}).get(
+        "deletionTimestamp") is None  # still there: its request is in flight
+
+    def gone_or_deleting() -> dict[str, Any] | bool:
+        pod = get(kube, namespace, "pod", vname)
+        if pod is None or pod["metadata"]["uid"] != victim["metadata"]["uid"]:
+            return True
+        return pod if pod["metadata"].get("deletionTimestamp") else False
+
+    deleting = wait_for(gone_or_deleting, delay_ms / 1000 + 120, f"{vname} deleted",
+                        operator.log_tail, interval=0.2)
+    for h in held:
+        h.done.wait(120)
+        assert h.result is not None and h.result[0] == 200, h.result
+        assert h.result[1]["status"] == "ok", h.result
+    if isinstance(deleting, dict):  # the deletion mark came no earlier than the work allowed
+        assert _stamp(deleting["metadata"]["deletionTimestamp"]) >= \
+            held[1].sent + delay_ms / 1000 - 1.0
+    wait_for(lambda: get(kube, namespace, "pod", vname) is None, 120, f"{vname} gone")
+    assert [p["metadata"]["name"] for p in _live(kube, namespace, k.stage_selector(ECHO))] \
+        == [f"{ECHO}-a-0"]
+    kube.kubectl("delete", "omnipipe", "-n", namespace, ECHO, "--wait=false")
+
+
+def test_drain_timeout_retires_a_replica_whose_request_outlasts_it(
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
+) -> None:
+    """drainTimeoutSeconds bounds the wait: a request longer than it does not pin the replica.
+
+    Kills: ignoring the drain timeout (the victim would stay until its 60 s request ends), and
+    a timeout counted from something other than the drain mark (deleted too early)."""
+    if not podrunner.local:
+        pytest.skip("reads worker /state on loopback pod IPs: needs the local pod runner")
+    timeout, delay_ms = 5, 60_000
+    url, keep, victim = _held_pipeline(kube, namespace, operator, drain_timeout=timeout)
+    held = _hold_one_on_each(podrunner, url, [keep, victim], delay_ms)
+    vname = victim["metadata"]["name"]
+    kube.kubectl("scale", "-n", namespace, f"sp/{ECHO}-a", "--replicas=1")
+
+    def deleting() -> dict[str, Any] | None:
+        pod = get(kube, namespace, "pod", vname)
+        if pod is None or pod["metadata"]["uid"] != victim["metadata"]["uid"]:
+            raise AssertionError(f"{vname} vanished before its deletion mark was seen")
+        return pod if pod["metadata"].get("deletionTimestamp") else None
+
+    pod = wait_for(deleting, 120, f"{vname} deleted after its drain timeout", operator.log_tail,
+                   interval=0.2)
+    # Deleted while its request was still running (the request needs 60 s)...
+    assert not held[1].done.is_set()
+    assert time.time() < held[1].sent + delay_ms / 1000
+    # ... and no sooner than the drain timeout after the drain mark.
+    since = _stamp(pod["metadata"]["annotations"][ANNOTATION_DRAINING_SINCE])
+    assert _stamp(pod["metadata"]["deletionTimestamp"]) >= since + timeout - 1
+    wait_for(lambda: get(kube, namespace, "pod", vname) is None, 180, f"{vname} gone")
+    for h in held:
+        h.done.wait(120)
+    assert held[0].result is not None and held[0].result[0] == 200, held[0].result
+    kube.kubectl("delete", "omnipipe", "-n", namespace, ECHO, "--wait=false")

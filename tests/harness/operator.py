@@ -37,6 +37,8 @@ class Operator:
     #: serve the validating admission webhook on loopback (the local API server calls it there)
     webhook: bool = True
     webhook_port: int = field(default_factory=free_port)
+    #: the credentials it runs with; None: the cluster's admin kubeconfig
+    kubeconfig: Path | None = None
 
     def start(self) -> None:
         cmd = [
@@ -44,7 +46,7 @@ class Operator:
             "-m",
             "omnistage.cli",
             "operator",
-            f"--kubeconfig={self.cluster.kubeconfig}",
+            f"--kubeconfig={self.kubeconfig or self.cluster.kubeconfig}",
             f"--metrics-port={self.port}",
             f"--resync-seconds={self.resync}",
         ]
@@ -119,6 +121,21 @@ class Operator:
 
     def writes(self) -> int:
         return int(self.metrics()["omnistage_operator_api_writes_total"])
+
+    def log_offset(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def write_lines(self, start: int) -> list[str]:
+        """The operator's write log ("PATCH /api/...", one line per counted write) since
+        `start`, a log_offset()."""
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        marker = " omnistage.kubeapi.writes: "
+        return [line.split(marker, 1)[1] for line in text.splitlines() if marker in line]
 
     def log_tail(self, lines: int = 60) -> str:
         try:

@@ -268,12 +268,19 @@ async def test_list_watch_backs_off_when_a_watch_ends_at_once(server: Server) ->
             async for _ in api.list_watch(pods, resource_version="1", backoff=(0.2, 0.2)):
                 pass
 
+        t0 = time.monotonic()
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.7)
+        while len(server.requests) < 4:  # observable progress, however slow the machine
+            if task.done():
+                raise AssertionError(f"the watch loop ended: {task}")
+            await asyncio.sleep(0.01)
+        elapsed = time.monotonic() - t0
         task.cancel()
     finally:
         await api.close()
-    assert 2 <= len(server.requests) <= 5, "a watch that ends at once must not spin"
+    # Three waits of at least the 0.2 s backoff lie between four watches: a loaded machine
+    # only makes this longer. A watch loop without backoff would take milliseconds.
+    assert elapsed >= 3 * 0.2, f"a watch that ends at once must not spin ({elapsed:.3f}s)"
 
 
 @pytest.fixture

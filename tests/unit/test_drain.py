@@ -1,0 +1,186 @@
+"""Drain-style retirement (operator/omni_operator/drain.py) against a real HTTP /state endpoint.
+
+The replica's /state is served by a real HTTP server on loopback, so the wait for in-flight
+work runs exactly as against a worker; the e2e suite (tests/e2e/test_drain_e2e.py) drives the
+same code through the operator with a request held open on a real worker.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.server
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from omni_operator import drain
+from omni_operator.readiness import gate_patch, is_draining, is_ready
+from omnistage import kube
+
+Obj = dict[str, Any]
+
+
+class _StateServer:
+    """A /state endpoint whose answer the test sets (a JSON object, or raw bytes)."""
+
+    def __init__(self) -> None:
+        self.body: bytes = b"{}"
+        self.hits = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.hits += 1
+                code = 200 if self.path == "/state" else 404
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(outer.body if code == 200 else b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, state: Obj | bytes) -> None:
+        self.body = state if isinstance(state, bytes) else json.dumps(state).encode()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[_StateServer]:
+    server = _StateServer()
+    monkeypatch.setattr(kube, "WORKER_HTTP_PORT", server.port)
+    yield server
+    server.close()
+
+
+def _stamp(t: dt.datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod(*, ip: str | None = "127.0.0.1", phase: str = "Running",
+        since: dt.datetime | None = None) -> Obj:
+    annotations = {kube.ANNOTATION_DRAINING: "true"}
+    if since is not None:
+        annotations[drain.ANNOTATION_DRAINING_SINCE] = _stamp(since)
+    status: Obj = {"phase": phase}
+    if ip:
+        status["podIP"] = ip
+    return {"metadata": {"name": "p-a-1", "namespace": "ns", "annotations": annotations},
+            "status": status}
+
+
+def pool(timeout: int = 30) -> Obj:
+    return {"spec": {"stage": {"name": "a", "kind": "echo", "finalOutput": True,
+                               "drainTimeoutSeconds": timeout}}}
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+async def test_busy_replica_is_not_finished_until_its_work_reaches_zero(state) -> None:
+    """Kills: `finished` returning True without asking the replica (immediate deletes), and
+    counting only in_flight or only queued work."""
+    state.answer({"in_flight": 1, "queued": 0})
+    assert await drain.finished(pod(since=now()), pool()) is False
+    state.answer({"in_flight": 0, "queued": 2})  # queued work is work too
+    assert await drain.finished(pod(since=now()), pool()) is False
+    state.answer({"in_flight": 2, "queued": 2})  # a sum, not a difference
+    assert await drain.finished(pod(since=now()), pool()) is False
+    state.answer({"in_flight": 0, "queued": 0})
+    assert await drain.finished(pod(since=now()), pool()) is True
+    state.answer({})  # fields it does not report count as zero
+    assert await drain.finished(pod(since=now()), pool()) is True
+    assert state.hits == 5
+
+
+async def test_drain_timeout_ends_the_wait_even_while_busy(state) -> None:
+    """Kills: ignoring drainTimeoutSeconds (a stuck request pins the replica for ever), the
+    comparison turned round (`<`), and reading the timeout from somewhere else."""
+    state.answer({"in_flight": 3})
+    started = now() - dt.timedelta(seconds=100)
+    assert await drain.finished(pod(since=started), pool(timeout=30)) is True
+    assert await drain.finished(pod(since=started), pool(timeout=3600)) is False
+    # Exactly at the timeout counts as passed (>=): a 0 s timeout deletes at once.
+    assert await drain.finished(pod(since=now() + dt.timedelta(seconds=2)), pool(0)) is False
+    assert await drain.finished(pod(since=now()), pool(timeout=0)) is True
+
+
+async def test_without_a_since_mark_only_the_work_counts(state) -> None:
+    """Kills: a missing draining-since annotation read as 'timed out'."""
+    state.answer({"in_flight": 1})
+    assert await drain.finished(pod(since=None), pool(timeout=0)) is False
+
+
+@pytest.mark.parametrize("bad", [b"not json", b"{\"in_flight\": \"many\"}"])
+async def test_unreadable_state_is_not_idle(state, bad: bytes) -> None:
+    """Kills: treating an answer that cannot be read as zero in-flight work."""
+    state.answer(bad)
+    assert await drain.finished(pod(since=now()), pool()) is False
+
+
+async def test_nothing_listening_is_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused connection means no process serves: nothing can be in flight.
+
+    Kills: the ConnectionRefused branch answering None (a dead replica never retired)."""
+    with socket.socket() as s:  # a port that was free a moment ago and has no listener
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(kube, "WORKER_HTTP_PORT", port)
+    assert await drain.finished(pod(since=now()), pool()) is True
+
+
+@pytest.mark.parametrize("kw", [{"ip": None}, {"phase": "Pending"}, {"phase": "Succeeded"}])
+async def test_a_replica_that_is_not_running_is_finished(state, kw: Obj) -> None:
+    """Kills: asking a pod that has no IP or no running process (a retirement that never ends)."""
+    state.answer({"in_flight": 5})
+    assert await drain.finished(pod(since=now(), **kw), pool()) is True
+    assert state.hits == 0
+
+
+class _RecordingApi:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Obj, tuple[int, ...]]] = []
+
+    async def patch(self, url: str, body: Obj, ignore: tuple[int, ...] = ()) -> Obj:
+        self.calls.append((url, body, ignore))
+        return body
+
+
+async def test_begin_marks_the_pod_draining_with_a_since_stamp() -> None:
+    """Kills: begin without the draining mark (the gate stays True and routing continues) or
+    without the since stamp (the timeout could never run), and a 404 raised for a pod that
+    went away meanwhile."""
+    api = _RecordingApi()
+    before = now().replace(microsecond=0)
+    await drain.begin(api, pod(since=None))  # type: ignore[arg-type]
+    [(url, body, ignore)] = api.calls
+    assert url == "/api/v1/namespaces/ns/pods/p-a-1"
+    annotations = body["metadata"]["annotations"]
+    assert annotations[kube.ANNOTATION_DRAINING] == "true"
+    since = dt.datetime.strptime(annotations[drain.ANNOTATION_DRAINING_SINCE],
+                                 "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+    assert before <= since <= now()
+    assert 404 in ignore
+    # The marked pod is no longer routable, and the gate patch says Draining.
+    marked = {**pod(), "metadata": {**pod()["metadata"], "annotations": annotations}}
+    marked["status"]["conditions"] = [
+        {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"},
+        {"type": kube.READINESS_GATE, "status": "True"}]
+    assert is_draining(marked) and not is_ready(marked)
+    patch = gate_patch(marked, "t")
+    assert patch is not None
+    [cond] = patch["status"]["conditions"]
+    assert (cond["status"], cond["reason"]) == ("False", "Draining")
