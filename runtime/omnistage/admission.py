@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 __all__ = [
     "AdmissionError",
@@ -158,25 +158,26 @@ class CancellationToken:
 # Bounded admission
 
 
-class Permit:
-    """An admitted request's share of a `BoundedAdmission` budget; releasing twice is a no-op."""
+class _ReleaseOnce:
+    """A handle whose `release()` is idempotent and thread-safe, and runs on `with` exit.
 
-    __slots__ = ("_owner", "_released", "cost")
+    The owner's release method flips `_released` under its own lock, so every exit path may call
+    `release()` and only the first counts.
+    """
 
-    def __init__(self, owner: BoundedAdmission, cost: int) -> None:
-        self._owner = owner
-        self.cost = cost
+    __slots__ = ("_released",)
+
+    def __init__(self) -> None:
         self._released = False
 
     def release(self) -> None:
-        """Return the budget; idempotent and thread-safe so every exit path may call it."""
-        self._owner._release(self)
+        raise NotImplementedError
 
     @property
     def released(self) -> bool:
         return self._released
 
-    def __enter__(self) -> Permit:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -186,6 +187,21 @@ class Permit:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+class Permit(_ReleaseOnce):
+    """An admitted request's share of a `BoundedAdmission` budget."""
+
+    __slots__ = ("_owner", "cost")
+
+    def __init__(self, owner: BoundedAdmission, cost: int) -> None:
+        super().__init__()
+        self._owner = owner
+        self.cost = cost
+
+    def release(self) -> None:
+        """Return the budget (the owner ignores a second release)."""
+        self._owner._release(self)
 
     def __repr__(self) -> str:
         return f"Permit(cost={self.cost}, released={self._released})"
@@ -271,33 +287,18 @@ class BoundedAdmission:
 # Execution context
 
 
-class Hold:
-    """One holder of an `ExecutionContext`; the last holder to release frees retained permits."""
+class Hold(_ReleaseOnce):
+    """One holder of an `ExecutionContext`; the last holder to release frees its permits."""
 
-    __slots__ = ("_ctx", "_released")
+    __slots__ = ("_ctx",)
 
     def __init__(self, ctx: ExecutionContext) -> None:
+        super().__init__()
         self._ctx = ctx
-        self._released = False
 
     def release(self) -> None:
-        """Drop this hold; idempotent and thread-safe (the worker thread may release it)."""
+        """Drop this hold (the worker thread may be the one that does)."""
         self._ctx._drop_hold(self)
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def __enter__(self) -> Hold:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
 
 class DropGuard:
@@ -316,10 +317,6 @@ class DropGuard:
     def disarm(self) -> None:
         """The caller got what it needed: leaving the block must not cancel."""
         self._armed = False
-
-    @property
-    def armed(self) -> bool:
-        return self._armed
 
     def __enter__(self) -> DropGuard:
         return self
@@ -358,7 +355,6 @@ class ExecutionContext:
         self._lock = threading.Lock()
         self._permits: list[Permit] = list(permits)
         self._holders = 0
-        self._permits_released = False
 
     @classmethod
     def with_timeout(
@@ -384,10 +380,6 @@ class ExecutionContext:
             return None
         return max(0.0, self.deadline - time.monotonic())
 
-    @property
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
     def check(self) -> None:
         """Raise if the work should not start; cancellation wins over the deadline."""
         if self.token.cancelled:
@@ -406,23 +398,11 @@ class ExecutionContext:
         """Guard for `with ctx.cancel_on_drop() as guard:`; call `guard.disarm()` on success."""
         return DropGuard(self)
 
-    def retain(self, permit: Permit) -> None:
-        """Keep `permit` until the last holder finishes (released at once if that has happened)."""
-        with self._lock:
-            if not self._permits_released:
-                self._permits.append(permit)
-                return
-        permit.release()
-
     def hold(self) -> Hold:
         """Register a holder (the caller, or the worker thread running this request's work)."""
         with self._lock:
             self._holders += 1
         return Hold(self)
-
-    @property
-    def holders(self) -> int:
-        return self._holders
 
     def _drop_hold(self, hold: Hold) -> None:
         with self._lock:
@@ -432,19 +412,8 @@ class ExecutionContext:
             self._holders -= 1
             if self._holders > 0:
                 return
-            permits = self._take_permits()
+            permits, self._permits = self._permits, []
         _release_all(permits)
-
-    def release_permits(self) -> None:
-        """Release retained permits now; for contexts that never took a hold. Idempotent."""
-        with self._lock:
-            permits = self._take_permits()
-        _release_all(permits)
-
-    def _take_permits(self) -> list[Permit]:
-        permits, self._permits = self._permits, []
-        self._permits_released = True
-        return permits
 
     def __repr__(self) -> str:
         return (

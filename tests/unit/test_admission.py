@@ -574,7 +574,7 @@ async def test_deadline_passing_while_waiting_for_busy_pool_is_refused_on_worker
         task = asyncio.create_task(sched.run_with_context(ctx, counted))
         await until(lambda: sched.stats.dispatched == 1)  # past the scheduler, stuck in the pool
         await asyncio.sleep(ctx.remaining() or 0)
-        await until(lambda: ctx.expired)
+        await until(lambda: ctx.remaining() == 0)
         assert sched.running and not task.done()
         gate.set()
         with pytest.raises(DeadlineExceeded):
@@ -877,25 +877,19 @@ async def test_cancel_on_drop_cancels_on_task_cancellation() -> None:
     assert ctx.cancelled
 
 
-def test_retained_permits_released_after_last_holder() -> None:
+def test_permits_released_after_last_holder() -> None:
     adm = BoundedAdmission(requests=3)
     p1, p2 = adm.try_admit(), adm.try_admit()
     assert p1 is not None and p2 is not None
-    ctx = ExecutionContext(permits=[p1])
+    ctx = ExecutionContext(permits=[p1, p2])
     h1 = ctx.hold()
     h2 = ctx.hold()
-    ctx.retain(p2)
     h1.release()
     h1.release()  # idempotent: must not count as h2 leaving
-    assert not p1.released and not p2.released
-    assert ctx.holders == 1
+    assert not p1.released and not p2.released and adm.report().depth == 2
     h2.release()
     assert p1.released and p2.released
     assert adm.report().depth == 0
-    late = adm.try_admit()
-    assert late is not None
-    ctx.retain(late)  # nobody is left to release it later, so it goes at once
-    assert late.released
 
 
 def test_last_holder_on_another_thread_releases_permits() -> None:
@@ -915,18 +909,19 @@ def test_last_holder_on_another_thread_releases_permits() -> None:
         t.start()
     for t in threads:
         t.join()
-    assert permit.released and ctx.holders == 0
+    assert permit.released and adm.report().depth == 0
 
 
-def test_release_permits_is_explicit_and_idempotent() -> None:
+def test_permit_release_is_idempotent_and_never_implicit() -> None:
     adm = BoundedAdmission(requests=2)
     permit = adm.try_admit()
     assert permit is not None
-    ctx = ExecutionContext(permits=[permit])
+    ExecutionContext(permits=[permit])
     assert not permit.released  # never held: nothing releases it implicitly
-    ctx.release_permits()
-    ctx.release_permits()
-    assert permit.released and adm.report().depth == 0
+    with permit:
+        pass
+    permit.release()
+    assert permit.released and adm.report().depth == 0 and adm.report().admitted == 1
 
 
 def test_token_callbacks_run_once_even_when_added_late_or_raced() -> None:
