@@ -121,6 +121,8 @@ class Controller:
         self._warned: set[str] = set()  # pod uids already reported unschedulable
         self._intended: set[str] = set()  # pod uids deleted on purpose (retired, evicted)
         self._invalid: dict[Key, tuple[str, int]] = {}  # InvalidSpec reported: (uid, generation)
+        # The last status written per object, with the resourceVersion it was written against.
+        self._status_written: dict[Key, tuple[str, Obj]] = {}
         self.reconciles = 0
 
     # ---- event intake ----------------------------------------------------------------------
@@ -132,6 +134,8 @@ class Controller:
             self._unconfirmed.add((kind, *key))
         else:
             self._unconfirmed.discard((kind, *key))
+        if gone:
+            self._status_written.pop((kind, *key), None)
         if kind == "OmniPipeline":
             self._store(self.pipelines, key, obj, gone)
             self.enqueue(("OmniPipeline", *key))
@@ -436,13 +440,26 @@ class Controller:
             await self._write(kind, ns, name, self.api.patch(path(kind, ns, name), managed))
 
     async def patch_status(self, obj: Obj, status: Obj) -> bool:
-        """Write status if it differs from the stored one; True when it wrote."""
+        """Write status if it differs from the stored one; True when it wrote.
+
+        Read-your-writes: until the watch delivers our own write, the view still holds the old
+        status, and a reconcile in that window (a 1 s re-check on a loaded machine) would write
+        the same status again. So a status equal to the one we wrote against the same
+        resourceVersion is not written twice.
+        """
         if subset(status, obj.get("status") or {}) and subset(obj.get("status") or {}, status):
             return False
         ns, name = _meta_key(obj)
+        key: Key = (obj["kind"], ns, name)
+        version = obj["metadata"].get("resourceVersion", "")
+        last = self._status_written.get(key)
+        if last is not None and last[0] == version and _timeless(last[1]) == _timeless(status):
+            return False
         patched = await self._write(
             obj["kind"], ns, name,
             self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status}))
+        if patched is not None:
+            self._status_written[key] = (version, status)
         return patched is not None
 
     async def _refused(self, obj: Obj, exc: SpecError) -> None:
@@ -755,3 +772,10 @@ def _without_stale_engine(child: Obj, current: Obj) -> Obj:
         return child
     return {**child, "spec": {**child["spec"],
                               "stage": {**stage, "engine": {**stage.get("engine", {}), **stale}}}}
+
+
+def _timeless(status: Obj) -> Obj:
+    """A status without its conditions' transition times (a re-derived condition gets a new one)."""
+    conditions = [{k: v for k, v in c.items() if k != "lastTransitionTime"}
+                  for c in status.get("conditions") or []]
+    return {**status, "conditions": conditions}
