@@ -2,16 +2,23 @@
 
 The denoising loop is written out so abort is checked between steps; an aborted sample is
 dropped whole (no partial image), as the orchestration contract requires.
+
+Compatible requests (same height, width, steps and guidance, and conditioning of the same
+number of tokens) denoise as one batch: their latents are stacked, each drawn from its own
+seeded generator, so a sample is the same image it would be alone. Conditioning is not padded:
+masked padding changes the float rounding of cross-attention, and so a few pixel values, which
+would break "same seed, same image". A batch takes its requests when it starts (its samples
+share the scheduler's timesteps); a cancelled sample leaves it at the next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
-from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
+from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome
 from omnistage.models import ModelRef, load_diffusion, torch_dtype
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -34,7 +41,7 @@ class DiffusionJob:
     seed: int
 
 
-class DiffusionExecutor(Executor):
+class DiffusionExecutor(BatchExecutor):
     kind = "diffusion"
 
     def load(self) -> None:
@@ -86,37 +93,19 @@ class DiffusionExecutor(Executor):
     def cost(self, job: DiffusionJob) -> int:
         return job.height * job.width * job.steps
 
-    def execute(self, job: DiffusionJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
-        import torch
+    # ---- batching --------------------------------------------------------------------------
 
-        sched = type(self.scheduler_template).from_config(self.scheduler_template.config)
-        sched.set_timesteps(job.steps)
-        gen = torch.Generator(device="cpu").manual_seed(job.seed)
-        shape = (1, self.unet.config.in_channels, job.height // self.scale,
-                 job.width // self.scale)
-        latents = torch.randn(shape, generator=gen).to(self.device, self.dtype)
-        latents = latents * sched.init_noise_sigma
-        use_cfg = job.neg is not None or job.guidance > 1.0
-        uncond = job.neg if job.neg is not None else torch.zeros_like(job.cond[:, :1])
-        with torch.inference_mode():
-            for i, ts in enumerate(sched.timesteps):
-                if ctx.token.cancelled:
-                    return Outcome(aborted=True)
-                if ctx.deadline is not None and ctx.remaining() <= 0:
-                    raise DeadlineExceeded(f"deadline passed at denoising step {i}")
-                inp = sched.scale_model_input(latents, ts)
-                eps = self.unet(inp, ts, encoder_hidden_states=job.cond).sample
-                if use_cfg:
-                    eps_u = self.unet(inp, ts, encoder_hidden_states=uncond).sample
-                    eps = eps_u + job.guidance * (eps - eps_u)
-                latents = sched.step(eps, ts, latents).prev_sample
-            if ctx.token.cancelled:
-                return Outcome(aborted=True)
-            image = self.vae.decode(latents / self.vae.config.scaling_factor).sample
-        pixels = ((image[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-        fields = {"height": job.height, "width": job.width, "steps": job.steps,
-                  "finish_reason": "stop"}
-        return Outcome(fields, {"image": pixels.permute(1, 2, 0).contiguous()})
+    def batch_key(self, job: DiffusionJob) -> Hashable:
+        """Same size, steps and guidance, and conditioning of the same length (see the module
+        docstring); a request conditioned on a batch of its own ([batch, tokens, dim] with
+        batch > 1) runs alone."""
+        if job.cond.shape[0] != 1 or (job.neg is not None and job.neg.shape[0] != 1):
+            return object()
+        return (job.height, job.width, job.steps, job.guidance, job.cond.shape[1],
+                None if job.neg is None else job.neg.shape[1])
+
+    def new_batch(self) -> _DiffusionBatch:
+        return _DiffusionBatch(self)
 
     def sleep(self) -> None:
         if self.device.type != "cpu":
@@ -129,3 +118,94 @@ class DiffusionExecutor(Executor):
             self.unet.to(self.device)
             self.vae.to(self.device)
         super().wake_up()
+
+
+class _DiffusionBatch:
+    """Samples that denoise together; the engine thread calls it between steps."""
+
+    def __init__(self, ex: DiffusionExecutor) -> None:
+        self.ex = ex
+        self.seqs: list[int] = []  # row order
+        self.jobs: list[DiffusionJob] = []
+        self.step_index = -1  # -1: not started; steps: denoised, the next step decodes
+
+    def add(self, seq: int, job: DiffusionJob, emit: Emit) -> None:
+        if self.step_index >= 0:
+            raise RuntimeError("a diffusion batch takes requests only before its first step")
+        self.seqs.append(seq)
+        self.jobs.append(job)
+
+    def abort(self, seq: int) -> Outcome:
+        self._drop(seq)
+        return Outcome(aborted=True)
+
+    def expire(self, seq: int) -> DeadlineExceeded:
+        self._drop(seq)
+        return DeadlineExceeded(f"deadline passed at denoising step {max(self.step_index, 0)}")
+
+    def step(self) -> dict[int, Outcome]:
+        import torch
+
+        with torch.inference_mode():
+            if self.step_index < 0:
+                self._start()
+            if self.step_index < len(self.timesteps):
+                self._denoise(self.timesteps[self.step_index])
+                self.step_index += 1
+                return {}
+            return self._decode()
+
+    def _start(self) -> None:
+        import torch
+
+        ex, first = self.ex, self.jobs[0]
+        self.sched = type(ex.scheduler_template).from_config(ex.scheduler_template.config)
+        self.sched.set_timesteps(first.steps)
+        self.timesteps = list(self.sched.timesteps)
+        shape = (1, ex.unet.config.in_channels, first.height // ex.scale, first.width // ex.scale)
+        noise = [torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(j.seed))
+                 for j in self.jobs]
+        self.latents = torch.cat(noise).to(ex.device, ex.dtype) * self.sched.init_noise_sigma
+        self.guidance = first.guidance
+        self.cfg = first.neg is not None or first.guidance > 1.0
+        self.cond = torch.cat([j.cond for j in self.jobs])
+        self.uncond = torch.cat([j.neg if j.neg is not None else torch.zeros_like(j.cond[:, :1])
+                                 for j in self.jobs]) if self.cfg else None
+        self.step_index = 0
+
+    def _denoise(self, ts: Any) -> None:
+        inp = self.sched.scale_model_input(self.latents, ts)
+        eps = self.ex.unet(inp, ts, encoder_hidden_states=self.cond).sample
+        if self.cfg:
+            eps_u = self.ex.unet(inp, ts, encoder_hidden_states=self.uncond).sample
+            eps = eps_u + self.guidance * (eps - eps_u)
+        self.latents = self.sched.step(eps, ts, self.latents).prev_sample
+
+    def _decode(self) -> dict[int, Outcome]:
+        import torch
+
+        vae = self.ex.vae
+        images = vae.decode(self.latents / vae.config.scaling_factor).sample
+        pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        done = {}
+        for row, (seq, job) in enumerate(zip(self.seqs, self.jobs, strict=True)):
+            fields = {"height": job.height, "width": job.width, "steps": job.steps,
+                      "finish_reason": "stop"}
+            done[seq] = Outcome(fields, {"image": pixels[row].permute(1, 2, 0).contiguous()})
+        self.seqs, self.jobs = [], []
+        return done
+
+    def _drop(self, seq: int) -> None:
+        import torch
+
+        row = self.seqs.index(seq)
+        del self.seqs[row], self.jobs[row]
+        if self.step_index < 0 or not self.seqs:
+            return
+        keep = torch.tensor([i for i in range(len(self.seqs) + 1) if i != row],
+                            device=self.latents.device)
+        self.latents = self.latents.index_select(0, keep)
+        self.cond = self.cond.index_select(0, keep)
+        if self.uncond is not None:
+            self.uncond = self.uncond.index_select(0, keep)
+

@@ -15,6 +15,7 @@ import signal
 import time
 import traceback
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,18 @@ from omnistage.admission import (
     Overloaded,
     SerialScheduler,
 )
-from omnistage.executors import BadRequest, Executor, Outcome, create_executor
+from omnistage.batching import BatchScheduler, Emit
+from omnistage.executors import (
+    BadRequest,
+    BatchExecutor,
+    Executor,
+    Outcome,
+    create_executor,
+    executor_class,
+)
 from omnistage.metrics import new_registry
 from omnistage.sideport import start_side_port
+from omnistage.spec import Stage
 from omnistage.worker.config import WorkerConfig
 from omnistage.worker.metrics import WorkerCollector
 
@@ -55,7 +65,7 @@ class StageWorker:
         # The only place the worker reads its stage's settings.
         stage = cfg.stage
         self.admission = BoundedAdmission(stage.admission.max_requests, stage.admission.max_cost)
-        self.scheduler = SerialScheduler(max_pending=stage.admission.max_queue)
+        self.scheduler = new_scheduler(stage, executor)
         self.default_deadline = stage.admission.default_deadline_seconds
         self.drain_timeout = float(stage.drain_timeout_seconds)
         self.requests: dict[tuple[bytes, str], _Request] = {}
@@ -306,9 +316,7 @@ class StageWorker:
         assert self.executor is not None
         with req.ctx.hold():
             try:
-                outcome: Outcome = await self.scheduler.run_with_context(
-                    req.ctx, self.executor.execute, job, req.ctx, emit
-                )
+                outcome: Outcome = await self._execute(req.ctx, job, emit)
             except ExecutionCancelled:
                 outcome = self.executor.aborted_before_start(job)
             except DeadlineExceeded as exc:
@@ -341,6 +349,16 @@ class StageWorker:
             self._count(p.tag(result))
             self._send_frames(req.ident, frames)
             self._finish(req)
+
+    def _execute(self, ctx: ExecutionContext, job: Any, emit: Emit) -> Awaitable[Outcome]:
+        """Hand one admitted request to the scheduler: into the running batch (a batching
+        executor) or to run alone. Admission, deadline and cancellation stay per request."""
+        executor = self.executor
+        assert executor is not None
+        if isinstance(self.scheduler, BatchScheduler):
+            assert isinstance(executor, BatchExecutor)
+            return self.scheduler.run_with_context(ctx, executor, job, emit)
+        return self.scheduler.run_with_context(ctx, executor.execute, job, ctx, emit)
 
     def _finish(self, req: _Request) -> None:
         self.requests.pop((req.ident, req.rid), None)
@@ -440,6 +458,19 @@ class StageWorker:
     def state(self) -> dict[str, Any]:
         """The same state as plain builtins, for the HTTP side port's /state."""
         return msgspec.structs.asdict(self.snapshot())
+
+
+def new_scheduler(
+    stage: Stage, executor: Executor | None = None
+) -> SerialScheduler | BatchScheduler:
+    """A BatchScheduler when the stage's executor batches and engine.maxBatchSize > 1, else a
+    SerialScheduler (echo, or batching turned off): either way maxQueue bounds what waits."""
+    cls = type(executor) if executor is not None else executor_class(stage.kind)
+    engine, queue = stage.engine, stage.admission.max_queue
+    if issubclass(cls, BatchExecutor) and engine.max_batch_size > 1:
+        return BatchScheduler(max_size=engine.max_batch_size,
+                              max_tokens=engine.max_batch_tokens, max_pending=queue)
+    return SerialScheduler(max_pending=queue)
 
 
 def _log_send_failure(fut: asyncio.Future[Any]) -> None:
