@@ -5,13 +5,14 @@ in one forward pass spends most of its compute idle. `BatchScheduler` moves the 
 execution from a request to a step, and keeps every per-request contract of admission.py:
 
 - FIFO. Requests queue in arrival order. Between two steps the engine thread moves requests into
-  the running batch while they fit (`max_size` sequences, `max_tokens` batch tokens).
+  the running batch while they fit (`max_size` sequences, `max_tokens` batch tokens): sequences
+  join and leave between steps (continuous batching).
 - Compatibility. Every job has a batch key; only jobs with equal keys share a batch (diffusion:
-  same size, steps and guidance). A new batch starts with the oldest waiting job and takes along
-  the compatible jobs behind it in order; incompatible ones are skipped and keep their place.
-  A running batch takes newcomers (if its engine allows joins mid-flight, as AR does) only from
-  the head of the queue, so an incompatible or oversized head closes the batch: it drains, and
-  that job starts the next one. No job waits behind more than the jobs that arrived before it.
+  same size and guidance). A new batch starts with the oldest waiting job and takes along the
+  compatible jobs behind it in order; incompatible ones are skipped and keep their place. A
+  running batch takes newcomers only from the head of the queue, so an incompatible or oversized
+  head closes the batch: it drains, and that job starts the next one. No job waits behind more
+  than the jobs that arrived before it.
 - Per request. The ExecutionContext is checked before queueing and, on the engine thread, right
   before the job joins the batch. Cancelled or expired while queued: the job leaves the queue
   without running. In the batch it is checked before every step: a cancelled sequence leaves
@@ -81,9 +82,6 @@ class Batch(Protocol):
 class BatchEngine(Protocol):
     """What an executor offers to be batched (executors.base.BatchExecutor implements it)."""
 
-    #: may a job join a batch between its steps (AR), or only when a batch starts (diffusion)
-    joins_running: bool
-
     def batch_key(self, job: Any) -> Hashable:
         """Jobs share a batch only when their keys are equal."""
 
@@ -101,7 +99,6 @@ def select_joiners(
     *,
     running_key: Hashable | None,
     running: bool,
-    joins_running: bool,
     size_left: int,
     tokens_left: int | None,
 ) -> list[T]:
@@ -111,7 +108,7 @@ def select_joiners(
     token budget. An empty batch always takes its first job, even one above the token budget
     (executors refuse those when they prepare them), so the queue can never stall.
     """
-    if not queue or size_left <= 0 or (running and not joins_running):
+    if not queue or size_left <= 0:
         return []
     want = running_key if running else key(queue[0])
     taken: list[T] = []
@@ -451,7 +448,6 @@ class BatchScheduler:
         taken = select_joiners(
             self._queue, lambda e: e.key, lambda e: e.tokens,
             running_key=self._batch_key, running=bool(self._members),
-            joins_running=self._engine.joins_running,
             size_left=self._max_size - len(self._members),
             tokens_left=None if self._max_tokens is None else self._max_tokens - used)
         for e in taken:
@@ -460,24 +456,26 @@ class BatchScheduler:
         return taken
 
     def _admit(self, engine: BatchEngine | None, joiners: list[_Entry]) -> None:
+        """Engine thread: the joiners become members of the batch, each on its own: one that
+        died while queued, or that the batch refuses, ends alone."""
         for e in joiners:
             e.joined_at = time.perf_counter()
             self._dispatched += 1
             try:
                 e.ctx.check()  # right before it runs: it may have died while queued
-            except (ExecutionCancelled, DeadlineExceeded) as exc:
+                if not self._members:
+                    assert engine is not None  # set before anything was queued
+                    self._batch = engine.new_batch()
+                    self._batch_key = e.key
+                assert self._batch is not None
+                self._batch.add(e.seq, e.job, e.emit)
+            except Exception as exc:
                 e.state = _State.DONE
                 self._completed += 1
                 self._post(e, exc, failed=True)
                 continue
-            if not self._members:
-                assert engine is not None  # set before anything was queued
-                self._batch = engine.new_batch()
-                self._batch_key = e.key
-            assert self._batch is not None
             self._members[e.seq] = e
             self._running = len(self._members)
-            self._batch.add(e.seq, e.job, e.emit)
 
     def _step(self) -> None:
         batch = self._batch

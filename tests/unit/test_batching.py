@@ -43,6 +43,8 @@ class FakeBatch:
         self.seqs: dict[int, list[Any]] = {}  # seq -> [job, steps done]
 
     def add(self, seq: int, job: Job, emit: Any) -> None:
+        if job.name.startswith("bad"):
+            raise ValueError(f"{job.name}: the batch refuses it")
         self.seqs[seq] = [job, 0]
         self.engine.joined.append(job.name)
 
@@ -75,8 +77,7 @@ class FakeBatch:
 
 
 class FakeEngine:
-    def __init__(self, joins_running: bool = True) -> None:
-        self.joins_running = joins_running
+    def __init__(self) -> None:
         self.ticks = threading.Semaphore(0)
         self.stepped = threading.Semaphore(0)
         self.steps: list[list[str]] = []  # the sequences of every step, in row order
@@ -104,8 +105,9 @@ class FakeEngine:
         await asyncio.sleep(0.01)  # let the loop settle the sequences that left
 
     def active(self) -> bool:
-        return self.scheduler is not None and (self.scheduler.running or self.scheduler.queued
-                                               and not self.scheduler.paused)
+        """The engine has sequences, or will take some at once."""
+        s = self.scheduler
+        return s is not None and (s.running or (s.queued > 0 and not s.paused))
 
 
 async def until(cond: Any, timeout: float = 5.0) -> None:
@@ -148,10 +150,10 @@ async def sched():
 
 
 def _select(queue: list[Job], *, running_key: Hashable = None, running: bool = False,
-            joins_running: bool = True, size_left: int = 8,
+            size_left: int = 8,
             tokens_left: int | None = None) -> list[str]:
     taken = select_joiners(queue, lambda j: j.key, lambda j: j.tokens, running_key=running_key,
-                           running=running, joins_running=joins_running, size_left=size_left,
+                           running=running, size_left=size_left,
                            tokens_left=tokens_left)
     return [j.name for j in taken]
 
@@ -187,12 +189,6 @@ def test_select_an_incompatible_head_closes_a_running_batch() -> None:
     assert _select(q, running=True, running_key="A") == []
     q = [Job("a2", key="A"), Job("b1", key="B"), Job("a3", key="A")]
     assert _select(q, running=True, running_key="A") == ["a2"]
-
-
-def test_select_no_joins_into_a_running_batch_that_forbids_them() -> None:
-    q = [Job("a", key="A")]
-    assert _select(q, running=True, running_key="A", joins_running=False) == []
-    assert _select(q, running=False, joins_running=False) == ["a"]
 
 
 # ---------------------------------------------------------------------------- the scheduler
@@ -393,25 +389,22 @@ async def test_max_pending_counts_queued_and_running(engine) -> None:
     sched.close()
 
 
-async def test_incompatible_jobs_wait_their_turn_without_starvation() -> None:
-    """Diffusion-like: batches form at start only. A stream of compatible arrivals cannot keep
-    an older incompatible job waiting: the next batch always starts with the oldest job."""
-    engine = FakeEngine(joins_running=False)
-    sched = BatchScheduler(max_size=8)
+async def test_incompatible_jobs_wait_their_turn_without_starvation(sched, engine) -> None:
+    """A stream of arrivals compatible with the running batch cannot keep an older incompatible
+    job waiting: it closes the batch to newcomers, and starts the next one."""
     first = await queued(sched, engine, Job("a1", 2, "A"), Job("b1", 2, "B"),
                          Job("a2", 2, "A"))
     sched.resume()
+    await until(lambda: engine.waiting)
     await engine.tick()
     late = [submit(sched, engine, Job(f"a{i}", 2, "A")) for i in (3, 4)]  # compatible with
-    await asyncio.sleep(0)  # the running batch, but it takes no joins; b1 is older
+    await asyncio.sleep(0)  # the running batch, but b1 is older
     await engine.tick(5)
     assert engine.steps == [["a1", "a2"]] * 2 + [["b1"]] * 2 + [["a3", "a4"]] * 2
     await asyncio.gather(*first, *late)
-    sched.close()
 
 
-async def test_an_incompatible_head_closes_a_running_batch_to_newcomers(sched) -> None:
-    engine = FakeEngine(joins_running=True)
+async def test_an_incompatible_head_closes_a_running_batch_to_newcomers(sched, engine) -> None:
     a1 = submit(sched, engine, Job("a1", 3, "A"))
     await until(lambda: engine.waiting)
     b1 = submit(sched, engine, Job("b1", 1, "B"))
@@ -434,6 +427,17 @@ async def test_a_failing_step_fails_its_batch_and_the_scheduler_goes_on(sched, e
     await asyncio.sleep(0)
     await engine.tick()
     assert (await after) == ("done", "after", 1)
+
+
+async def test_a_job_the_batch_refuses_fails_alone(sched, engine) -> None:
+    tasks = await queued(sched, engine, Job("a", 1), Job("bad", 1), Job("c", 1))
+    sched.resume()
+    await until(lambda: engine.waiting)
+    await engine.tick()
+    assert (await tasks[0]) == ("done", "a", 1) and (await tasks[2]) == ("done", "c", 1)
+    with pytest.raises(ValueError, match="bad: the batch refuses it"):
+        await tasks[1]
+    assert engine.steps == [["a", "c"]] and sched.pending == 0
 
 
 async def test_close_fails_what_is_still_queued(engine) -> None:

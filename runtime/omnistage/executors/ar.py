@@ -63,7 +63,6 @@ class _Seq:
 
 class ARExecutor(BatchExecutor):
     kind = "ar"
-    joins_running = True
 
     def load(self) -> None:
         ref = ModelRef("ar", self.model_source or "tiny-llama")

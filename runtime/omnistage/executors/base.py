@@ -88,9 +88,6 @@ class BatchExecutor(Executor):
     code path either way.
     """
 
-    #: may a job join a batch between its steps (AR) or only when a batch starts (diffusion)
-    joins_running: ClassVar[bool] = False
-
     def batch_key(self, job: Any) -> Hashable:
         """Jobs share a batch only when their keys are equal; all do by default."""
         return None

@@ -3,12 +3,12 @@
 The denoising loop is written out so abort is checked between steps; an aborted sample is
 dropped whole (no partial image), as the orchestration contract requires.
 
-Compatible requests (same height, width, steps and guidance, and conditioning of the same
-number of tokens) denoise as one batch: their latents are stacked, each drawn from its own
-seeded generator, so a sample is the same image it would be alone. Conditioning is not padded:
-masked padding changes the float rounding of cross-attention, and so a few pixel values, which
-would break "same seed, same image". A batch takes its requests when it starts (its samples
-share the scheduler's timesteps); a cancelled sample leaves it at the next step.
+Compatible requests (same height, width and guidance) denoise as one batch, continuously: a
+sample joins between two steps and leaves when its last step is done. Each sample keeps its own
+scheduler and timestep (the UNet takes one timestep per row), its own seeded noise, so it is the
+same image it would be alone up to float rounding, and may have its own number of steps.
+Conditioning of different lengths is right-padded and masked out of cross-attention. A cancelled
+sample leaves at the next step.
 """
 
 from __future__ import annotations
@@ -96,13 +96,11 @@ class DiffusionExecutor(BatchExecutor):
     # ---- batching --------------------------------------------------------------------------
 
     def batch_key(self, job: DiffusionJob) -> Hashable:
-        """Same size, steps and guidance, and conditioning of the same length (see the module
-        docstring); a request conditioned on a batch of its own ([batch, tokens, dim] with
-        batch > 1) runs alone."""
+        """Same size and guidance (and so the same use of guidance); a request conditioned on
+        a batch of its own ([batch, tokens, dim] with batch > 1) runs alone."""
         if job.cond.shape[0] != 1 or (job.neg is not None and job.neg.shape[0] != 1):
             return object()
-        return (job.height, job.width, job.steps, job.guidance, job.cond.shape[1],
-                None if job.neg is None else job.neg.shape[1])
+        return (job.height, job.width, job.guidance, job.neg is not None)
 
     def new_batch(self) -> _DiffusionBatch:
         return _DiffusionBatch(self)
@@ -120,92 +118,113 @@ class DiffusionExecutor(BatchExecutor):
         super().wake_up()
 
 
+@dataclass(eq=False)
+class _Sample:
+    """One request's denoising state."""
+
+    seq: int
+    job: DiffusionJob
+    sched: Any  # its own scheduler: per-sample timesteps and state
+    latents: Any  # [1, channels, h, w]
+    done_steps: int = 0
+
+    @property
+    def denoised(self) -> bool:
+        return self.done_steps == len(self.sched.timesteps)
+
+
 class _DiffusionBatch:
-    """Samples that denoise together; the engine thread calls it between steps."""
+    """Samples that share UNet passes; the engine thread calls it between steps."""
 
     def __init__(self, ex: DiffusionExecutor) -> None:
         self.ex = ex
-        self.seqs: list[int] = []  # row order
-        self.jobs: list[DiffusionJob] = []
-        self.step_index = -1  # -1: not started; steps: denoised, the next step decodes
+        self.samples: list[_Sample] = []
 
     def add(self, seq: int, job: DiffusionJob, emit: Emit) -> None:
-        if self.step_index >= 0:
-            raise RuntimeError("a diffusion batch takes requests only before its first step")
-        self.seqs.append(seq)
-        self.jobs.append(job)
+        import torch
+
+        ex, template = self.ex, self.ex.scheduler_template
+        sched = type(template).from_config(template.config)
+        sched.set_timesteps(job.steps)
+        gen = torch.Generator(device="cpu").manual_seed(job.seed)
+        shape = (1, ex.unet.config.in_channels, job.height // ex.scale, job.width // ex.scale)
+        latents = torch.randn(shape, generator=gen).to(ex.device, ex.dtype)
+        self.samples.append(_Sample(seq, job, sched, latents * sched.init_noise_sigma))
 
     def abort(self, seq: int) -> Outcome:
-        self._drop(seq)
+        self._remove(seq)
         return Outcome(aborted=True)
 
     def expire(self, seq: int) -> DeadlineExceeded:
-        self._drop(seq)
-        return DeadlineExceeded(f"deadline passed at denoising step {max(self.step_index, 0)}")
+        sample = self._remove(seq)
+        return DeadlineExceeded(f"deadline passed at denoising step {sample.done_steps}")
 
     def step(self) -> dict[int, Outcome]:
+        """Decode the samples whose denoising is done; one denoising step for the others."""
         import torch
 
         with torch.inference_mode():
-            if self.step_index < 0:
-                self._start()
-            if self.step_index < len(self.timesteps):
-                self._denoise(self.timesteps[self.step_index])
-                self.step_index += 1
-                return {}
-            return self._decode()
-
-    def _start(self) -> None:
-        import torch
-
-        ex, first = self.ex, self.jobs[0]
-        self.sched = type(ex.scheduler_template).from_config(ex.scheduler_template.config)
-        self.sched.set_timesteps(first.steps)
-        self.timesteps = list(self.sched.timesteps)
-        shape = (1, ex.unet.config.in_channels, first.height // ex.scale, first.width // ex.scale)
-        noise = [torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(j.seed))
-                 for j in self.jobs]
-        self.latents = torch.cat(noise).to(ex.device, ex.dtype) * self.sched.init_noise_sigma
-        self.guidance = first.guidance
-        self.cfg = first.neg is not None or first.guidance > 1.0
-        self.cond = torch.cat([j.cond for j in self.jobs])
-        self.uncond = torch.cat([j.neg if j.neg is not None else torch.zeros_like(j.cond[:, :1])
-                                 for j in self.jobs]) if self.cfg else None
-        self.step_index = 0
-
-    def _denoise(self, ts: Any) -> None:
-        inp = self.sched.scale_model_input(self.latents, ts)
-        eps = self.ex.unet(inp, ts, encoder_hidden_states=self.cond).sample
-        if self.cfg:
-            eps_u = self.ex.unet(inp, ts, encoder_hidden_states=self.uncond).sample
-            eps = eps_u + self.guidance * (eps - eps_u)
-        self.latents = self.sched.step(eps, ts, self.latents).prev_sample
-
-    def _decode(self) -> dict[int, Outcome]:
-        import torch
-
-        vae = self.ex.vae
-        images = vae.decode(self.latents / vae.config.scaling_factor).sample
-        pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-        done = {}
-        for row, (seq, job) in enumerate(zip(self.seqs, self.jobs, strict=True)):
-            fields = {"height": job.height, "width": job.width, "steps": job.steps,
-                      "finish_reason": "stop"}
-            done[seq] = Outcome(fields, {"image": pixels[row].permute(1, 2, 0).contiguous()})
-        self.seqs, self.jobs = [], []
+            done = self._decode([s for s in self.samples if s.denoised])
+            live = [s for s in self.samples if not s.denoised]
+            if live:
+                self._denoise(live)
         return done
 
-    def _drop(self, seq: int) -> None:
+    def _remove(self, seq: int) -> _Sample:
+        sample = next(s for s in self.samples if s.seq == seq)
+        self.samples.remove(sample)
+        return sample
+
+    def _denoise(self, live: list[_Sample]) -> None:
         import torch
 
-        row = self.seqs.index(seq)
-        del self.seqs[row], self.jobs[row]
-        if self.step_index < 0 or not self.seqs:
-            return
-        keep = torch.tensor([i for i in range(len(self.seqs) + 1) if i != row],
-                            device=self.latents.device)
-        self.latents = self.latents.index_select(0, keep)
-        self.cond = self.cond.index_select(0, keep)
-        if self.uncond is not None:
-            self.uncond = self.uncond.index_select(0, keep)
+        unet, job = self.ex.unet, live[0].job  # one batch key: the same guidance for all
+        ts = [s.sched.timesteps[s.done_steps] for s in live]
+        inp = torch.cat([s.sched.scale_model_input(s.latents, t)
+                         for s, t in zip(live, ts, strict=True)])
+        t = torch.stack(ts)
+        cond, mask = _stack_padded([s.job.cond for s in live])
+        eps = unet(inp, t, encoder_hidden_states=cond, encoder_attention_mask=mask).sample
+        if job.neg is not None or job.guidance > 1.0:
+            uncond, umask = _stack_padded([
+                s.job.neg if s.job.neg is not None else torch.zeros_like(s.job.cond[:, :1])
+                for s in live])
+            eps_u = unet(inp, t, encoder_hidden_states=uncond,
+                         encoder_attention_mask=umask).sample
+            eps = eps_u + job.guidance * (eps - eps_u)
+        for row, (s, ts_row) in enumerate(zip(live, ts, strict=True)):
+            s.latents = s.sched.step(eps[row:row + 1], ts_row, s.latents).prev_sample
+            s.done_steps += 1
 
+    def _decode(self, finished: list[_Sample]) -> dict[int, Outcome]:
+        import torch
+
+        if not finished:
+            return {}
+        vae = self.ex.vae
+        latents = torch.cat([s.latents for s in finished])
+        images = vae.decode(latents / vae.config.scaling_factor).sample
+        pixels = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        done = {}
+        for row, s in enumerate(finished):
+            job = s.job
+            fields = {"height": job.height, "width": job.width, "steps": job.steps,
+                      "finish_reason": "stop"}
+            done[s.seq] = Outcome(fields, {"image": pixels[row].permute(1, 2, 0).contiguous()})
+            self.samples.remove(s)
+        return done
+
+
+def _stack_padded(conds: list[Any]) -> tuple[Any, Any]:
+    """[1, tokens_i, dim] tensors as one [n, tokens, dim] batch, right-padded with zeros, and
+    the cross-attention mask of real tokens (None when no row needed padding)."""
+    import torch
+    import torch.nn.functional as F
+
+    longest = max(c.shape[1] for c in conds)
+    if all(c.shape[1] == longest for c in conds):
+        return torch.cat(conds), None
+    mask = torch.zeros(len(conds), longest, device=conds[0].device, dtype=conds[0].dtype)
+    for row, c in enumerate(conds):
+        mask[row, : c.shape[1]] = 1
+    return torch.cat([F.pad(c, (0, 0, 0, longest - c.shape[1])) for c in conds]), mask
