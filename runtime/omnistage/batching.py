@@ -234,11 +234,6 @@ class BatchScheduler:
         return self._running > 0
 
     @property
-    def batch_size(self) -> int:
-        """Sequences in the running batch now."""
-        return self._running
-
-    @property
     def pending(self) -> int:
         """Queued plus running requests; what `max_pending` limits."""
         return self._pending
@@ -406,7 +401,9 @@ class BatchScheduler:
             loop.call_soon_threadsafe(functools.partial(self._settle, entry, result,
                                                         failed=failed))
         except (RuntimeError, AssertionError):
-            pass  # the loop is gone, and its callers with it
+            # The loop is gone, and its callers with it: nobody else counts any more, so
+            # count here, or a scheduler that outlives its loop could never be used again.
+            self._pending = max(0, self._pending - 1)
 
     def _leave(self, entry: _Entry, result: Any, *, failed: bool) -> None:
         self._members.pop(entry.seq, None)
