@@ -219,8 +219,8 @@ class EngineOptions(_Model):
         ge=1,
         le=1024,
         description="ar, diffusion: most requests that share one forward step (ar: continuous "
-        "batching; diffusion: requests of the same size, steps and guidance). 1 runs requests "
-        "one at a time.",
+        "batching; diffusion: requests of the same size and guidance). 1 runs requests one at "
+        "a time.",
     )
     max_batch_tokens: int | None = Field(
         None,
