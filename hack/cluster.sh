@@ -10,7 +10,8 @@
 #
 # Environment:
 #   OMNISTAGE_CACHE        build cache (default ~/.cache/omnistage)
-#   OMNISTAGE_CLUSTER_DIR  state dir: pki, kubeconfigs, etcd data, logs, pids
+#   OMNISTAGE_CLUSTER_DIR  state dir: pki, kubeconfigs, etcd data, logs (logs/audit.log: what
+#                          service accounts did), pids
 #                          (default $OMNISTAGE_CACHE/cluster)
 #   OMNISTAGE_PORT_BASE    first of 6 loopback ports (default 26440): apiserver, etcd client,
 #                          etcd peer, controller-manager, scheduler, kwok
@@ -204,6 +205,17 @@ cmd_up() {
   write_kubeconfig "$KUBECONFIG_ADMIN" admin
   write_kubeconfig "$STATE/kube-controller-manager.kubeconfig" kube-controller-manager
   write_kubeconfig "$STATE/kube-scheduler.kubeconfig" kube-scheduler
+  # Audit what service accounts do (verb, resource, response code; no bodies): the chart's RBAC
+  # test reads it to find 403s and granted verbs the operator never uses.
+  cat >"$STATE/audit-policy.yaml" <<'EOF'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  userGroups: ["system:serviceaccounts"]
+- level: None
+EOF
 
   start etcd "$BIN/etcd-$ETCD_VERSION" --name=omnistage --data-dir="$STATE/etcd" \
     --listen-client-urls="http://127.0.0.1:$ETCD_PORT" \
@@ -229,7 +241,9 @@ cmd_up() {
     --service-cluster-ip-range="$SERVICE_CIDR" \
     --endpoint-reconciler-type=none \
     --allow-privileged=true --profiling=false --event-ttl=30m \
-    --max-requests-inflight=1000 --max-mutating-requests-inflight=500
+    --max-requests-inflight=1000 --max-mutating-requests-inflight=500 \
+    --audit-policy-file="$STATE/audit-policy.yaml" --audit-log-path="$LOGS/audit.log" \
+    --audit-log-maxsize=200 --audit-log-maxbackup=1
   wait_for kube-apiserver 90 api_ready
 
   start kube-controller-manager "$BIN/kube-controller-manager-$K8S_VERSION" \

@@ -4,17 +4,24 @@
 #
 #   hack/kind-e2e.sh [pytest args...]
 #
-# Steps: build or reuse kind (pinned in hack/versions.env), create a cluster from the pinned node
-# image (1 control plane + 2 workers labelled omnistage.io/node-pool=local, which the tests use as
-# the "local" nodes that really run pods), start kwok against it with the same fake GPU and scale
-# nodes as hack/cluster.sh, export KUBECONFIG (that is how the pytest fixtures select this cluster
-# instead of starting their own), run pytest, then delete the cluster.
+# Steps: build or reuse kind (pinned in hack/versions.env), build or reuse the runtime and
+# operator images with hack/build-images.sh (docker), create a cluster from the pinned node image
+# (1 control plane + 2 workers labelled omnistage.io/node-pool=local, which the tests use as the
+# "local" nodes that really run pods), `kind load` the images under the references the chart and
+# spec.image name (ghcr.io/omnistage/...:<version>), start kwok against it with the same fake GPU
+# and scale nodes as hack/cluster.sh, export KUBECONFIG (that is how the pytest fixtures select
+# this cluster instead of starting their own), run pytest, then delete the cluster. tests/e2e
+# installs the operator with the same chart (charts/omnistage) as on the local cluster, admission
+# webhook on; kind's API server reaches it through the chart's webhook Service (the local control
+# plane, which routes no Services, uses webhook.clientConfig=podIP). tests/cluster's process
+# operator runs without the webhook here: kind's API server cannot call this machine's loopback.
 #
 # Environment:
 #   OMNISTAGE_KIND_CLUSTER   cluster name (default omnistage-e2e)
 #   OMNISTAGE_KEEP_KIND=1    keep the cluster afterwards (delete: kind delete cluster --name ...)
 #   KIND_NODE_IMAGE          override the pinned node image
-#   OMNISTAGE_TEST_PY_IMAGE  image for test pods that run Python (default python:3.11-slim)
+#   OMNISTAGE_TORCH_VARIANT  torch in the runtime image: cuda (default) or cpu
+#   OMNISTAGE_TEST_PY_IMAGE  image for test pods that run Python (default: the images' base)
 set -euo pipefail
 
 HACK="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,7 +33,6 @@ KIND_NODE_IMAGE="${image_override:-$KIND_NODE_IMAGE}"
 CACHE="${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}"
 BIN="$CACHE/bin"
 NAME="${OMNISTAGE_KIND_CLUSTER:-omnistage-e2e}"
-PY_IMAGE="${OMNISTAGE_TEST_PY_IMAGE:-python:3.11-slim}"
 PYTHON="${PYTHON:-python3}"
 
 log() { printf '[kind-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -86,17 +92,25 @@ log "creating kind cluster $NAME from $KIND_NODE_IMAGE"
 "$KIND" create cluster --name "$NAME" --image "$KIND_NODE_IMAGE" --config "$WORK/kind.yaml" \
   --kubeconfig "$KUBECONFIG" --wait 180s
 
-# The pipelines under test run the runtime image built from this checkout.
-RUNTIME_IMAGE="${OMNISTAGE_TEST_IMAGE:-omnistage-runtime:e2e}"
-log "building $RUNTIME_IMAGE from runtime/Dockerfile"
-docker build -q -f "$REPO/runtime/Dockerfile" -t "$RUNTIME_IMAGE" "$REPO" >/dev/null
-"$KIND" load docker-image "$RUNTIME_IMAGE" --name "$NAME" >/dev/null
-export OMNISTAGE_TEST_IMAGE="$RUNTIME_IMAGE"
-
-# Pre-load the image test pods use so the tests do not time out on a registry pull.
-if docker pull "$PY_IMAGE" >/dev/null; then
-  "$KIND" load docker-image "$PY_IMAGE" --name "$NAME" >/dev/null
-fi
+# The same images the local pod runner runs, built (or reused) from this checkout by docker, and
+# loaded under the references the chart and spec.image's default use.
+log "building (or reusing) the images with hack/build-images.sh"
+OMNISTAGE_BUILDER=docker "$HACK/build-images.sh"
+index="$(OMNISTAGE_BUILDER=docker "$HACK/build-images.sh" --print-index)"
+mapfile -t refs < <("$PYTHON" -c 'import json, sys
+for ref, e in json.load(open(sys.argv[1]))["images"].items():
+    if e["name"] in ("runtime", "operator"): print(ref)' "$index")
+# Test pods run python3 in the images' base, under the name the local harness uses too (a tag,
+# not a digest: kind load needs one).
+base_ref="$("$PYTHON" -c 'import json, sys
+images = json.load(open(sys.argv[1]))["images"]
+print(next(r for r, e in images.items() if e["name"] == "base"))' "$index")"
+docker tag "$base_ref" localhost/omnistage-base:bookworm
+PY_IMAGE="${OMNISTAGE_TEST_PY_IMAGE:-localhost/omnistage-base:bookworm}"
+for ref in "${refs[@]}" "$PY_IMAGE"; do
+  log "kind load $ref"
+  "$KIND" load docker-image "$ref" --name "$NAME" >/dev/null
+done
 
 # Fake GPU and scale nodes, driven by kwok running here against the kind API server.
 "$BIN/kwok-$KWOK_VERSION" --kubeconfig="$KUBECONFIG" --config="$HACK/kwok/stages.yaml" \

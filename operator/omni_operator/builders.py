@@ -12,7 +12,7 @@ from typing import Any
 from omni_operator.models import API_VERSION
 from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
-from omnistage.spec import OmniPipeline, Stage
+from omnistage.spec import OmniPipeline, Stage, engine_for_kind
 from omnistage.tuning import worker_env
 from omnistage.worker.config import worker_args
 
@@ -104,6 +104,13 @@ def pipeline_manifest(pipeline: OmniPipeline) -> Obj:
     return man
 
 
+def pool_stage(stage: Stage) -> Obj:
+    """The stage as a pool stores it: only the engine options its kind reads."""
+    doc = stage.model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc["engine"] = engine_for_kind(stage.engine, stage.kind)
+    return doc
+
+
 def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage) -> Obj:
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     meta = _meta(kube.pool_name(name, stage.name), ns, labels(name, "stage", stage.name), owner)
@@ -114,7 +121,7 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage) -> Obj:
         "metadata": meta,
         "spec": {
             "pipeline": name,
-            "stage": stage.model_dump(by_alias=True, exclude_none=True, mode="json"),
+            "stage": pool_stage(stage),
             "replicas": stage.replicas,
             "image": pipeline.spec.image,
         },
@@ -313,7 +320,10 @@ def pool_pdb(pool: Obj) -> Obj:
         "metadata": {
             "name": meta["name"],
             "namespace": meta["namespace"],
-            "labels": dict(meta.get("labels") or {}),
+            # Managed-by always, so the operator's view sees the PDB even of a pool written
+            # by hand (without it, every resync would try to create it again).
+            "labels": {**(meta.get("labels") or {}), kube.LABEL_MANAGED_BY: kube.MANAGED_BY,
+                       kube.LABEL_POOL: meta["name"]},
             "ownerReferences": [owner_ref(pool)],
         },
         # An integer minAvailable, not maxUnavailable: for pods of a custom controller the
@@ -325,7 +335,3 @@ def pool_pdb(pool: Obj) -> Obj:
             "selector": {"matchLabels": {kube.LABEL_POOL: meta["name"]}},
         },
     }
-
-
-def pool_selector(pool: Obj) -> str:
-    return f"{kube.LABEL_POOL}={pool['metadata']['name']}"

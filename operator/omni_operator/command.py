@@ -31,6 +31,28 @@ def register(sub: Any) -> None:
                    help="serves /metrics (API write counts), /livez and /readyz")
     o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
                    help="how often every object is re-checked (writes only on drift)")
+    w = o.add_argument_group(
+        "admission webhook", "kubectl apply runs omnistage's validator (see docs/crds.md)")
+    w.add_argument("--webhook", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the validating webhook and manage its configuration")
+    w.add_argument("--webhook-addr", default="127.0.0.1", help="listen address (0.0.0.0 in a pod)")
+    w.add_argument("--webhook-port", type=int, default=9443)
+    w.add_argument("--webhook-host", default=None,
+                   help="host the API server calls in a url clientConfig (default: the address)")
+    w.add_argument("--webhook-service", default=None, metavar="NAMESPACE/NAME[:PORT]",
+                   help="call the webhook through this Service (in a cluster) instead of a URL")
+    w.add_argument("--webhook-cert-dir", default=None,
+                   help="tls.crt, tls.key and ca.crt (a cert-manager Secret); default: a "
+                        "self-signed CA generated at start")
+    w.add_argument("--webhook-failure-policy", choices=["Ignore", "Fail"], default="Ignore",
+                   help="what the API server does when the webhook cannot be reached")
+    o.add_argument("--leader-elect", action="store_true",
+                   help="reconcile only while holding a coordination.k8s.io Lease, so several "
+                   "replicas can run and one leads (the Helm chart turns this on)")
+    o.add_argument("--leader-elect-namespace", default=None,
+                   help="namespace of the Lease (default: the pod's own namespace)")
+    o.add_argument("--leader-elect-name", default="omnistage-operator",
+                   help="name of the Lease (default omnistage-operator)")
     o.set_defaults(handler=run)
 
 

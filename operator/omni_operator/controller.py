@@ -4,13 +4,20 @@ kopf event handlers feed `observe`, which keeps an in-memory view of the watched
 marks keys dirty; a coalescing work queue reconciles each key, one at a time per key. Every
 reconcile compares desired with observed state and writes only differences, so a resync of an
 unchanged world makes no write calls.
+
+The view is primed by a list before kopf watches. An object deleted in between never gets a
+DELETED event, so the view checks itself: entries no watch event has confirmed are read back
+once (404: dropped), and any write or read that answers 404 drops the entry it was about. Delayed
+re-enqueues are coalesced per key, so a key waiting on something never piles up timers.
+
+An object whose spec is refused gets status InvalidSpec and one Warning event per generation,
+and is not retried until its generation changes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,12 +25,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_operator import builders, drain
+from omni_operator.events import EventRecorder, now_iso
 from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import gate_patch, is_draining, is_ready
-from omni_operator.status import pipeline_status, pool_status
+from omni_operator.status import (
+    invalid_status,
+    pipeline_status,
+    pool_status,
+    reported_invalid,
+    summary,
+    terminating_status,
+)
 from omnistage import kube
 from omnistage.kubeapi import RESOURCES, ApiError, KubeApi, Resource, path
-from omnistage.spec import OmniPipeline, SpecError, parse_pipeline
+from omnistage.spec import OmniPipeline, SpecError, parse_pipeline, parse_stagepool
 
 log = logging.getLogger("omnistage.operator")
 
@@ -63,10 +78,6 @@ CHILD_KINDS = tuple(
 )
 
 
-def now_iso() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def subset(want: Any, have: Any) -> bool:
     """Whether every field we manage already has the value we want (server defaults ignored)."""
     if isinstance(want, dict):
@@ -91,6 +102,7 @@ def _meta_key(obj: Obj) -> tuple[str, str]:
 class Controller:
     def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8) -> None:
         self.api = api
+        self.events = EventRecorder(api)
         self.resync_seconds = resync_seconds
         self.pipelines: dict[tuple[str, str], Obj] = {}
         self.pools: dict[tuple[str, str], Obj] = {}
@@ -102,24 +114,33 @@ class Controller:
         self._queued: set[Key] = set()
         self._running: set[Key] = set()
         self._dirty: set[Key] = set()
+        self._timers: dict[Key, asyncio.TimerHandle] = {}  # at most one delayed enqueue per key
+        self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
         self._warned: set[str] = set()  # pod uids already reported unschedulable
-        self._retired: set[str] = set()  # pod uids the operator deleted on purpose
+        self._intended: set[str] = set()  # pod uids deleted on purpose (retired, evicted)
+        self._invalid: dict[Key, tuple[str, int]] = {}  # InvalidSpec reported: (uid, generation)
         self.reconciles = 0
 
     # ---- event intake ----------------------------------------------------------------------
 
-    def observe(self, kind: str, event_type: str | None, obj: Obj) -> None:
+    def observe(self, kind: str, event_type: str | None, obj: Obj, *, primed: bool = False) -> None:
         key = _meta_key(obj)
         gone = event_type == "DELETED"
+        if primed:
+            self._unconfirmed.add((kind, *key))
+        else:
+            self._unconfirmed.discard((kind, *key))
         if kind == "OmniPipeline":
             self._store(self.pipelines, key, obj, gone)
             self.enqueue(("OmniPipeline", *key))
         elif kind == "StagePool":
             self._store(self.pools, key, obj, gone)
             self.enqueue(("StagePool", *key))
-            self.enqueue(("OmniPipeline", key[0], obj["spec"]["pipeline"]))
+            pipeline = (obj.get("spec") or {}).get("pipeline")
+            if pipeline:
+                self.enqueue(("OmniPipeline", key[0], pipeline))
         elif kind == "Deployment":
             self._store(self.deployments, key, obj, gone)
             pipeline = (obj["metadata"].get("labels") or {}).get(kube.LABEL_PIPELINE)
@@ -139,6 +160,30 @@ class Controller:
             elif gone and lbls.get(kube.LABEL_PIPELINE):
                 self.enqueue(("OmniPipeline", key[0], lbls[kube.LABEL_PIPELINE]))
 
+    def forget(self, kind: str, namespace: str, name: str) -> None:
+        """Drop an object the API server says is gone (404), as its DELETED event would have."""
+        obj = self.view(kind, namespace, name)
+        self._unconfirmed.discard((kind, namespace, name))
+        if obj is not None:
+            log.info("%s %s/%s is gone; dropping it from the view", kind, namespace, name)
+            self.observe(kind, "DELETED", obj)
+
+    def view(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """The view's copy of an object, or None."""
+        if kind == "OmniPipeline":
+            return self.pipelines.get((namespace, name))
+        if kind == "StagePool":
+            return self.pools.get((namespace, name))
+        if kind == "Deployment":
+            return self.deployments.get((namespace, name))
+        if kind == "Pod":
+            for pods in self.pods.values():
+                pod = pods.get(name)
+                if pod is not None and pod["metadata"]["namespace"] == namespace:
+                    return pod
+            return None
+        return self.children.get((kind, namespace, name))
+
     def _observe_pod(self, pod: Obj, gone: bool) -> None:
         meta = pod["metadata"]
         lbls = meta.get("labels") or {}
@@ -151,6 +196,8 @@ class Controller:
         if not group:
             return
         pods = self.pods.setdefault((ns, group), {})
+        if _evicted(pod):
+            self._intended.add(meta.get("uid", ""))
         if gone:
             pods.pop(meta["name"], None)
             if lbls.get(kube.LABEL_POOL):
@@ -163,23 +210,34 @@ class Controller:
             self.enqueue(("OmniPipeline", ns, lbls.get(kube.LABEL_PIPELINE, "")))
 
     def _replica_gone(self, pod: Obj) -> None:
-        uid = pod["metadata"].get("uid", "")
-        if uid in self._retired:
-            self._retired.discard(uid)
+        """A replica pod disappeared: a Warning only when nobody meant it to.
+
+        Retirements (scale-down, rollout, named retirement) carry the drain mark; evictions
+        (`kubectl drain`) carry the DisruptionTarget condition; a pool or pipeline being
+        deleted takes its pods along. Anything else is a lost replica.
+        """
+        meta = pod["metadata"]
+        uid = meta.get("uid", "")
+        intended = uid in self._intended
+        self._intended.discard(uid)
+        self._warned.discard(uid)
+        pool = self.pools.get((meta["namespace"], meta["labels"][kube.LABEL_POOL]))
+        if pool is None or pool["metadata"].get("deletionTimestamp"):
             return
-        pool = self.pools.get(
-            (pod["metadata"]["namespace"], pod["metadata"]["labels"][kube.LABEL_POOL])
-        )
-        if pool is not None and not pool["metadata"].get("deletionTimestamp"):
-            self._spawn(
-                self.event(
-                    pool,
-                    "Warning",
-                    "ReplicaLost",
-                    f"replica {pod['metadata']['name']} disappeared; replacing it "
-                    "under the same name",
-                )
-            )
+        owner = self.pipelines.get((meta["namespace"], pool["spec"].get("pipeline", "")))
+        if owner is not None and owner["metadata"].get("deletionTimestamp"):
+            return
+        ordinal = int(meta["labels"].get(kube.LABEL_ORDINAL, "0"))
+        retired = (meta.get("annotations") or {}).get(kube.ANNOTATION_DRAINING) == "true"
+        if retired or ordinal >= int(pool["spec"].get("replicas", 0)):
+            return
+        name = meta["name"]
+        if intended:
+            self._event(pool, "Normal", "ReplicaEvicted",
+                        f"replica {name} was evicted; replacing it under the same name")
+        else:
+            self._event(pool, "Warning", "ReplicaLost",
+                        f"replica {name} disappeared; replacing it under the same name")
 
     @staticmethod
     def _store(
@@ -200,7 +258,23 @@ class Controller:
             self._queue.put_nowait(key)
 
     def enqueue_later(self, key: Key, delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, self.enqueue, key)
+        """Reconcile key after delay; one pending timer per key (the earliest wins)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        pending = self._timers.get(key)
+        if pending is not None:
+            if pending.when() <= due:
+                return
+            pending.cancel()
+        self._timers[key] = loop.call_at(due, self._fire, key)
+
+    def _fire(self, key: Key) -> None:
+        self._timers.pop(key, None)
+        self.enqueue(key)
+
+    def pending_timers(self) -> int:
+        """Delayed re-enqueues waiting (for tests and /metrics)."""
+        return len(self._timers)
 
     async def prime(self, namespaces: list[str] | None = None) -> None:
         """Fill the view with one list per kind before any reconcile runs.
@@ -214,7 +288,20 @@ class Controller:
                 for item in await self._list_patiently(url, managed if w.managed_only else None):
                     item.setdefault("kind", w.kind)
                     item.setdefault("apiVersion", w.resource.api_version)
-                    self.observe(w.kind, None, item)
+                    self.observe(w.kind, None, item, primed=True)
+
+    async def confirm_primed(self) -> None:
+        """Read back primed objects no watch event has confirmed yet; drop those that are gone.
+
+        kopf's own first list reports every object that still exists, so normally nothing is
+        left to read by the first resync.
+        """
+        for kind, ns, name in list(self._unconfirmed):
+            current = await self.api.get(RESOURCES[kind].path(ns or None, name), ignore=(404,))
+            if current is None:
+                self.forget(kind, ns, name)
+            else:
+                self._unconfirmed.discard((kind, ns, name))
 
     async def _list_patiently(self, url: str, selector: str | None,
                               timeout: float = 120.0) -> list[Obj]:
@@ -234,6 +321,9 @@ class Controller:
         self._tasks.append(asyncio.create_task(self._resync()))
 
     async def stop(self) -> None:
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -266,6 +356,10 @@ class Controller:
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.resync_seconds)
+            try:
+                await self.confirm_primed()
+            except ApiError as exc:
+                log.warning("checking primed objects failed: %s", exc)
             for ns, name in list(self.pipelines):
                 self.enqueue(("OmniPipeline", ns, name))
             for ns, name in list(self.pools):
@@ -288,37 +382,21 @@ class Controller:
         self._tasks.append(task)  # type: ignore[arg-type]
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)  # type: ignore[arg-type]
 
-    # ---- events ----------------------------------------------------------------------------
-
-    async def event(self, obj: Obj, etype: str, reason: str, message: str) -> None:
-        meta = obj["metadata"]
-        ts = now_iso()
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {
-                "apiVersion": obj["apiVersion"],
-                "kind": obj["kind"],
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid"),
-            },
-            "type": etype,
-            "reason": reason,
-            "message": message[:1000],
-            "source": {"component": kube.MANAGED_BY},
-            "reportingComponent": kube.MANAGED_BY,
-            "firstTimestamp": ts,
-            "lastTimestamp": ts,
-            "count": 1,
-        }
-        try:
-            await self.api.create(path("Event", meta["namespace"]), body, ignore=(409,))
-        except ApiError as exc:
-            log.warning("event %s on %s not recorded: %s", reason, meta["name"], exc)
+    def _event(self, obj: Obj, etype: str, reason: str, message: str) -> None:
+        """Record an event in the background (aggregated; see omni_operator.events)."""
+        self._spawn(self.events.record(obj, etype, reason, message))
 
     # ---- apply helpers ---------------------------------------------------------------------
+
+    async def _write(self, kind: str, ns: str, name: str, call: Awaitable[Any]) -> Any:
+        """A write (or read) about one object; 404 drops it from the view and returns None."""
+        try:
+            return await call
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            self.forget(kind, ns, name)
+            return None
 
     async def ensure(
         self,
@@ -339,15 +417,32 @@ class Controller:
             k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta
         }
         if not subset(managed, current):
-            ns, name = meta["namespace"], meta["name"]
-            await self.api.patch(path(desired["kind"], ns, name), managed, ignore=(404,))
+            kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
+            await self._write(kind, ns, name, self.api.patch(path(kind, ns, name), managed))
 
-    async def patch_status(self, obj: Obj, status: Obj) -> None:
+    async def patch_status(self, obj: Obj, status: Obj) -> bool:
+        """Write status if it differs from the stored one; True when it wrote."""
         if subset(status, obj.get("status") or {}) and subset(obj.get("status") or {}, status):
-            return
+            return False
         ns, name = _meta_key(obj)
-        await self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status},
-                             ignore=(404,))
+        patched = await self._write(
+            obj["kind"], ns, name,
+            self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status}))
+        return patched is not None
+
+    async def _refused(self, obj: Obj, exc: SpecError) -> None:
+        """InvalidSpec: every field error in the status, one Warning per generation, no retry."""
+        ns, name = _meta_key(obj)
+        key: Key = (obj["kind"], ns, name)
+        generation = int(obj["metadata"].get("generation", 0))
+        stamp = (obj["metadata"].get("uid", ""), generation)
+        already = self._invalid.get(key) == stamp or reported_invalid(obj)
+        await self.patch_status(obj, invalid_status(obj, exc.errors, now_iso()))
+        if not already:
+            log.warning("%s %s/%s generation %d is invalid:\n%s", obj["kind"], ns, name,
+                        generation, exc)
+            self._event(obj, "Warning", "InvalidSpec", str(exc).replace("\n", "; "))
+        self._invalid[key] = stamp
 
     # ---- OmniPipeline ----------------------------------------------------------------------
 
@@ -359,17 +454,15 @@ class Controller:
         try:
             pipeline = parse_pipeline(obj)
         except SpecError as exc:
-            status = {"observedGeneration": obj["metadata"].get("generation", 0), "phase": "Failed"}
-            await self.patch_status(obj, status)
-            self._spawn(self.event(obj, "Warning", "InvalidSpec", str(exc)))
+            await self._refused(obj, exc)
             return
+        self._invalid.pop(("OmniPipeline", ns, name), None)
         finalizers = list(obj["metadata"].get("finalizers") or [])
         if FINALIZER not in finalizers:
-            await self.api.patch(
+            await self._write("OmniPipeline", ns, name, self.api.patch(
                 path("OmniPipeline", ns, name),
                 {"metadata": {"finalizers": [*finalizers, FINALIZER]}},
-                ignore=(404,),
-            )
+            ))
         for child in builders.pipeline_children(obj, pipeline):
             await self._ensure_child(obj, child)
         await self._prune_pools(pipeline, ns)
@@ -386,7 +479,19 @@ class Controller:
             builders.endpoint(pipeline, ns),
             now_iso(),
         )
-        await self.patch_status(obj, status)
+        await self._pipeline_status(obj, status)
+
+    async def _pipeline_status(self, obj: Obj, status: Obj) -> None:
+        """Write the status; when the phase or the Ready reason changed, say so in one event on
+        the pipeline, so `kubectl describe omnipipe` tells the story without the pools'."""
+        before = obj.get("status") or {}
+        if await self.patch_status(obj, status) and summary(before) != summary(status):
+            old_ready = kube.condition(obj, "Ready") or {}
+            new_ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+            if (before.get("phase"), old_ready.get("reason")) != (
+                status.get("phase"), new_ready.get("reason")
+            ):
+                self._event(obj, *summary(status))
 
     async def _ensure_child(self, owner: Obj, child: Obj) -> None:
         kind, meta = child["kind"], child["metadata"]
@@ -394,6 +499,7 @@ class Controller:
         if kind == "StagePool":
             current = self.pools.get(key)
             if current is not None:
+                child = _without_stale_engine(child, current)
                 seed = (current["metadata"].get("annotations") or {}).get(
                     builders.ANNOTATION_SEED_REPLICAS
                 )
@@ -404,15 +510,12 @@ class Controller:
                         "spec": {k: v for k, v in child["spec"].items() if k != "replicas"},
                     }
                 elif current["spec"].get("replicas") != child["spec"]["replicas"]:
-                    self._spawn(
-                        self.event(
-                            owner,
-                            "Normal",
-                            "Scaled",
-                            f"stage {child['spec']['stage']['name']}: replicas "
-                            f"{current['spec'].get('replicas')} -> "
-                            f"{child['spec']['replicas']}",
-                        )
+                    self._event(
+                        owner,
+                        "Normal",
+                        "Scaled",
+                        f"stage {child['spec']['stage']['name']}: replicas "
+                        f"{current['spec'].get('replicas')} -> {child['spec']['replicas']}",
                     )
         elif kind == "Deployment":
             current = self.deployments.get(key)
@@ -421,9 +524,7 @@ class Controller:
 
         async def created() -> None:
             if kind in ("StagePool", "Deployment"):
-                self._spawn(
-                    self.event(owner, "Normal", "Created", f"created {kind} {meta['name']}")
-                )
+                self._event(owner, "Normal", "Created", f"created {kind} {meta['name']}")
 
         await self.ensure(child, current, created)
 
@@ -432,7 +533,15 @@ class Controller:
         wanted = {kube.pool_name(name, s.name) for s in pipeline.spec.stages}
         for (pns, pname), pool in list(self.pools.items()):
             if pns == ns and pool["spec"].get("pipeline") == name and pname not in wanted:
-                await self.api.delete(path("StagePool", ns, pname), ignore=(404, 409))
+                await self._delete("StagePool", ns, pname)
+
+    async def _delete(self, kind: str, ns: str, name: str, body: Obj | None = None) -> None:
+        """Delete; 404 means it is gone already (dropped from the view), 409 is a race."""
+        try:
+            await self._write(kind, ns, name, self.api.delete(path(kind, ns, name), body))
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
 
     async def shutdown_pipeline(self, obj: Obj) -> None:
         """Ordered shutdown: orchestrator drains first, then the stage pools, then release."""
@@ -444,9 +553,11 @@ class Controller:
         oname = builders.orchestrator_name(name)
         dep = self.deployments.get((ns, oname))
         if dep is not None and dep["spec"].get("replicas", 0) != 0:
-            await self.api.patch(path("Deployment", ns, oname), {"spec": {"replicas": 0}},
-                                 ignore=(404,))
+            await self._write("Deployment", ns, oname, self.api.patch(
+                path("Deployment", ns, oname), {"spec": {"replicas": 0}}))
         if self.pods.get((ns, oname)):
+            await self.patch_status(obj, terminating_status(obj, "draining the orchestrator",
+                                                            now_iso()))
             self.enqueue_later(key, 1.0)
             return
         pools = [
@@ -455,19 +566,18 @@ class Controller:
             if pns == ns and p["spec"].get("pipeline") == name
         ]
         for pns, pn in pools:
-            if not self.pools[(pns, pn)]["metadata"].get("deletionTimestamp"):
-                await self.api.delete(
-                    path("StagePool", pns, pn), {"propagationPolicy": "Foreground"},
-                    ignore=(404, 409),
-                )
+            pool = self.pools.get((pns, pn))
+            if pool is not None and not pool["metadata"].get("deletionTimestamp"):
+                await self._delete("StagePool", pns, pn, {"propagationPolicy": "Foreground"})
+        pools = [k for k in pools if k in self.pools]
         if pools or any(self.pods.get((ns, pn)) for _, pn in pools):
+            await self.patch_status(obj, terminating_status(obj, "stopping the stage pools",
+                                                            now_iso()))
             self.enqueue_later(key, 1.0)
             return
         remaining = [f for f in finalizers if f != FINALIZER]
-        await self.api.patch(
-            path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}},
-            ignore=(404,),
-        )
+        await self._write("OmniPipeline", ns, name, self.api.patch(
+            path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}}))
         log.info("pipeline %s/%s shut down in order", ns, name)
 
     # ---- StagePool -------------------------------------------------------------------------
@@ -475,6 +585,12 @@ class Controller:
     async def reconcile_pool(self, pool: Obj) -> None:
         ns, name = _meta_key(pool)
         key: Key = ("StagePool", ns, name)
+        try:
+            parse_stagepool(pool)
+        except SpecError as exc:
+            await self._refused(pool, exc)
+            return
+        self._invalid.pop(key, None)
         pods = dict(self.pods.get((ns, name), {}))
         _, template_hash = builders.pod_template(pool)
         now = now_iso()
@@ -492,20 +608,15 @@ class Controller:
 
         for pod in [] if deleting else pods.values():
             patch = gate_patch(pod, now)
+            pname = pod["metadata"]["name"]
             if patch is not None:
-                await self.api.patch(
-                    path("Pod", ns, pod["metadata"]["name"], "status"), patch, kind="strategic",
-                    ignore=(404,),
-                )
+                await self._write("Pod", ns, pname, self.api.patch(
+                    path("Pod", ns, pname, "status"), patch, kind="strategic"))
             msg = unschedulable_message(pod)
             uid = pod["metadata"].get("uid", "")
             if msg and uid not in self._warned:
                 self._warned.add(uid)
-                self._spawn(
-                    self.event(
-                        pool, "Warning", "InsufficientCapacity", f"{pod['metadata']['name']}: {msg}"
-                    )
-                )
+                self._event(pool, "Warning", "InsufficientCapacity", f"{pname}: {msg}")
 
         # Retirements in progress: delete once drained (or the drain timeout passed).
         retiring = [
@@ -515,9 +626,8 @@ class Controller:
         ]
         for pod in retiring:
             if await drain.finished(pod, pool):
-                self._retired.add(pod["metadata"].get("uid", ""))
-                await self.api.delete(path("Pod", ns, pod["metadata"]["name"]),
-                                      ignore=(404, 409))
+                self._intended.add(pod["metadata"].get("uid", ""))
+                await self._delete("Pod", ns, pod["metadata"]["name"])
             else:
                 self.enqueue_later(key, drain.POLL_SECONDS)
 
@@ -542,8 +652,8 @@ class Controller:
                 if await self.api.create(path("Pod", ns), pod, ignore=(409,)) is not None:
                     created.append(pod["metadata"]["name"])
         if created:
-            self._spawn(self.event(pool, "Normal", "ReplicasCreated",
-                                   f"created {', '.join(created)} (replicas {desired})"))
+            self._event(pool, "Normal", "ReplicasCreated",
+                        f"created {', '.join(created)} (replicas {desired})")
         if retiring:
             return  # one retirement at a time keeps us within the disruption budget
         extra = sorted((o for o in by_ordinal if o >= desired), reverse=True)
@@ -552,14 +662,8 @@ class Controller:
             victim = by_ordinal[extra[0]]
             if not victim["metadata"].get("deletionTimestamp"):
                 await drain.begin(self.api, victim)
-                self._spawn(
-                    self.event(
-                        pool,
-                        "Normal",
-                        "ScalingDown",
-                        f"retiring {victim['metadata']['name']} (replicas -> {desired})",
-                    )
-                )
+                self._event(pool, "Normal", "ScalingDown",
+                            f"retiring {victim['metadata']['name']} (replicas -> {desired})")
             return
         stale = sorted(
             (
@@ -576,11 +680,24 @@ class Controller:
         if stale and all_ready:
             victim = by_ordinal[stale[0]]
             await drain.begin(self.api, victim)
-            self._spawn(
-                self.event(
-                    pool,
-                    "Normal",
-                    "RollingUpdate",
-                    f"replacing {victim['metadata']['name']} with the new spec",
-                )
-            )
+            self._event(pool, "Normal", "RollingUpdate",
+                        f"replacing {victim['metadata']['name']} with the new spec")
+
+
+def _evicted(pod: Obj) -> bool:
+    """Deleted through the Eviction API (`kubectl drain`): the API server marks it first."""
+    cond = kube.condition(pod, "DisruptionTarget")
+    return bool(cond and cond.get("status") == "True"
+                and cond.get("reason") == "EvictionByEvictionAPI")
+
+
+def _without_stale_engine(child: Obj, current: Obj) -> Obj:
+    """A pool patch that also removes engine options which do not apply to the stage's kind
+    (pools written by older operators stored every option)."""
+    stage = child["spec"]["stage"]
+    stored = ((current.get("spec") or {}).get("stage") or {}).get("engine") or {}
+    stale = {k: None for k in stored if k not in stage.get("engine", {})}
+    if not stale:
+        return child
+    return {**child, "spec": {**child["spec"],
+                              "stage": {**stage, "engine": {**stage.get("engine", {}), **stale}}}}

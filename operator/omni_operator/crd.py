@@ -7,6 +7,11 @@ $refs, drop pydantic-only keys, int-or-string quantities, OpenAPI 3.0 exclusive 
 what only Kubernetes has: CEL rules for the cross-field checks, list types, printer columns,
 status/scale subresources and typed status schemas.
 
+The CEL rules are the second line behind the operator's admission webhook (which runs
+omnistage.spec.validate_manifest itself): they keep what CEL can carry when the webhook is down,
+and their messageExpressions word each error the way the validator does, with the same field
+path, index and value. Only the stage graph's cycles need the webhook.
+
 Defaults are deliberately left out of the CRD (they are named in the descriptions instead): the
 runtime models are the one place defaults live, stored objects keep what the user wrote, and a
 changed default in a newer runtime needs no migration of stored objects.
@@ -20,12 +25,24 @@ from typing import Any
 import yaml
 
 from omni_operator.models import GROUP, VERSION, StagePoolSpec
+from omni_operator.status import PHASES
 from omnistage.spec import (
+    BUILTIN_MODELS,
+    DEFAULT_IMAGE,
+    DNS1035_LABEL_PATTERN,
+    DNS_LABEL_PATTERN,
+    IMAGE_GRAMMAR,
+    IMAGE_PATTERN,
+    KIND_IMMUTABLE,
+    LOCAL_PATH_PREFIXES,
     MAX_REPLICAS,
     MAX_STAGES,
+    PIPELINE_IMMUTABLE,
     PIPELINE_NAME_MAX,
     POD_NAME_MAX,
+    POOL_NAME_MAX,
     QUANTITY_PATTERN,
+    STAGE_KINDS,
     PipelineSpec,
 )
 
@@ -49,7 +66,6 @@ HEADER = (
 _DROP = {"title", "default", "$defs", "examples"}
 # Pod names are <pipeline>-<stage>-<ordinal>: two dashes plus the widest ordinal.
 _NAME_BUDGET = POD_NAME_MAX - 2 - len(str(MAX_REPLICAS - 1))
-_DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 # ---------------------------------------------------------------------------- schema conversion
 
@@ -135,11 +151,17 @@ def _rule(
     rule: str,
     message: str,
     *,
+    message_expression: str | None = None,
     field_path: str | None = None,
     reason: str | None = None,
 ) -> Schema:
-    """One x-kubernetes-validations entry; fieldPath makes the error name the field."""
+    """One x-kubernetes-validations entry; fieldPath makes the error name the field.
+
+    message stays as the fallback should the messageExpression fail to evaluate.
+    """
     out: Schema = {"rule": rule, "message": message}
+    if message_expression:
+        out["messageExpression"] = message_expression
     if field_path:
         out["fieldPath"] = field_path
     if reason:
@@ -151,87 +173,225 @@ def _add_rules(node: Schema, *rules: Schema) -> None:
     node.setdefault("x-kubernetes-validations", []).extend(rules)
 
 
+def _fmt(text: str, *args: str) -> str:
+    """CEL: text with %s/%d filled from args (CEL expressions). format() keeps the API server's
+    cost estimate bounded where string concatenation with string(int) does not."""
+    literal = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{literal}".format([{", ".join(args)}])'
+
+
+def _cel_list(items: list[str] | tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{item}'" for item in items) + "]"
+
+
+def _cel_map(mapping: dict[str, str]) -> str:
+    return "{" + ", ".join(f"'{k}': '{v}'" for k, v in mapping.items()) + "}"
+
+
 # ---------------------------------------------------------------------------- stage rules
 
-_NO_INPUTS = "!has({s}.inputs) || size({s}.inputs) == 0"
+_MODEL_KINDS = sorted(set(BUILTIN_MODELS.values()))  # kinds that need a model
+_BUILTINS = _cel_map(BUILTIN_MODELS)  # model -> kind
+_BUILTINS_FOR = _cel_map(
+    {k: ", ".join(m for m, mk in BUILTIN_MODELS.items() if mk == k) or "none" for k in STAGE_KINDS}
+)
+_NO_MODEL = "(!has(self.model) || self.model.trim().lowerAscii() in ['', 'none'])"
+_LOCAL_PATH = f"{_cel_list(LOCAL_PATH_PREFIXES)}.exists(p, self.model.startsWith(p))"
+_NEEDS_MODEL = f"self.kind in {_cel_list(_MODEL_KINDS)}"
 
 
 def _stage_rules(stage: Schema) -> None:
-    """Rules that one stage can check on its own; they hold in OmniPipeline and StagePool."""
+    """Rules one stage can check on its own; they hold in OmniPipeline and StagePool.
+
+    The messages are Stage._check_model's, word for word.
+    """
     # Sets hold at most one entry per stage; the bound also keeps CEL cost estimates small.
     for path in ("inputs", "placement.colocateWith"):
         _at(stage, path).setdefault("maxItems", MAX_STAGES)
+    builtins_for = f"{_BUILTINS_FOR}[self.kind]"
     _add_rules(
         stage,
         _rule(
-            "!has(self.inputs) || !(self.name in self.inputs)",
-            "a stage cannot consume its own output: inputs must not name the stage itself",
-            field_path=".inputs",
+            f"self.kind != 'echo' || {_NO_MODEL}",
+            "echo stages take no model; omit it or set it to none",
+            message_expression=_fmt(
+                "echo stages take no model; omit it or set it to none (got '%s')", "self.model"
+            ),
+            field_path=".model",
         ),
         _rule(
-            "!has(self.placement) || !has(self.placement.colocateWith)"
-            " || !(self.name in self.placement.colocateWith)",
-            "a stage cannot colocate with itself",
-            field_path=".placement.colocateWith",
-        ),
-        _rule(
-            "self.kind == 'echo' || (has(self.model) && size(self.model) > 0"
-            " && self.model != 'none')",
-            "model is required for kind ar and diffusion",
+            f"!({_NEEDS_MODEL}) || !{_NO_MODEL}",
+            "a model is required for kind ar and diffusion",
+            message_expression=_fmt(
+                "a model is required for kind '%s' (built-ins: %s, or a local path starting "
+                "with / or ./)",
+                "self.kind",
+                builtins_for,
+            ),
             field_path=".model",
             reason="FieldValueRequired",
         ),
-    )
-    _add_rules(
-        _at(stage, "kind"),
         _rule(
-            "self == oldSelf",
-            "kind is immutable; create a stage with a new name instead",
+            f"!({_NEEDS_MODEL}) || {_NO_MODEL} || {_LOCAL_PATH} || self.model in {_BUILTINS}",
+            "unknown built-in model; use a local path starting with / or ./ for your own weights",
+            message_expression=_fmt(
+                "unknown built-in model '%s' for kind '%s' (built-ins: %s); use a local path "
+                "starting with / or ./ for your own weights",
+                "self.model",
+                "self.kind",
+                builtins_for,
+            ),
+            field_path=".model",
+        ),
+        _rule(
+            f"!({_NEEDS_MODEL}) || {_NO_MODEL} || !(self.model in {_BUILTINS}) || "
+            f"{_BUILTINS}[self.model] == self.kind",
+            "the built-in model serves another kind",
+            message_expression=_fmt(
+                "built-in model '%s' is a '%s' model, not '%s' (built-ins for '%s': %s)",
+                "self.model",
+                f"{_BUILTINS}[self.model]",
+                "self.kind",
+                "self.kind",
+                builtins_for,
+            ),
+            field_path=".model",
         ),
     )
+    _add_rules(_at(stage, "kind"), _rule("self == oldSelf", KIND_IMMUTABLE))
+    _toleration_rules(_at(stage, "placement.tolerations.[]"))
+
+
+def _toleration_rules(toleration: Schema) -> None:
+    """Toleration._check's rules, each at the field it is about."""
+    _add_rules(
+        toleration,
+        _rule(
+            "!has(self.operator) || self.operator != 'Exists' || !has(self.value) "
+            "|| self.value == ''",
+            "value must be empty when operator is Exists",
+            message_expression=_fmt(
+                "value must be empty when operator is Exists (got '%s')", "self.value"
+            ),
+            field_path=".value",
+        ),
+        _rule(
+            "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == "
+            "'Exists')",
+            "an empty key requires operator Exists",
+            field_path=".key",
+        ),
+        _rule(
+            "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            "tolerationSeconds only applies with effect NoExecute",
+            field_path=".tolerationSeconds",
+        ),
+    )
+
+
+def _image_rules(image: Schema) -> None:
+    """The container reference grammar, worded as omnistage.spec.image_error words it."""
+    required = _fmt(f"an image is required: {IMAGE_GRAMMAR}, such as '{DEFAULT_IMAGE}'")
+    scheme = _fmt(
+        "an image reference has no scheme: write '%s' instead of '%s'",
+        "self.substring(self.indexOf('://') + 3)",
+        "self",
+    )
+    grammar = _fmt(
+        f"not a container image reference (got '%s'): expected {IMAGE_GRAMMAR} in lowercase, "
+        f"such as '{DEFAULT_IMAGE}'",
+        "self",
+    )
+    _add_rules(
+        image,
+        _rule(
+            f"self.matches(r'{IMAGE_PATTERN}')",
+            f"must be a container image reference {IMAGE_GRAMMAR}",
+            message_expression=(
+                f"self == '' ? {required} : (self.contains('://') ? {scheme} : {grammar})"
+            ),
+        ),
+    )
+
+
+# Pipeline-level rules name the offending stage and entry by index, as the validator does.
+# transformList(i, v, filter, expr) gives the index (CEL has no enumerate).
+def _has(field: str) -> str:
+    head = field.split(".")[0]
+    return f"has(s.{head})" + (f" && has(s.{field})" if "." in field else "")
+
+
+def _ref_message(field: str, bad: str, text: str, *args: str) -> str:
+    """messageExpression: the first stages[i].<field>[j] entry x for which bad holds."""
+    return (
+        f"self.stages.transformList(i, s, {_has(field)} && s.{field}.exists(x, {bad}), "
+        f"s.{field}.transformList(j, x, {bad}, "
+        f"{_fmt(f'spec.stages[%d].{field}[%d]: {text}', 'i', 'j', *args)})[0])[0]"
+    )
+
+
+def _unknown_refs(field: str) -> tuple[str, str]:
+    """Rule and messageExpression: every entry of stages[].<field> names an existing stage."""
+    known = "self.stages.exists(t, t.name == x)"
+    rule = f"self.stages.all(s, !({_has(field)}) || s.{field}.all(x, {known}))"
+    return rule, _ref_message(field, f"!{known}", "unknown stage '%s'", "x")
+
+
+def _self_refs(field: str, what: str) -> tuple[str, str]:
+    """Rule and messageExpression: stages[].<field> does not name the stage itself."""
+    rule = f"self.stages.all(s, !({_has(field)}) || !(s.name in s.{field}))"
+    return rule, _ref_message(field, "x == s.name", f"stage '%s' {what}", "s.name")
 
 
 def _pipeline_rules(spec: Schema) -> None:
-    """Cross-stage rules: the pipeline-level checks of omnistage.spec's graph validation."""
+    """Cross-stage rules: omnistage.spec's graph validation, except cycles (the webhook's)."""
+    inputs_rule, inputs_message = _unknown_refs("inputs")
+    colocate_rule, colocate_message = _unknown_refs("placement.colocateWith")
+    self_input_rule, self_input_message = _self_refs("inputs", "cannot consume its own output")
+    self_colocate_rule, self_colocate_message = _self_refs(
+        "placement.colocateWith", "cannot colocate with itself"
+    )
+    chat = "self.orchestrator.chatStage"
+    chat_kind = f"self.stages.filter(s, s.name == {chat})[0].kind"
     _add_rules(
         spec,
+        _rule(inputs_rule, "spec.stages[].inputs must name existing stages",
+              message_expression=inputs_message, field_path=".stages"),
+        _rule(self_input_rule, "a stage cannot consume its own output",
+              message_expression=self_input_message, field_path=".stages"),
+        _rule(colocate_rule, "spec.stages[].placement.colocateWith must name existing stages",
+              message_expression=colocate_message, field_path=".stages"),
+        _rule(self_colocate_rule, "a stage cannot colocate with itself",
+              message_expression=self_colocate_message, field_path=".stages"),
         _rule(
-            "self.stages.all(s, self.stages.exists_one(t, t.name == s.name))",
-            "spec.stages[].name must be unique",
-            field_path=".stages",
-        ),
-        _rule(
-            "self.stages.all(s, !has(s.inputs) || "
-            "s.inputs.all(i, self.stages.exists(t, t.name == i)))",
-            "spec.stages[].inputs must name existing stages",
-            field_path=".stages",
-        ),
-        _rule(
-            "self.stages.all(s, !has(s.placement) || !has(s.placement.colocateWith) || "
-            "s.placement.colocateWith.all(i, self.stages.exists(t, t.name == i)))",
-            "spec.stages[].placement.colocateWith must name existing stages",
-            field_path=".stages",
-        ),
-        _rule(
-            "self.stages.exists(s, " + _NO_INPUTS.format(s="s") + ")",
-            "spec.stages needs an entry stage (one without inputs) to receive requests",
+            "self.stages.exists(s, !has(s.inputs) || size(s.inputs) == 0)",
+            "no entry stage: every stage has inputs, so none can receive requests",
             field_path=".stages",
             reason="FieldValueRequired",
         ),
         _rule(
             "self.stages.exists(s, has(s.finalOutput) && s.finalOutput)",
-            "spec.stages needs at least one stage with finalOutput: true "
-            "(the stage whose output the client receives)",
+            "no final-output stage: set finalOutput: true on the stage(s) whose output the "
+            "client receives",
             field_path=".stages",
             reason="FieldValueRequired",
         ),
         _rule(
-            "!has(self.orchestrator) || !has(self.orchestrator.chatStage) || "
-            "self.stages.exists(s, s.name == self.orchestrator.chatStage && s.kind == 'ar')",
+            f"!has(self.orchestrator) || !has({chat}) || "
+            f"self.stages.exists(s, s.name == {chat} && s.kind == 'ar')",
             "spec.orchestrator.chatStage must name an existing stage of kind ar",
+            message_expression=(
+                f"!self.stages.exists(s, s.name == {chat}) ? "
+                + _fmt("unknown stage '%s'", chat)
+                + " : "
+                + _fmt("stage '%s' has kind '%s'; the chat stage must be an 'ar' stage", chat,
+                       chat_kind)
+            ),
             field_path=".orchestrator.chatStage",
         ),
     )
+    _toleration_rules(_at(spec, "orchestrator.tolerations.[]"))
+    _image_rules(_at(spec, "image"))
 
 
 # ---------------------------------------------------------------------------- status schemas
@@ -292,9 +452,9 @@ def _pipeline_status() -> Schema:
         "properties": {
             "observedGeneration": _observed_generation(),
             "phase": _str(
-                "Coarse summary of the conditions: Pending, Progressing, Ready, Degraded or "
-                "Terminating.",
-                enum=["Pending", "Progressing", "Ready", "Degraded", "Terminating"],
+                "Coarse summary of the conditions: " + ", ".join(PHASES[:-1])
+                + f" or {PHASES[-1]} (see docs/crds.md).",
+                enum=list(PHASES),
             ),
             "endpoint": _str(
                 "Orchestrator HTTP endpoint in the cluster (http://<service>.<namespace>.svc:<port>)."
@@ -328,7 +488,12 @@ def _pool_status() -> Schema:
             "readyReplicas": _int("Replica pods that are ready and routable."),
             "updatedReplicas": _int("Replica pods that run the current spec."),
             "drainingReplicas": _int("Replica pods being retired: finishing in-flight work."),
-            "ready": _str('Ready over desired replicas, such as "2/3".'),
+            "settledReplicas": _int(
+                "Replicas the pool last reached with every replica updated and ready; the "
+                "stage's minimum (Ready) is min(replicas, settledReplicas) - maxUnavailable, "
+                "at least 1."
+            ),
+            "ready": _str('Ready over desired replicas, such as "2/3"; never above desired.'),
             "selector": _str(
                 "Label selector of the replica pods, in string form (for the scale "
                 "subresource and HorizontalPodAutoscalers)."
@@ -417,29 +582,37 @@ def omnipipeline_crd() -> Schema:
         spec,
         _pipeline_status(),
     )
-    schema["properties"]["metadata"] = {
-        "type": "object",
-        "properties": {
-            "name": {
-                "type": "string",
-                "description": "Pipeline name; a DNS-1035 label (it prefixes Service names).",
-                "maxLength": PIPELINE_NAME_MAX,
-                "pattern": _DNS1035,
-            }
-        },
-    }
+    schema["properties"]["metadata"] = _metadata(
+        "Pipeline name; a DNS-1035 label (it prefixes Service names).",
+        PIPELINE_NAME_MAX,
+        DNS1035_LABEL_PATTERN,
+    )
+    too_long = f"size(self.metadata.name) + size(s.name) > {_NAME_BUDGET}"
     _add_rules(
         schema,
         _rule(
             f"self.spec.stages.all(s, size(self.metadata.name) + size(s.name) <= {_NAME_BUDGET})",
             f"metadata.name and spec.stages[].name together must have at most {_NAME_BUDGET} "
             f"characters, so pod names <pipeline>-<stage>-<ordinal> fit in {POD_NAME_MAX}",
+            message_expression=(
+                f"self.spec.stages.transformList(i, s, {too_long}, "
+                + _fmt(
+                    "spec.stages[%d].name: pod names '%s-%s-<ordinal>' would exceed "
+                    f"{POD_NAME_MAX} characters; shorten the stage or pipeline name",
+                    "i",
+                    "self.metadata.name",
+                    "s.name",
+                )
+                + ")[0]"
+            ),
             field_path=".spec.stages",
         ),
     )
     ready = '.status.conditions[?(@.type=="Ready")]'
     columns = [
-        _column("Ready", f"{ready}.status", "Whether every stage and the orchestrator are ready."),
+        _column("Phase", ".status.phase", "Pending, Progressing, Ready, Degraded, Terminating "
+                "or Invalid."),
+        _column("Ready", f"{ready}.status", "Serving at or above every stage's minimum."),
         _column("Reason", f"{ready}.reason", "Why the pipeline is (not) ready."),
         _column("Stages", ".status.stagesReady", "Ready stages over stages."),
         _column("Endpoint", ".status.endpoint", "The orchestrator's HTTP endpoint."),
@@ -448,15 +621,28 @@ def omnipipeline_crd() -> Schema:
     return _crd("OmniPipeline", "omnipipelines", "omnipipe", schema, columns, {"status": {}})
 
 
+def _metadata(description: str, max_length: int, pattern: str) -> Schema:
+    """What a CRD may say about metadata: restrictions of the name only."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {
+                "type": "string",
+                "description": description,
+                "maxLength": max_length,
+                "pattern": pattern,
+            }
+        },
+    }
+
+
 def stagepool_crd() -> Schema:
-    """The StagePool CRD, from omni_operator.models.StagePoolSpec."""
+    """The StagePool CRD, from omnistage.spec.StagePoolSpec."""
     spec = structural(StagePoolSpec.model_json_schema(by_alias=True, mode="validation"))
     _stage_rules(_at(spec, "stage"))
-    _at(spec, "pipeline").update(maxLength=PIPELINE_NAME_MAX, pattern=_DNS1035)
-    _add_rules(
-        _at(spec, "pipeline"),
-        _rule("self == oldSelf", "pipeline is immutable"),
-    )
+    _image_rules(_at(spec, "image"))
+    _at(spec, "pipeline").update(maxLength=PIPELINE_NAME_MAX, pattern=DNS1035_LABEL_PATTERN)
+    _add_rules(_at(spec, "pipeline"), _rule("self == oldSelf", PIPELINE_IMMUTABLE))
     schema = _root(
         "StagePool",
         "The replica pods of one stage of one OmniPipeline. Written by the operator; "
@@ -464,10 +650,30 @@ def stagepool_crd() -> Schema:
         spec,
         _pool_status(),
     )
+    schema["properties"]["metadata"] = _metadata(
+        "Pool name, <pipeline>-<stage>; its pods are <pool>-<ordinal>.",
+        POOL_NAME_MAX,
+        DNS_LABEL_PATTERN,
+    )
+    want = "self.spec.pipeline + '-' + self.spec.stage.name"
+    _add_rules(
+        schema,
+        _rule(
+            f"self.metadata.name == {want}",
+            "a StagePool is named <pipeline>-<stage>",
+            message_expression=_fmt(
+                "a StagePool is named <pipeline>-<stage>: expected '%s-%s' (got '%s')",
+                "self.spec.pipeline",
+                "self.spec.stage.name",
+                "self.metadata.name",
+            ),
+            field_path=".metadata.name",
+        ),
+    )
     columns = [
         _column("Pipeline", ".spec.pipeline", "The OmniPipeline this pool belongs to."),
         _column("Stage", ".spec.stage.name", "The stage this pool serves."),
-        _column("Ready", ".status.ready", "Ready over desired replicas."),
+        _column("Ready", ".status.ready", "Ready over desired replicas (never above desired)."),
         _column("Draining", ".status.drainingReplicas", "Replicas being retired.", "integer"),
         _AGE,
     ]

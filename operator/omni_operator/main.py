@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
 import kopf
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from omni_operator import webhook
 from omni_operator.controller import Controller
 from omni_operator.handlers import register
-from omnistage.kubeapi import KubeApi, KubeConfig
+from omni_operator.leader import LeaderElector
+from omnistage.kubeapi import KubeApi, KubeConfig, default_namespace
 from omnistage.metrics import family, new_registry
 from omnistage.sideport import start_side_port
 
@@ -42,12 +47,84 @@ class OperatorCollector:
 
 
 async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
-              resync_seconds: float, namespaces: list[str]) -> None:
+              resync_seconds: float, namespaces: list[str],
+              lease: tuple[str, str, str] | None = None,
+              admission: webhook.WebhookSettings | None = None) -> int:
+    """Run the operator; with ``lease`` (namespace, name, identity) only while holding it."""
+    admission = admission or webhook.WebhookSettings(enabled=False)
     config = KubeConfig.load(kubeconfig)
     controller = Controller(KubeApi(config, user_agent="omnistage-operator"),
                             resync_seconds=resync_seconds)
+    if lease is None:
+        return await _operate(config, controller, metrics_host, metrics_port, namespaces, None,
+                              admission=admission)
+    elector = LeaderElector(KubeApi(config, user_agent="omnistage-operator-leader"), *lease)
+    primed = False
+    # Only the leader's pod carries the label the chart's webhook Service selects (set with
+    # either client config, so `kubectl get pods -L omnistage.io/webhook` shows who serves).
+    own_pod = _own_pod() if admission.enabled else None
+    serving = False
+
+    def readiness() -> tuple[bool, str]:
+        # A standby is ready: a rollout must be able to bring it up before the leader goes.
+        if not elector.leading:
+            return True, "standby"
+        return (True, "leading") if primed else (False, "priming caches")
+
+    # The side port comes first here, so a standby answers its probes.
+    runner, url = await start_side_port(
+        metrics_host, metrics_port, readiness=readiness,
+        registry=new_registry(OperatorCollector(controller)))
+    log.info("operator metrics on %s/metrics", url)
+    try:
+        await webhook.mark_serving(elector.api, own_pod, serving=False)
+        await elector.acquire()
+        await webhook.mark_serving(elector.api, own_pod, serving=True)
+        serving = True
+        hold = asyncio.create_task(elector.hold())
+        stop = asyncio.Event()
+
+        def on_primed() -> None:
+            nonlocal primed
+            primed = True
+
+        work = asyncio.create_task(
+            _operate(config, controller, None, None, namespaces, stop, on_primed,
+                     admission=admission))
+        done, _ = await asyncio.wait({hold, work}, return_when=asyncio.FIRST_COMPLETED)
+        if hold in done:
+            log.error("%s: stopping", hold.exception())
+            stop.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(work, elector.lease_seconds - elector.renew_deadline)
+            return 1
+        hold.cancel()
+        return work.result()
+    finally:
+        if serving:  # also after losing the lease: a standby-to-be must leave the Service
+            await webhook.mark_serving(elector.api, own_pod, serving=False)
+        await elector.release()
+        await elector.api.close()
+        await runner.cleanup()
+
+
+def _own_pod() -> tuple[str, str] | None:
+    """(namespace, name) of the pod this operator runs in (the chart's downward-API env)."""
+    name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
+    return (namespace, name) if name and namespace else None
+
+
+async def _operate(config: KubeConfig, controller: Controller, metrics_host: str | None,
+                   metrics_port: int | None, namespaces: list[str],
+                   stop: asyncio.Event | None, on_primed: Any = None,
+                   admission: webhook.WebhookSettings | None = None) -> int:
+    """Prime the caches, start the controller and run kopf until it stops (SIGTERM) or
+    ``stop`` is set. Without a side port given, the caller serves it."""
     registry = kopf.OperatorRegistry()
     register(registry, controller)
+    admission = admission or webhook.WebhookSettings(enabled=False)
+    if admission.enabled:
+        webhook.register(registry, admission)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -55,6 +132,11 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         settings.posting.enabled = False
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
+        # Serving named namespaces only: no cluster-wide reads (kopf would otherwise watch
+        # CRDs and namespaces), so the chart's namespaced RBAC needs nothing cluster-wide.
+        settings.scanning.disabled = bool(namespaces)
+        if admission.enabled:
+            webhook.configure(settings, admission)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> Any:
@@ -62,25 +144,44 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
 
     await controller.prime(namespaces)
     controller.start()
-    # Started once the caches are primed, so /readyz answering means the operator can reconcile.
-    runner, url = await start_side_port(
-        metrics_host, metrics_port, readiness=lambda: (True, "ready"),
-        registry=new_registry(OperatorCollector(controller)))
-    log.info("operator metrics on %s/metrics", url)
+    if on_primed is not None:
+        on_primed()
+    runner = None
+    if metrics_host is not None and metrics_port is not None:
+        # Started once the caches are primed, so /readyz answering means it can reconcile.
+        runner, url = await start_side_port(
+            metrics_host, metrics_port, readiness=lambda: (True, "ready"),
+            registry=new_registry(OperatorCollector(controller)))
+        log.info("operator metrics on %s/metrics", url)
     try:
         await kopf.operator(
             registry=registry,
             standalone=True,
             clusterwide=not namespaces,
             namespaces=namespaces,
+            stop_flag=stop,
         )
     finally:
         await controller.stop()
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
+    return 0
 
 
 def main(args: Any) -> int:
     logging.getLogger("kopf").setLevel(logging.WARNING)
-    asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port, args.resync_seconds,
-                    list(args.namespace or [])))
-    return 0
+    lease = None
+    if args.leader_elect:
+        # A renewal every retry period is not news: keep the write log to reconciles.
+        logging.getLogger("omnistage.kubeapi.writes").addFilter(
+            lambda record: "/leases/" not in record.getMessage())
+        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        lease = (args.leader_elect_namespace or default_namespace(), args.leader_elect_name,
+                 identity)
+    admission = webhook.WebhookSettings(
+        enabled=args.webhook, addr=args.webhook_addr, port=args.webhook_port,
+        host=args.webhook_host, service=args.webhook_service, cert_dir=args.webhook_cert_dir,
+        failure_policy=args.webhook_failure_policy,
+    )
+    return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
+                           args.resync_seconds, list(args.namespace or []), lease, admission))

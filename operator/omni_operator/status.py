@@ -1,7 +1,17 @@
-"""Status: conditions with reasons that tell capacity problems from pods not ready from rollouts.
+"""Status: phases and conditions that say what is true, computed by pure functions.
 
-Pure functions. lastTransitionTime only moves when a condition's status flips, so recomputing an
-unchanged world yields an identical status and the reconciler writes nothing.
+- Ready: serving at or above the minimum. A stage's minimum is `min(replicas, settled) -
+  maxUnavailable`, at least one replica, where `settled` is the replica count the pool last
+  reached with every replica updated and ready (status.settledReplicas). So a scale-up does not
+  count the replicas it is still adding, and a rollout that retires one replica at a time within
+  maxUnavailable keeps Ready True; losing replicas that were serving does not.
+- Progressing: a rollout, a scale or replicas still starting.
+- Degraded (phase): below the minimum after having served; Pending: not served yet.
+- Terminating (phase): the object is being deleted.
+- Invalid (phase), Ready=False reason InvalidSpec: the spec is refused, with every field error.
+
+lastTransitionTime only moves when a condition's status flips, so recomputing an unchanged world
+yields an identical status and the reconciler writes nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +23,12 @@ from omni_operator.readiness import is_draining, is_ready
 from omnistage import kube
 
 Obj = dict[str, Any]
+
+#: Every phase the operator writes; the CRD's status.phase enum is generated from this tuple.
+PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Terminating", "Invalid")
+INVALID_SPEC = "InvalidSpec"
+#: Phases after which a pipeline below its minimum is Degraded rather than still Pending.
+_HAS_SERVED = ("Ready", "Progressing", "Degraded")
 
 
 def condition(
@@ -32,11 +48,18 @@ def condition(
     }
 
 
+def stage_minimum(desired: int, settled: int, max_unavailable: int) -> int:
+    """Fewest ready replicas at which a stage still serves as promised (see the module doc)."""
+    return max(1, min(desired, settled) - max_unavailable)
+
+
 def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj:
     meta, spec = pool["metadata"], pool["spec"]
     desired = int(spec.get("replicas", 0))
+    max_unavailable = int((spec.get("stage") or {}).get("maxUnavailable", 1))
     gen = int(meta.get("generation", 0))
-    previous = (pool.get("status") or {}).get("conditions", [])
+    old = pool.get("status") or {}
+    previous = old.get("conditions", [])
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     ready = sum(1 for p in pods if is_ready(p))
     draining = sum(1 for p in pods if is_draining(p))
@@ -45,27 +68,77 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj
         if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_SPEC_HASH) == template_hash
     )
     unschedulable = [(p["metadata"]["name"], m) for p in live if (m := unschedulable_message(p))]
-    if unschedulable:
+    settled_now = len(live) == desired and updated == desired and ready >= desired
+    settled = desired if settled_now else int(old.get("settledReplicas", 0))
+    minimum = stage_minimum(desired, settled, max_unavailable)
+    counts = f"{min(ready, desired)}/{desired} replicas ready"
+
+    if desired == 0:
+        ok, reason, message = False, "ScaledToZero", "replicas is 0: the stage cannot serve"
+    elif ready >= minimum:
+        reason = "AllReplicasReady" if ready >= desired else "MinimumReplicasReady"
+        ok, message = True, f"{counts} (minimum {minimum})"
+    elif unschedulable:
         name, msg = unschedulable[0]
         ok, reason, message = False, "InsufficientCapacity", f"{name}: {msg}"
-    elif ready >= desired and len(live) == desired and updated == desired:
-        ok, reason, message = True, "AllReplicasReady", f"{ready}/{desired} replicas ready"
-    elif updated < min(desired, len(live)):
-        ok, reason, message = False, "RollingUpdate", f"{updated}/{desired} replicas updated"
-    elif len(live) > desired:
-        ok, reason, message = ready >= desired, "ScalingDown", f"retiring {len(live) - desired}"
     else:
-        ok, reason, message = False, "ReplicasNotReady", f"{ready}/{desired} replicas ready"
+        ok, reason, message = False, "ReplicasNotReady", f"{counts} (minimum {minimum})"
+
+    if len(live) > desired:
+        moving, m_reason, m_msg = True, "ScalingDown", f"retiring {len(live) - desired} replica(s)"
+    elif unschedulable:
+        name, msg = unschedulable[0]
+        moving, m_reason, m_msg = True, "InsufficientCapacity", f"{name}: {msg}"
+    elif len(live) < desired:
+        moving, m_reason, m_msg = True, "ScalingUp", f"{len(live)}/{desired} replicas created"
+    elif updated < desired:
+        moving, m_reason, m_msg = True, "RollingUpdate", f"{updated}/{desired} replicas updated"
+    elif ready < desired:
+        moving, m_reason, m_msg = True, "ReplicasStarting", counts
+    else:
+        moving, m_reason, m_msg = False, "UpToDate", f"{desired} replicas updated and ready"
     return {
         "replicas": len(live),
         "readyReplicas": ready,
         "drainingReplicas": draining,
         "updatedReplicas": updated,
-        "ready": f"{ready}/{desired}",
+        "settledReplicas": settled,
+        # Never more ready than desired (3/1): extra replicas are on their way out.
+        "ready": f"{min(ready, desired)}/{desired}",
         "selector": f"{kube.LABEL_POOL}={meta['name']}",
         "observedGeneration": gen,
-        "conditions": [condition("Ready", ok, reason, message, gen, previous, now)],
+        "conditions": [
+            condition("Ready", ok, reason, message, gen, previous, now),
+            condition("Progressing", moving, m_reason, m_msg, gen, previous, now),
+        ],
     }
+
+
+Why = tuple[str, str]  # (reason, message)
+
+
+def _stage_view(pool: Obj | None) -> tuple[bool, Why | None, Why | None]:
+    """(serving, why it is not, why it is progressing) for one stage's pool.
+
+    A pool whose status predates its spec (a rollout or scale just began) keeps its last Ready
+    verdict, so a spec change alone never flips the pipeline out of Ready.
+    """
+    ready = kube.condition(pool, "Ready")
+    if pool is None or ready is None:
+        pending = ("StagesPending", "pool not reconciled yet")
+        return False, pending, pending
+    fresh = (pool.get("status") or {}).get("observedGeneration") == pool["metadata"].get(
+        "generation")
+    moving = kube.condition(pool, "Progressing")
+    why_moving: Why | None = None
+    if moving and moving.get("status") == "True":
+        why_moving = (moving.get("reason", "Progressing"), moving.get("message", ""))
+    elif not fresh:
+        why_moving = ("Progressing", "applying the new spec")
+    if ready.get("status") != "True":
+        return False, (ready.get("reason", "ReplicasNotReady"), ready.get("message", "")), (
+            why_moving)
+    return True, None, why_moving
 
 
 def pipeline_status(
@@ -73,41 +146,61 @@ def pipeline_status(
     want_orchestrators: int, endpoint: str, now: str,
 ) -> Obj:
     gen = int(pipeline["metadata"].get("generation", 0))
-    previous = (pipeline.get("status") or {}).get("conditions", [])
+    old = pipeline.get("status") or {}
+    previous = old.get("conditions", [])
     per_stage: dict[str, Obj] = {}
-    not_ready: list[tuple[str, str, str]] = []
+    down: list[tuple[str, str]] = []  # (reason, message) of stages below their minimum
+    moving: list[tuple[str, str]] = []
     for name in stages:
         pool = pools.get(name)
         st = (pool or {}).get("status") or {}
         desired = int(((pool or {}).get("spec") or {}).get("replicas", 0))
         per_stage[name] = {"pool": kube.pool_name(pipeline["metadata"]["name"], name),
-                           "ready": int(st.get("readyReplicas", 0)), "desired": desired}
-        cond = kube.condition(pool, "Ready")
-        fresh = st.get("observedGeneration") == (pool or {}).get("metadata", {}).get("generation")
-        if pool is None or cond is None or not fresh:
-            not_ready.append((name, "StagesPending", f"stage {name}: pool not reconciled yet"))
-        elif cond.get("status") != "True":
-            not_ready.append((name, cond.get("reason", "ReplicasNotReady"),
-                              f"stage {name}: {cond.get('message', '')}"))
-    capacity = [n for n in not_ready if n[1] == "InsufficientCapacity"]
-    first = (capacity or not_ready or [None])[0]
-    stages_ok = first is None
-    s_reason, s_msg = ("AllStagesReady", f"{len(stages)}/{len(stages)} stages ready") \
-        if first is None else (first[1], first[2])
+                           "ready": min(int(st.get("readyReplicas", 0)), desired),
+                           "desired": desired}
+        serving, why_down, why_moving = _stage_view(pool)
+        if not serving and why_down:
+            down.append((why_down[0], f"stage {name}: {why_down[1]}"))
+        if why_moving:
+            moving.append((why_moving[0], f"stage {name}: {why_moving[1]}"))
+    capacity = [d for d in down if d[0] == "InsufficientCapacity"]
+    first_down = (capacity or down or [None])[0]
+    stages_ok = first_down is None
+    s_reason, s_msg = (
+        ("AllStagesServing", f"{len(stages)}/{len(stages)} stages at or above their minimum")
+        if first_down is None else first_down
+    )
+
     dstatus = (deployment or {}).get("status") or {}
     o_ready = int(dstatus.get("readyReplicas", 0) or 0)
-    orch_ok = deployment is not None and o_ready >= want_orchestrators
-    o_reason = "OrchestratorAvailable" if orch_ok else "OrchestratorNotReady"
-    o_msg = f"{o_ready}/{want_orchestrators} orchestrator replicas ready"
-    if stages_ok and orch_ok:
-        r_reason, r_msg = "Ready", "pipeline is serving"
+    o_msg = f"{min(o_ready, want_orchestrators)}/{want_orchestrators} orchestrator replicas ready"
+    # Any ready orchestrator replica serves the whole pipeline; the rollout surges first.
+    orch_ok = deployment is not None and want_orchestrators > 0 and o_ready >= 1
+    o_reason = "OrchestratorAvailable" if orch_ok else (
+        "NoOrchestrator" if want_orchestrators == 0 else "OrchestratorNotReady")
+    orch_moving = deployment is None or (
+        int(dstatus.get("observedGeneration", 0) or 0)
+        < int((deployment.get("metadata") or {}).get("generation", 0) or 0)
+        or int(dstatus.get("updatedReplicas", 0) or 0) != want_orchestrators
+        or int(dstatus.get("replicas", 0) or 0) != want_orchestrators
+        or o_ready != want_orchestrators
+    )
+    if orch_moving:
+        moving.append(("OrchestratorRollout", o_msg))
+
+    ok = stages_ok and orch_ok
+    if ok:
+        r_reason, r_msg = "Serving", "pipeline is serving"
     elif not stages_ok:
         r_reason, r_msg = s_reason, s_msg
     else:
         r_reason, r_msg = o_reason, o_msg
-    ready_n = sum(1 for s in per_stage.values() if s["ready"] >= s["desired"])
-    phase = "Ready" if stages_ok and orch_ok else (
-        "Degraded" if any(s["ready"] for s in per_stage.values()) else "Pending")
+    p_reason, p_msg = moving[0] if moving else ("UpToDate", "every stage is updated and ready")
+    if ok:
+        phase = "Progressing" if moving else "Ready"
+    else:
+        phase = "Degraded" if old.get("phase") in _HAS_SERVED else "Pending"
+    ready_n = sum(1 for s in per_stage.values() if s["desired"] and s["ready"] >= s["desired"])
     return {
         "observedGeneration": gen,
         "phase": phase,
@@ -115,8 +208,65 @@ def pipeline_status(
         "stagesReady": f"{ready_n}/{len(stages)}",
         "stages": per_stage,
         "conditions": [
-            condition("Ready", stages_ok and orch_ok, r_reason, r_msg, gen, previous, now),
+            condition("Ready", ok, r_reason, r_msg, gen, previous, now),
+            condition("Progressing", bool(moving), p_reason, p_msg, gen, previous, now),
             condition("StagesReady", stages_ok, s_reason, s_msg, gen, previous, now),
             condition("OrchestratorReady", orch_ok, o_reason, o_msg, gen, previous, now),
         ],
     }
+
+
+def invalid_status(obj: Obj, errors: list[tuple[str, str]], now: str) -> Obj:
+    """The status of an object whose spec is refused: every field error in the Ready condition.
+
+    The rest of the previous status stays as it was (children of an earlier, valid generation
+    keep running), so writing it twice changes nothing.
+    """
+    gen = int(obj["metadata"].get("generation", 0))
+    old = dict(obj.get("status") or {})
+    previous = old.get("conditions", [])
+    message = "; ".join(f"{path}: {msg}" for path, msg in errors)
+    ready = condition("Ready", False, INVALID_SPEC, message, gen, previous, now)
+    others = [c for c in previous if c.get("type") != "Ready"]
+    status = {**old, "observedGeneration": gen, "conditions": [ready, *others]}
+    if "phase" in old or obj.get("kind") == "OmniPipeline":
+        status["phase"] = "Invalid"
+    return status
+
+
+def reported_invalid(obj: Obj) -> bool:
+    """Whether the stored status already reports this generation as InvalidSpec."""
+    ready = kube.condition(obj, "Ready")
+    return bool(
+        ready
+        and ready.get("reason") == INVALID_SPEC
+        and ready.get("observedGeneration") == obj["metadata"].get("generation")
+    )
+
+
+def terminating_status(obj: Obj, step: str, now: str) -> Obj:
+    """A pipeline being deleted: never 'Ready, pipeline is serving' while it goes away."""
+    gen = int(obj["metadata"].get("generation", 0))
+    old = dict(obj.get("status") or {})
+    previous = old.get("conditions", [])
+    ready = condition("Ready", False, "Terminating", f"pipeline is being deleted: {step}", gen,
+                      previous, now)
+    others = [c for c in previous if c.get("type") != "Ready"]
+    return {**old, "observedGeneration": gen, "phase": "Terminating",
+            "conditions": [ready, *others]}
+
+
+def summary(status: Obj) -> tuple[str, str, str]:
+    """(event type, reason, message) that sums up a pipeline status for `kubectl describe`."""
+    phase = status.get("phase", "Pending")
+    ready = next((c for c in status.get("conditions", []) if c.get("type") == "Ready"), {})
+    progressing = next(
+        (c for c in status.get("conditions", []) if c.get("type") == "Progressing"), {})
+    if phase == "Invalid":
+        return "Warning", INVALID_SPEC, ready.get("message", "")
+    if phase == "Progressing":
+        return "Normal", "Progressing", progressing.get("message", "")
+    if phase == "Ready":
+        return "Normal", "Ready", f"pipeline is serving ({status.get('stagesReady', '')} stages)"
+    warn = phase == "Degraded" or ready.get("reason") == "InsufficientCapacity"
+    return ("Warning" if warn else "Normal"), phase, ready.get("message", "")

@@ -73,13 +73,59 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--port", type=int, default=None,
                    help="API port (default: spec.orchestrator.port; 0 = any free port)")
     s.add_argument("--log-dir", default=None, help="replica logs (default: a new temp folder)")
+    s.add_argument("--shutdown-delay", type=_seconds, default=0.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, fail /readyz but keep serving this long before "
+                        "draining (default 0: nothing routes to a local server by its "
+                        "readiness; set it when a load balancer does)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="only check the file and the GPU plan, as serve would; exit 0 or 2")
+    _add_output(s)
     s.set_defaults(handler=_run_serve)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from omnistage.serve import run_serve
+def _seconds(text: str) -> float:
+    """A duration argument: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value <= 300:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 300 seconds, got {text}")
+    return value
 
-    return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir)
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from omnistage.serve import dry_run, run_serve
+
+    if args.dry_run:
+        return dry_run(args.file, output=args.output)
+    return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir,
+                     shutdown_delay=args.shutdown_delay)
+
+
+def _add_output(parser: Any) -> None:
+    parser.add_argument("-o", "--output", choices=["text", "json"], default="text",
+                        help="report format (json: one object per document, with its errors)")
+
+
+def _add_validate(sub: Any) -> None:
+    v = sub.add_parser("validate",
+                       help="check OmniPipeline/StagePool files as kubectl apply does; exit 0/2")
+    v.add_argument("files", nargs="+", metavar="FILE", help="YAML files (several documents each)")
+    v.add_argument("--check-paths", action="store_true",
+                   help="also require local model paths to exist (as serve does)")
+    v.add_argument("--old", action="append", default=[], metavar="FILE",
+                   help="the stored objects (same kind and name) the files would update: "
+                        "immutable fields are checked too (repeatable)")
+    _add_output(v)
+    v.set_defaults(handler=_run_validate)
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    from omnistage.validate import run
+
+    return run(args.files, output=args.output, check_paths=args.check_paths,
+               old_files=args.old)
 
 
 def _add_orchestrator(sub: Any) -> None:
@@ -99,6 +145,9 @@ def _add_orchestrator(sub: Any) -> None:
                    help="stage replicas' ZMQ port (kubernetes membership; default 5555)")
     o.add_argument("--replica", action="append", default=[], metavar="STAGE=NAME@tcp://HOST:PORT",
                    help="a replica (static membership; repeatable)")
+    o.add_argument("--shutdown-delay", type=_seconds, default=None, metavar="SECONDS",
+                   help="on SIGTERM, fail /readyz but keep serving this long before draining "
+                        "(default: spec.orchestrator.shutdownDelaySeconds)")
     o.set_defaults(handler=_run_orchestrator)
 
 
@@ -110,6 +159,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         pipeline_file=args.pipeline_file, membership=args.membership, namespace=args.namespace,
         host=args.host, port=args.port, replicas=args.replica,
         zmq_port=WORKER_ZMQ_PORT if args.zmq_port is None else args.zmq_port,
+        shutdown_delay=args.shutdown_delay,
     )
 
 
@@ -136,6 +186,7 @@ def build_parser(plugins: list[EntryPoint] | None = None) -> argparse.ArgumentPa
     parser.add_argument("--log-level", default=os.environ.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_serve(sub)
+    _add_validate(sub)
     _add_stage(sub)
     _add_models(sub)
     _add_orchestrator(sub)

@@ -2,11 +2,14 @@
 
 This is the placement backend behind `omnistage serve`. It turns each logical stage into a pool
 of ready `omnistage stage` processes named `<pipeline>-<stage>-<ordinal>` (the identity the
-operator gives pods), publishes them through a StaticMembership, and tears them all down again.
+operator gives pods), publishes them through a StaticMembership, supervises them (a replica that
+exits on its own is started again under the same name, with exponential backoff, as a kubelet
+restarts a container), and tears them all down again.
 
-Workers are spawned from the thread that calls start(): the parent-death signal set in
-procs._child_setup fires when that *thread* exits, so call start() from the main thread or
-another thread that lives as long as the replicas (never from asyncio.to_thread).
+Workers are spawned from the thread that calls start(), and restarts from the supervisor thread:
+the parent-death signal set in procs._child_setup fires when the spawning *thread* exits, so
+call start() from the main thread or another thread that lives as long as the replicas (never
+from asyncio.to_thread); the supervisor thread lives until shutdown has reaped every replica.
 """
 
 from __future__ import annotations
@@ -18,20 +21,26 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from omnistage.metrics import family
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
 from omnistage.procs import StartupError, WorkerProcess, spawn_worker, wait_all_ready
 from omnistage.spec import OmniPipeline, Stage
 from omnistage.worker.config import resolve_model
 
 __all__ = [
+    "CRASH_LOOP_AFTER",
     "LocalStageRuntime",
     "PlacementError",
     "ReplicaPlan",
     "ReplicaStartupError",
+    "RestartPolicy",
+    "RuntimeCollector",
     "detect_gpus",
     "replica_name",
 ]
@@ -89,12 +98,40 @@ class ReplicaPlan:
     env: dict[str, str]
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a crashed replica is started again: after `base` seconds, doubling with each crash
+    in a row up to `cap`; a replica that stays ready for `stable` seconds starts afresh."""
+
+    base: float = 1.0
+    cap: float = 60.0
+    stable: float = 60.0
+
+    def delay(self, crashes: int) -> float:
+        """The wait before the restart that follows the `crashes`-th crash in a row."""
+        return min(self.cap, self.base * 2 ** max(0, crashes - 1))
+
+
+CRASH_LOOP_AFTER = 2
+"""Crashes in a row (without a stable run between them) that make a replica crash-looping."""
+
+
 @dataclass
 class _Replica:
     plan: ReplicaPlan
     worker: WorkerProcess
     started: float = field(default_factory=time.monotonic)
     state: ReplicaState = "joining"
+    # Supervision: `worker` is the current process (None-like once it exited, until restarted).
+    restarts: int = 0
+    crashes: int = 0  # in a row, without a stable run between them
+    last_exit: int | None = None
+    restart_at: float | None = None  # set while waiting to restart
+    ready_at: float | None = None  # when the current process became ready
+
+    @property
+    def crash_looping(self) -> bool:
+        return self.crashes >= CRASH_LOOP_AFTER
 
 
 class LocalStageRuntime:
@@ -111,6 +148,7 @@ class LocalStageRuntime:
         gpus: Sequence[str] | None = None,
         ready_timeout: float = 300.0,
         watch_interval: float = 0.2,
+        restart: RestartPolicy | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
@@ -122,11 +160,15 @@ class LocalStageRuntime:
         self._gpus = list(gpus) if gpus is not None else None
         self.ready_timeout = ready_timeout
         self.watch_interval = watch_interval
+        self.restart = restart or RestartPolicy()
         self.membership = StaticMembership()
         self.replicas: dict[str, _Replica] = {}
+        self.collector = RuntimeCollector(self)
         self._lock = threading.Lock()
+        self._supervising = threading.Lock()  # one supervision pass, or shutdown's start
         self._shutdown_lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # no more restarts
+        self._closed = threading.Event()  # every replica reaped: the supervisor thread may end
         self._stopped = False
         self._watcher: threading.Thread | None = None
 
@@ -187,7 +229,7 @@ class LocalStageRuntime:
             self._rollback()
             raise
         self.progress(f"all {len(plans)} replica(s) ready in {time.monotonic() - t0:.1f}s")
-        self._watcher = threading.Thread(target=self._watch, name="omnistage-replica-watch",
+        self._watcher = threading.Thread(target=self._watch, name="omnistage-supervisor",
                                          daemon=True)
         self._watcher.start()
 
@@ -199,6 +241,7 @@ class LocalStageRuntime:
             nonlocal done
             rep = self.replicas[w.name]
             done += 1
+            rep.ready_at = time.monotonic()
             self._publish(rep, "ready")
             self.progress(f"[{done}/{len(self.replicas)}] {w.name} ready "
                           f"({time.monotonic() - rep.started:.1f}s)")
@@ -222,21 +265,100 @@ class LocalStageRuntime:
                 self._publish(rep, "gone")
         self._stopped = True
         self._stopping.set()
+        self._closed.set()
 
-    # ---- liveness --------------------------------------------------------------------------
+    # ---- supervision -----------------------------------------------------------------------
 
     def _watch(self) -> None:
-        """Publish a replica that exits on its own as gone, so its bound requests fail."""
-        while not self._stopping.wait(self.watch_interval):
-            with self._lock:
-                reps = [r for r in self.replicas.values() if r.state != "gone"]
-            for rep in reps:
-                code = rep.worker.proc.poll()
-                if code is None or self._stopping.is_set():
+        """The supervisor: notice replicas that exit on their own, restart them with backoff,
+        and publish each as it gets ready again. It spawns the restarts, so it lives until
+        shutdown has reaped every replica (see the module docstring)."""
+        while not self._closed.wait(self.watch_interval):
+            with self._supervising:
+                if self._stopping.is_set():
                     continue
-                self._publish(rep, "gone")
-                self.progress(f"replica {rep.plan.name} exited unexpectedly (code {code}); "
-                              f"log tail:\n{rep.worker.log_tail(10)}")
+                with self._lock:
+                    reps = list(self.replicas.values())
+                for rep in reps:
+                    try:
+                        self._supervise(rep)
+                    except Exception as exc:  # one replica's trouble must not stop the others
+                        self.progress(f"supervising replica {rep.plan.name} failed: {exc!r}")
+
+    def _supervise(self, rep: _Replica) -> None:
+        now = time.monotonic()
+        if rep.restart_at is not None:  # waiting out the backoff
+            if now >= rep.restart_at:
+                self._respawn(rep)
+            return
+        if rep.state == "joining":  # a restarted process loading its model
+            try:
+                ready = rep.worker.poll_ready()
+            except StartupError as err:
+                return self._crashed(rep, err.reason)
+            if ready:
+                rep.ready_at = now
+                self._publish(rep, "ready")
+                self.progress(f"replica {rep.plan.name} is back (restart {rep.restarts}, ready "
+                              f"in {now - rep.started:.1f}s)")
+            elif now - rep.started > self.ready_timeout:
+                rep.worker.kill()
+                self._crashed(rep, f"not ready after {self.ready_timeout:.0f}s")
+            return
+        code = rep.worker.proc.poll()
+        if code is None:
+            if rep.crashes and rep.ready_at is not None and now - rep.ready_at >= \
+                    self.restart.stable:
+                rep.crashes = 0  # a stable run: the next crash starts the backoff afresh
+            return
+        self._crashed(rep, f"exited unexpectedly (code {code})")
+
+    def _crashed(self, rep: _Replica, why: str) -> None:
+        """The replica's process is gone: publish it gone (its bound requests fail) and plan
+        its restart under the same name."""
+        rep.worker.kill()  # reap it and anything left in its process group
+        rep.last_exit = rep.worker.proc.returncode
+        if rep.state == "ready":
+            self._publish(rep, "gone")
+        else:  # a restart that never got ready was never published
+            with self._lock:
+                rep.state = "gone"
+        rep.crashes += 1
+        delay = self.restart.delay(rep.crashes)
+        rep.restart_at = time.monotonic() + delay
+        loop_note = (f"; crash-looping ({rep.crashes} crashes in a row)"
+                     if rep.crash_looping else "")
+        self.progress(f"replica {rep.plan.name} {why}; restarting in {delay:.1f}s{loop_note}; "
+                      f"log tail:\n{rep.worker.log_tail(10)}")
+
+    def _respawn(self, rep: _Replica) -> None:
+        plan = rep.plan
+        worker = spawn_worker(plan.name, plan.stage, host=self.host, log_dir=self.log_dir,
+                              env=plan.env, append_log=True)
+        with self._lock:
+            rep.worker = worker
+            rep.restarts += 1
+            rep.restart_at = None
+            rep.ready_at = None
+            rep.started = time.monotonic()
+            rep.state = "joining"  # a new process: published once it is ready
+
+    def notes(self) -> list[str]:
+        """One line per replica that is not simply running: restarting or crash-looping."""
+        out = []
+        now = time.monotonic()
+        with self._lock:
+            reps = list(self.replicas.values())
+        for rep in reps:
+            if rep.restart_at is not None:
+                what = "crash-looping" if rep.crash_looping else "restarting"
+                out.append(f"replica {rep.plan.name} {what}: {rep.crashes} crash(es) in a row, "
+                           f"last exit code {rep.last_exit}, next start in "
+                           f"{max(0.0, rep.restart_at - now):.1f}s")
+            elif rep.state == "joining" and rep.restarts:
+                what = "crash-looping" if rep.crash_looping else "restarting"
+                out.append(f"replica {rep.plan.name} {what}: restart {rep.restarts} is loading")
+        return out
 
     def _publish(self, rep: _Replica, state: ReplicaState) -> None:
         with self._lock:
@@ -255,11 +377,6 @@ class LocalStageRuntime:
         with self._lock:
             return {name: rep.worker.pid for name, rep in self.replicas.items()}
 
-    def endpoints(self) -> dict[str, str]:
-        """Replica name -> ZMQ endpoint of every replica that got as far as binding."""
-        with self._lock:
-            return {n: r.worker.zmq for n, r in self.replicas.items() if r.worker.zmq}
-
     # ---- shutdown --------------------------------------------------------------------------
 
     def shutdown(self, grace: float | None = None) -> None:
@@ -271,13 +388,16 @@ class LocalStageRuntime:
         with self._shutdown_lock:
             if self._stopped:
                 return
-            self._stopping.set()
+            with self._supervising:  # after a pass in progress; none starts from now on
+                self._stopping.set()
             with self._lock:
                 reps = list(self.replicas.values())
             if grace is None:
                 grace = max((r.plan.stage.drain_timeout_seconds for r in reps), default=0) + 5.0
+            published = {rep.plan.name for rep in reps if rep.state == "ready"}
             for rep in reps:
-                self._publish(rep, "draining")
+                if rep.plan.name in published:
+                    self._publish(rep, "draining")
                 if rep.worker.proc.poll() is None:
                     try:
                         rep.worker.proc.send_signal(signal.SIGTERM)
@@ -291,7 +411,9 @@ class LocalStageRuntime:
                     self.progress(f"replica {rep.plan.name} did not exit within {grace:.0f}s; "
                                   "killing it")
                 rep.worker.kill()  # also reaps stragglers left in its process group
-                self._publish(rep, "gone")
+                if rep.plan.name in published:
+                    self._publish(rep, "gone")
+            self._closed.set()
             if self._watcher is not None:
                 self._watcher.join(timeout=5)
             self._stopped = True
@@ -302,3 +424,30 @@ class LocalStageRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class RuntimeCollector:
+    """The local runtime's supervision, for the orchestrator's /metrics under `omnistage serve`.
+
+    Every family carries the labels pipeline, stage and replica; values are read at scrape time.
+    """
+
+    def __init__(self, runtime: LocalStageRuntime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        rt = self.runtime
+        common = {"pipeline": rt.pipeline.metadata.name}
+        with rt._lock:
+            reps = sorted(rt.replicas.values(), key=lambda r: r.plan.name)
+        rows = [((r.plan.stage.name, r.plan.name), r) for r in reps]
+        labels = ["stage", "replica"]
+        yield family(CounterMetricFamily, "omnistage_runtime_replica_restarts_total",
+                     "Times a replica was started again after its process exited", common,
+                     [(k, r.restarts) for k, r in rows], labels)
+        yield family(GaugeMetricFamily, "omnistage_runtime_replica_crash_looping",
+                     f"1 while a replica has crashed {CRASH_LOOP_AFTER} or more times in a row",
+                     common, [(k, 1 if r.crash_looping else 0) for k, r in rows], labels)
+        yield family(GaugeMetricFamily, "omnistage_runtime_replica_up",
+                     "1 while a replica's process runs and is published ready", common,
+                     [(k, 1 if r.state == "ready" else 0) for k, r in rows], labels)

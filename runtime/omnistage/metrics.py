@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -25,9 +24,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
-
-CONTENT_TYPE = CONTENT_TYPE_LATEST
-"""The content type of `exposition(registry)` without an Accept header."""
 
 HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                         120.0, 300.0)

@@ -144,11 +144,13 @@ def spawn_worker(
     port: int = 0,
     log_dir: str | Path | None = None,
     env: dict[str, str] | None = None,
+    append_log: bool = False,
 ) -> WorkerProcess:
     """Start replica name of stage as `omnistage stage` (worker_args); returns at once.
 
-    It logs to <log_dir>/<name>.log and reports its bound addresses in <name>.ports.json;
-    port 0 binds any free port. See wait_ready / wait_all_ready.
+    It logs to <log_dir>/<name>.log (appended to with append_log, as a restart does, so the
+    crash stays readable) and reports its bound addresses in <name>.ports.json; port 0 binds
+    any free port. See wait_ready / wait_all_ready.
     """
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="omnistage-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,7 @@ def spawn_worker(
     port_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "omnistage.cli",
            *worker_args(stage, replica_id=name, host=host, port=port, port_file=port_file)]
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab" if append_log else "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **worker_env(), **(env or {})}, preexec_fn=_child_setup,

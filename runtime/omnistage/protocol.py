@@ -86,10 +86,14 @@ class Submit(_Wire, tag="submit"):
     params: dict[str, Any] = {}
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # the worker's default if unset
     tensors: list[TensorDesc] = []
+    # The process (hello_reply.incarnation) the request is for. Another process, a restart at
+    # the same address, refuses it with error/stale_incarnation instead of running it.
+    incarnation: str | None = None
 
 
 class Abort(_Wire, tag="abort"):
     id: Id
+    incarnation: str | None = None  # as in submit: another process drops the abort
 
 
 class Control(_Wire, tag="control"):
@@ -200,7 +204,8 @@ class Draining(_Wire, tag="draining"):
     replica: str = ""
 
 
-ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch"]
+ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch",
+                    "stale_incarnation"]
 
 
 class Error(_Wire, tag="error"):

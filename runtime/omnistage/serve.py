@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from omnistage import validate
 from omnistage.local_runtime import LocalStageRuntime, PlacementError, ReplicaStartupError
 from omnistage.orchestrator.main import ApiBindError, serve_orchestrator
-from omnistage.spec import SpecError, load_pipeline
+from omnistage.spec import KIND, SpecError, load_pipeline
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -56,8 +58,13 @@ def run_serve(
     host: str = "127.0.0.1",
     port: int | None = None,
     log_dir: str | Path | None = None,
+    shutdown_delay: float = 0.0,
 ) -> int:
     """Serve the pipeline in file until SIGINT/SIGTERM; returns the process exit code.
+
+    shutdown_delay: how long /readyz fails before the orchestrator stops admitting (see
+    orchestrator.main); locally nothing routes by readiness unless the user put a load balancer
+    in front, so it defaults to 0 rather than to spec.orchestrator.shutdownDelaySeconds.
 
     Must run on the main thread: it owns the signal handlers, and the replicas' parent-death
     signal is tied to the thread that spawned them.
@@ -82,7 +89,8 @@ def run_serve(
         try:
             return asyncio.run(serve_orchestrator(
                 pipeline, runtime.membership, host, port, say=_say, started=t0,
-                ignore_late_signals=True))
+                ignore_late_signals=True, shutdown_delay=shutdown_delay,
+                notes=runtime.notes, collectors=[runtime.collector]))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -95,3 +103,22 @@ def run_serve(
         _install(_note_ignored)
         runtime.shutdown()
         _install(signal.SIG_DFL)
+
+
+def dry_run(file: str | Path, *, output: str = "text") -> int:
+    """`omnistage serve --dry-run FILE`: every check serve makes before starting anything.
+
+    That is `omnistage validate` with local model paths checked, plus the GPU placement plan.
+    Exit 0 when serve would start, 2 when it would refuse.
+    """
+    report = validate.Report(str(file), 0, kind=KIND)
+    try:
+        pipeline = load_pipeline(file)
+        report.name = pipeline.metadata.name
+        LocalStageRuntime(pipeline, base_dir=Path(file).resolve().parent,
+                          log_dir=Path(tempfile.gettempdir())).plan()
+    except SpecError as exc:
+        report.errors = [(path, message) for path, message in exc.errors]
+    except PlacementError as exc:
+        report.errors = [("(placement)", str(exc))]
+    return validate.emit([report], output)

@@ -6,6 +6,10 @@ component: the stage worker, the orchestrator's API server and the operator all 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +17,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from omnistage.metrics import exposition
+
+log = logging.getLogger("omnistage.sideport")
+
+# The listening sockets serve_app made for an app: owning them is how stop_listening can drain
+# the accept queue without reaching into aiohttp's private state.
+_LISTENERS = web.AppKey("omnistage_listeners", list[socket.socket])
 
 Readiness = Callable[[], tuple[bool, str]]
 """Returns (ready, reason); the reason is the 503 body when not ready."""
@@ -25,9 +35,10 @@ def add_ops_routes(app: web.Application, *, readiness: Readiness,
                    registry: CollectorRegistry, state: StateView | None = None) -> None:
     """Add GET /livez, /readyz, /metrics (and /state when `state` is given) to `app`.
 
-    /livez answers 200 "ok" while the event loop serves HTTP. /readyz answers 200 "ready", or 503
-    with the reason from `readiness`. /metrics scrapes `registry` on the event loop, so
-    collectors read state that only the loop mutates. The callbacks run on every request.
+    /livez answers 200 "ok" while the event loop serves HTTP. /readyz answers 200 or 503 with
+    the reason from `readiness` ("ready", or "ready; ..." with what is degraded). /metrics
+    scrapes `registry` on the event loop, so collectors read state that only the loop mutates.
+    The callbacks run on every request.
     """
 
     async def livez(_: web.Request) -> web.Response:
@@ -35,7 +46,9 @@ def add_ops_routes(app: web.Application, *, readiness: Readiness,
 
     async def readyz(_: web.Request) -> web.Response:
         ok, reason = readiness()
-        return web.Response(text="ready") if ok else web.Response(status=503, text=reason)
+        if ok:
+            return web.Response(text=reason or "ready")
+        return web.Response(status=503, text=reason)
 
     async def metrics(request: web.Request) -> web.Response:
         body, content_type = exposition(registry, request.headers.get("Accept"))
@@ -60,16 +73,66 @@ async def serve_app(app: web.Application, host: str, port: int,
 
     runner_options go to `web.AppRunner` (for example handler_cancellation=True).
     """
+    listeners: list[socket.socket] = []
+    app[_LISTENERS] = listeners  # before setup freezes the app
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, port), family=family, backlog=128)
+        listener.setblocking(False)
+        listeners.append(listener)
+        await web.SockSite(runner, listener).start()
     except BaseException:
         await runner.cleanup()
         raise
     bound = runner.addresses[0][1]
     shown = f"[{host}]" if ":" in host else host
     return runner, f"http://{shown}:{bound}"
+
+
+async def stop_listening(runner: web.AppRunner, settle: float = 2.0) -> None:
+    """Close the runner's listening sockets without resetting a connection the kernel already
+    accepted: closing a listening socket resets the connections still in its accept queue (and
+    a busy event loop may leave some there), so those are taken in first and served like any
+    other. It then waits up to `settle` seconds for them to close, which they do after their
+    response when the app answers with `Connection: close` (the orchestrator's API does once
+    shutdown began); closing one earlier would drop a request it already sent.
+
+    What is left is a connection whose handshake completes between the last accept and the
+    close, a window of one system call.
+    """
+    loop = asyncio.get_running_loop()
+    taken: list[Any] = []
+    listeners = runner.app.get(_LISTENERS, []) if runner.app is not None else []
+    for listener in listeners:
+        loop.remove_reader(listener.fileno())  # asyncio accepts nothing more from it
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                log.warning("accepting the last connections failed: %s", exc)
+                break
+            conn.setblocking(False)
+            with contextlib.suppress(OSError):
+                transport, _ = await loop.connect_accepted_socket(runner.server, conn)
+                taken.append(transport)
+    listeners.clear()  # stop_listening may run twice; the sites close the sockets
+    for site in list(runner.sites):
+        await site.stop()
+    deadline = loop.time() + settle
+    # A transport offers no event for its closing; aiohttp's handler no hook we may set.
+    while any(not t.is_closing() for t in taken) and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+
+
+async def close_gracefully(runner: web.AppRunner) -> None:
+    """Stop listening (see `stop_listening`), let the handlers in progress finish, then close
+    every connection. Call it once the work the server waits for is done."""
+    await stop_listening(runner)
+    await runner.cleanup()
 
 
 async def start_side_port(host: str, port: int, *, readiness: Readiness,

@@ -6,12 +6,18 @@ the runtime parses them here and the CRD OpenAPI schema is generated from them. 
 field has a description, uses a camelCase alias, forbids unknown keys (typos are errors) and keeps
 to JSON-schema friendly types (Literals for enums, explicit bounds, optional values instead of
 unions).
+
+`validate_manifest` is the one validator: `omnistage validate`, `omnistage serve` and the
+operator's admission webhook all call it. Documents are parsed strictly, the way the API server
+types JSON: no string is coerced to a number or a boolean, keys are camelCase only, and unknown
+keys are errors (under metadata too, except the fields the API server sets).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +25,7 @@ from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -30,6 +37,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
+
+from omnistage import __version__
 
 __all__ = [
     "API_VERSION",
@@ -50,15 +59,25 @@ __all__ = [
     "Placement",
     "SpecError",
     "Stage",
+    "StagePool",
+    "StagePoolSpec",
     "StageResources",
     "Toleration",
+    "image_error",
+    "load_manifests",
     "load_pipeline",
     "parse_pipeline",
+    "parse_stagepool",
+    "validate_manifest",
 ]
 
 API_VERSION = "omnistage.io/v1alpha1"
 KIND = "OmniPipeline"
-DEFAULT_IMAGE = "ghcr.io/omnistage/omnistage:0.1.0"
+POOL_KIND = "StagePool"
+#: The runtime image (runtime/Dockerfile). Its tag is the package version, the one version
+#: source that the chart's appVersion and the image tags share (tests/unit/test_versions.py).
+IMAGE_REPOSITORY = "ghcr.io/omnistage/omnistage"
+DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
 #: Upper bounds shared with the CRD's CEL rules, so the API server and the runtime agree.
 MAX_STAGES = 16
 MAX_REPLICAS = 64
@@ -78,7 +97,26 @@ PIPELINE_NAME_MAX = 40
 POD_NAME_MAX = 63
 STAGE_NAME_MAX = 20
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
-_LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+# A pool's name is <pipeline>-<stage>, and its pods add -<ordinal>.
+POOL_NAME_MAX = POD_NAME_MAX - 1 - len(str(MAX_REPLICAS - 1))
+
+# The container image reference grammar (github.com/distribution/reference):
+# [registry[:port]/]path[:tag][@digest]. Written for both regex engines that apply it (Rust's in
+# pydantic-core is not used: the check is a validator; Go's RE2 runs it in the CRD's CEL rule),
+# so it uses explicit classes instead of \w.
+_IMAGE_DOMAIN = (
+    r"(?:(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+    r"(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?"
+)
+_IMAGE_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_PATTERN = (
+    rf"^(?:{_IMAGE_DOMAIN}/)?{_IMAGE_COMPONENT}(?:/{_IMAGE_COMPONENT})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
+IMAGE_MAX = 512
+IMAGE_GRAMMAR = "[registry[:port]/]name[:tag][@digest]"
 
 _PATTERN_HELP = {
     DNS_LABEL_PATTERN: "must be a DNS-1123 label: lowercase letters, digits and '-', "
@@ -133,7 +171,37 @@ _SET = {"x-kubernetes-list-type": "set"}
 
 
 def _is_local_path(value: str) -> bool:
-    return value.startswith(_LOCAL_PATH_PREFIXES)
+    return value.startswith(LOCAL_PATH_PREFIXES)
+
+
+def image_error(value: str) -> str | None:
+    """Why value is not a container image reference, or None when it is one.
+
+    The CRD's CEL rule for images (omni_operator.crd) words its messageExpression the same way,
+    so `kubectl apply` and `omnistage validate` print the same sentence.
+    """
+    if value == "":
+        return f"an image is required: {IMAGE_GRAMMAR}, such as {DEFAULT_IMAGE!r}"
+    if re.fullmatch(IMAGE_PATTERN, value):
+        return None
+    if "://" in value:
+        bare = value[value.index("://") + 3 :]
+        return f"an image reference has no scheme: write {bare!r} instead of {value!r}"
+    return (
+        f"not a container image reference (got {value!r}): expected {IMAGE_GRAMMAR} "
+        f"in lowercase, such as {DEFAULT_IMAGE!r}"
+    )
+
+
+def _check_image(value: str) -> str:
+    problem = image_error(value)
+    if problem is not None:
+        raise _field_error(problem)
+    return value
+
+
+# The CRD carries the grammar as a CEL rule with a readable message, not as a schema pattern.
+ImageRef = Annotated[str, Field(max_length=IMAGE_MAX), AfterValidator(_check_image)]
 
 
 # --------------------------------------------------------------------------- stage parts
@@ -231,6 +299,31 @@ class EngineOptions(_Model):
     )
 
 
+# Engine fields without a PerRequest mark that still apply to some kinds only.
+_ENGINE_KINDS: dict[str, tuple[StageKind, ...]] = {"dtype": ("ar", "diffusion")}
+
+
+def engine_kinds(field: str) -> tuple[str, ...]:
+    """The stage kinds an EngineOptions field applies to: its PerRequest mark, else the table
+    above, else every kind."""
+    info = EngineOptions.model_fields[field]
+    mark = next((m for m in info.metadata if isinstance(m, PerRequest)), None)
+    if mark is not None:
+        return mark.kinds
+    return _ENGINE_KINDS.get(field, STAGE_KINDS)
+
+
+def engine_for_kind(engine: EngineOptions, kind: str) -> dict[str, Any]:
+    """The options that apply to kind, JSON-ready with camelCase keys: what a StagePool stores,
+    so `kubectl get sp -o yaml` shows no diffusion knobs on an ar pool."""
+    dumped = engine.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return {
+        (info.alias or name): dumped[info.alias or name]
+        for name, info in EngineOptions.model_fields.items()
+        if kind in engine_kinds(name) and (info.alias or name) in dumped
+    }
+
+
 class StageResources(_Model):
     """Per-replica resources; on Kubernetes these become requests and limits."""
 
@@ -271,23 +364,23 @@ class Toleration(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> Toleration:
-        """Mirror the API server's own toleration rules so errors surface before apply."""
+        """Mirror the API server's own toleration rules so errors surface before apply.
+
+        Each error names the field it is about; the CRD's CEL rules use the same fieldPath.
+        """
+        errors = []
         if self.operator == "Exists" and self.value:
-            raise PydanticCustomError(
-                "spec_field",
-                "{message}",
-                {"message": f"value must be empty when operator is Exists (got {self.value!r})"},
+            errors.append(
+                ("value", f"value must be empty when operator is Exists (got {self.value!r})")
             )
         if not self.key and self.operator != "Exists":
-            raise PydanticCustomError(
-                "spec_field", "{message}", {"message": "an empty key requires operator Exists"}
-            )
+            errors.append(("key", "an empty key requires operator Exists"))
         if self.toleration_seconds is not None and self.effect != "NoExecute":
-            raise PydanticCustomError(
-                "spec_field",
-                "{message}",
-                {"message": "tolerationSeconds only applies with effect NoExecute"},
+            errors.append(
+                ("tolerationSeconds", "tolerationSeconds only applies with effect NoExecute")
             )
+        if errors:
+            raise _path_errors(errors)
         return self
 
 
@@ -347,6 +440,7 @@ class Stage(_Model):
     )
     model: str | None = Field(
         None,
+        max_length=1024,  # bounds the CRD's CEL cost estimate for the model rules
         validate_default=True,
         description="Built-in model name (ar: tiny-llama; diffusion: tiny-unet) or a local path "
         "starting with /, ./, ../ or ~ (relative paths are relative to the pipeline file). "
@@ -496,6 +590,13 @@ class OrchestratorSpec(_Model):
     request_timeout_seconds: float = Field(
         300.0, gt=0, le=86_400, description="Upper bound on a request's lifetime end to end."
     )
+    shutdown_delay_seconds: float = Field(
+        5.0,
+        ge=0,
+        le=300,
+        description="On SIGTERM an orchestrator fails /readyz at once but keeps serving this "
+        "long, so endpoints and load balancers drop it before it stops admitting and drains.",
+    )
     resources: OrchestratorResources = Field(
         default_factory=OrchestratorResources, description="Resources of each orchestrator replica."
     )
@@ -515,18 +616,23 @@ class OrchestratorSpec(_Model):
 
 
 def _reject_duplicates(values: list[str]) -> None:
+    """Name the repeated entry by index, as the API server does for a set-type list."""
     seen: set[str] = set()
-    for item in values:
+    errors = []
+    for i, item in enumerate(values):
         if item in seen:
-            raise _field_error(f"duplicate entry {item!r}")
+            errors.append((f"[{i}]", f"duplicate entry {item!r}"))
         seen.add(item)
+    if errors:
+        raise _path_errors(errors)
 
 
 class PipelineSpec(_Model):
     """The desired pipeline: the stage graph and the orchestrator in front of it."""
 
-    image: str = Field(
-        DEFAULT_IMAGE, min_length=1, description="Container image for stage and orchestrator pods."
+    image: ImageRef = Field(
+        DEFAULT_IMAGE,
+        description=f"Container image for stage and orchestrator pods: {IMAGE_GRAMMAR}.",
     )
     orchestrator: OrchestratorSpec = Field(
         default_factory=OrchestratorSpec, description="The orchestrator (API front door)."
@@ -607,15 +713,17 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
     index: dict[str, int] = {}
     for i, stage in enumerate(spec.stages):
         if stage.name in index:
+            # The item itself, as the API server names a duplicate key of a map-type list.
             errors.append(
                 (
-                    f"stages[{i}].name",
+                    f"stages[{i}]",
                     f"duplicate stage name {stage.name!r} (also stages[{index[stage.name]}])",
                 )
             )
         else:
             index[stage.name] = i
-    known = ", ".join(index)
+    # Messages name the index and the value; the CRD's CEL rules word them the same way (CEL
+    # cannot join a list within its cost budget, so the known stages are not listed).
 
     for i, stage in enumerate(spec.stages):
         seen: set[str] = set()
@@ -624,7 +732,7 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
             if upstream == stage.name:
                 errors.append((path, f"stage {upstream!r} cannot consume its own output"))
             elif upstream not in index:
-                errors.append((path, f"unknown stage {upstream!r} (stages: {known})"))
+                errors.append((path, f"unknown stage {upstream!r}"))
             elif upstream in seen:
                 errors.append((path, f"duplicate input {upstream!r}"))
             seen.add(upstream)
@@ -634,7 +742,7 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
             if other == stage.name:
                 errors.append((path, f"stage {other!r} cannot colocate with itself"))
             elif other not in index:
-                errors.append((path, f"unknown stage {other!r} (stages: {known})"))
+                errors.append((path, f"unknown stage {other!r}"))
             elif other in seen:
                 errors.append((path, f"duplicate entry {other!r}"))
             seen.add(other)
@@ -657,7 +765,7 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
     chat = spec.orchestrator.chat_stage
     if chat is not None:
         if chat not in index:
-            errors.append(("orchestrator.chatStage", f"unknown stage {chat!r} (stages: {known})"))
+            errors.append(("orchestrator.chatStage", f"unknown stage {chat!r}"))
         elif (kind := spec.stages[index[chat]].kind) != "ar":
             errors.append(
                 (
@@ -707,18 +815,93 @@ def _cycle_errors(spec: PipelineSpec, index: dict[str, int]) -> list[tuple[str, 
     return found
 
 
-class Metadata(BaseModel):
-    """Kubernetes object metadata; other keys (uid, resourceVersion, ...) pass through.
+# --------------------------------------------------------------------------- metadata
 
-    The operator parses live objects, so server-populated fields must not be errors here.
-    """
+# Label and annotation keys: an optional DNS subdomain prefix and '/', then a name part.
+_QUALIFIED_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+ANNOTATIONS_MAX_BYTES = 256 * 1024
+
+
+def _key_error(kind: str, key: str) -> str | None:
+    """The API server's rule for label and annotation keys, in words."""
+    prefix, _, name = key.rpartition("/")
+    if "/" in key and (
+        not prefix or len(prefix) > 253 or not re.fullmatch(_DNS_SUBDOMAIN, prefix)
+    ):
+        return (
+            f"invalid {kind} key {key!r}: the prefix before '/' must be a DNS subdomain "
+            "(lowercase letters, digits, '-' and '.')"
+        )
+    if not name or len(name) > 63 or not re.fullmatch(_QUALIFIED_NAME, name):
+        return (
+            f"invalid {kind} key {key!r}: the name must be 1-63 letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def _check_labels(labels: dict[str, str]) -> dict[str, str]:
+    for key, value in labels.items():
+        problem = _key_error("label", key)
+        if problem is None and value and (
+            len(value) > 63 or not re.fullmatch(_QUALIFIED_NAME, value)
+        ):
+            problem = (
+                f"invalid label value {value!r} for {key!r}: at most 63 letters, digits, '-', "
+                "'_' or '.', starting and ending with a letter or digit"
+            )
+        if problem:
+            raise _field_error(problem)
+    return labels
+
+
+def _check_annotations(annotations: dict[str, str]) -> dict[str, str]:
+    for key in annotations:
+        problem = _key_error("annotation", key)
+        if problem:
+            raise _field_error(problem)
+    size = sum(len(k) + len(v) for k, v in annotations.items())
+    if size > ANNOTATIONS_MAX_BYTES:
+        raise _field_error(f"annotations total {size} bytes; at most {ANNOTATIONS_MAX_BYTES}")
+    return annotations
+
+
+class _ObjectMeta(BaseModel):
+    """Kubernetes object metadata. Unknown keys are errors (`metadata.lables` must not silently
+    drop the labels); the fields the API server writes are accepted, so live objects parse."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
-        extra="allow",
+        extra="forbid",
         json_schema_extra=_collapse_nullable,
     )
+
+    name: str = Field(min_length=1, description="Object name.")
+    namespace: str | None = Field(None, description="Namespace of the object on Kubernetes.")
+    labels: Annotated[dict[str, str], AfterValidator(_check_labels)] = Field(
+        default_factory=dict, description="Labels."
+    )
+    annotations: Annotated[dict[str, str], AfterValidator(_check_annotations)] = Field(
+        default_factory=dict, description="Annotations."
+    )
+    # Written by the API server or by controllers; never read here, so any type passes.
+    generate_name: Any = Field(None, description="Set by the API server.")
+    uid: Any = Field(None, description="Set by the API server.")
+    resource_version: Any = Field(None, description="Set by the API server.")
+    generation: Any = Field(None, description="Set by the API server.")
+    creation_timestamp: Any = Field(None, description="Set by the API server.")
+    deletion_timestamp: Any = Field(None, description="Set by the API server.")
+    deletion_grace_period_seconds: Any = Field(None, description="Set by the API server.")
+    finalizers: Any = Field(None, description="Set by controllers (the operator's finalizer).")
+    owner_references: Any = Field(None, description="Set by controllers.")
+    managed_fields: Any = Field(None, description="Set by the API server.")
+    self_link: Any = Field(None, description="Set by the API server.")
+
+
+class Metadata(_ObjectMeta):
+    """An OmniPipeline's metadata: its name prefixes every derived object's name."""
 
     name: str = Field(
         pattern=DNS1035_LABEL_PATTERN,
@@ -727,9 +910,17 @@ class Metadata(BaseModel):
         description="Pipeline name; a DNS-1035 label (it prefixes Service names) of at most "
         f"{PIPELINE_NAME_MAX} characters so derived pod names fit.",
     )
-    namespace: str | None = Field(None, description="Namespace of the pipeline on Kubernetes.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+
+
+class PoolMetadata(_ObjectMeta):
+    """A StagePool's metadata: its name is <pipeline>-<stage>, and its pods add -<ordinal>."""
+
+    name: str = Field(
+        pattern=DNS_LABEL_PATTERN,
+        min_length=1,
+        max_length=POOL_NAME_MAX,
+        description=f"Pool name, <pipeline>-<stage>; at most {POOL_NAME_MAX} characters.",
+    )
 
 
 class OmniPipeline(_Model):
@@ -772,6 +963,48 @@ class OmniPipeline(_Model):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
+class StagePoolSpec(_Model):
+    """Desired replicas of one stage; written by the operator from its OmniPipeline."""
+
+    pipeline: str = Field(
+        pattern=DNS1035_LABEL_PATTERN,
+        max_length=PIPELINE_NAME_MAX,
+        description="Name of the OmniPipeline this pool belongs to. Immutable.",
+    )
+    stage: Stage = Field(description="The stage, as resolved from the pipeline.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Desired replicas; `kubectl scale sp/<pool>` changes this. Overrides "
+        "stage.replicas, which only seeds it.",
+    )
+    image: ImageRef = Field(description=f"Container image of the stage worker: {IMAGE_GRAMMAR}.")
+
+
+class StagePool(_Model):
+    """A StagePool manifest: the replica pods of one stage of one OmniPipeline."""
+
+    api_version: Literal["omnistage.io/v1alpha1"] = Field(description=f"Must be {API_VERSION}.")
+    kind: Literal["StagePool"] = Field(description=f"Must be {POOL_KIND}.")
+    metadata: PoolMetadata = Field(description="Object metadata (name <pipeline>-<stage>).")
+    spec: StagePoolSpec = Field(description="The desired pool.")
+    status: dict[str, Any] | None = Field(None, description="Observed state, operator-written.")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> StagePool:
+        """The operator finds a stage's pool by name; the CRD has the same rule in CEL."""
+        want = f"{self.spec.pipeline}-{self.spec.stage.name}"
+        if self.metadata.name != want:
+            raise _path_errors([("metadata.name", pool_name_message(want, self.metadata.name))],
+                               relative=False)
+        return self
+
+
+def pool_name_message(want: str, got: str) -> str:
+    return f"a StagePool is named <pipeline>-<stage>: expected {want!r} (got {got!r})"
+
+
 # --------------------------------------------------------------------------- errors & loading
 
 
@@ -796,8 +1029,9 @@ def _rebuild_spec_error(errors: list[tuple[str, str]], source: str | None) -> Sp
     return SpecError(errors, source=source)
 
 
-def _unwrap(annotation: Any) -> tuple[Any, bool]:
-    """Strip Optional/Annotated; return (inner type, whether a container index follows)."""
+def _unwrap(annotation: Any) -> tuple[Any, str | None]:
+    """Strip Optional/Annotated; return (inner type, "list" or "dict" when an index or a key
+    follows in an error location)."""
     while True:
         origin = typing.get_origin(annotation)
         if origin is Annotated:
@@ -806,27 +1040,31 @@ def _unwrap(annotation: Any) -> tuple[Any, bool]:
             args = [a for a in typing.get_args(annotation) if a is not type(None)]
             annotation = args[0] if len(args) == 1 else Any
         elif origin in (list, dict):
-            return typing.get_args(annotation)[-1], True
+            return typing.get_args(annotation)[-1], "list" if origin is list else "dict"
         else:
-            return annotation, False
+            return annotation, None
 
 
 def _field_of(model: type[BaseModel], key: str) -> tuple[str, Any] | None:
     for name, info in model.model_fields.items():
-        if key in (name, info.alias):
+        if key == (info.alias or name):  # documents use aliases only (camelCase)
             return info.alias or name, info.annotation
     return None
 
 
-def _format_loc(loc: tuple[Any, ...]) -> str:
+def _format_loc(loc: tuple[Any, ...], root: type[BaseModel]) -> str:
     """k8s-style path using camelCase names: ('spec','stages',1,'replicas') -> spec.stages[1]..."""
     parts: list[str] = []
-    current: Any = OmniPipeline
-    index_next = False
+    current: Any = root
+    container: str | None = None
     for item in loc:
-        if index_next or isinstance(item, int):
+        if container == "dict":  # a map key: metadata.labels.team, nodeSelector.gpu
+            parts.append(f".{item}")
+            container = None
+            continue
+        if container == "list" or isinstance(item, int):
             parts.append(f"[{item}]")
-            index_next = False
+            container = None
             continue
         key = str(item)
         is_model = isinstance(current, type) and issubclass(current, BaseModel)
@@ -837,7 +1075,7 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
             continue
         alias, annotation = field
         parts.append(f".{alias}" if parts else alias)
-        current, index_next = _unwrap(annotation)
+        current, container = _unwrap(annotation)
     return "".join(parts)
 
 
@@ -852,11 +1090,33 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _convert(exc: ValidationError) -> list[tuple[str, str]]:
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+}
+
+
+def _unknown_field(key: str, model: type[BaseModel] | None) -> str:
+    message = f"unknown field {key!r}"
+    if model is None:
+        return message
+    allowed = [info.alias or n for n, info in model.model_fields.items()]
+    camel = to_camel(key)
+    if camel != key and camel in allowed:
+        return message + f" (did you mean {camel!r}? keys are camelCase)"
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    if close:
+        return message + f" (did you mean {close[0]!r}?)"
+    return message + f" (allowed: {', '.join(allowed)})"
+
+
+def _convert(exc: ValidationError, root: type[BaseModel]) -> list[tuple[str, str]]:
     """Pydantic errors to (k8s path, readable message) pairs that quote the bad value."""
     out: list[tuple[str, str]] = []
     for err in exc.errors():
-        path = _format_loc(tuple(err["loc"]))
+        path = _format_loc(tuple(err["loc"]), root)
         kind = err["type"]
         ctx = err.get("ctx") or {}
         value = err.get("input")
@@ -868,15 +1128,7 @@ def _convert(exc: ValidationError) -> list[tuple[str, str]]:
             message = ctx["message"]
         elif kind == "extra_forbidden":
             key = str(err["loc"][-1])
-            message = f"unknown field {key!r}"
-            model = _model_at(tuple(err["loc"][:-1]))
-            if model is not None:
-                allowed = [info.alias or n for n, info in model.model_fields.items()]
-                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-                if close:
-                    message += f" (did you mean {close[0]!r}?)"
-                else:
-                    message += f" (allowed: {', '.join(allowed)})"
+            message = _unknown_field(key, _model_at(tuple(err["loc"][:-1]), root))
         elif kind == "missing":
             message = "required field is missing"
         elif kind == "literal_error":
@@ -884,6 +1136,9 @@ def _convert(exc: ValidationError) -> list[tuple[str, str]]:
         elif kind == "string_pattern_mismatch":
             help_text = _PATTERN_HELP.get(ctx.get("pattern", ""), err["msg"].lower())
             message = f"{help_text} (got {_short(value)})"
+        elif kind in _TYPE_NAMES:
+            # Strict parsing, as the API server types JSON: "3" is not 3 and "true" is not true.
+            message = f"must be {_TYPE_NAMES[kind]} (got {type(value).__name__} {_short(value)})"
         else:
             message = err["msg"]
             if kind in ("too_long", "too_short"):
@@ -896,39 +1151,50 @@ def _convert(exc: ValidationError) -> list[tuple[str, str]]:
     return out
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+def _model_at(loc: tuple[Any, ...], root: type[BaseModel]) -> type[BaseModel] | None:
     """The model class found at loc, for typo suggestions."""
-    current: Any = OmniPipeline
-    index_next = False
+    current: Any = root
+    container: str | None = None
     for item in loc:
-        if index_next or isinstance(item, int):
-            index_next = False
+        if container or isinstance(item, int):
+            container = None
             continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)):
             return None
         field = _field_of(current, str(item))
         if field is None:
             return None
-        current, index_next = _unwrap(field[1])
+        current, container = _unwrap(field[1])
     if isinstance(current, type) and issubclass(current, BaseModel):
         return current
     return None
 
 
-def parse_pipeline(
-    doc: dict[str, Any], *, check_paths: bool = False, base_dir: Path | None = None
-) -> OmniPipeline:
-    """Validate a manifest mapping; every problem becomes a field-pathed SpecError entry.
+M = typing.TypeVar("M", bound=BaseModel)
 
-    check_paths also requires local model paths to exist (relative to base_dir, default cwd);
-    the operator leaves it off because paths refer to the pod's filesystem.
+
+def _strict(model: type[M], doc: Any) -> M:
+    """Validate a document the way the API server types JSON: no coercion, camelCase keys only.
+
+    Python code may still build the models by field name (populate_by_name); documents may not.
     """
     if not isinstance(doc, dict):
         raise SpecError([("(root)", f"expected a mapping, got {type(doc).__name__}")])
     try:
-        pipeline = OmniPipeline.model_validate(doc)
+        return model.model_validate(doc, strict=True, by_alias=True, by_name=False)
     except ValidationError as exc:
-        raise SpecError(_convert(exc)) from None
+        raise SpecError(_convert(exc, model)) from None
+
+
+def parse_pipeline(
+    doc: dict[str, Any], *, check_paths: bool = False, base_dir: Path | None = None
+) -> OmniPipeline:
+    """Validate an OmniPipeline mapping; every problem becomes a field-pathed SpecError entry.
+
+    check_paths also requires local model paths to exist (relative to base_dir, default cwd);
+    the operator leaves it off because paths refer to the pod's filesystem.
+    """
+    pipeline = _strict(OmniPipeline, doc)
     if check_paths:
         missing = []
         for i, stage in enumerate(pipeline.spec.stages):
@@ -940,6 +1206,74 @@ def parse_pipeline(
         if missing:
             raise SpecError(missing)
     return pipeline
+
+
+def parse_stagepool(doc: dict[str, Any]) -> StagePool:
+    """Validate a StagePool mapping (the operator writes them; people may too)."""
+    return _strict(StagePool, doc)
+
+
+KIND_IMMUTABLE = "kind is immutable; create a stage with a new name instead"
+PIPELINE_IMMUTABLE = "pipeline is immutable"
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _update_errors(doc: dict[str, Any], old: dict[str, Any]) -> list[tuple[str, str]]:
+    """What an update may not change. Both objects are read leniently (the old one may predate
+    today's rules, the new one may be invalid otherwise too); the CRD's transition rules (CEL)
+    say the same with the same paths."""
+    spec, old_spec = _dict(doc.get("spec")), _dict(old.get("spec"))
+    if doc.get("kind") == POOL_KIND:
+        errors = []
+        if old_spec.get("pipeline") not in (None, spec.get("pipeline")):
+            errors.append(("spec.pipeline", PIPELINE_IMMUTABLE))
+        old_kind = _dict(old_spec.get("stage")).get("kind")
+        if old_kind not in (None, _dict(spec.get("stage")).get("kind")):
+            errors.append(("spec.stage.kind", KIND_IMMUTABLE))
+        return errors
+    stages = [_dict(s) for s in old_spec.get("stages") or [] if isinstance(s, dict)]
+    old_kinds = {s.get("name"): s.get("kind") for s in stages}
+    new_stages = spec.get("stages") if isinstance(spec.get("stages"), list) else []
+    return [
+        (f"spec.stages[{i}].kind", KIND_IMMUTABLE)
+        for i, stage in enumerate(_dict(s) for s in new_stages)
+        if old_kinds.get(stage.get("name")) not in (None, stage.get("kind"))
+    ]
+
+
+def validate_manifest(
+    doc: Any,
+    *,
+    old: Any = None,
+    check_paths: bool = False,
+    base_dir: Path | None = None,
+) -> OmniPipeline | StagePool:
+    """The one validator of an Omnistage object (OmniPipeline or StagePool).
+
+    `omnistage validate`, `omnistage serve` and the operator's admission webhook call it, so
+    each refuses the same documents naming the same field paths. old is the stored object of
+    an update: changes to immutable fields are refused too. Raises SpecError with every problem.
+    """
+    if not isinstance(doc, dict):
+        raise SpecError([("(root)", f"expected a mapping, got {type(doc).__name__}")])
+    kind = doc.get("kind")
+    if kind not in (KIND, POOL_KIND):
+        problem = "required field is missing" if kind is None else f"invalid value {_short(kind)}"
+        raise SpecError([("kind", f"{problem} (expected {KIND!r} or {POOL_KIND!r})")])
+    errors = _update_errors(doc, old) if isinstance(old, dict) else []
+    try:
+        if kind == POOL_KIND:
+            obj: OmniPipeline | StagePool = parse_stagepool(doc)
+        else:
+            obj = parse_pipeline(doc, check_paths=check_paths, base_dir=base_dir)
+    except SpecError as exc:
+        raise SpecError(errors + exc.errors) from None
+    if errors:
+        raise SpecError(errors)
+    return obj
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -962,18 +1296,19 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_pipeline(path: str | Path, *, check_paths: bool = True) -> OmniPipeline:
-    """Read one OmniPipeline from a YAML file; errors name the file."""
+def load_manifests(path: str | Path) -> list[Any]:
+    """Every YAML document of a file (empty documents skipped); file problems raise SpecError
+    naming the file."""
     file = Path(path)
     source = str(path)
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError([("(file)", "pipeline file not found")], source=source) from None
+        raise SpecError([("(file)", "file not found")], source=source) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError([("(file)", f"cannot read pipeline file: {exc}")], source=source) from None
+        raise SpecError([("(file)", f"cannot read file: {exc}")], source=source) from None
     try:
-        docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
+        return [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)
@@ -981,13 +1316,25 @@ def load_pipeline(path: str | Path, *, check_paths: bool = True) -> OmniPipeline
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError([("(file)", f"invalid YAML{where}: {problem}")], source=source) from None
+
+
+def load_pipeline(path: str | Path, *, check_paths: bool = True) -> OmniPipeline:
+    """Read one OmniPipeline from a YAML file; errors name the file."""
+    source = str(path)
+    try:
+        docs = load_manifests(path)
+    except SpecError as exc:
+        if exc.errors == [("(file)", "file not found")]:
+            raise SpecError([("(file)", "pipeline file not found")], source=source) from None
+        raise
     if not docs:
         raise SpecError([("(file)", "file is empty; expected one OmniPipeline")], source=source)
     if len(docs) > 1:
         raise SpecError(
             [("(file)", f"expected exactly one YAML document, found {len(docs)}")], source=source
         )
+    base_dir = Path(path).parent.resolve()
     try:
-        return parse_pipeline(docs[0], check_paths=check_paths, base_dir=file.parent.resolve())
+        return parse_pipeline(docs[0], check_paths=check_paths, base_dir=base_dir)
     except SpecError as exc:
         raise SpecError(exc.errors, source=source) from None

@@ -73,7 +73,14 @@ def server_container(marker_dir: str = "") -> Obj:
             {"name": "MARKER_DIR", "value": marker_dir},
         ],
         "readinessProbe": {"httpGet": {"port": "http", "path": "/"}, "periodSeconds": 1},
+        # In image mode a pod sees only its volumes: the marker dir is shared by hostPath.
+        "volumeMounts": [{"name": "host", "mountPath": marker_dir}] if marker_dir else [],
     }
+
+
+def host_dir(path: str) -> list[Obj]:
+    """A hostPath volume named "host" (mounted at the same path) when ``path`` is set."""
+    return [{"name": "host", "hostPath": {"path": path, "type": "Directory"}}] if path else []
 
 
 def ready_pods(kube: Cluster, ns: str, selector: str) -> list[Obj]:
@@ -274,6 +281,7 @@ def test_kubectl_drain_evicts_gracefully_within_pdb(
                     "metadata": {"labels": {"app": "drainme"}},
                     "spec": {
                         "containers": [server_container(marker_dir)],
+                        "volumes": host_dir(marker_dir),
                         "terminationGracePeriodSeconds": 15,
                     },
                 },
@@ -415,8 +423,10 @@ def test_deleted_pod_leaves_no_processes(
                     "image": PY_IMAGE,
                     "command": ["sh", "-c", script],
                     "env": [{"name": "PIDFILE", "value": str(pidfile)}],
+                    "volumeMounts": [{"name": "host", "mountPath": str(tmp_path)}],
                 }
             ],
+            "volumes": host_dir(str(tmp_path)),
             "terminationGracePeriodSeconds": 5,
         },
     }

@@ -15,8 +15,8 @@ import pytest
 
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
+from tests.harness.helm import Release
 from tests.harness.operator import (
-    Operator,
     apply,
     get,
     pipeline_doc,
@@ -33,7 +33,7 @@ def _live(kube: Cluster, ns: str, selector: str) -> list[dict[str, Any]]:
 
 
 def test_kubectl_drain_loses_no_request(
-    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Operator
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
 ) -> None:
     doc = pipeline_doc("chat", [{
         "name": "llm", "kind": "ar", "model": "tiny-llama", "finalOutput": True, "replicas": 2,
@@ -56,7 +56,7 @@ def test_kubectl_drain_loses_no_request(
         _drain_under_load(kube, namespace, operator, client, victim, node)
 
 
-def _drain_under_load(kube: Cluster, namespace: str, operator: Operator, client: openai.OpenAI,
+def _drain_under_load(kube: Cluster, namespace: str, operator: Release, client: openai.OpenAI,
                       victim: dict[str, Any], node: str) -> None:
     results: list[str] = []
     stop = threading.Event()

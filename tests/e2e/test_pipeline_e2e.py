@@ -1,7 +1,8 @@
 """`kubectl apply -f examples/text-to-image.yaml` → pods really run → OpenAI requests succeed.
 
-Pods run as local processes under the pod runner (loopback pod IPs); requests go to the
-orchestrator pod's IP, never to a Service ClusterIP (nothing routes those here).
+The operator is installed by the Helm chart (tests/e2e/conftest.py) and every pod runs in its
+image under the pod runner (loopback pod IPs); requests go to the orchestrator pod's IP, never to
+a Service ClusterIP (nothing routes those here).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from PIL import Image
 
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
-from tests.harness.operator import Operator, apply, get, pod_url, wait_for
+from tests.harness.helm import Release
+from tests.harness.operator import apply, get, pod_url, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text-to-image.yaml"
@@ -45,7 +47,7 @@ def _admitted(runner: PodRunner, pod: dict[str, Any]) -> float:
     raise AssertionError(f"no admitted counter in {text[:500]}")
 
 
-def _diagnose(kube: Cluster, runner: PodRunner, ns: str, operator: Operator) -> str:
+def _diagnose(kube: Cluster, runner: PodRunner, ns: str, operator: Release) -> str:
     out = [json.dumps((get(kube, ns, "omnipipe", "text-to-image") or {}).get("status"), indent=1)]
     for pod in pods(kube.kube, ns):
         name = pod["metadata"]["name"]
@@ -56,7 +58,7 @@ def _diagnose(kube: Cluster, runner: PodRunner, ns: str, operator: Operator) -> 
 
 
 def test_text_to_image_runs_on_the_cluster(
-    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Operator
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
 ) -> None:
     apply(kube, namespace, yaml.safe_load(EXAMPLE.read_text()))
     obj = wait_for(lambda: _ready(kube, namespace), 600, "text-to-image Ready",
@@ -82,7 +84,7 @@ def test_text_to_image_runs_on_the_cluster(
         _exercise(kube, podrunner, namespace, operator, client, stage_pods)
 
 
-def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Operator,
+def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release,
               client: openai.OpenAI, stage_pods: dict[str, Any]) -> None:
 
     chat = client.chat.completions.create(

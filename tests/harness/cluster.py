@@ -5,6 +5,8 @@ hack/kind-e2e.sh selects a kind cluster) we use that cluster as it is and never 
 we start a private local control plane with hack/cluster.sh (own state dir and free ports, so
 concurrent test sessions do not collide) and stop it at the end. The handles are process-wide,
 reference-counted singletons so several conftests can share one cluster per pytest session.
+The local pod runner runs every pod in its image (OMNISTAGE_POD_MODE=image, the default; the
+images are built or reused first) or, with OMNISTAGE_POD_MODE=process, on the checkout's Python.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ REPO = Path(__file__).resolve().parents[2]
 HACK = REPO / "hack"
 MARKER_CONFIGMAP = "omnistage-local-cluster"
 LOCAL_POOL = "local"
-PY_IMAGE = os.environ.get("OMNISTAGE_TEST_PY_IMAGE", "python:3.11-slim")
+#: How the local pod runner runs containers: "image" (the default; hack/build-images.sh builds
+#: or reuses the images first) or "process" (the checkout's Python; the image is ignored).
+POD_MODE = os.environ.get("OMNISTAGE_POD_MODE", "image")
+if POD_MODE not in ("image", "process"):
+    raise ValueError(f"OMNISTAGE_POD_MODE must be image or process, not {POD_MODE!r}")
+#: An image with python3 for test pods: the images' base (hack/build-images.sh indexes it under
+#: this name) in image mode; kind-e2e.sh sets OMNISTAGE_TEST_PY_IMAGE to an image it loaded.
+PY_IMAGE = os.environ.get("OMNISTAGE_TEST_PY_IMAGE") or (
+    "localhost/omnistage-base:bookworm" if POD_MODE == "image" else "python:3.11-slim")
 
 
 def _versions() -> dict[str, str]:
@@ -231,6 +241,7 @@ class PodRunner:
     local: bool = True  # pods run on this machine with loopback pod IPs (the local pod runner)
     state_dir: Path | None = None  # the runner's logs and events, when known
     proc: subprocess.Popen[bytes] | None = None  # set when this session started the runner
+    images: bool = True  # containers run in their images (image mode, or real kubelets)
 
     def log_path(self, namespace: str, pod: str, container: str) -> Path | None:
         if self.state_dir is None:
@@ -276,12 +287,28 @@ class PodRunner:
         return 200, self.cluster.kube.request("GET", proxy + path, timeout=timeout, raw=True)
 
 
+def build_images(log_path: Path) -> Path:
+    """hack/build-images.sh (cached: seconds when no input changed, so the images never lag
+    behind the sources); returns this checkout's image index."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.run([str(HACK / "build-images.sh")], stdout=log,
+                              stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-40:])
+        raise RuntimeError(f"hack/build-images.sh failed ({proc.returncode}):\n{tail}")
+    out = subprocess.run([str(HACK / "build-images.sh"), "--print-index"], capture_output=True,
+                         text=True, check=True)
+    return Path(out.stdout.strip())
+
+
 def start_podrunner(cluster: Cluster, nodes: tuple[str, ...] = ("local-0", "local-1")) -> PodRunner:
-    """Start the local pod runner as a child process and wait until its nodes are Ready."""
+    """Start the local pod runner as a child process and wait until its nodes are Ready.
+
+    In image mode (POD_MODE) the images are built or reused first and the runner runs every
+    container in its image; in process mode it runs the checkout's Python."""
     base = cluster.state_dir or Path(tempfile.mkdtemp(prefix="omnistage-podrunner-"))
     state_dir = base / f"podrunner-{uuid.uuid4().hex[:6]}"
     state_dir.mkdir(parents=True)
-    log_file = open(state_dir / "podrunner.log", "ab")  # the child keeps its own copy
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [
@@ -293,9 +320,13 @@ def start_podrunner(cluster: Cluster, nodes: tuple[str, ...] = ("local-0", "loca
         f"--nodes={','.join(nodes)}",
         "--exit-with-parent",
     ]
+    env.pop("OMNISTAGE_IMAGE_INDEX", None)  # the mode is chosen here, never inherited
+    if POD_MODE == "image":
+        cmd.append(f"--images={build_images(state_dir / 'build-images.log')}")
+    log_file = open(state_dir / "podrunner.log", "ab")  # the child keeps its own copy
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     log_file.close()
-    runner = PodRunner(cluster, list(nodes), True, state_dir, proc)
+    runner = PodRunner(cluster, list(nodes), True, state_dir, proc, images=POD_MODE == "image")
 
     def nodes_ready() -> bool:
         if proc.poll() is not None:
@@ -333,7 +364,8 @@ def acquire_podrunner(cluster: Cluster) -> PodRunner:
                 # A runner is already serving this cluster (hack/cluster.sh up --podrunner).
                 state = cluster.kubeconfig.parent / "podrunner"
                 _runner.value = PodRunner(
-                    cluster, existing, True, state if state.is_dir() else None
+                    cluster, existing, True, state if state.is_dir() else None,
+                    images=runs_images(cluster.kube, existing[0]),
                 )
             else:
                 _runner.value = start_podrunner(cluster)
@@ -347,6 +379,12 @@ def release_podrunner() -> None:
         if _runner.count == 0 and _runner.value is not None:
             runner, _runner.value = _runner.value, None
             stop_podrunner(runner)
+
+
+def runs_images(kube: Kube, node: str) -> bool:
+    """Whether a local pod runner's node runs containers in their images (its nodeInfo says)."""
+    info = kube.get(resource_path("v1", "nodes", name=node))["status"].get("nodeInfo", {})
+    return str(info.get("containerRuntimeVersion", "")).endswith("-images")
 
 
 def ready_pool_nodes(kube: Kube) -> list[str]:

@@ -26,11 +26,13 @@ class FakeWorker:
     """Answers hello as a worker of protocol `version` would; None is a protocol-1 worker.
 
     A protocol-1 worker did not know hello: it answered with a malformed-message error.
-    `on_submit` builds the reply frames for a submit (none are sent without it).
+    `on_submit` builds the reply frames for a submit (none are sent without it, or when it
+    returns None: the request stays in flight). Assigning `incarnation` acts out a restart the
+    client did not see as a closed connection.
     """
 
     def __init__(self, version: int | None = p.PROTOCOL_VERSION, *, stage: str = "a",
-                 on_submit: Callable[[dict[str, Any]], Frames] | None = None) -> None:
+                 on_submit: Callable[[dict[str, Any]], Frames | None] | None = None) -> None:
         self.version = version
         self.stage = stage
         self.incarnation = uuid.uuid4().hex
@@ -54,6 +56,8 @@ class FakeWorker:
             elif msg["t"] == "submit" and self.on_submit is not None:
                 frames = self.on_submit(msg)
             else:
+                continue
+            if frames is None:
                 continue
             await self.sock.send_multipart([ident, *frames])
 

@@ -33,6 +33,9 @@ class Operator:
     port: int = field(default_factory=free_port)
     resync: float = 3.0
     proc: subprocess.Popen[bytes] | None = None
+    #: serve the validating admission webhook on loopback (the local API server calls it there)
+    webhook: bool = True
+    webhook_port: int = field(default_factory=free_port)
 
     def start(self) -> None:
         cmd = [
@@ -44,6 +47,10 @@ class Operator:
             f"--metrics-port={self.port}",
             f"--resync-seconds={self.resync}",
         ]
+        if self.webhook:
+            cmd += ["--webhook", "--webhook-addr=127.0.0.1", f"--webhook-port={self.webhook_port}"]
+        else:
+            cmd.append("--no-webhook")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -62,6 +69,33 @@ class Operator:
                 return True
         except OSError:
             return False
+
+    @contextlib.contextmanager
+    def restarted(self, *, webhook: bool) -> Iterator[Operator]:
+        """Run the operator with the webhook on or off for a while, then as it was before.
+
+        A clean stop lets kopf empty the webhook configuration, so with webhook=False the API
+        server admits what only the webhook refuses (the CRD's own rules still apply).
+        """
+        before = self.webhook
+        self.stop()
+        self.webhook = webhook
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+            self.webhook = before
+            self.start()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No operator process for a while (a test drives a Controller of its own)."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -125,11 +159,16 @@ def crds(kube: Cluster) -> None:
     apply_crds(kube)
 
 
-@pytest.fixture(scope="session")
+# Module scope: tests/e2e runs the operator from the Helm chart instead (tests/e2e/conftest.py),
+# and two operators must never reconcile the same cluster at once.
+@pytest.fixture(scope="module")
 def operator(
     kube: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    op = Operator(kube, tmp_path_factory.mktemp("operator") / "operator.log")
+    # The webhook listens on this machine's loopback, which only the local control plane's API
+    # server can call; kind's API server runs in a container (tests/e2e installs the chart there).
+    op = Operator(kube, tmp_path_factory.mktemp("operator") / "operator.log",
+                  webhook=kube.is_local)
     op.start()
     yield op
     op.stop()

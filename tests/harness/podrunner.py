@@ -5,8 +5,17 @@ operator's functional e2e tests need pods that really run, answer on their pod I
 honour readiness gates and terminate gracefully under ``kubectl drain``. This runner registers its
 own Nodes, keeps their Leases and Ready condition fresh, and for every pod bound to them:
 
-* runs each container's ``command`` + ``args`` as a local process in its own process group
-  (the image is ignored; a container without a command idles like a pause container);
+* runs each container as a local process in its own process group, in one of two modes:
+
+  - image mode (``--images INDEX``, what the e2e suite uses): the container runs in its image's
+    root filesystem, as built by hack/build-images.sh (tests/harness/sandbox.py): the image's
+    ENTRYPOINT/CMD/USER/WORKDIR/Env combined with the pod's by Kubernetes' rules, only the
+    pod's volumes (tests/harness/podvolumes.py; the service-account token as a projected
+    volume), read-only root when asked. An image that was not built is ErrImagePull, a command
+    missing from the image is RunContainerError: never a fallback to the checkout;
+  - process mode (no index): ``command`` + ``args`` run with the checkout's Python and the host's
+    environment; the image is ignored, and a container without a command idles like a pause
+    container;
 * resolves env (value with $(VAR) expansion, fieldRef, resourceFieldRef, configMapKeyRef,
   secretKeyRef, envFrom), and gives the pod a unique loopback IP (``status.podIP``);
 * runs startup, readiness and liveness probes (httpGet, tcpSocket, exec), restarts containers per
@@ -18,7 +27,8 @@ own Nodes, keeps their Leases and Ready condition fresh, and for every pod bound
 Logs go to ``<state-dir>/logs/<namespace>/<pod>/<container>.log``; every container termination is
 recorded as a JSON line in ``<state-dir>/events.jsonl`` (signal used, exit code, duration).
 
-Run: ``python -m tests.harness.podrunner --kubeconfig K --nodes local-0,local-1 --state-dir D``.
+Run: ``python -m tests.harness.podrunner --kubeconfig K --nodes local-0,local-1 --state-dir D
+[--images INDEX]``.
 SIGTERM/SIGINT stop all pod processes and delete the runner's Nodes.
 """
 
@@ -35,12 +45,14 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,7 +62,16 @@ import yaml
 
 from omnistage.kube import condition_status
 from omnistage.kubeapi import ApiError, Listed, Obj, resource_path
+from tests.harness.images import (
+    INDEX_ENV,
+    ImageError,
+    LocalImages,
+    container_argv,
+    container_user,
+)
 from tests.harness.kubeclient import Kube
+from tests.harness.podvolumes import PodVolumes
+from tests.harness.sandbox import START_ERROR_EXIT, Mount, SandboxSpec, launcher_argv
 
 log = logging.getLogger("podrunner")
 
@@ -133,6 +154,9 @@ class Container:
     started: bool = False  # startup probe passed (or none)
     probes: dict[str, Probe] = field(default_factory=dict)
     kill_signal: str = ""
+    waiting: tuple[str, str] | None = None  # (reason, message) when it cannot start
+    sandbox: SandboxSpec | None = None  # image mode: how the current process was started
+    log_offset: int = 0  # where this run's output starts in the log (FallbackToLogsOnError)
 
     @property
     def name(self) -> str:
@@ -167,6 +191,10 @@ class PodWorker(threading.Thread):
         self.phase = "Pending"
         self.start_time = pod.get("status", {}).get("startTime") or now_iso()
         self.log_dir = runner.state_dir / "logs" / self.ns / self.pod_name
+        self.pod_dir = runner.state_dir / "pods" / self.uid  # volumes, writable layers
+        self.volumes = PodVolumes(runner.kube, pod, self.pod_dir / "volumes",
+                                  lambda _pod, path: field_value(self._pod_with_ip(), path))
+        self.exec_count = 0
         self.done = threading.Event()
 
     # ---- event input -------------------------------------------------------------------------
@@ -187,6 +215,8 @@ class PodWorker(threading.Thread):
             log.exception("pod %s/%s: worker crashed", self.ns, self.pod_name)
         finally:
             self._kill_all(grace=2.0, reason="runner stopping")
+            # Like a kubelet, remove the pod's volumes and writable layers once nothing runs.
+            shutil.rmtree(self.pod_dir, ignore_errors=True)
             self.done.set()
 
     def _run(self) -> None:
@@ -304,7 +334,7 @@ class PodWorker(threading.Thread):
             "contexts": [{"name": "pod", "context": {"cluster": "local", "user": sa,
                                                      "namespace": self.ns}}],
         }
-        out = self.runner.state_dir / "pods" / self.uid / "serviceaccount.kubeconfig"
+        out = self.pod_dir / "serviceaccount.kubeconfig"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(yaml.safe_dump(doc))
         out.chmod(0o600)
@@ -364,29 +394,24 @@ class PodWorker(threading.Thread):
             )
             c.backoff_until = time.monotonic() + 2.0
             return
-        command = [expand_vars(a, env) for a in spec.get("command", [])]
-        args = [expand_vars(a, env) for a in spec.get("args", [])]
-        argv = (command + args) or PAUSE_CMD
-        proc_env = dict(os.environ)
-        proc_env.pop("KUBECONFIG", None)  # a pod sees the API only as its service account
         try:
-            proc_env.update(self._service_account_env())
+            if self.runner.images is not None:
+                argv, proc_env, workdir = self._image_launch(c, env)
+            else:
+                argv, proc_env, workdir = self._process_launch(c, env)
+        except ImageError as e:
+            self._cannot_start(c, e.reason, e.message)
+            return
         except (ApiError, OSError) as e:
-            log.warning("pod %s/%s: no service-account token: %s", self.ns, self.pod_name, e)
+            log.warning("pod %s/%s: cannot start %s: %s", self.ns, self.pod_name, c.name, e)
             c.backoff_until = time.monotonic() + 2.0
             return
-        proc_env.update(env)
-        proc_env.setdefault("HOSTNAME", self.pod_name)
-        proc_env[RUNNER_ENV] = self.runner.runner_id
-        workdir = spec.get("workingDir")
-        if not workdir or not Path(workdir).is_dir():
-            workdir_path = self.runner.state_dir / "pods" / self.uid / c.name
-            workdir_path.mkdir(parents=True, exist_ok=True)
-            workdir = str(workdir_path)
         logfile = self.log_dir / f"{c.name}.log"
         with open(logfile, "ab") as out:
-            out.write(f"--- {now_iso()} podrunner: starting {shlex.join(argv)}\n".encode())
+            shown = c.sandbox.argv if c.sandbox is not None else argv
+            out.write(f"--- {now_iso()} podrunner: starting {shlex.join(shown)}\n".encode())
             out.flush()
+            c.log_offset = out.tell()
             try:
                 c.proc = subprocess.Popen(
                     argv,
@@ -405,6 +430,7 @@ class PodWorker(threading.Thread):
                 if self.pod["spec"].get("restartPolicy", "Always") != "Never":
                     self._schedule_restart(c)
                 return
+        c.waiting = None
         self.runner.track(c.proc.pid)
         c.started_at, c.started_mono = now_iso(), time.monotonic()
         c.terminated, c.ready, c.kill_signal = None, False, ""
@@ -420,6 +446,117 @@ class PodWorker(threading.Thread):
         if "readiness" not in c.probes:
             c.ready = c.started
         log.info("pod %s/%s: started %s pid %d", self.ns, self.pod_name, c.name, c.proc.pid)
+
+    def _process_launch(self, c: Container, env: dict[str, str]
+                        ) -> tuple[list[str], dict[str, str], str]:
+        """Process mode: the container's command with the checkout's Python and the host's
+        environment (the image is ignored)."""
+        spec = c.spec
+        command = [expand_vars(a, env) for a in spec.get("command", [])]
+        args = [expand_vars(a, env) for a in spec.get("args", [])]
+        argv = (command + args) or PAUSE_CMD
+        proc_env = dict(os.environ)
+        proc_env.pop("KUBECONFIG", None)  # a pod sees the API only as its service account
+        proc_env.update(self._service_account_env())
+        proc_env.update(env)
+        proc_env.setdefault("HOSTNAME", self.pod_name)
+        proc_env[RUNNER_ENV] = self.runner.runner_id
+        workdir = spec.get("workingDir")
+        if not workdir or not Path(workdir).is_dir():
+            workdir_path = self.pod_dir / c.name
+            workdir_path.mkdir(parents=True, exist_ok=True)
+            workdir = str(workdir_path)
+        return argv, proc_env, workdir
+
+    def _image_launch(self, c: Container, env: dict[str, str]
+                      ) -> tuple[list[str], dict[str, str], str]:
+        """Image mode: the container runs in its image's rootfs (tests/harness/sandbox.py) as
+        the pod's user, with the image's environment plus the pod's, and only its volumes.
+        Raises ImageError with the kubelet's reason when it cannot be created."""
+        spec = c.spec
+        assert self.runner.images is not None
+        image = self.runner.images.lookup(spec.get("image", ""))
+        pod_sc = self.pod["spec"].get("securityContext") or {}
+        sc = spec.get("securityContext") or {}
+        uid, gid, groups = container_user(image, pod_sc, sc)
+        expanded = {**spec,
+                    "command": [expand_vars(a, env) for a in spec.get("command") or []],
+                    "args": [expand_vars(a, env) for a in spec.get("args") or []]}
+        argv = container_argv(image, expanded)
+        proc_env = {**image.env, **self.runner.kubelet_env(), "HOSTNAME": self.pod_name, **env,
+                    RUNNER_ENV: self.runner.runner_id}
+        mounts = [*self._etc_mounts()]
+        for m in spec.get("volumeMounts", []):
+            source = self.volumes.path(m["name"])
+            if m.get("subPath"):
+                source = source / m["subPath"]
+                if not source.exists():
+                    source.mkdir(parents=True)
+                    source.chmod(0o777)
+            mounts.append(Mount(str(source), m["mountPath"], bool(m.get("readOnly"))))
+        scratch = self.pod_dir / "containers" / c.name
+        shutil.rmtree(scratch, ignore_errors=True)  # a restarted container gets a fresh layer
+        scratch.mkdir(parents=True)
+        c.sandbox = SandboxSpec(
+            rootfs=image.rootfs,
+            scratch=str(scratch / "fs"),
+            argv=argv,
+            env=proc_env,
+            uid=uid,
+            gid=gid,
+            groups=groups,
+            workdir=spec.get("workingDir") or image.config.get("WorkingDir") or "/",
+            read_only_root=bool(sc.get("readOnlyRootFilesystem")),
+            no_new_privs=sc.get("allowPrivilegeEscalation") is False,
+            mounts=mounts,
+            error_file=str(scratch / "start-error.json"),
+        )
+        spec_file = scratch / "sandbox.json"
+        c.sandbox.write(spec_file)
+        return launcher_argv(spec_file), self.runner.launcher_env(), str(scratch)
+
+    def _etc_mounts(self) -> list[Mount]:
+        """/etc/hosts and /etc/hostname as a kubelet writes them; the host's resolver."""
+        etc = self.pod_dir / "etc"
+        if not etc.is_dir():
+            etc.mkdir(parents=True)
+            hostname = self.pod["spec"].get("hostname") or self.pod_name
+            (etc / "hosts").write_text(
+                "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                f"{self.ip}\t{hostname}\n")
+            (etc / "hostname").write_text(hostname + "\n")
+        mounts = [Mount(str(etc / "hosts"), "/etc/hosts", True),
+                  Mount(str(etc / "hostname"), "/etc/hostname", True)]
+        if Path("/etc/resolv.conf").is_file():
+            mounts.append(Mount("/etc/resolv.conf", "/etc/resolv.conf", True))
+        return mounts
+
+    def _cannot_start(self, c: Container, reason: str, message: str) -> None:
+        """The container could not be created: a waiting reason, a back-off, no process."""
+        if reason == "ErrImagePull" and c.waiting and c.waiting[0] in (
+                "ErrImagePull", "ImagePullBackOff"):
+            reason = "ImagePullBackOff"
+        if c.waiting != (reason, message):
+            log.info("pod %s/%s: %s: %s: %s", self.ns, self.pod_name, c.name, reason, message)
+            with open(self.log_dir / f"{c.name}.log", "ab") as out:
+                out.write(f"--- {now_iso()} podrunner: {reason}: {message}\n".encode())
+        c.waiting = (reason, message)
+        c.backoff_until = time.monotonic() + 5.0
+
+    def _exec_argv(self, c: Container, command: list[str]) -> tuple[list[str], dict[str, str]]:
+        """argv and env for an exec probe or preStop hook: inside the container's image in
+        image mode (its own writable layer, the same volumes), else a host process."""
+        if c.sandbox is None:
+            env = dict(os.environ)
+            env.update(self._env(c.spec))
+            return command, env
+        self.exec_count += 1
+        scratch = self.pod_dir / "exec" / f"{c.name}-{self.exec_count}"
+        scratch.mkdir(parents=True)
+        spec = SandboxSpec(**{**c.sandbox.__dict__, "argv": list(command),
+                              "scratch": str(scratch / "fs"), "error_file": ""})
+        spec.write(scratch / "sandbox.json")
+        return launcher_argv(scratch / "sandbox.json"), self.runner.launcher_env()
 
     def _reap(self, c: Container) -> int:
         assert c.proc is not None
@@ -438,6 +575,12 @@ class PodWorker(threading.Thread):
         }
         if code < 0:
             c.terminated["signal"] = -code
+        start_error = self._start_error(c) if code == START_ERROR_EXIT else None
+        if start_error is not None:
+            c.terminated.update(reason="StartError", message=start_error["message"])
+            c.waiting = (start_error["reason"], start_error["message"])
+        elif code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            c.terminated["message"] = self._log_tail_since(c)
         c.last_terminated = c.terminated
         c.ready = False
         self.runner.record(
@@ -454,6 +597,27 @@ class PodWorker(threading.Thread):
         )
         c.proc = None
         return code
+
+    @staticmethod
+    def _start_error(c: Container) -> Obj | None:
+        """What the sandbox launcher reported when it could not exec the command."""
+        if c.sandbox is None or not c.sandbox.error_file:
+            return None
+        try:
+            return dict(json.loads(Path(c.sandbox.error_file).read_text()))
+        except (OSError, ValueError):
+            return None
+
+    def _log_tail_since(self, c: Container, limit: int = 2048, lines: int = 80) -> str:
+        """The end of this run's output, as a kubelet fills a termination message from logs."""
+        try:
+            with open(self.log_dir / f"{c.name}.log", "rb") as f:
+                f.seek(c.log_offset)
+                data = f.read()
+        except OSError:
+            return ""
+        text = "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+        return text[-limit:]
 
     def _schedule_restart(self, c: Container) -> None:
         c.restart_count += 1
@@ -517,10 +681,9 @@ class PodWorker(threading.Thread):
                 ):
                     return True
             if "exec" in spec:
-                env = dict(os.environ)
-                env.update(self._env(c.spec))
+                argv, env = self._exec_argv(c, spec["exec"]["command"])
                 res = subprocess.run(
-                    spec["exec"]["command"],
+                    argv,
                     env=env,
                     timeout=timeout,
                     capture_output=True,
@@ -605,10 +768,9 @@ class PodWorker(threading.Thread):
         timeout = max(0.1, deadline - time.monotonic())
         try:
             if "exec" in hook:
-                env = dict(os.environ)
-                env.update(self._env(c.spec))
+                argv, env = self._exec_argv(c, hook["exec"]["command"])
                 subprocess.run(
-                    hook["exec"]["command"],
+                    argv,
                     env=env,
                     timeout=timeout,
                     capture_output=True,
@@ -664,6 +826,8 @@ class PodWorker(threading.Thread):
             st["containerID"] = f"local://{c.proc.pid}"  # type: ignore[union-attr]
         elif c.terminated is not None:
             st["state"] = {"terminated": c.terminated}
+        elif c.waiting is not None:
+            st["state"] = {"waiting": {"reason": c.waiting[0], "message": c.waiting[1]}}
         else:
             reason = "CrashLoopBackOff" if c.restart_count else "ContainerCreating"
             st["state"] = {"waiting": {"reason": reason}}
@@ -758,8 +922,10 @@ class PodRunner:
         gpus: int = 8,
         labels: dict[str, str] | None = None,
         keep_nodes: bool = False,
+        images: LocalImages | None = None,
     ) -> None:
         self.kube = kube
+        self.images = images  # image mode when set: containers run in their images' rootfs
         self.nodes = nodes
         self.state_dir = state_dir
         self.gpus = gpus
@@ -782,6 +948,22 @@ class PodRunner:
         self.threads: list[threading.Thread] = []
 
     # ---- bookkeeping shared with workers -----------------------------------------------------
+    def kubelet_env(self) -> dict[str, str]:
+        """What a kubelet adds to every container: where the API server is. Here that is the
+        API server's own loopback address, not the `kubernetes` Service's ClusterIP (nothing
+        routes ClusterIPs on this machine)."""
+        url = urllib.parse.urlsplit(self.kube.config.server)
+        port = str(url.port or 443)
+        return {"KUBERNETES_SERVICE_HOST": url.hostname or "127.0.0.1",
+                "KUBERNETES_SERVICE_PORT": port, "KUBERNETES_SERVICE_PORT_HTTPS": port}
+
+    def launcher_env(self) -> dict[str, str]:
+        """The environment of the sandbox launcher itself (host Python); the container gets
+        only its SandboxSpec's env."""
+        root = str(Path(__file__).resolve().parents[2])
+        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": root,
+                RUNNER_ENV: self.runner_id}
+
     def allocate_ip(self, uid: str, current: str | None) -> str:
         """A unique loopback IP per pod; reuses the pod's own IP after a runner restart."""
         with self.lock:
@@ -859,9 +1041,10 @@ class PodRunner:
                 "architecture": "amd64",
                 "operatingSystem": "linux",
                 "kubeletVersion": "v0.0.0-omnistage-podrunner",
-                "containerRuntimeVersion": "local://podrunner",
+                "containerRuntimeVersion": "local://podrunner-"
+                                           + ("images" if self.images else "processes"),
                 "kernelVersion": os.uname().release,
-                "osImage": "local processes",
+                "osImage": "local images" if self.images else "local processes",
                 "bootID": self.runner_id,
                 "machineID": "",
                 "systemUUID": "",
@@ -1094,6 +1277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", action="append", default=[], help="extra node label k=v")
     parser.add_argument("--keep-nodes", action="store_true", help="do not delete nodes on exit")
     parser.add_argument(
+        "--images", type=Path, default=os.environ.get(INDEX_ENV) or None,
+        help="image mode: run containers in the images of this index (hack/build-images.sh "
+        f"--print-index; default ${INDEX_ENV}); without it, containers run the checkout's Python",
+    )
+    parser.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the parent process dies"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -1103,6 +1291,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(threadName)s: %(message)s",
     )
     logging.getLogger("omnistage.kubeapi.writes").setLevel(logging.WARNING)
+    if args.images and os.geteuid() != 0:
+        parser.error("image mode needs root: it mounts overlays in private mount namespaces")
     labels = dict(item.split("=", 1) for item in args.label)
     runner = PodRunner(
         Kube.from_kubeconfig(args.kubeconfig),
@@ -1112,13 +1302,16 @@ def main(argv: list[str] | None = None) -> int:
         gpus=args.gpus,
         labels=labels,
         keep_nodes=args.keep_nodes,
+        images=LocalImages(args.images) if args.images else None,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     kill_leftovers(runner.state_dir)
     runner.start()
-    print(f"podrunner ready: nodes={','.join(runner.nodes)} cidr={runner.pod_net}", flush=True)
+    mode = f"images from {args.images}" if args.images else "processes (the image is ignored)"
+    print(f"podrunner ready: nodes={','.join(runner.nodes)} cidr={runner.pod_net} mode={mode}",
+          flush=True)
     parent = os.getppid()
     try:
         # A killed test session must not leave pod processes behind: follow the parent.

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -14,7 +15,12 @@ from typing import Any
 
 import pytest
 
-from omnistage.local_runtime import LocalStageRuntime, PlacementError, ReplicaStartupError
+from omnistage.local_runtime import (
+    LocalStageRuntime,
+    PlacementError,
+    ReplicaStartupError,
+    RestartPolicy,
+)
 from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.spec import OmniPipeline, parse_pipeline
 from tests.harness.local import alive
@@ -86,7 +92,8 @@ async def test_two_replicas_ready_publish_membership_and_gone(runtimes, tmp_path
         echo("a", 2, admission={"maxRequests": 7}), echo("b", inputs=["a"], finalOutput=True)
     )
     notes: list[str] = []
-    rt = make(runtimes, p, tmp_path, progress=notes.append)
+    rt = make(runtimes, p, tmp_path, progress=notes.append,
+              restart=RestartPolicy(base=0.2, cap=1.0))
     rt.start()
     name = p.metadata.name
     infos = {r.name: r for r in rt.membership.replicas}
@@ -119,8 +126,19 @@ async def test_two_replicas_ready_publish_membership_and_gone(runtimes, tmp_path
         await asyncio.sleep(0.05)
     gone = [i for i in seen if i.state == "gone"]
     assert [i.name for i in gone] == [f"{name}-a-1"], seen
-    assert f"{name}-a-1" not in {r.name for r in rt.membership.replicas}
-    assert any("exited unexpectedly" in n for n in notes)
+    assert gone[0].endpoint == infos[f"{name}-a-1"].endpoint
+    assert any("exited unexpectedly (code -9)" in n for n in notes)
+    # Supervision starts it again under the same name, as a new process on a new address.
+    for _ in range(400):
+        if seen[-1].name == w.name and seen[-1].state == "ready":
+            break
+        await asyncio.sleep(0.05)
+    back = seen[-1]
+    assert (back.name, back.state) == (w.name, "ready"), seen
+    assert back.endpoint != gone[0].endpoint and rt.pids[w.name] != w.pid
+    assert _state(rt.replicas[w.name].worker.http)["replica_id"] == w.name
+    assert rt.replicas[w.name].restarts == 1 and rt.notes() == []
+    assert any(f"replica {w.name} is back (restart 1" in n for n in notes), notes
 
     pids = list(rt.pids.values())
     rt.shutdown(grace=5)
@@ -234,7 +252,7 @@ async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(runtimes
     from omnistage.orchestrator.requests import PipelineRequest
 
     p = pipeline(echo("a", 2, engine={"echoDelayMs": 1500}, finalOutput=True))
-    rt = make(runtimes, p, tmp_path)
+    rt = make(runtimes, p, tmp_path, restart=RestartPolicy(base=60))  # stays down meanwhile
     rt.start()
     orch = Orchestrator(p, rt.membership)
     await orch.start()
@@ -250,3 +268,45 @@ async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(runtimes
         assert [r["name"] for r in orch.status()["a"]] == [n for n in busy if n != victim]
     finally:
         await orch.stop(5)
+
+
+def test_a_crash_loop_backs_off_and_shows_and_no_restart_leaks(runtimes, tmp_path) -> None:
+    from omnistage.metrics import exposition, new_registry
+    from tests.harness.metrics import sample
+
+    p = pipeline(echo("a", 1, finalOutput=True))
+    notes: list[str] = []
+    policy = RestartPolicy(base=0.3, cap=5.0, stable=60.0)
+    rt = make(runtimes, p, tmp_path, progress=notes.append, restart=policy)
+    rt.start()
+    name = f"{p.metadata.name}-a-0"
+    rep = rt.replicas[name]
+    for crash in (1, 2):
+        pid = rt.pids[name]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while rep.restarts < crash or rep.state != "ready":
+            assert time.monotonic() < deadline, notes[-3:]
+            time.sleep(0.02)
+        assert rt.pids[name] != pid
+    # Two crashes in a row: crash-looping, with the backoff doubled (0.3 s, then 0.6 s).
+    first, second = [n for n in notes if "restarting in" in n]
+    assert "exited unexpectedly (code -9); restarting in 0.3s; log tail" in first, first
+    assert "restarting in 0.6s; crash-looping (2 crashes in a row)" in second, second
+    assert rep.crash_looping
+    text = exposition(new_registry(rt.collector))[0].decode()
+    labels = {"pipeline": p.metadata.name, "stage": "a", "replica": name}
+    assert sample(text, "omnistage_runtime_replica_restarts_total", **labels) == 2
+    assert sample(text, "omnistage_runtime_replica_crash_looping", **labels) == 1
+    assert sample(text, "omnistage_runtime_replica_up", **labels) == 1
+    # While it waits out its backoff, the notes (/readyz under `omnistage serve`) say so.
+    os.kill(rt.pids[name], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not rt.notes():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert "crash-looping: 3 crash(es) in a row, last exit code -9" in rt.notes()[0]
+    text = exposition(new_registry(rt.collector))[0].decode()
+    assert sample(text, "omnistage_runtime_replica_up", **labels) == 0
+    rt.shutdown(grace=5)
+    assert processes_of(p.metadata.name) == []  # no restart outlives the runtime

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,7 @@ from omnistage.procs import WorkerProcess
 from omnistage.spec import parse_pipeline
 from tests.harness.fake_worker import FakeWorker
 from tests.harness.local import free_port
+from tests.harness.metrics import sample
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -390,23 +392,163 @@ async def test_replicas_are_routed_only_after_a_handshake_of_our_version(launch,
         await older.close()
 
 
-async def test_a_restart_at_the_same_address_shows_in_the_heartbeat(launch, start_worker,
-                                                                    caplog) -> None:
+async def test_a_restart_at_the_same_address_fails_the_old_work_at_once(
+        launch, start_worker, caplog) -> None:
+    """kill -9, and a new process at the same address before any heartbeat could tell: the work
+    bound to the old process fails within a second, and none of it reaches the new one."""
+    caplog.set_level(logging.INFO, logger="omnistage.orchestrator")
     pipe = pipeline("inc", [echo("a", final=True)])
     port = free_port()
-    orch, procs, _ = await launch(pipe, {"a": [{"port": port}]}, heartbeat_interval=0.2,
+    # Heartbeats too rare to notice anything during the test: the socket monitor must.
+    orch, procs, _ = await launch(pipe, {"a": [{"port": port}]}, heartbeat_interval=30,
                                   heartbeat_timeout=60)
     replica = orch.pools["a"].replicas["inc-a-0"]
     first = replica.incarnation
     assert first == (await asyncio.to_thread(_state, procs["a"][0]))["incarnation"]
-    procs["a"][0].kill()
+    handles = [orch.submit(PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 20000}}))
+               for i in range(4)]
+    for _ in range(200):
+        if replica.inflight == 4:
+            break
+        await asyncio.sleep(0.02)
+    procs["a"][0].kill()  # blocks the loop until the process is reaped
+    killed = time.monotonic()
+    # The loop has not yet seen the closed connection: this one still goes to the old process,
+    # so ZMQ queues it for whoever listens at the address next.
+    queued = orch.submit(PipelineRequest(prompt="queued", params={"a": {"delay_ms": 20000}}))
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(h.outcome() for h in [*handles, queued])), 5)
+    elapsed = time.monotonic() - killed
+    assert [o.error.code for o in outcomes if o.error] == ["replica_lost"] * 5, outcomes
+    assert elapsed < 1.0, elapsed
+    assert orch.readiness() == (False, "stage 'a' has no ready replica")  # until it answers
     again = await asyncio.to_thread(start_worker, pipe.spec.stage("a"), port=port,
                                     name="inc-a-0")
     second = (await asyncio.to_thread(_state, again))["incarnation"]
-    assert second != first
-    for _ in range(100):
+    for _ in range(200):  # routable again once the new process answered the hello
         if replica.incarnation == second:
             break
         await asyncio.sleep(0.05)
-    assert replica.incarnation == second
-    assert f"replica inc-a-0 restarted: incarnation {first} -> {second}" in caplog.text
+    assert replica.incarnation == second != first
+    _, out = await collect(orch, PipelineRequest(prompt="after"))
+    assert out.status == "ok" and out.children[0].outputs["a"].replica == "inc-a-0"
+    state = await asyncio.to_thread(_state, again)
+    metrics = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(again.http + "/metrics", timeout=5).read().decode())
+    labels = {"stage": "a", "replica": "inc-a-0"}
+    assert sample(metrics, "omnistage_worker_stale_messages_total", **labels) == 1  # "queued"
+    assert sample(metrics, "omnistage_worker_admitted_total", **labels) == 1  # only "after"
+    assert state["in_flight"] == 0
+    assert orch.counters["replica_restarts"] == 1
+    assert f"replica inc-a-0: connection closed: incarnation {first} is gone; failing 5 " \
+           "bound tasks" in caplog.text
+
+
+async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work() -> None:
+    """When no closed connection was seen, a pong naming another incarnation, or a worker
+    refusing a submit as stale, has the same effect: the old work fails with replica_lost,
+    nothing more is sent for it, and the replica is routed to after a new handshake."""
+    stale: list[str] = []
+
+    def on_submit(msg: dict[str, Any]) -> list[Any] | None:
+        if msg["params"].get("prompt") == "refuse":
+            stale.append(msg["incarnation"])
+            return p.encode(p.Error(code="stale_incarnation", id=msg["id"], replica="fake",
+                                    message="the replica restarted"))
+        return None  # stays in flight
+
+    fake = FakeWorker(on_submit=on_submit)
+    pipe = pipeline("pong", [echo("a", final=True)])
+    orch = Orchestrator(pipe, StaticMembership([ReplicaInfo("a", "fake", fake.endpoint)]),
+                        heartbeat_interval=0.1, heartbeat_timeout=60)
+    await orch.start()
+    try:
+        replica = orch.pools["a"].replicas["fake"]
+        first = fake.incarnation
+        assert replica.incarnation == first
+        held = orch.submit(PipelineRequest(prompt="held"))
+        fake.incarnation = "second"  # the next pong says so; the connection never closed
+        out = await asyncio.wait_for(held.outcome(), 5)
+        assert out.error is not None and out.error.code == "replica_lost"
+        assert f"restarted: incarnation {first} -> second" in out.error.message
+        for _ in range(100):  # a hello went out, and its reply made the replica routable
+            if replica.incarnation == "second":
+                break
+            await asyncio.sleep(0.05)
+        assert replica.incarnation == "second"
+        # The submit named the process it was for; nothing more was sent for the lost work
+        # (no abort: the old process is gone).
+        [submit] = [m for m in fake.received if m["t"] in ("submit", "abort")]
+        assert (submit["t"], submit["incarnation"]) == ("submit", first)
+        assert [m["t"] for m in fake.received].count("hello") == 2
+        # A refusal as stale: that request fails, and the replica handshakes again.
+        fake.incarnation = "third"
+        out = await asyncio.wait_for(orch.submit(PipelineRequest(prompt="refuse")).outcome(), 5)
+        assert out.error is not None and out.error.code == "replica_lost"
+        assert stale == ["second"]
+        for _ in range(100):
+            if replica.incarnation == "third":
+                break
+            await asyncio.sleep(0.05)
+        assert replica.incarnation == "third" and orch.counters["replica_restarts"] == 2
+    finally:
+        await orch.stop(drain_timeout=1)
+        await fake.close()
+
+
+# ---- contract gaps: per-child failures, the stage's default deadline -----------------------
+
+
+async def test_generic_route_reports_failures_per_child(launch) -> None:
+    """One failed sample does not fail the request on the generic route (docs/http-api.md);
+    only a request whose every sample failed answers with an HTTP error."""
+    import aiohttp
+
+    from omnistage.orchestrator.http_api import serve_http
+
+    stage = {**echo("a", final=True), "admission": {"maxRequests": 1}}
+    pipe = pipeline("per", [stage])
+    orch, _, _ = await launch(pipe, {"a": [{}]})
+    runner, url = await serve_http(orch, "127.0.0.1", 0)
+    route = f"{url}/v1/pipelines/per/requests"
+    try:
+        async with aiohttp.ClientSession() as http:
+            # Two samples on a replica that admits one request: the second is refused.
+            body = {"prompt": "x", "n": 2, "params": {"a": {"delay_ms": 300}}}
+            async with http.post(route, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                got = await resp.json()
+            assert got["status"] == "ok"
+            assert [c["status"] for c in got["children"]] == ["ok", "request_error"]
+            assert got["children"][0]["outputs"]["a"]["fields"]["text"] == "x"
+            assert got["children"][1]["error"]["code"] == "overloaded"
+            assert got["children"][1]["error"]["stage"] == "a"
+            # A request whose only sample fails is a request-level error, with its status.
+            one = {"prompt": "y", "params": {"a": {"delay_ms": 300}}}
+            statuses = []
+            for coro in asyncio.as_completed([http.post(route, json=one) for _ in range(2)]):
+                async with await coro as resp:
+                    statuses.append(resp.status)
+                    if resp.status == 429:
+                        assert resp.headers["Retry-After"] == "1"
+                        assert (await resp.json())["error"]["code"] == "overloaded"
+            assert sorted(statuses) == [200, 429]
+    finally:
+        await runner.cleanup()
+
+
+async def test_stage_default_deadline_applies_through_the_orchestrator(launch) -> None:
+    stage = {**echo("a", final=True), "admission": {"defaultDeadlineSeconds": 0.5}}
+    pipe = pipeline("dl", [stage])
+    orch, _, _ = await launch(pipe, {"a": [{}]})
+    t0 = time.monotonic()
+    _, out = await collect(orch, PipelineRequest(prompt="x", params={"a": {"delay_ms": 5000}}))
+    elapsed = time.monotonic() - t0
+    assert out.status == "request_error" and out.error is not None
+    assert (out.error.code, out.error.stage) == ("deadline", "a")
+    # The stage's 0.5 s, not the orchestrator's 300 s request bound nor the 5 s of work.
+    assert 0.4 < elapsed < 3.0, elapsed
+    # A request that carries its own deadline is held to that one instead.
+    _, own = await collect(orch, PipelineRequest(prompt="y", timeout_s=20,
+                                                 params={"a": {"delay_ms": 1000}}))
+    assert own.status == "ok", own

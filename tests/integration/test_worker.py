@@ -17,6 +17,7 @@ import pytest
 
 from omnistage import protocol as p
 from omnistage.client import ControlError, ReplicaChannel
+from tests.harness.local import free_port
 from tests.harness.metrics import sample
 
 pytestmark = pytest.mark.timeout(240)
@@ -261,6 +262,43 @@ async def test_handshake_names_the_replica_and_its_incarnation(start_worker, cha
     assert pong.state.incarnation == hello.incarnation and pong.state.replica_id == "one"
     other = await channels(w2).handshake(10)
     assert other.incarnation != hello.incarnation  # another process, another incarnation
+
+
+async def test_a_restart_at_the_same_address_refuses_work_for_the_old_process(
+        start_worker, channels) -> None:
+    port = free_port()
+    w1 = start_worker("echo", name="same", port=port)
+    ch = channels(w1)
+    first = (await ch.handshake(10)).incarnation
+    _, ok = await ch.request("before", {"prompt": "x"}, incarnation=first)
+    assert ok.type == "final"
+    w1.kill()
+    for _ in range(500):  # the socket monitor reports the closed connection
+        if ch.disconnects:
+            break
+        await asyncio.sleep(0.01)
+    assert ch.disconnects == 1
+    # Sent while nobody listens: ZMQ queues it and delivers it to the next process there.
+    stale = ch.submit("stale", {"prompt": "x"}, incarnation=first)
+    w2 = await asyncio.to_thread(start_worker, "echo", name="same", port=port)
+    reply = await asyncio.wait_for(stale.get(), 10)
+    assert isinstance(reply.header, p.Error) and reply.header.code == "stale_incarnation"
+    assert first in reply.header.message
+    second = (await _state(w2))["incarnation"]
+    for _ in range(500):  # the channel handshook again with the new process
+        if ch.peer is not None and ch.peer.incarnation == second:
+            break
+        await asyncio.sleep(0.01)
+    assert ch.peer is not None and ch.peer.incarnation == second != first
+    # An abort for the old process never reaches the request of the same id on the new one.
+    live = ch.submit("live", {"prompt": "y", "delay_ms": 300}, incarnation=second)
+    await _wait_inflight(w2, 1)
+    ch.abort("live", incarnation=first)
+    assert (await asyncio.wait_for(live.get(), 10)).type == "final"
+    _, text = await asyncio.to_thread(_get, w2.http + "/metrics")
+    labels = {"stage": "echo", "replica": "same"}
+    assert sample(text, "omnistage_worker_stale_messages_total", **labels) == 2
+    assert sample(text, "omnistage_worker_admitted_total", **labels) == 1  # only "live" ran
 
 
 async def test_handshake_of_another_version_is_refused(start_worker, channels,

@@ -403,7 +403,8 @@ async def test_serve_orchestrator_starts_and_drains_on_stop() -> None:
     stop = asyncio.Event()
     urls: list[str] = []
     task = asyncio.create_task(serve_orchestrator(
-        pipeline, StaticMembership(), "127.0.0.1", 0, stop=stop, on_ready=urls.append))
+        pipeline, StaticMembership(), "127.0.0.1", 0, stop=stop, on_ready=urls.append,
+        shutdown_delay=0))
     await until(lambda: bool(urls) or task.done(), 10)
     assert urls and urls[0].startswith("http://127.0.0.1:")
     stop.set()

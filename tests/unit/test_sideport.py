@@ -118,3 +118,49 @@ async def test_cleanup_closes_the_port(runners: Started) -> None:
     with pytest.raises(aiohttp.ClientConnectionError):
         await _get(url + "/livez")
 
+
+
+async def test_close_gracefully_answers_connections_still_in_the_accept_queue() -> None:
+    """A busy event loop leaves new connections in the kernel's accept queue; closing the
+    listener would reset them after the client sent its request. close_gracefully takes them in
+    and answers them first."""
+    import threading
+    import time
+
+    from omnistage.sideport import close_gracefully
+
+    async def hello(_: web.Request) -> web.Response:
+        response = web.Response(text="answered")
+        response.force_close()  # as a shutting-down server does: the client reconnects elsewhere
+        return response
+
+    app = web.Application()
+    app.add_routes([web.get("/", hello)])
+    runner, url = await serve_app(app, "127.0.0.1", 0)
+    port = int(url.rsplit(":", 1)[1])
+    replies: list[bytes | str] = []
+    connected = threading.Event()
+
+    def client() -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                connected.set()
+                data = b""
+                while chunk := sock.recv(4096):
+                    data += chunk
+                replies.append(data)
+        except OSError as exc:
+            replies.append(repr(exc))
+        finally:
+            connected.set()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    assert connected.wait(10)
+    time.sleep(0.2)  # the loop is blocked: the connection waits in the accept queue
+    await close_gracefully(runner)
+    thread.join(10)
+    [reply] = replies
+    assert isinstance(reply, bytes) and reply.startswith(b"HTTP/1.1 200"), reply
+    assert reply.endswith(b"answered")

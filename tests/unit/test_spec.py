@@ -19,8 +19,12 @@ from omnistage.spec import (
     MAX_STAGES,
     OmniPipeline,
     SpecError,
+    engine_for_kind,
+    image_error,
     load_pipeline,
     parse_pipeline,
+    parse_stagepool,
+    validate_manifest,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,8 +187,16 @@ def test_live_object_metadata_and_status_are_tolerated() -> None:
     assert pipeline.to_manifest()["metadata"]["resourceVersion"] == "42"
 
 
-def test_snake_case_names_are_accepted() -> None:
+def test_snake_case_keys_are_refused_with_the_camel_case_name() -> None:
+    """One choice for both paths: the API server knows only camelCase, so neither does serve."""
     doc = manifest(stage("a", "ar", final_output=True, drain_timeout_seconds=5))
+    message = errors_of(doc)
+    assert (
+        "spec.stages[0].final_output: unknown field 'final_output' (did you mean 'finalOutput'? "
+        "keys are camelCase)"
+    ) in message
+    assert "spec.stages[0].drain_timeout_seconds: unknown field" in message
+    doc = manifest(stage("a", "ar", finalOutput=True, drainTimeoutSeconds=5))
     assert parse_pipeline(doc).spec.stage("a").drain_timeout_seconds == 5
 
 
@@ -373,7 +385,7 @@ def test_bad_toleration_and_api_entries() -> None:
     doc["spec"]["orchestrator"] = {"api": ["chat", "chat"]}
     message = errors_of(doc)
     assert "spec.stages[0].placement.tolerations[0].operator: invalid value 'Sometimes'" in message
-    assert "spec.orchestrator.api: duplicate entry 'chat'" in message
+    assert "spec.orchestrator.api[1]: duplicate entry 'chat'" in message
 
 
 # --------------------------------------------------------------------------- graph errors
@@ -381,12 +393,12 @@ def test_bad_toleration_and_api_entries() -> None:
 
 def test_duplicate_stage_names() -> None:
     doc = manifest(stage("a"), stage("a", finalOutput=True))
-    assert "spec.stages[1].name: duplicate stage name 'a' (also stages[0])" in errors_of(doc)
+    assert "spec.stages[1]: duplicate stage name 'a' (also stages[0])" in errors_of(doc)
 
 
 def test_unknown_input() -> None:
     doc = manifest(stage("a"), stage("b", inputs=["a", "ghost"], finalOutput=True))
-    assert "spec.stages[1].inputs[1]: unknown stage 'ghost' (stages: a, b)" in errors_of(doc)
+    assert "spec.stages[1].inputs[1]: unknown stage 'ghost'" in errors_of(doc)
 
 
 def test_self_reference() -> None:
@@ -456,7 +468,7 @@ def test_all_graph_errors_reported_at_once() -> None:
     with pytest.raises(SpecError) as info:
         parse_pipeline(doc)
     paths = [path for path, _ in info.value.errors]
-    assert "spec.stages[1].name" in paths and "spec.stages[0].inputs[0]" in paths
+    assert "spec.stages[1]" in paths and "spec.stages[0].inputs[0]" in paths
     assert len(str(info.value).splitlines()) == len(info.value.errors)
 
 
@@ -528,3 +540,161 @@ def test_spec_error_pickles() -> None:
     err = SpecError([("spec.stages", "boom")], source="p.yaml")
     again = pickle.loads(pickle.dumps(err))
     assert again.errors == [("spec.stages", "boom")] and str(again) == "p.yaml: spec.stages: boom"
+
+
+# --------------------------------------------------------------------------- strict parsing
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("replicas", "3", "spec.stages[0].replicas: must be an integer (got str '3')"),
+        ("finalOutput", "true", "spec.stages[0].finalOutput: must be a boolean (got str 'true')"),
+        ("drainTimeoutSeconds", 1.5, "spec.stages[0].drainTimeoutSeconds: must be an integer"),
+        ("replicas", True, "spec.stages[0].replicas: must be an integer (got bool True)"),
+    ],
+)
+def test_no_coercion_matching_the_api_servers_typing(field: str, value: Any, expected: str) -> None:
+    doc = manifest(stage("a", finalOutput=True))
+    doc["spec"]["stages"][0][field] = value
+    assert expected in errors_of(doc)
+
+
+def test_integers_are_numbers_and_quantities_take_integers() -> None:
+    doc = manifest(stage("a", finalOutput=True, admission={"defaultDeadlineSeconds": 5},
+                         resources={"cpu": 2}))
+    stage_a = parse_pipeline(doc).spec.stage("a")
+    assert stage_a.admission.default_deadline_seconds == 5.0 and stage_a.resources.cpu == "2"
+    doc["spec"]["stages"][0]["resources"] = {"cpu": 0.5}
+    assert "spec.stages[0].resources.cpu: must be a string (got float 0.5)" in errors_of(doc)
+
+
+def test_unknown_metadata_keys_are_refused_but_server_fields_pass() -> None:
+    doc = chain()
+    doc["metadata"]["lables"] = {"team": "ml"}
+    assert "metadata.lables: unknown field 'lables' (did you mean 'labels'?)" in errors_of(doc)
+    doc = chain()
+    doc["metadata"].update(finalizers=["x"], ownerReferences=[{"uid": "1"}],
+                           deletionTimestamp="2026-01-01T00:00:00Z", selfLink="/x",
+                           deletionGracePeriodSeconds=30, generateName="demo-")
+    assert parse_pipeline(doc).metadata.finalizers == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("labels", "expected"),
+    [
+        ({"team name": "ml"}, "invalid label key 'team name'"),
+        ({"Example.com/x": "y"}, "the prefix before '/' must be a DNS subdomain"),
+        ({"team": "-ml"}, "invalid label value '-ml' for 'team'"),
+        ({"team": "x" * 64}, "invalid label value"),
+    ],
+)
+def test_label_syntax(labels: dict[str, str], expected: str) -> None:
+    doc = chain()
+    doc["metadata"]["labels"] = labels
+    message = errors_of(doc)
+    assert message.startswith("metadata.labels: ") and expected in message
+
+
+def test_valid_labels_and_annotations() -> None:
+    doc = chain()
+    doc["metadata"]["labels"] = {"app.kubernetes.io/name": "demo", "empty": ""}
+    doc["metadata"]["annotations"] = {"example.com/note": "anything at all: 1 2 3"}
+    assert parse_pipeline(doc).metadata.labels["empty"] == ""
+
+
+def test_map_keys_appear_as_fields_in_paths() -> None:
+    doc = manifest(stage("a", finalOutput=True, placement={"nodeSelector": {"gpus": 8}}))
+    assert "spec.stages[0].placement.nodeSelector.gpus: must be a string" in errors_of(doc)
+
+
+# --------------------------------------------------------------------------- images
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "ubuntu",
+        "library/ubuntu:22.04",
+        "ghcr.io/omnistage/omnistage:0.1.0",
+        "localhost:5000/a/b_c__d-e.f:v1.2-rc_3",
+        "registry.example.com:443/team/img@sha256:" + "a" * 64,
+        "quay.io/x/y:1@sha256:" + "0" * 64,
+        "[::1]:5000/img",
+    ],
+)
+def test_image_references_that_are_valid(image: str) -> None:
+    assert image_error(image) is None
+    assert parse_pipeline(manifest(stage("a", finalOutput=True), image=image))
+
+
+@pytest.mark.parametrize(
+    ("image", "expected"),
+    [
+        ("", "an image is required: [registry[:port]/]name[:tag][@digest]"),
+        ("https://ghcr.io/x/y:1", "an image reference has no scheme: write 'ghcr.io/x/y:1'"),
+        ("ghcr.io/Org/img", "not a container image reference (got 'ghcr.io/Org/img')"),
+        ("img:bad+tag", "not a container image reference"),
+        ("img@sha256:short", "not a container image reference"),
+        ("img:", "not a container image reference"),
+    ],
+)
+def test_image_references_that_are_not(image: str, expected: str) -> None:
+    message = errors_of(manifest(stage("a", finalOutput=True), image=image))
+    assert message.startswith("spec.image: ") and expected in message
+
+
+# --------------------------------------------------------------------------- StagePool
+
+
+def pool_doc(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION, "kind": "StagePool", "metadata": {"name": "demo-a"},
+        "spec": {"pipeline": "demo", "stage": {"name": "a", "kind": "echo"}, "replicas": 2,
+                 "image": DEFAULT_IMAGE, **spec},
+    }
+
+
+def test_stagepool_parses_and_checks_its_name_and_image() -> None:
+    pool = parse_stagepool(pool_doc())
+    assert pool.spec.replicas == 2 and pool.spec.stage.kind == "echo"
+    wrong = pool_doc()
+    wrong["metadata"]["name"] = "other"
+    with pytest.raises(SpecError) as info:
+        validate_manifest(wrong)
+    assert info.value.errors == [
+        ("metadata.name",
+         "a StagePool is named <pipeline>-<stage>: expected 'demo-a' (got 'other')")]
+    with pytest.raises(SpecError, match=r"spec\.image: an image is required"):
+        validate_manifest(pool_doc(image=""))
+    with pytest.raises(SpecError, match=r"spec\.stage\.model: echo stages take no model"):
+        validate_manifest(pool_doc(stage={"name": "a", "kind": "echo", "model": "tiny-unet"}))
+
+
+def test_validate_manifest_dispatches_on_kind_and_checks_updates() -> None:
+    assert isinstance(validate_manifest(chain()), OmniPipeline)
+    with pytest.raises(SpecError, match="kind: invalid value 'Pipeline' "
+                                        r"\(expected 'OmniPipeline' or 'StagePool'\)"):
+        validate_manifest({**chain(), "kind": "Pipeline"})
+    with pytest.raises(SpecError, match="kind: required field is missing"):
+        validate_manifest({"spec": {}})
+    old = pool_doc()
+    new = pool_doc(pipeline="other", stage={"name": "a", "kind": "ar", "model": "tiny-llama"})
+    with pytest.raises(SpecError) as info:
+        validate_manifest(new, old=old)
+    paths = [p for p, _ in info.value.errors]
+    assert paths[:2] == ["spec.pipeline", "spec.stage.kind"] and "metadata.name" in paths
+
+
+# --------------------------------------------------------------------------- engine by kind
+
+
+def test_a_pool_stores_only_the_engine_options_of_its_kind() -> None:
+    stages = parse_pipeline(chain()).spec
+    ar = engine_for_kind(stages.stage("a").engine, "ar")
+    assert {"dtype", "maxTokens", "temperature", "returnHiddenStates", "seed"} <= set(ar)
+    assert not {"height", "numInferenceSteps", "echoDelayMs"} & set(ar)
+    diffusion = engine_for_kind(stages.stage("c").engine, "diffusion")
+    assert "height" in diffusion and "maxTokens" not in diffusion
+    echo = engine_for_kind(stages.stage("b").engine, "echo")
+    assert echo["echoDelayMs"] == 0 and not {"dtype", "maxTokens", "height"} & set(echo)

@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -63,6 +63,7 @@ class _Task:
     stage: str
     companion: bool = False
     replica: Replica | None = None
+    incarnation: str | None = None  # the replica's process it was sent to
     tried: set[str] = field(default_factory=set)
 
 
@@ -128,12 +129,17 @@ class Orchestrator:
         *,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 3.0,
+        notes: Callable[[], Sequence[str]] | None = None,
     ) -> None:
+        """notes() adds lines to /readyz's reason, for what the placement knows and the
+        orchestrator cannot (a local replica crash-looping)."""
         self.pipeline = pipeline
         self.spec = pipeline.spec
         self.name = pipeline.metadata.name
         self.membership = membership
         self.kinds = {s.name: s.kind for s in self.spec.stages}
+        self.default_deadlines = {
+            s.name: float(s.admission.default_deadline_seconds) for s in self.spec.stages}
         self.inputs = {s.name: list(s.inputs) for s in self.spec.stages}
         self.topo = self.spec.topo_order()
         self.pools = {s.name: StagePool(s.name) for s in self.spec.stages}
@@ -141,12 +147,14 @@ class Orchestrator:
         self.tasks: dict[str, _Task] = {}
         self.suspects: dict[str, ReplicaInfo] = {}  # lost to heartbeats, still in membership
         self.accepting = False
+        self.notes = notes or (lambda: ())
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.counters: dict[str, float] = {
             "late_messages": 0,
             "late_aborts": 0,
             "replicas_lost": 0,
+            "replica_restarts": 0,
             "latency_sum": 0.0,
         }
         self.outcomes: dict[str, int] = {}
@@ -241,6 +249,7 @@ class Orchestrator:
         replica.channel = ReplicaChannel(
             info.endpoint, name=info.name, zctx=self._zctx,
             on_message=partial(self._on_message, replica),
+            on_disconnect=partial(self._on_disconnect, replica),
         )
         pool.replicas[info.name] = replica
         replica.handshake = self._in_background(self._handshake(replica))
@@ -266,18 +275,53 @@ class Orchestrator:
         log.info("replica %s: handshake done (protocol %d, incarnation %s)", replica.name,
                  hello.version, hello.incarnation)
 
-    def _on_pong(self, replica: Replica, pong: p.Pong) -> None:
-        """Heartbeats carry the incarnation: a different one is a restart at the same address.
+    # A replica's identity is (name, incarnation): a process restarted at the same address is
+    # a new incarnation, and the work bound to the old one is lost with it. Three signs, the
+    # first one seen wins: the connection closes (at once, from the socket monitor), a pong or
+    # hello_reply names another incarnation, or the worker refuses a submit meant for the old
+    # one (stale_incarnation). The replica is routed to again once the new process has
+    # answered a hello.
 
-        Work bound to the old incarnation is lost with it; failing that work at once belongs
-        here (see DESIGN: replica identity is (replica id, incarnation)). For now it is only
-        logged, once, and the replica is bound to the new process.
-        """
+    def _on_disconnect(self, replica: Replica) -> None:
+        if replica.alive and replica.incarnation is not None:
+            self._restarted(replica, f"connection closed: incarnation {replica.incarnation} "
+                                     "is gone")
+
+    def _on_pong(self, replica: Replica, pong: p.Pong) -> None:
         new = pong.state.incarnation
         if replica.incarnation is not None and new != replica.incarnation:
-            log.warning("replica %s restarted: incarnation %s -> %s; %d tasks were bound to the "
-                        "old process", replica.name, replica.incarnation, new, len(replica.bound))
-            replica.incarnation = new
+            self._restarted(replica, f"restarted: incarnation {replica.incarnation} -> {new}")
+            replica.channel.send(p.Hello(version=p.PROTOCOL_VERSION))
+
+    def _on_hello(self, replica: Replica, hello: p.HelloReply | p.Error) -> None:
+        """A handshake after a reconnect: the new process may be routed to."""
+        if not replica.alive:
+            return
+        if isinstance(hello, p.Error) or hello.version != p.PROTOCOL_VERSION:
+            why = (f"{hello.code}: {hello.message}" if isinstance(hello, p.Error)
+                   else f"it speaks protocol version {hello.version}")
+            replica.refused = f"replica {replica.name} refused the handshake after a restart: {why}"
+            log.error("not routing to replica %s: %s", replica.name, replica.refused)
+            if replica.incarnation is not None:
+                self._restarted(replica, "restarted with another protocol version")
+            return
+        if replica.incarnation is not None and hello.incarnation != replica.incarnation:
+            self._restarted(replica, f"restarted: incarnation {replica.incarnation} -> "
+                                     f"{hello.incarnation}")
+        if replica.incarnation is None:
+            replica.incarnation = hello.incarnation
+            replica.refused = ""
+            log.info("replica %s: handshake done (incarnation %s); routable again",
+                     replica.name, hello.incarnation)
+
+    def _restarted(self, replica: Replica, reason: str) -> None:
+        """The process behind a replica is gone: fail the work bound to it at once and route
+        nothing more to the replica until the next process answers a hello."""
+        self.counters["replica_restarts"] += 1
+        log.warning("replica %s: %s; failing %d bound tasks", replica.name, reason,
+                    len(replica.bound))
+        replica.incarnation = None
+        self._fail_bound(replica, reason)
 
     def _in_background(self, coro: Any) -> asyncio.Task[None]:
         """Run a task that stop() cancels and waits for."""
@@ -302,6 +346,11 @@ class Orchestrator:
         self.pools[replica.info.stage].remove(replica.name)
         log.warning("replica %s lost (%s): failing %d bound tasks", replica.name, reason,
                     len(replica.bound))
+        self._fail_bound(replica, reason)
+        self._in_background(replica.channel.close())
+
+    def _fail_bound(self, replica: Replica, reason: str) -> None:
+        """Fail exactly the tasks bound to a replica, each child once, with replica_lost."""
         for task in list(replica.bound):
             self._detach(task)
             child = task.child
@@ -316,7 +365,6 @@ class Orchestrator:
                     f"replica {replica.name} of stage {task.stage} was lost: {reason}",
                     task.stage,
                 ))
-        self._in_background(replica.channel.close())
 
     async def _probe(self, info: ReplicaInfo) -> None:
         channel = ReplicaChannel(info.endpoint, name=f"probe-{info.name}", zctx=self._zctx)
@@ -442,7 +490,12 @@ class Orchestrator:
             self._fail_child(child, RequestError("deadline", "request deadline passed",
                                                  task.stage))
             return
-        submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining)
+        if request.req.timeout_s is None:
+            # No deadline of the client's own: the stage's default applies to this stage, within
+            # the orchestrator's bound on the whole request.
+            remaining = min(remaining, self.default_deadlines[task.stage])
+        submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining,
+                          incarnation=replica.incarnation)
         try:
             replica.channel.send(submit, self._tensors(task))
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
@@ -455,6 +508,7 @@ class Orchestrator:
                 "stage_failed", f"could not send to {replica.name}: {exc}", task.stage))
             return
         task.replica = replica
+        task.incarnation = replica.incarnation
         replica.inflight += 1
         replica.served += 1
         replica.bound.add(task)
@@ -511,6 +565,9 @@ class Orchestrator:
         h = msg.header
         if isinstance(h, p.Pong):
             return self._on_pong(replica, h)
+        if isinstance(h, p.HelloReply) or (isinstance(h, p.Error) and h.id is None
+                                           and h.cid is None):
+            return self._on_hello(replica, h)
         task = self.tasks.get(getattr(h, "id", None) or "")
         if task is None or task.replica is not replica:
             self.counters["late_messages"] += 1
@@ -560,6 +617,14 @@ class Orchestrator:
             case p.Overloaded(message=message, retry_after=retry_after):
                 self._fail_child(child, RequestError(
                     "overloaded", f"stage {stage}: {message}", stage, retry_after=retry_after))
+            case p.Error(code="stale_incarnation", message=message):
+                # Sent before we saw the restart; the new process refused to run it.
+                if replica is not None and replica.incarnation == task.incarnation:
+                    self._restarted(replica, "refused a request for its previous incarnation")
+                    replica.channel.send(p.Hello(version=p.PROTOCOL_VERSION))
+                self._fail_child(child, RequestError(
+                    "replica_lost", f"replica {replica.name if replica else '?'} of stage "
+                    f"{stage} restarted: {message}", stage))
             case p.Deadline(message=message):
                 self._fail_child(child, RequestError(
                     "deadline", f"stage {stage}: {message}", stage))
@@ -603,7 +668,8 @@ class Orchestrator:
             self._detach(task)
             if task.replica is not None and task.replica.alive:
                 with contextlib.suppress(Exception):
-                    task.replica.channel.send(p.Abort(id=task.wire_id))
+                    task.replica.channel.send(p.Abort(id=task.wire_id,
+                                                      incarnation=task.incarnation))
         child.outcome = ChildOutcome(child.index, error.kind, dict(child.outputs), error)  # type: ignore[arg-type]
         self._child_terminal(child)
 
@@ -613,10 +679,12 @@ class Orchestrator:
             return
         outcomes = [c.outcome for c in request.children if c.outcome is not None]
         errors = [o for o in outcomes if o.status in (REQUEST_ERROR, FATAL)]
-        if errors:
+        if len(errors) == len(outcomes):
+            # Every sample failed, so did the request: with the first sample's error. When only
+            # some failed, the request succeeded and each failed child carries its own error.
             first = errors[0]
             status, error = first.status, first.error
-        elif all(o.status == ABORT for o in outcomes):
+        elif all(o.status in (ABORT, REQUEST_ERROR, FATAL) for o in outcomes):
             status, error = ABORT, None
         else:
             status, error = OK, None
@@ -662,7 +730,8 @@ class Orchestrator:
             for task in list(child.running.values()):
                 if task.replica is not None:
                     with contextlib.suppress(Exception):
-                        task.replica.channel.send(p.Abort(id=task.wire_id))
+                        task.replica.channel.send(p.Abort(id=task.wire_id,
+                                                          incarnation=task.incarnation))
 
     # ---- control RPCs ----------------------------------------------------------------------
 
@@ -699,10 +768,11 @@ class Orchestrator:
     def readiness(self) -> tuple[bool, str]:
         if not self.accepting:
             return False, "not accepting requests"
+        notes = "".join(f"; {note}" for note in self.notes())
         for stage in self.topo:
             if not self.pools[stage].routable():
-                return False, f"stage {stage!r} has no ready replica"
-        return True, "ready"
+                return False, f"stage {stage!r} has no ready replica{notes}"
+        return True, f"ready{notes}"
 
     def status(self) -> dict[str, Any]:
         return {

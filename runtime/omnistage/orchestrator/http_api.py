@@ -413,6 +413,7 @@ class HttpApi:
         self.name = self.pipeline.metadata.name
         self.metrics = HttpMetrics(orch.registry)
         self.disconnect_poll_s = disconnect_poll_s
+        self.closing = False  # shutdown began: /readyz fails, every response says Connection: close
         self.started = int(time.time())
         table = list(routes)
         self.served = [r for r in table if r.surface is None or r.surface in self.apis]
@@ -626,9 +627,21 @@ class HttpApi:
 
     def readiness(self) -> tuple[bool, str]:
         """/readyz: fails first when shutdown begins, so endpoints stop sending traffic."""
-        if not self.orch.accepting:
+        if self.closing or not self.orch.accepting:
             return False, "shutting down"
         return self.orch.readiness()
+
+    def begin_shutdown(self) -> None:
+        """From now on /readyz fails and every response carries `Connection: close`, so
+        keep-alive clients open their next connection elsewhere; requests are still served
+        until the orchestrator stops admitting."""
+        self.closing = True
+
+    async def _on_response_prepare(self, _request: web.Request,
+                                   response: web.StreamResponse) -> None:
+        if self.closing:
+            response.force_close()  # close the connection after this response...
+            response.headers["Connection"] = "close"  # ...and say so (the hook runs late)
 
     def routes(self) -> list[web.RouteDef]:
         """The table's routes, except the ops routes that omnistage.sideport serves."""
@@ -651,6 +664,7 @@ def build_app(orch: OrchestratorLike, *,
     api = HttpApi(orch, disconnect_poll_s=disconnect_poll_s, routes=routes)
     app = web.Application(middlewares=[api.middleware], client_max_size=MAX_BODY_BYTES)
     app[API_KEY] = api
+    app.on_response_prepare.append(api._on_response_prepare)
     app.add_routes(api.routes())
     add_ops_routes(app, readiness=api.readiness, registry=orch.registry)
     return app

@@ -6,9 +6,14 @@ static list. The pipeline comes from a file or, in the operator's Deployment, fr
 OMNISTAGE_PIPELINE environment variable (the resolved manifest as JSON).
 
 serve_orchestrator is the one orchestrator lifecycle; `omnistage serve` runs it too, over the
-local runtime's membership. Shutdown order on SIGTERM/SIGINT: stop admitting and drain in-flight
-requests, then close the HTTP listener, then the membership watch. Repeated signals while
-draining are ignored, so a second SIGTERM from the kubelet does not cut requests short.
+local runtime's membership. Shutdown on SIGTERM/SIGINT refuses nothing a load balancer could have
+sent elsewhere:
+1. /readyz fails at once, every response from now on carries `Connection: close`, and requests
+   are still admitted for the shutdown delay, so endpoints drop this instance first;
+2. then it stops admitting (503 shutting_down) and drains in-flight requests;
+3. the HTTP listener closes only when none is left (or at the drain timeout), after taking in
+   the connections the kernel already accepted; then the membership watch stops.
+Repeated signals are ignored, so a second SIGTERM from the kubelet does not cut anything short.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from prometheus_client.registry import Collector
 
 from omnistage import kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
@@ -87,8 +94,25 @@ def make_membership(
                                 zmq_port=zmq_port)
 
 
-def _drain_timeout(pipeline: OmniPipeline) -> float:
+def drain_timeout(pipeline: OmniPipeline) -> float:
+    """How long a stopping orchestrator waits for its in-flight requests: the longest stage
+    drain timeout (a request cannot outlive the replicas' own drains)."""
     return float(max((s.drain_timeout_seconds for s in pipeline.spec.stages), default=30))
+
+
+CLOSE_MARGIN_SECONDS = 5.0
+"""Time after the drain for the last responses to be written and the listener to close."""
+
+
+def shutdown_seconds(pipeline: OmniPipeline, shutdown_delay: float | None = None) -> float:
+    """The longest an orchestrator takes from SIGTERM to exit: shutdown delay, drain, close.
+
+    A pod's terminationGracePeriodSeconds must cover it, or the kubelet's SIGKILL cuts the
+    drain short.
+    """
+    delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
+             else shutdown_delay)
+    return delay + drain_timeout(pipeline) + CLOSE_MARGIN_SECONDS
 
 
 def api_routes(pipeline: OmniPipeline) -> list[str]:
@@ -111,17 +135,25 @@ async def serve_orchestrator(
     ignore_late_signals: bool = False,
     say: Say | None = None,
     started: float | None = None,
+    shutdown_delay: float | None = None,
+    notes: Callable[[], Sequence[str]] | None = None,
+    collectors: Sequence[Collector] = (),
 ) -> int:
-    """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then drain; returns 0.
+    """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
+    the module docstring says; returns 0.
 
-    port None means spec.orchestrator.port. say(msg) hears every progress line (default: the
-    log); started (a time.monotonic() value) dates the "ready" line. on_ready(url) is called
-    once the API listens (tests use it to learn the bound port). ignore_late_signals (the CLI)
-    keeps signals harmless until the process has exited; otherwise the previous handlers come
-    back (an embedding program keeps its own). Raises ApiBindError if the API cannot listen.
+    port None means spec.orchestrator.port, shutdown_delay None its shutdownDelaySeconds.
+    say(msg) hears every progress line (default: the log); started (a time.monotonic() value)
+    dates the "ready" line. on_ready(url) is called once the API listens (tests use it to learn
+    the bound port). ignore_late_signals (the CLI) keeps signals harmless until the process has
+    exited; otherwise the previous handlers come back (an embedding program keeps its own).
+    notes and collectors come from the placement (`omnistage serve`'s supervised replicas):
+    notes() lines join /readyz's reason, and the collectors' metrics /metrics.
+    Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
-    from omnistage.orchestrator.http_api import serve_http
+    from omnistage.orchestrator.http_api import API_KEY, serve_http
+    from omnistage.sideport import close_gracefully
 
     say = say or log.info
     t0 = time.monotonic() if started is None else started
@@ -147,10 +179,14 @@ async def serve_orchestrator(
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (tests): `stop` is the only way out
     api_port = pipeline.spec.orchestrator.port if port is None else port
-    orch = Orchestrator(pipeline, membership)
+    delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
+             else shutdown_delay)
+    orch = Orchestrator(pipeline, membership, notes=notes)
+    for collector in collectors:
+        orch.registry.register(collector)
     runner: Any = None
-    started_ok = False
-    drain = _drain_timeout(pipeline)
+    started_ok = serving = False
+    drain = drain_timeout(pipeline)
     try:
         await orch.start()
         started_ok = True
@@ -169,14 +205,22 @@ async def serve_orchestrator(
                 f"({replicas} replicas, {time.monotonic() - t0:.1f}s)")
         else:  # e.g. a stage with replicas: 0; keep serving, /readyz says the same
             say(f"pipeline {name} is serving at {url} but NOT ready: {reason}")
+        serving = True
         await stop.wait()
     finally:
         stop.set()  # from here on every signal is "already shutting down"
+        if runner is not None:
+            runner.app[API_KEY].begin_shutdown()
+        if serving and delay > 0:
+            say(f"orchestrator: /readyz fails now; still serving for {delay:g}s "
+                "(shutdown delay) so endpoints drop this instance")
+            await asyncio.sleep(delay)
         if started_ok:
             say(f"orchestrator: stopped admitting, draining (up to {drain:.0f}s)")
             await orch.stop(drain)
         if runner is not None:
-            await runner.cleanup()
+            await close_gracefully(runner)
+            say("orchestrator: drained; HTTP listener closed")
         await membership.stop()  # idempotent; covers a failed orch.start()
         for sig in installed:
             loop.remove_signal_handler(sig)
@@ -202,8 +246,12 @@ def run_orchestrator(
     port: int | None,
     replicas: Sequence[str] = (),
     zmq_port: int = kube.WORKER_ZMQ_PORT,
+    shutdown_delay: float | None = None,
 ) -> int:
-    """The `omnistage orchestrator` command; returns the process exit status."""
+    """The `omnistage orchestrator` command; returns the process exit status.
+
+    shutdown_delay None means the pipeline's spec.orchestrator.shutdownDelaySeconds.
+    """
     try:
         pipeline = read_pipeline(pipeline_file)
         members = make_membership(membership, pipeline, namespace=namespace,
@@ -220,7 +268,8 @@ def run_orchestrator(
     bind = host or os.environ.get("POD_IP") or "127.0.0.1"
     try:
         return asyncio.run(serve_orchestrator(pipeline, members, bind, port,
-                                              ignore_late_signals=True))
+                                              ignore_late_signals=True,
+                                              shutdown_delay=shutdown_delay))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
@@ -230,9 +279,11 @@ __all__ = [
     "ApiBindError",
     "UsageError",
     "api_routes",
+    "drain_timeout",
     "make_membership",
     "parse_replica",
     "read_pipeline",
     "run_orchestrator",
     "serve_orchestrator",
+    "shutdown_seconds",
 ]

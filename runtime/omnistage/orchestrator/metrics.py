@@ -52,6 +52,10 @@ class OrchestratorCollector:
                      "Aborts for finished requests, dropped", common, [((), c["late_aborts"])])
         yield family(counter, "omnistage_orchestrator_replicas_lost_total",
                      "Replicas declared lost", common, [((), c["replicas_lost"])])
+        yield family(counter, "omnistage_orchestrator_replica_restarts_total",
+                     "Replica processes seen gone (connection closed or a new incarnation); "
+                     "the work bound to each failed at once", common,
+                     [((), c["replica_restarts"])])
         yield summary("omnistage_orchestrator_request_seconds",
                       "Request latency, admission to terminal outcome", common,
                       sum(self.outcomes.values()), c["latency_sum"])

@@ -22,7 +22,6 @@ class Replica:
     inflight: int = 0
     alive: bool = True
     last_seen: float = field(default_factory=time.monotonic)
-    ping_outstanding: bool = False
     bound: set[Any] = field(default_factory=set)  # tasks currently on this replica
     served: int = 0
     handshake: Any = None  # the asyncio.Task awaiting the hello reply

@@ -52,6 +52,9 @@ class WorkerCollector:
                               (("draining",), c["rejected_draining"])], ["reason"])
         yield family(counter, "omnistage_worker_malformed_messages_total",
                      "Frames that failed to parse", common, [((), c["malformed"])])
+        yield family(counter, "omnistage_worker_stale_messages_total",
+                     "Submits and aborts for a previous process at this address, refused",
+                     common, [((), c["stale_messages"])])
         yield family(counter, "omnistage_worker_replies_total", "Terminal replies, by type",
                      common, [((kind,), n) for kind, n in sorted(self.outcomes.items())],
                      ["type"])

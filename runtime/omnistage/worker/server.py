@@ -81,6 +81,7 @@ class StageWorker:
             "rejected_draining": 0,
             "malformed": 0,
             "late_aborts": 0,
+            "stale_messages": 0,
         }
         self.outcomes: dict[str, int] = {}
         self.registry = new_registry(WorkerCollector(
@@ -243,7 +244,10 @@ class StageWorker:
         match msg.header:
             case p.Submit() as submit:
                 self._submit(ident, submit, msg.tensors)
-            case p.Abort(id=rid):
+            case p.Abort(id=rid, incarnation=incarnation):
+                if incarnation is not None and incarnation != self.incarnation:
+                    self.counters["stale_messages"] += 1  # meant for a previous process
+                    return
                 req = self.requests.get((ident, rid))
                 if req is None:
                     self.counters["late_aborts"] += 1
@@ -275,6 +279,14 @@ class StageWorker:
 
     def _submit(self, ident: bytes, msg: p.Submit, tensors: dict[str, p.WireTensor]) -> None:
         rid, replica = msg.id, self.cfg.replica_id
+        if msg.incarnation is not None and msg.incarnation != self.incarnation:
+            # Bound to a previous process at this address (sent before the client saw the
+            # restart): never run it here.
+            self.counters["stale_messages"] += 1
+            return self._reply(ident, p.Error(
+                code="stale_incarnation", id=rid, replica=replica,
+                message=f"request was for incarnation {msg.incarnation} of replica {replica}; "
+                        f"this process is {self.incarnation} (the replica restarted)"))
         if self.draining:
             self.counters["rejected_draining"] += 1
             return self._reply(ident, p.Draining(id=rid, replica=replica,

@@ -1,0 +1,124 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "omnistage.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* <release>-operator, e.g. omnistage-operator for `helm install omnistage ...`. */}}
+{{- define "omnistage.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "omnistage.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "omnistage.name" . }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "omnistage.labels" -}}
+{{ include "omnistage.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: omnistage
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "omnistage.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "omnistage.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "omnistage.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "omnistage.webhookService" -}}
+{{- printf "%s-webhook" (include "omnistage.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "omnistage.webhookCertSecret" -}}
+{{- printf "%s-webhook-tls" (include "omnistage.fullname" .) -}}
+{{- end -}}
+
+{{- define "omnistage.leaseName" -}}
+{{- default (include "omnistage.fullname" .) .Values.leaderElection.leaseName -}}
+{{- end -}}
+
+{{- /*
+Least privilege: one rule per thing the operator manages, and why. It reads through list+watch
+caches (never a plain get) and leaves deleting its children to the garbage collector (they carry
+ownerReferences); it deletes only replica Pods and StagePools itself. tests/e2e/test_chart_rbac.py
+runs the operator with exactly this ServiceAccount and fails on any 403 or on a grant it never uses.
+*/}}
+{{- define "omnistage.rules" -}}
+# Its pipelines: watched, and patched for the ordered-shutdown finalizer.
+- apiGroups: [omnistage.io]
+  resources: [omnipipelines]
+  verbs: [list, watch, patch]
+# StagePools: one per stage, created, kept as desired, deleted when their stage goes.
+- apiGroups: [omnistage.io]
+  resources: [stagepools]
+  verbs: [list, watch, create, patch, delete]
+# Status conditions, counts and the endpoint.
+- apiGroups: [omnistage.io]
+  resources: [omnipipelines/status, stagepools/status]
+  verbs: [patch]
+# Setting ownerReferences with blockOwnerDeletion needs update on the owner's finalizers (the
+# OwnerReferencesPermissionEnforcement admission plugin checks it; it is not a request).
+- apiGroups: [omnistage.io]
+  resources: [omnipipelines/finalizers, stagepools/finalizers]
+  verbs: [update]
+# Replica pods: created and deleted one by one, patched with the drain mark. list/watch are
+# also what the orchestrators' Roles grant, and RBAC only lets the operator grant what it holds.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch, create, patch, delete]
+# The readiness gate omnistage.io/routable is a pod status condition the operator sets.
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [patch]
+# The orchestrator's Service, ServiceAccount and ConfigMap (the resolved spec), its Deployment,
+# its namespaced Role and RoleBinding (pods list/watch), and one PodDisruptionBudget per
+# StagePool: created, and patched back when they drift.
+- apiGroups: [""]
+  resources: [services, configmaps, serviceaccounts]
+  verbs: [list, watch, create, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [list, watch, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [list, watch, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [list, watch, create, patch]
+# Events: created, scale, unschedulable, replica lost. Repeats are aggregated on one Event:
+# patch counts one more; get reads the count back when a restarted operator finds the event
+# exists (409 on create).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, get, patch]
+{{- end -}}
+
+{{- /*
+The validating admission webhook: kopf creates its configuration once (try-create, 409 when it
+exists) and keeps it current (Service or URL, caBundle). The configuration is cluster-scoped, so
+these rules are cluster-wide in both watch scopes; create cannot be limited by name, patch is.
+*/}}
+{{- define "omnistage.webhookRules" -}}
+# The admission webhook's configuration: kopf try-creates it (409 once it exists) and patches
+# its webhooks; patch is limited to that one name, create cannot be.
+- apiGroups: [admissionregistration.k8s.io]
+  resources: [validatingwebhookconfigurations]
+  verbs: [create]
+- apiGroups: [admissionregistration.k8s.io]
+  resources: [validatingwebhookconfigurations]
+  resourceNames: [validation.omnistage.io]
+  verbs: [patch]
+{{- end -}}

@@ -1,0 +1,91 @@
+"""The pod runner's image rules (tests/harness/images.py) without running anything: how a
+container spec combines with an image, and the kubelet errors for what cannot run.
+tests/e2e/test_image_mode.py runs the same rules against real pods and images."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.harness.images import (
+    ImageError,
+    ImageInfo,
+    LocalImages,
+    container_argv,
+    container_user,
+)
+from tests.harness.sandbox import in_root
+
+
+def _image(tmp_path: Path, **config: object) -> ImageInfo:
+    (tmp_path / "etc").mkdir(exist_ok=True)
+    (tmp_path / "etc" / "passwd").write_text(
+        "root:x:0:0::/root:/bin/sh\nnonroot:x:65532:65532::/tmp:/usr/sbin/nologin\n")
+    (tmp_path / "etc" / "group").write_text("root:x:0:\nnonroot:x:65532:\n")
+    return ImageInfo("example/img:1", "sha256:abc", str(tmp_path), dict(config))
+
+
+def test_command_and_args_follow_kubernetes_rules(tmp_path: Path) -> None:
+    img = _image(tmp_path, Entrypoint=["omnistage"], Cmd=["--help"])
+    assert container_argv(img, {}) == ["omnistage", "--help"]
+    assert container_argv(img, {"args": ["stage", "-x"]}) == ["omnistage", "stage", "-x"]
+    assert container_argv(img, {"command": ["sh"]}) == ["sh"]  # CMD is dropped
+    assert container_argv(img, {"command": ["sh"], "args": ["-c", "true"]}) == ["sh", "-c", "true"]
+    with pytest.raises(ImageError, match="no entrypoint and the container no command") as e:
+        container_argv(_image(tmp_path), {})
+    assert e.value.reason == "CreateContainerError"
+
+
+def test_user_comes_from_the_pod_then_the_image(tmp_path: Path) -> None:
+    img = _image(tmp_path, User="65532:65532")
+    assert container_user(img, {}, {}) == (65532, 65532, [65532])
+    assert container_user(img, {"runAsUser": 1000, "fsGroup": 2000}, {}) == (1000, 65532,
+                                                                              [2000, 65532])
+    assert container_user(img, {"runAsUser": 1000}, {"runAsUser": 7, "runAsGroup": 8}) == (
+        7, 8, [8])
+    named = _image(tmp_path, User="nonroot")
+    assert container_user(named, {}, {}) == (65532, 65532, [65532])
+
+
+def test_run_as_non_root_is_enforced(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match="runAsNonRoot and image will run as root") as e:
+        container_user(_image(tmp_path), {"runAsNonRoot": True}, {})
+    assert e.value.reason == "CreateContainerConfigError"
+    with pytest.raises(ImageError, match="non-numeric user"):
+        container_user(_image(tmp_path, User="nonroot"), {}, {"runAsNonRoot": True})
+
+
+def test_an_image_missing_from_the_index_is_err_image_pull(tmp_path: Path) -> None:
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"images": {
+        "docker.io/library/python:3.11": {"id": "sha256:1", "rootfs": str(rootfs)},
+        "example/gone:1": {"id": "sha256:2", "rootfs": str(tmp_path / "nowhere")},
+    }}))
+    images = LocalImages(index)
+    assert images.lookup("python:3.11").rootfs == str(rootfs)  # docker.io's implicit prefix
+    with pytest.raises(ImageError, match='failed to pull image "example/other:1"') as e:
+        images.lookup("example/other:1")
+    assert e.value.reason == "ErrImagePull"
+    assert "hack/build-images.sh" in e.value.message
+    with pytest.raises(ImageError, match=r"rootfs .* is gone"):
+        images.lookup("example/gone:1")
+    assert LocalImages(tmp_path / "missing.json").refs() == []
+
+
+def test_mount_targets_resolve_symlinks_inside_the_image(tmp_path: Path) -> None:
+    """Debian's /var/run -> /run must lead to the image's /run, never the host's."""
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "run").symlink_to("/run")
+    (tmp_path / "usr" / "lib").mkdir(parents=True)
+    (tmp_path / "lib").symlink_to("usr/lib")
+    sa = in_root(tmp_path, "/var/run/secrets/kubernetes.io/serviceaccount")
+    assert sa == tmp_path / "run" / "secrets" / "kubernetes.io" / "serviceaccount"
+    assert in_root(tmp_path, "/lib/x") == tmp_path / "usr" / "lib" / "x"
+    assert in_root(tmp_path, "/../../etc/hosts") == tmp_path / "etc" / "hosts"
+    (tmp_path / "loop").symlink_to("/loop")
+    with pytest.raises(OSError, match="too many symlinks"):
+        in_root(tmp_path, "/loop/x")
