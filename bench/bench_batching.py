@@ -13,7 +13,8 @@ and 1 (one at a time: the SerialScheduler path, as before batching existed). A c
 drives one worker at a time; rounds alternate between the two, and each mode's figures pool
 its rounds. An idle worker waits on its socket and uses no CPU. AR requests have mixed prompt
 lengths and generate exactly --ar-tokens tokens each (ignore_eos), greedy; diffusion requests
-are 32x32, 4 steps, each with its own seed. Workers keep their default of one torch thread.
+are 32x32 (the tiny UNet's native size; --diffusion-size), 4 steps, each with its own seed.
+Workers keep their default of one torch thread.
 
 "in batch" is the mean number of requests the worker was executing at once (its executor
 seconds over wall seconds, from /metrics): at most 1 one at a time, up to N batched.
@@ -95,26 +96,25 @@ def _ar_params(i: int, tokens: int) -> dict[str, Any]:
     return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "ignore_eos": True}
 
 
-def _diffusion_params(i: int) -> dict[str, Any]:
-    return {"height": 32, "width": 32, "num_inference_steps": 4, "seed": i}
+def _diffusion_params(i: int, size: int) -> dict[str, Any]:
+    return {"height": size, "width": size, "num_inference_steps": 4, "seed": i}
 
 
-async def _round(mode: Mode, kind: str, concurrency: int, warmup: float, duration: float,
-                 tokens: int) -> None:
+async def _round(mode: Mode, kind: str, concurrency: int, args: argparse.Namespace) -> None:
     """Closed-loop load for warmup + duration seconds; requests that finish inside the
     measured window count."""
     ch = ReplicaChannel(mode.worker.zmq, name=mode.worker.name)
     await ch.handshake(30)
     ids = itertools.count()
-    t_start = time.monotonic()
-    t_measure = t_start + warmup
-    t_end = t_measure + duration
+    t_measure = time.monotonic() + args.warmup
+    t_end = t_measure + args.duration
     exec_before = 0.0
 
     async def client() -> None:
         while time.monotonic() < t_end:
             i = next(ids)
-            params = _ar_params(i, tokens) if kind == "ar" else _diffusion_params(i)
+            params = (_ar_params(i, args.ar_tokens) if kind == "ar"
+                      else _diffusion_params(i, args.diffusion_size))
             t0 = time.monotonic()
             _, final = await ch.request(f"r{i}", params)
             t1 = time.monotonic()
@@ -137,7 +137,7 @@ async def _round(mode: Mode, kind: str, concurrency: int, warmup: float, duratio
         await asyncio.gather(sample_exec(), *(client() for _ in range(concurrency)))
     finally:
         await ch.close()
-    mode.window += duration
+    mode.window += args.duration
 
 
 def _line(kind: str, m: Mode, concurrency: int) -> str:
@@ -165,7 +165,7 @@ async def bench_kind(kind: str, batch: int, concurrency: int, args: argparse.Nam
         wait_all_ready([m.worker for m in modes], 300)
         for _ in range(args.rounds):
             for m in modes:
-                await _round(m, kind, concurrency, args.warmup, args.duration, args.ar_tokens)
+                await _round(m, kind, concurrency, args)
     finally:
         for m in modes:
             m.worker.kill()
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diffusion-concurrency", type=int, default=8)
     parser.add_argument("--diffusion-batch", type=int, default=8,
                         help="engine.maxBatchSize (diffusion)")
+    parser.add_argument("--diffusion-size", type=int, default=32,
+                        help="image height and width in pixels (a multiple of 8)")
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per round")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating")
