@@ -283,6 +283,21 @@ class EngineOptions(_Model):
     echo_delay_ms: Annotated[int, PerRequest(("echo",), key="delay_ms")] = Field(
         0, ge=0, le=60_000, description="echo: artificial latency added to every request."
     )
+    max_batch_size: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="ar, diffusion: most requests that share one forward step (ar: continuous "
+        "batching; diffusion: requests of the same size and guidance). 1 runs requests one at "
+        "a time.",
+    )
+    max_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=2**24,
+        description="ar: most tokens (prompt + max_tokens of each sequence) a running batch may "
+        "hold; a request above it is refused. Unset: only maxBatchSize limits the batch.",
+    )
 
 
 # Engine fields without a PerRequest mark that still apply to some kinds only.

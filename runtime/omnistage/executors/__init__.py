@@ -4,10 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnistage.executors.base import BadRequest, Executor, Outcome
+from omnistage.executors.base import BadRequest, BatchExecutor, Executor, Outcome
 from omnistage.spec import Stage
 
-__all__ = ["BadRequest", "Executor", "Outcome", "create_executor"]
+__all__ = ["BadRequest", "BatchExecutor", "Executor", "Outcome", "create_executor",
+           "executor_class"]
+
+
+def executor_class(kind: str) -> type[Executor]:
+    """The executor class of a stage kind. Importing one never imports torch or the model
+    libraries (they load in `Executor.load`), so a worker can ask this before it loads."""
+    if kind == "echo":
+        from omnistage.executors.echo import EchoExecutor
+
+        return EchoExecutor
+    if kind == "ar":
+        from omnistage.executors.ar import ARExecutor
+
+        return ARExecutor
+    if kind == "diffusion":
+        from omnistage.executors.diffusion import DiffusionExecutor
+
+        return DiffusionExecutor
+    raise ValueError(f"unknown stage kind {kind!r}; expected one of: ar, diffusion, echo")
 
 
 def create_executor(stage: Stage, device: Any) -> Executor:
@@ -15,17 +34,4 @@ def create_executor(stage: Stage, device: Any) -> Executor:
 
     The stage is already validated, so executors only ever see typed engine options.
     """
-    kind, model, options = stage.kind, stage.model, stage.engine
-    if kind == "echo":
-        from omnistage.executors.echo import EchoExecutor
-
-        return EchoExecutor(model, options, device)
-    if kind == "ar":
-        from omnistage.executors.ar import ARExecutor
-
-        return ARExecutor(model, options, device)
-    if kind == "diffusion":
-        from omnistage.executors.diffusion import DiffusionExecutor
-
-        return DiffusionExecutor(model, options, device)
-    raise ValueError(f"unknown stage kind {kind!r}; expected one of: ar, diffusion, echo")
+    return executor_class(stage.kind)(stage.model, stage.engine, device)

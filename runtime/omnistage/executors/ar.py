@@ -1,19 +1,27 @@
-"""Autoregressive executor: a transformers causal LM with token streaming and abort.
+"""Autoregressive executor: a transformers causal LM with continuous batching, token streaming
+and abort.
 
 Generation is a hand-written decode loop over the model's KV cache rather than generate(), so
-the worker can stream every token, honour abort between tokens (returning the prefix) and
-hand the last-layer hidden states to downstream stages.
+the worker can stream every token, honour abort between steps (returning the prefix), hand the
+last-layer hidden states to downstream stages, and let sequences join and leave a running batch
+between steps (continuous batching, driven by omnistage.batching.BatchScheduler).
+
+A batch keeps one KV cache whose rows are its sequences, left-padded to a common length, with a
+per-row attention mask (1 = a real token) and per-row position ids, so a padded row computes
+what it would alone. A joining sequence is prefilled on its own (its prompt pass is exactly the
+one-at-a-time pass) and its cache row is merged in; a leaving sequence's row is dropped and
+columns that are padding in every remaining row are trimmed.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
-from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
+from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome
 from omnistage.models import ModelRef, load_causal_lm
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -41,7 +49,19 @@ class ARJob:
     generated: list[int] = field(default_factory=list)
 
 
-class ARExecutor(Executor):
+@dataclass(eq=False)
+class _Seq:
+    """One sequence's decoding state."""
+
+    job: ARJob
+    emit: Emit
+    gen: Any  # torch.Generator, seeded with the job's seed
+    hidden: list[Any] = field(default_factory=list)
+    emitted_text: str = ""
+    next_token: int = -1  # fed at the next decode step
+
+
+class ARExecutor(BatchExecutor):
     kind = "ar"
 
     def load(self) -> None:
@@ -52,6 +72,8 @@ class ARExecutor(Executor):
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.context_len = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.hidden_size = int(self.model.config.hidden_size)
+        self.eos = self.tokenizer.eos_token_id
+        self.batchable = _plain_kv_cache(self.model.config)
 
     def warmup(self) -> None:
         job = self.prepare({"prompt": "warmup", "max_tokens": 2}, {})
@@ -81,6 +103,13 @@ class ARExecutor(Executor):
                 f"params.{field}: prompt ({len(ids)} tokens) + max_tokens ({opts.max_tokens}) "
                 f"exceeds the model context of {self.context_len}"
             )
+        limit = self.engine.max_batch_tokens
+        if limit is not None and len(ids) + opts.max_tokens > limit:
+            field = "max_tokens" if req.max_tokens is not None else "prompt"
+            raise BadRequest(
+                f"params.{field}: prompt ({len(ids)} tokens) + max_tokens ({opts.max_tokens}) "
+                f"exceeds the stage's engine.maxBatchTokens of {limit}"
+            )
         return ARJob(
             prompt_ids=list(ids),
             max_tokens=opts.max_tokens,
@@ -94,59 +123,60 @@ class ARExecutor(Executor):
     def cost(self, job: ARJob) -> int:
         return len(job.prompt_ids) + job.max_tokens
 
-    def execute(self, job: ARJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
-        import torch
+    # ---- batching --------------------------------------------------------------------------
 
-        gen = torch.Generator(device="cpu").manual_seed(job.seed)
-        eos = self.tokenizer.eos_token_id
-        ids = torch.tensor([job.prompt_ids], device=self.device)
-        cache = None
-        hidden: list[Any] = []
-        emitted_text = ""
-        finish = "length"
-        with torch.inference_mode():
-            step = 0
-            while True:
-                out = self.model(
-                    input_ids=ids,
-                    use_cache=True,
-                    output_hidden_states=job.return_hidden,
-                    **{self._cache_arg: cache},
-                )
-                cache = getattr(out, self._cache_arg, None)
-                if job.return_hidden:
-                    hidden.append(out.hidden_states[-1][0])
-                if step >= job.max_tokens:
-                    break
-                if ctx.token.cancelled:
-                    return self._aborted(job)
-                if ctx.deadline is not None and ctx.remaining() <= 0:
-                    raise DeadlineExceeded(
-                        f"deadline passed after {len(job.generated)} generated tokens"
-                    )
-                logits = out.logits[0, -1].float()
-                if job.temperature > 0:
-                    probs = torch.softmax(logits / job.temperature, dim=-1).cpu()
-                    tok = int(torch.multinomial(probs, 1, generator=gen))
-                else:
-                    tok = int(torch.argmax(logits))
-                if tok == eos and not job.ignore_eos:
-                    finish = "stop"
-                    break
-                job.generated.append(tok)
-                step += 1
-                if job.stream:
-                    text = self._text(job.generated)
-                    if not text.endswith("\ufffd") and len(text) > len(emitted_text):
-                        emit({"text": text[len(emitted_text):], "token_ids": [tok]})
-                        emitted_text = text
-                    else:
-                        emit({"text": "", "token_ids": [tok]})
-                ids = torch.tensor([[tok]], device=self.device)
+    def batch_key(self, job: ARJob) -> Hashable:
+        # A model whose cache rows cannot be padded and merged runs its requests one at a time.
+        return None if self.batchable else object()
+
+    def batch_tokens(self, job: ARJob) -> int:
+        """Its whole context (prompt + max_tokens): what its KV cache row may grow to."""
+        return self.cost(job)
+
+    def new_batch(self) -> _ARBatch:
+        return _ARBatch(self)
+
+    def _forward(self, ids: Any, mask: Any, positions: Any, cache: Any, hidden: bool) -> Any:
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                          use_cache=True, output_hidden_states=hidden,
+                          **{self._cache_arg: cache})
+
+    def _advance(self, seq: _Seq, logits: Any, hidden: Any, greedy: int) -> Outcome | None:
+        """After a forward pass that fed this sequence: sample its next token. Returns its
+        outcome if it finished, else None (its token is fed at the next step)."""
+        job = seq.job
+        if job.return_hidden:
+            seq.hidden.append(hidden)
+        if len(job.generated) >= job.max_tokens:
+            return self._finished(seq, "length")
+        tok = greedy
+        if job.temperature > 0:
+            import torch
+
+            probs = torch.softmax(logits / job.temperature, dim=-1).cpu()
+            tok = int(torch.multinomial(probs, 1, generator=seq.gen))
+        if tok == self.eos and not job.ignore_eos:
+            return self._finished(seq, "stop")
+        job.generated.append(tok)
+        if job.stream:
+            text = self._text(job.generated)
+            if not text.endswith("\ufffd") and len(text) > len(seq.emitted_text):
+                seq.emit({"text": text[len(seq.emitted_text):], "token_ids": [tok]})
+                seq.emitted_text = text
+            else:
+                seq.emit({"text": "", "token_ids": [tok]})
+        if len(job.generated) >= job.max_tokens and not job.return_hidden:
+            # Done; only hidden states would need the last token fed back through the model.
+            return self._finished(seq, "length")
+        seq.next_token = tok
+        return None
+
+    def _finished(self, seq: _Seq, finish: str) -> Outcome:
+        job = seq.job
         text = self._text(job.generated)
-        if job.stream and len(text) > len(emitted_text):
+        if job.stream and len(text) > len(seq.emitted_text):
             # Flush what was held back waiting for a complete UTF-8 sequence.
-            emit({"text": text[len(emitted_text):], "token_ids": []})
+            seq.emit({"text": text[len(seq.emitted_text):], "token_ids": []})
         fields = {
             "text": text,
             "token_ids": job.generated,
@@ -155,14 +185,17 @@ class ARExecutor(Executor):
             "completion_tokens": len(job.generated),
         }
         tensors = {}
-        if job.return_hidden and hidden:
-            tensors["hidden_states"] = torch.cat(hidden, dim=0).float()
+        if job.return_hidden and seq.hidden:
+            import torch
+
+            tensors["hidden_states"] = torch.cat(seq.hidden, dim=0).float()
         return Outcome(fields, tensors)
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _aborted(self, job: ARJob) -> Outcome:
+        """Abort keeps the generated prefix (the orchestration contract)."""
         return Outcome(
             {
                 "text": self._text(job.generated),
@@ -186,3 +219,185 @@ class ARExecutor(Executor):
         if self.device.type != "cpu":
             self.model.to(self.device)
         super().wake_up()
+
+
+class _ARBatch:
+    """The running sequences of one AR executor; the engine thread calls it between steps."""
+
+    def __init__(self, ex: ARExecutor) -> None:
+        self.ex = ex
+        self.joining: dict[int, _Seq] = {}  # added, prefilled at the next step
+        self.seqs: dict[int, _Seq] = {}  # in the cache
+        self.rows: list[int] = []  # seq ids in cache row order
+        self.cache: Any = None
+        self.mask: Any = None  # [rows, length] int64, 1 = a real token, 0 = left padding
+        self.padded = False  # some row has padding, so the mask must be passed
+
+    def add(self, seq: int, job: ARJob, emit: Emit) -> None:
+        import torch
+
+        self.joining[seq] = _Seq(job, emit, torch.Generator(device="cpu").manual_seed(job.seed))
+
+    def abort(self, seq: int) -> Outcome:
+        return self.ex._aborted(self._remove(seq).job)
+
+    def expire(self, seq: int) -> DeadlineExceeded:
+        job = self._remove(seq).job
+        return DeadlineExceeded(f"deadline passed after {len(job.generated)} generated tokens")
+
+    def step(self) -> dict[int, Outcome]:
+        import torch
+
+        done: dict[int, Outcome] = {}
+        with torch.inference_mode():
+            if self.joining:
+                self._prefill(done)
+            if self.rows:
+                self._decode(done)
+        return done
+
+    def _remove(self, seq: int) -> _Seq:
+        if seq in self.joining:
+            return self.joining.pop(seq)
+        self._drop([self.rows.index(seq)])
+        return self.seqs.pop(seq)
+
+    def _prefill(self, done: dict[int, Outcome]) -> None:
+        """Each joiner's prompt alone (batch of one, no padding); survivors join the cache."""
+        import torch
+
+        ex, joined = self.ex, []
+        joining, self.joining = self.joining, {}
+        for sid, seq in joining.items():
+            ids = torch.tensor([seq.job.prompt_ids], device=ex.device)
+            out = ex._forward(ids, None, None, None, seq.job.return_hidden)
+            logits = out.logits[0, -1].float()
+            hidden = out.hidden_states[-1][0] if seq.job.return_hidden else None
+            outcome = ex._advance(seq, logits, hidden, int(torch.argmax(logits)))
+            if outcome is not None:
+                done[sid] = outcome
+            else:
+                joined.append((sid, seq, getattr(out, ex._cache_arg)))
+        if joined:
+            self._merge(joined)
+
+    def _decode(self, done: dict[int, Outcome]) -> None:
+        """One token for every row, in one forward pass."""
+        import torch
+
+        ex, rows = self.ex, self.rows
+        seqs = [self.seqs[sid] for sid in rows]
+        ids = torch.tensor([[s.next_token] for s in seqs], device=ex.device)
+        positions = self.mask.sum(dim=1, keepdim=True)  # each row's own next position
+        mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
+        want_hidden = any(s.job.return_hidden for s in seqs)
+        out = ex._forward(ids, mask if self.padded else None, positions, self.cache,
+                          want_hidden)
+        self.cache, self.mask = getattr(out, ex._cache_arg), mask
+        logits = out.logits[:, -1].float()
+        greedy = logits.argmax(dim=-1).tolist()
+        hidden = out.hidden_states[-1] if want_hidden else None
+        gone = []
+        for row, (sid, seq) in enumerate(zip(rows, seqs, strict=True)):
+            h = hidden[row] if hidden is not None and seq.job.return_hidden else None
+            outcome = ex._advance(seq, logits[row], h, greedy[row])
+            if outcome is not None:
+                done[sid] = outcome
+                gone.append(row)
+        for row in gone:
+            del self.seqs[rows[row]]
+        if gone:
+            self._drop(gone)
+
+    def _merge(self, joined: list[tuple[int, _Seq, Any]]) -> None:
+        """Add prefilled caches as new rows, left-padding every row to the longest."""
+        import torch
+
+        for sid, seq, _ in joined:
+            self.seqs[sid] = seq
+            self.rows.append(sid)
+        if self.cache is None and len(joined) == 1:
+            _, seq, cache = joined[0]  # a batch of one: adopt its cache as it is
+            self.cache = cache
+            self.mask = torch.ones(1, len(seq.job.prompt_ids), dtype=torch.long,
+                                   device=self.ex.device)
+            return
+        old = _kv_layers(self.cache) if self.cache is not None else None
+        width0 = 0 if self.mask is None else self.mask.shape[1]
+        parts = [_kv_layers(c) for _, _, c in joined]
+        lengths = [p[0][0].shape[-2] for p in parts]
+        width = max([width0, *lengths])
+        layers = []
+        for i in range(len(parts[0])):
+            ks = [] if old is None else [_pad_kv(old[i][0], width - width0)]
+            vs = [] if old is None else [_pad_kv(old[i][1], width - width0)]
+            for part, n in zip(parts, lengths, strict=True):
+                ks.append(_pad_kv(part[i][0], width - n))
+                vs.append(_pad_kv(part[i][1], width - n))
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        masks = [] if self.mask is None else [_pad_mask(self.mask, width - width0)]
+        masks += [_pad_mask(torch.ones(1, n, dtype=torch.long, device=self.ex.device),
+                            width - n) for n in lengths]
+        self.mask = torch.cat(masks)
+        self.cache = self.cache if self.cache is not None else joined[0][2]
+        _set_kv_layers(self.cache, layers)
+        self.padded = bool((self.mask == 0).any())
+
+    def _drop(self, rows: list[int]) -> None:
+        """Remove cache rows, then the columns that are padding in every remaining row."""
+        import torch
+
+        gone = set(rows)
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.mask = None
+            self.padded = False
+            return
+        idx = torch.tensor(keep, device=self.mask.device)
+        mask = self.mask.index_select(0, idx)
+        lead = int(mask.any(dim=0).long().argmax())  # first column with a real token
+        self.mask = mask[:, lead:]
+        _set_kv_layers(self.cache, [(k.index_select(0, idx)[..., lead:, :],
+                                     v.index_select(0, idx)[..., lead:, :])
+                                    for k, v in _kv_layers(self.cache)])
+        self.padded = bool((self.mask == 0).any())
+
+
+def _plain_kv_cache(config: Any) -> bool:
+    """Whether this model's KV cache is one plain tensor pair per layer (transformers >= 5
+    DynamicLayer), whose rows can be padded, merged and dropped. Sliding-window or recurrent
+    layers, and older transformers, keep more state: those models run one request at a time."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        layers = DynamicCache(config=config).layers
+    except (ImportError, TypeError, AttributeError, ValueError):
+        return False
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _kv_layers(cache: Any) -> list[tuple[Any, Any]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _set_kv_layers(cache: Any, layers: list[tuple[Any, Any]]) -> None:
+    for layer, (k, v) in zip(cache.layers, layers, strict=True):
+        layer.keys, layer.values = k, v
+
+
+def _pad_kv(t: Any, n: int) -> Any:
+    """Left-pad a [batch, heads, length, dim] key or value tensor with n zero positions."""
+    if n == 0:
+        return t
+    import torch.nn.functional as F
+
+    return F.pad(t, (0, 0, n, 0))
+
+
+def _pad_mask(mask: Any, n: int) -> Any:
+    if n == 0:
+        return mask
+    import torch.nn.functional as F
+
+    return F.pad(mask, (n, 0))

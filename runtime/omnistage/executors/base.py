@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import ValidationError
 
 from omnistage.admission import ExecutionContext
+from omnistage.batching import Batch, Emit, run_alone
 from omnistage.params import StageParams, describe
 from omnistage.protocol import WireTensor
 from omnistage.spec import EngineOptions
 
-Emit = Callable[[dict[str, Any]], None]
 P = TypeVar("P", bound=StageParams)
 
 
@@ -78,3 +78,27 @@ class Executor(ABC):
 
     def wake_up(self) -> None:
         self.asleep = False
+
+
+class BatchExecutor(Executor):
+    """An executor whose requests can share forward steps (omnistage.batching.BatchEngine).
+
+    With engine.maxBatchSize above 1 the worker feeds it through a BatchScheduler; otherwise
+    (and for warm-up) `execute` runs one job through a batch of its own, so there is one step
+    code path either way.
+    """
+
+    def batch_key(self, job: Any) -> Hashable:
+        """Jobs share a batch only when their keys are equal; all do by default."""
+        return None
+
+    def batch_tokens(self, job: Any) -> int:
+        """What the job counts against engine.maxBatchTokens (0: not counted)."""
+        return 0
+
+    @abstractmethod
+    def new_batch(self) -> Batch:
+        """An empty batch over this executor's model."""
+
+    def execute(self, job: Any, ctx: ExecutionContext, emit: Emit) -> Outcome:
+        return run_alone(self.new_batch(), job, ctx, emit)

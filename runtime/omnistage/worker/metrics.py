@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Mapping, Sized
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from omnistage.admission import BoundedAdmission, SerialScheduler
+from omnistage.batching import BatchScheduler
 from omnistage.metrics import family, summary
 
 
@@ -18,7 +19,8 @@ class WorkerCollector:
     """
 
     def __init__(self, *, stage: str, replica: str, ready: Callable[[], bool],
-                 admission: BoundedAdmission, scheduler: SerialScheduler, requests: Sized,
+                 admission: BoundedAdmission, scheduler: SerialScheduler | BatchScheduler,
+                 requests: Sized,
                  counters: Mapping[str, int], outcomes: Mapping[str, int]) -> None:
         self.common = {"stage": stage, "replica": replica}
         self.ready = ready

@@ -19,7 +19,7 @@ import signal
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,10 +38,19 @@ from omnistage.admission import (
     Overloaded,
     SerialScheduler,
 )
-from omnistage.executors import BadRequest, Executor, Outcome, create_executor
+from omnistage.batching import BatchScheduler, Emit
+from omnistage.executors import (
+    BadRequest,
+    BatchExecutor,
+    Executor,
+    Outcome,
+    create_executor,
+    executor_class,
+)
 from omnistage.metrics import new_registry
 from omnistage.shm import SegmentManager, ShmConfig, WaitCancelled, start_segment_manager
 from omnistage.sideport import start_side_port
+from omnistage.spec import Stage
 from omnistage.worker.config import WorkerConfig
 from omnistage.worker.metrics import WorkerCollector
 
@@ -68,7 +77,7 @@ class StageWorker:
         # The only place the worker reads its stage's settings.
         stage = cfg.stage
         self.admission = BoundedAdmission(stage.admission.max_requests, stage.admission.max_cost)
-        self.scheduler = SerialScheduler(max_pending=stage.admission.max_queue)
+        self.scheduler = new_scheduler(stage, executor)
         self.default_deadline = stage.admission.default_deadline_seconds
         self.drain_timeout = float(stage.drain_timeout_seconds)
         self.requests: dict[tuple[bytes, str], _Request] = {}
@@ -349,9 +358,7 @@ class StageWorker:
         assert self.executor is not None
         with req.ctx.hold():
             try:
-                outcome: Outcome = await self.scheduler.run_with_context(
-                    req.ctx, self.executor.execute, job, req.ctx, emit
-                )
+                outcome: Outcome = await self._execute(req.ctx, job, emit)
             except ExecutionCancelled:
                 outcome = self.executor.aborted_before_start(job)
             except DeadlineExceeded as exc:
@@ -425,6 +432,16 @@ class StageWorker:
         self.shm.free([v.shm.lease for v in tensors.values()
                        if isinstance(v, p.WireTensor) and v.shm is not None
                        and v.shm.segment == self.shm.name])
+
+    def _execute(self, ctx: ExecutionContext, job: Any, emit: Emit) -> Awaitable[Outcome]:
+        """Hand one admitted request to the scheduler: into the running batch (a batching
+        executor) or to run alone. Admission, deadline and cancellation stay per request."""
+        executor = self.executor
+        assert executor is not None
+        if isinstance(self.scheduler, BatchScheduler):
+            assert isinstance(executor, BatchExecutor)
+            return self.scheduler.run_with_context(ctx, executor, job, emit)
+        return self.scheduler.run_with_context(ctx, executor.execute, job, ctx, emit)
 
     def _finish(self, req: _Request) -> None:
         self.requests.pop((req.ident, req.rid), None)
@@ -531,6 +548,19 @@ class StageWorker:
         if self.shm is not None:
             state["shm"] = {"segment": self.shm.name, **self.shm.stats()}
         return state
+
+
+def new_scheduler(
+    stage: Stage, executor: Executor | None = None
+) -> SerialScheduler | BatchScheduler:
+    """A BatchScheduler when the stage's executor batches and engine.maxBatchSize > 1, else a
+    SerialScheduler (echo, or batching turned off): either way maxQueue bounds what waits."""
+    cls = type(executor) if executor is not None else executor_class(stage.kind)
+    engine, queue = stage.engine, stage.admission.max_queue
+    if issubclass(cls, BatchExecutor) and engine.max_batch_size > 1:
+        return BatchScheduler(max_size=engine.max_batch_size,
+                              max_tokens=engine.max_batch_tokens, max_pending=queue)
+    return SerialScheduler(max_pending=queue)
 
 
 def _log_send_failure(fut: asyncio.Future[Any], on_fail: Callable[[], None] | None) -> None:
