@@ -380,6 +380,10 @@ class ExecutionContext:
             return None
         return max(0.0, self.deadline - time.monotonic())
 
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
     def check(self) -> None:
         """Raise if the work should not start; cancellation wins over the deadline."""
         if self.token.cancelled:

@@ -247,13 +247,17 @@ async def test_token_budget_holds_and_a_big_head_is_not_overtaken() -> None:
 async def test_abort_while_queued_never_runs(sched, engine) -> None:
     running = submit(sched, engine, Job("a", 2))
     await until(lambda: engine.waiting)
-    ctx = ExecutionContext()
+    permit = BoundedAdmission(requests=1).try_admit()
+    assert permit is not None
+    ctx = ExecutionContext(permits=[permit])
+    mine = ctx.hold()  # as the worker holds it; the scheduler's hold must be gone too
     victim = submit(sched, engine, Job("victim", 2), ctx)
     await until(lambda: sched.queued == 1)
     ctx.cancel()
     with pytest.raises(ExecutionCancelled):
         await victim
-    assert sched.queued == 0 and ctx.holders == 0
+    mine.release()
+    assert sched.queued == 0 and permit.released
     await engine.tick(2)
     await running
     assert "victim" not in engine.joined

@@ -94,15 +94,15 @@ async def test_busy_replica_is_not_finished_until_its_work_reaches_zero(state) -
     """Kills: `finished` returning True without asking the replica (immediate deletes), and
     counting only in_flight or only queued work."""
     state.answer({"in_flight": 1, "queued": 0})
-    assert await drain.finished(pod(since=now()), pool()) is False
+    assert (await drain.finished(pod(since=now()), pool())).done is False
     state.answer({"in_flight": 0, "queued": 2})  # queued work is work too
-    assert await drain.finished(pod(since=now()), pool()) is False
+    assert (await drain.finished(pod(since=now()), pool())).done is False
     state.answer({"in_flight": 2, "queued": 2})  # a sum, not a difference
-    assert await drain.finished(pod(since=now()), pool()) is False
+    assert (await drain.finished(pod(since=now()), pool())).done is False
     state.answer({"in_flight": 0, "queued": 0})
-    assert await drain.finished(pod(since=now()), pool()) is True
+    assert (await drain.finished(pod(since=now()), pool())).done is True
     state.answer({})  # fields it does not report count as zero
-    assert await drain.finished(pod(since=now()), pool()) is True
+    assert (await drain.finished(pod(since=now()), pool())).done is True
     assert state.hits == 5
 
 
@@ -111,24 +111,25 @@ async def test_drain_timeout_ends_the_wait_even_while_busy(state) -> None:
     comparison turned round (`<`), and reading the timeout from somewhere else."""
     state.answer({"in_flight": 3})
     started = now() - dt.timedelta(seconds=100)
-    assert await drain.finished(pod(since=started), pool(timeout=30)) is True
-    assert await drain.finished(pod(since=started), pool(timeout=3600)) is False
+    progress = await drain.finished(pod(since=started), pool(timeout=30))
+    assert progress.done and progress.timed_out and progress.cut == 3  # what it cuts
+    assert (await drain.finished(pod(since=started), pool(timeout=3600))).done is False
     # Exactly at the timeout counts as passed (>=): a 0 s timeout deletes at once.
-    assert await drain.finished(pod(since=now() + dt.timedelta(seconds=2)), pool(0)) is False
-    assert await drain.finished(pod(since=now()), pool(timeout=0)) is True
+    assert (await drain.finished(pod(since=now() + dt.timedelta(seconds=2)), pool(0))).done is False
+    assert (await drain.finished(pod(since=now()), pool(timeout=0))).done is True
 
 
 async def test_without_a_since_mark_only_the_work_counts(state) -> None:
     """Kills: a missing draining-since annotation read as 'timed out'."""
     state.answer({"in_flight": 1})
-    assert await drain.finished(pod(since=None), pool(timeout=0)) is False
+    assert (await drain.finished(pod(since=None), pool(timeout=0))).done is False
 
 
 @pytest.mark.parametrize("bad", [b"not json", b"{\"in_flight\": \"many\"}"])
 async def test_unreadable_state_is_not_idle(state, bad: bytes) -> None:
     """Kills: treating an answer that cannot be read as zero in-flight work."""
     state.answer(bad)
-    assert await drain.finished(pod(since=now()), pool()) is False
+    assert (await drain.finished(pod(since=now()), pool())).done is False
 
 
 async def test_nothing_listening_is_idle(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,14 +140,14 @@ async def test_nothing_listening_is_idle(monkeypatch: pytest.MonkeyPatch) -> Non
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setattr(kube, "WORKER_HTTP_PORT", port)
-    assert await drain.finished(pod(since=now()), pool()) is True
+    assert (await drain.finished(pod(since=now()), pool())).done is True
 
 
 @pytest.mark.parametrize("kw", [{"ip": None}, {"phase": "Pending"}, {"phase": "Succeeded"}])
 async def test_a_replica_that_is_not_running_is_finished(state, kw: Obj) -> None:
     """Kills: asking a pod that has no IP or no running process (a retirement that never ends)."""
     state.answer({"in_flight": 5})
-    assert await drain.finished(pod(since=now(), **kw), pool()) is True
+    assert (await drain.finished(pod(since=now(), **kw), pool())).done is True
     assert state.hits == 0
 
 
