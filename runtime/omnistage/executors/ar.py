@@ -14,7 +14,7 @@ from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
 from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
-from omnistage.models import ModelRef, load_causal_lm
+from omnistage.models import load_causal_lm
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 
@@ -45,8 +45,8 @@ class ARExecutor(Executor):
     kind = "ar"
 
     def load(self) -> None:
-        ref = ModelRef("ar", self.model_source or "tiny-llama")
-        self.model, self.tokenizer = load_causal_lm(ref, self.device, self.engine.dtype)
+        model = self.model_source or "tiny-llama"
+        self.model, self.tokenizer = load_causal_lm(model, self.device, self.engine.dtype)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; support both spellings.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
