@@ -42,6 +42,7 @@ from omnistage import __version__
 from omnistage.modelref import (
     BUILTIN_MODELS,
     HUB_ID_GRAMMAR,
+    HUB_ID_PATTERN,
     LOCAL_PATH_PREFIXES,
     ModelRef,
     builtins_for,
@@ -53,6 +54,8 @@ __all__ = [
     "API_VERSION",
     "BUILTIN_MODELS",
     "DEFAULT_IMAGE",
+    "HUB_ID_GRAMMAR",
+    "HUB_ID_PATTERN",
     "KIND",
     "LOCAL_PATH_PREFIXES",
     "MAX_REPLICAS",
