@@ -81,10 +81,10 @@ class FakeHub:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_GET(self) -> None:
                 hub._serve(self, body=True)
 
-            def do_HEAD(self) -> None:  # noqa: N802
+            def do_HEAD(self) -> None:
                 hub._serve(self, body=False)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
