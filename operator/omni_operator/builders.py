@@ -279,6 +279,8 @@ def model_fetch(stage: Stage, image: str, cache: ModelCache | None, resources: O
         {"name": "HF_HOME", "value": kube.MODEL_CACHE_PATH},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
+    if cache is not None and cache.endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": cache.endpoint})
     if cache is not None and cache.token_secret is not None:
         secret = cache.token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {

@@ -105,6 +105,7 @@ ApiSurface = Literal["chat", "images", "generic"]
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # The pipeline name prefixes Service names, which must be DNS-1035 labels (leading letter).
 DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
 # Names of Secrets and PersistentVolumeClaims.
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 PIPELINE_NAME_MAX = 40
@@ -138,6 +139,9 @@ _PATTERN_HELP = {
     DNS1035_LABEL_PATTERN: "must be a DNS-1035 label: lowercase letters, digits and '-', "
     "starting with a letter and ending with a letter or digit",
     QUANTITY_PATTERN: "must be a Kubernetes quantity such as '500m', '2', '1.5' or '4Gi'",
+    URL_PATTERN: "must be an http:// or https:// URL",
+    DNS_SUBDOMAIN_PATTERN: "must be a DNS-1123 subdomain: lowercase letters, digits, '-' and "
+    "'.', starting and ending with a letter or digit",
 }
 
 
@@ -641,6 +645,13 @@ class ModelCache(_Model):
         False,
         description="With claimName: the claim is mounted read-only and must already hold the "
         "models; the init container only checks that (`omnistage models pull --offline`).",
+    )
+    endpoint: str | None = Field(
+        None,
+        pattern=URL_PATTERN,
+        max_length=2048,
+        description="Hub to fetch from (HF_ENDPOINT of the init container), for example an "
+        "in-cluster mirror; default the public Hugging Face hub.",
     )
     token_secret: SecretKeyRef | None = Field(
         None,
