@@ -31,6 +31,7 @@ from omnistage.spec import (
     DEFAULT_IMAGE,
     DNS1035_LABEL_PATTERN,
     DNS_LABEL_PATTERN,
+    GPUS_PER_MODEL_REPLICA,
     HUB_ID_GRAMMAR,
     HUB_ID_PATTERN,
     IMAGE_GRAMMAR,
@@ -41,6 +42,7 @@ from omnistage.spec import (
     MAX_STAGES,
     MODEL_CACHE_ONE_OF,
     MODEL_CACHE_READ_ONLY,
+    MODEL_KINDS,
     PIPELINE_IMMUTABLE,
     PIPELINE_NAME_MAX,
     POD_NAME_MAX,
@@ -261,6 +263,17 @@ def _stage_rules(stage: Schema) -> None:
                 builtins_for,
             ),
             field_path=".model",
+        ),
+    )
+    _add_rules(
+        stage,
+        _rule(
+            f"!(self.kind in {_cel_list(MODEL_KINDS)}) || !has(self.resources) || "
+            "!has(self.resources.gpus) || self.resources.gpus <= 1",
+            "a replica of an ar or diffusion stage loads its model onto one GPU",
+            message_expression=_fmt(GPUS_PER_MODEL_REPLICA.replace("{kind}", "%s").replace(
+                "{gpus}", "%d"), "self.kind", "self.resources.gpus"),
+            field_path=".resources.gpus",
         ),
     )
     _add_rules(_at(stage, "kind"), _rule("self == oldSelf", KIND_IMMUTABLE))

@@ -270,15 +270,19 @@ def prepare(stages: list[Stage], say: Any = print) -> list[str]:
     return problems
 
 
-def torch_dtype(name: str) -> Any:
+def torch_dtype(name: str, device: Any) -> Any:
+    """The torch dtype for an engine dtype; auto is bfloat16 on CUDA and float32 elsewhere."""
     import torch
 
+    if name == "auto":
+        return torch.bfloat16 if getattr(device, "type", str(device)) == "cuda" else torch.float32
     try:
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
             name
         ]
     except KeyError:
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {name!r}") from None
+        raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {name!r}"
+                         ) from None
 
 
 def load_causal_lm(model: str, device: Any, dtype: str) -> tuple[Any, Any]:
@@ -286,7 +290,7 @@ def load_causal_lm(model: str, device: Any, dtype: str) -> tuple[Any, Any]:
 
     path = resolve(model, "ar")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, device))
     return model.to(device).eval(), tokenizer
 
 
@@ -294,7 +298,7 @@ def load_diffusion(model: str, device: Any, dtype: str) -> tuple[Any, Any, Any]:
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
     path = resolve(model, "diffusion")
-    dt = torch_dtype(dtype)
+    dt = torch_dtype(dtype, device)
     unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=dt)
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dt)
     scheduler = DDIMScheduler.from_pretrained(path, subfolder="scheduler")

@@ -242,8 +242,10 @@ class EngineOptions(_Model):
     A request may override the per-request ones within the same bounds.
     """
 
-    dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32", description="Weight and activation dtype. float32 is safest on CPU."
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="Weight and activation dtype; auto is bfloat16 on a GPU and float32 on "
+        "the CPU.",
     )
     max_tokens: Annotated[int, PerRequest(("ar",))] = Field(
         16,
@@ -506,6 +508,15 @@ class Stage(_Model):
             raise _field_error(problem)
         return value
 
+    @model_validator(mode="after")
+    def _one_gpu_per_model(self) -> Stage:
+        """A replica loads its model onto one device: spreading one model over several GPUs
+        (device_map) is not supported, so asking for it is refused rather than half-used."""
+        if self.kind in MODEL_KINDS and self.resources.gpus > 1:
+            raise _path_errors([("resources.gpus", GPUS_PER_MODEL_REPLICA.format(
+                kind=self.kind, gpus=self.resources.gpus))])
+        return self
+
     def model_ref(self) -> ModelRef | None:
         """The parsed model reference (omnistage.modelref), None for an echo stage."""
         return None if self.model is None else parse_model_ref(self.model)
@@ -592,6 +603,13 @@ class OrchestratorSpec(_Model):
         """A repeated surface is almost certainly a typo for another one."""
         _reject_duplicates(value)
         return value
+
+
+MODEL_KINDS = ("ar", "diffusion")
+GPUS_PER_MODEL_REPLICA = (
+    "replicas of kind '{kind}' load their model onto one GPU (got {gpus}); spreading a model "
+    "over several GPUs is not supported: request 1 and scale with replicas"
+)
 
 
 def _reject_duplicates(values: list[str]) -> None:

@@ -39,7 +39,7 @@ class DiffusionExecutor(Executor):
 
     def load(self) -> None:
         model = self.model_source or "tiny-unet"
-        self.dtype = torch_dtype(self.engine.dtype)
+        self.dtype = torch_dtype(self.engine.dtype, self.device)
         self.unet, self.vae, self.scheduler_template = load_diffusion(
             model, self.device, self.engine.dtype
         )
