@@ -18,7 +18,7 @@ from omni_operator.status import model_failure, pipeline_status, pool_status, su
 from omnistage import kube
 from omnistage.modelref import ModelRef, parse_model_ref, reference_error
 from omnistage.models import ModelUnavailable, fetch, hub_cache, prepare, resolve
-from omnistage.spec import Stage, parse_pipeline
+from omnistage.spec import SpecError, Stage, parse_pipeline
 from tests.harness.hubcache import add_to_cache, tiny_models
 
 NOW = "2026-11-30T00:00:00Z"
@@ -238,3 +238,71 @@ def test_a_failed_fetch_is_the_pool_and_pipeline_ready_reason() -> None:
     pready = next(c for c in ps["conditions"] if c["type"] == "Ready")
     assert pready["reason"] == "ModelFetchFailed" and "acme/x" in pready["message"]
     assert summary(ps)[:2] == ("Warning", "Pending")
+
+
+# ---- executors ----------------------------------------------------------------------------
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu() -> None:
+    import torch
+
+    from omnistage.models import torch_dtype
+
+    assert torch_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert torch_dtype("auto", torch.device("cpu")) is torch.float32
+    assert torch_dtype("float16", torch.device("cpu")) is torch.float16
+
+
+@pytest.mark.parametrize("kind,model", [("ar", "tiny-llama"), ("diffusion", "tiny-unet")])
+def test_a_model_replica_on_several_gpus_is_refused(kind: str, model: str) -> None:
+    doc = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+           "metadata": {"name": "p"},
+           "spec": {"stages": [{"name": "s", "kind": kind, "model": model, "finalOutput": True,
+                                "resources": {"gpus": 2}}]}}
+    with pytest.raises(SpecError) as err:
+        parse_pipeline(doc)
+    assert err.value.errors == [("spec.stages[0].resources.gpus",
+                                 f"replicas of kind '{kind}' load their model onto one GPU (got "
+                                 "2); spreading a model over several GPUs is not supported: "
+                                 "request 1 and scale with replicas")]
+    doc["spec"]["stages"][0]["resources"]["gpus"] = 1
+    parse_pipeline(doc)
+
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_ar_chat_uses_the_tokenizer_template_when_it_has_one(models: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    """Real tokenizer, real model: with a chat template the turns are rendered by it; without
+    one, the orchestrator's fallback prompt is what the model sees."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from omnistage.executors.ar import ARExecutor
+    from omnistage.executors.base import BadRequest
+    from omnistage.spec import EngineOptions
+
+    templated = tmp_path / "chat-llm"
+    shutil.copytree(models["ar"], templated)
+    tok = AutoTokenizer.from_pretrained(templated)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(templated)
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    params = {"messages": turns, "prompt": "<|user|>\nhi\n<|assistant|>\n"}
+
+    ex = ARExecutor(str(templated), EngineOptions(), torch.device("cpu"))
+    ex.load()
+    job = ex.prepare(params, {})
+    want = "[system] be brief\n[user] hi\n[assistant] "
+    assert job.prompt_ids == tok(want, add_special_tokens=False).input_ids
+    assert ex.tokenizer.decode(job.prompt_ids) == want
+
+    plain = ARExecutor(str(models["ar"]), EngineOptions(), torch.device("cpu"))
+    plain.load()
+    assert plain.prepare(params, {}).prompt_ids == plain.tokenizer(params["prompt"]).input_ids
+    with pytest.raises(BadRequest, match=r"params\.messages only with a model that has a chat"):
+        plain.prepare({"messages": turns}, {})
