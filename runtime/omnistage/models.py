@@ -12,6 +12,7 @@ from_pretrained path: there is one loading code path, and it is the one users' w
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -295,11 +296,27 @@ def load_causal_lm(model: str, device: Any, dtype: str) -> tuple[Any, Any]:
 
 
 def load_diffusion(model: str, device: Any, dtype: str) -> tuple[Any, Any, Any]:
+    """UNet, VAE and scheduler of a diffusers pipeline directory (unet/, vae/, scheduler/).
+
+    The scheduler's class is the one the pipeline's model_index.json names (a hub pipeline
+    such as stable-diffusion-v1-5 says PNDMScheduler); without that file, DDIM.
+    """
+    import diffusers
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
     path = resolve(model, "diffusion")
     dt = torch_dtype(dtype, device)
     unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=dt)
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dt)
-    scheduler = DDIMScheduler.from_pretrained(path, subfolder="scheduler")
+    scheduler_cls: Any = DDIMScheduler
+    index = path / "model_index.json"
+    if index.is_file():
+        entry = json.loads(index.read_text()).get("scheduler") or [None, None]
+        found = getattr(diffusers, str(entry[1]), None)
+        if found is None or not hasattr(found, "from_pretrained"):
+            raise ModelUnavailable(model, f"model_index.json names scheduler {entry[1]!r}, "
+                                   f"which diffusers {diffusers.__version__} does not have",
+                                   "use a pipeline with a diffusers scheduler")
+        scheduler_cls = found
+    scheduler = scheduler_cls.from_pretrained(path, subfolder="scheduler")
     return unet.to(device).eval(), vae.to(device).eval(), scheduler

@@ -306,3 +306,34 @@ def test_ar_chat_uses_the_tokenizer_template_when_it_has_one(models: dict[str, P
     assert plain.prepare(params, {}).prompt_ids == plain.tokenizer(params["prompt"]).input_ids
     with pytest.raises(BadRequest, match=r"params\.messages only with a model that has a chat"):
         plain.prepare({"messages": turns}, {})
+
+
+def test_a_diffusers_pipeline_by_hub_id_loads_with_its_own_scheduler(
+        cache: Path, models: dict[str, Path], tmp_path: Path) -> None:
+    """A hub diffusion repo in diffusers' pipeline layout (model_index.json naming its
+    scheduler) loads by id from the cache, and a denoising run uses that scheduler."""
+    import shutil
+
+    import torch
+    from diffusers import EulerDiscreteScheduler
+
+    from omnistage.admission import ExecutionContext
+    from omnistage.executors.diffusion import DiffusionExecutor
+    from omnistage.spec import EngineOptions
+
+    repo = tmp_path / "euler-pipe"
+    shutil.copytree(models["diffusion"], repo)
+    shutil.rmtree(repo / "scheduler")
+    EulerDiscreteScheduler(num_train_timesteps=1000).save_pretrained(repo / "scheduler")
+    (repo / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.30.0",
+        "scheduler": ["diffusers", "EulerDiscreteScheduler"],
+        "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"]}))
+    add_to_cache(cache, "acme/euler-pipe", repo)
+
+    ex = DiffusionExecutor("acme/euler-pipe", EngineOptions(), torch.device("cpu"))
+    ex.load()
+    assert type(ex.scheduler_template) is EulerDiscreteScheduler
+    job = ex.prepare({"height": 32, "width": 32, "num_inference_steps": 2}, {})
+    out = ex.execute(job, ExecutionContext(), lambda _d: None)
+    assert not out.aborted and out.tensors
