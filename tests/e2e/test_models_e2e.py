@@ -143,7 +143,9 @@ def _assert_token_nowhere(kube: Cluster, runner: PodRunner, ns: str) -> None:
         assert json.loads(text)["items"], kind  # there is something to look at
         assert TOKEN not in text, kind
     assert runner.state_dir is not None
+    # Every container's log, and the pod runner's own (the kubelet's) log.
     logs = [p for p in (runner.state_dir / "logs").rglob("*") if p.is_file()]
+    logs.append(runner.state_dir / "podrunner.log")
     assert any(p.name == f"{k.MODEL_FETCH_CONTAINER}.log" for p in logs)
     leaked = [str(p) for p in logs if TOKEN in p.read_text(errors="replace")]
     assert leaked == []

@@ -151,3 +151,17 @@ def test_models_pull_downloads_with_progress_and_token(tmp_path: Path,
     assert check.returncode == 0, check.stderr
     absent = _pull("--offline", "acme/other", env={**env, "HF_HUB_OFFLINE": "1"})
     assert absent.returncode == kube.MODEL_FAILED_EXIT
+
+
+def test_a_worker_that_cannot_load_its_model_exits_3_saying_why(offline_home: Path) -> None:
+    """What the operator reads as ModelLoadFailed: exit MODEL_FAILED_EXIT, and a last line
+    naming the stage, the model and the cause."""
+    out = subprocess.run(
+        [sys.executable, "-m", "omnistage.cli", "stage", "--stage-json",
+         '{"name":"llm","kind":"ar","model":"acme/absent"}', "--http-port", "0"],
+        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert out.returncode == kube.MODEL_FAILED_EXIT, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("model load failed: stage 'llm', model 'acme/absent': "
+                           "ModelUnavailable: model 'acme/absent': not in the Hugging Face "
+                           "cache and HF_HUB_OFFLINE is set"), last
