@@ -86,7 +86,9 @@ class _QuietDenials(logging.Filter):
 
 
 def register(registry: kopf.OperatorRegistry, settings: WebhookSettings) -> None:
-    """One validating webhook per kind."""
+    """One validating webhook per kind. Called before kopf.operator() spawns its tasks (the
+    startup handler, where configure() runs, is too late for validating_only())."""
+    validating_only()
 
     def check(body: Any, old: Any, operation: str, **_: Any) -> None:
         review(_plain(body), _plain(old) if operation == "UPDATE" and old else None)
@@ -107,7 +109,6 @@ def configure(settings: kopf.OperatorSettings, webhook: WebhookSettings) -> None
     """Point kopf's admission machinery at our server and configuration name."""
     settings.admission.server = server(webhook)
     settings.admission.managed = CONFIGURATION
-    validating_only()
     logging.getLogger("kopf.objects").addFilter(_QuietDenials())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
@@ -120,8 +121,8 @@ def validating_only() -> None:
     even when no mutating handler exists. That needs `create` on mutatingwebhookconfigurations,
     which RBAC cannot limit by name: the power to intercept every write in the cluster. We
     register no mutating webhook, so its manager is replaced by one that idles (kopf's runner
-    looks the function up on its admission module when it spawns the task). A kopf release that
-    renames it fails tests/unit/test_validate.py's check of this function.
+    looks the function up on its admission module when it spawns the task, before the startup
+    handlers run). A kopf release that renames it fails tests/unit/test_validate.py.
     """
     from kopf._core.engines import admission
 
