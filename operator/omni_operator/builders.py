@@ -15,7 +15,7 @@ from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
 from omnistage.orchestrator.main import shutdown_seconds
 from omnistage.shm import ENV_CAP, ENV_DIR, ENV_SESSION
-from omnistage.spec import OmniPipeline, Stage, engine_for_kind
+from omnistage.spec import ModelCache, OmniPipeline, Stage, engine_for_kind
 from omnistage.tuning import worker_env
 from omnistage.worker.config import worker_args
 
@@ -187,6 +187,9 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage) -> Obj:
             "stage": pool_stage(stage),
             "replicas": stage.replicas,
             "image": pipeline.spec.image,
+            **({"modelCache": pipeline.spec.model_cache.model_dump(
+                by_alias=True, exclude_none=True, mode="json")}
+               if pipeline.spec.model_cache else {}),
         },
     }
 
@@ -316,6 +319,61 @@ def worker_command(stage: Stage) -> list[str]:
     return ["omnistage", *(a.replace("$", "$$") for a in args)]
 
 
+def model_cache_volume(cache: ModelCache | None) -> Obj:
+    """The hub cache volume: a shared claim, a sized per-pod emptyDir, or an unbounded one."""
+    if cache is not None and cache.claim_name:
+        claim: Obj = {"claimName": cache.claim_name}
+        if cache.read_only:
+            claim["readOnly"] = True
+        return {"name": kube.MODEL_CACHE_VOLUME, "persistentVolumeClaim": claim}
+    empty: Obj = {"sizeLimit": cache.size} if cache is not None and cache.size else {}
+    return {"name": kube.MODEL_CACHE_VOLUME, "emptyDir": empty}
+
+
+def model_fetch(stage: Stage, image: str, cache: ModelCache | None, resources: Obj
+                ) -> tuple[Obj, Obj, list[Obj]] | None:
+    """For a stage with a hub model: the init container that pulls it into the cache volume,
+    that volume, and the worker's env (offline, same cache). None for built-ins and paths.
+
+    The token, if any, reaches only the init container, and only as a secretKeyRef: the pod
+    spec names the Secret, never the value.
+    """
+    ref = stage.model_ref()
+    if ref is None or not ref.is_hub:
+        return None
+    read_only = bool(cache and cache.read_only)
+    env: list[Obj] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": kube.MODEL_CACHE_PATH},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if cache is not None and cache.endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": cache.endpoint})
+    if cache is not None and cache.token_secret is not None:
+        secret = cache.token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {
+            "secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    init = {
+        "name": kube.MODEL_FETCH_CONTAINER,
+        "image": image,
+        "command": ["omnistage", "models", "pull", str(ref), *(["--offline"] if read_only else [])],
+        "env": env,
+        "resources": resources,
+        "securityContext": _container_security(),
+        # The last log line (why the pull failed) becomes the termination message the
+        # operator reports in the StagePool's status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": kube.MODEL_CACHE_VOLUME, "mountPath": kube.MODEL_CACHE_PATH,
+             **({"readOnly": True} if read_only else {})},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    worker_env = [{"name": "HF_HOME", "value": kube.MODEL_CACHE_PATH},
+                  {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    return init, model_cache_volume(cache), worker_env
+
+
 def pod_template(pool: Obj) -> tuple[Obj, str]:
     """The pod every replica of this pool should be (minus name), and its hash."""
     spec = pool["spec"]
@@ -327,6 +385,22 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
     if res.gpus:
         requests["nvidia.com/gpu"] = str(res.gpus)
         limits["nvidia.com/gpu"] = str(res.gpus)
+    cache_doc = spec.get("modelCache")
+    cache = ModelCache.model_validate(cache_doc) if cache_doc else None
+    fetch = model_fetch(stage, spec["image"], cache,
+                        {"requests": {"cpu": res.cpu, "memory": res.memory},
+                         "limits": {"memory": res.memory}})
+    env, mounts, volumes = _downward_env(), [{"name": "tmp", "mountPath": "/tmp"}], [
+        {"name": "tmp", "emptyDir": {}}]
+    inits: list[Obj] = []
+    if fetch is not None:
+        init, volume, fetch_env = fetch
+        inits.append(init)
+        env += fetch_env
+        # The worker only reads the cache: whatever it loads was fetched by the init container.
+        mounts.append({"name": kube.MODEL_CACHE_VOLUME, "mountPath": kube.MODEL_CACHE_PATH,
+                       "readOnly": True})
+        volumes.append(volume)
     pod_spec: Obj = {
         "securityContext": _pod_security(),
         "readinessGates": [{"conditionType": kube.READINESS_GATE}],
@@ -339,7 +413,7 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
                 "name": "worker",
                 "image": spec["image"],
                 "command": worker_command(stage),
-                "env": _downward_env(),
+                "env": env,
                 "ports": [
                     {"name": "zmq", "containerPort": kube.WORKER_ZMQ_PORT},
                     {"name": "http", "containerPort": kube.WORKER_HTTP_PORT},
@@ -353,14 +427,19 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
                 "readinessProbe": _http_probe("/readyz", kube.WORKER_HTTP_PORT, 1, 3),
                 "resources": {"requests": requests, "limits": limits},
                 "securityContext": _container_security(),
-                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                # A load failure's last log line (the worker exits MODEL_FAILED_EXIT) becomes
+                # the termination message the operator reports.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+                "volumeMounts": mounts,
             }
         ],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": volumes,
         **pod_scheduling(pipeline, stage),
     }
     if shared_memory(pool["metadata"].get("annotations")):
         _with_shared_memory(pod_spec, pipeline, res.memory)
+    if inits:
+        pod_spec["initContainers"] = inits
     return pod_spec, digest(pod_spec)
 
 

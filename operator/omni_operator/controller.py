@@ -30,6 +30,7 @@ from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import gate_patch, is_draining, is_ready
 from omni_operator.status import (
     invalid_status,
+    model_failure,
     pipeline_status,
     pool_status,
     reported_invalid,
@@ -118,7 +119,7 @@ class Controller:
         self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
-        self._warned: set[str] = set()  # pod uids already reported unschedulable
+        self._warned: set[str] = set()  # reported: unschedulable (uid), model (uid/model)
         self._intended: set[str] = set()  # pod uids deleted on purpose (retired, evicted)
         self._invalid: dict[Key, tuple[str, int]] = {}  # InvalidSpec reported: (uid, generation)
         # The last status written per object, with the resourceVersion it was written against.
@@ -225,6 +226,7 @@ class Controller:
         intended = uid in self._intended
         self._intended.discard(uid)
         self._warned.discard(uid)
+        self._warned.discard(f"{uid}/model")
         pool = self.pools.get((meta["namespace"], meta["labels"][kube.LABEL_POOL]))
         if pool is None or pool["metadata"].get("deletionTimestamp"):
             return
@@ -648,6 +650,10 @@ class Controller:
             if msg and uid not in self._warned:
                 self._warned.add(uid)
                 self._event(pool, "Warning", "InsufficientCapacity", f"{pname}: {msg}")
+            failure = model_failure(pod)
+            if failure and f"{uid}/model" not in self._warned:
+                self._warned.add(f"{uid}/model")
+                self._event(pool, "Warning", *failure)
 
         # Retirements in progress: delete once drained (or the drain timeout passed).
         retiring = [

@@ -31,12 +31,18 @@ from omnistage.spec import (
     DEFAULT_IMAGE,
     DNS1035_LABEL_PATTERN,
     DNS_LABEL_PATTERN,
+    GPUS_PER_MODEL_REPLICA,
+    HUB_ID_GRAMMAR,
+    HUB_ID_PATTERN,
     IMAGE_GRAMMAR,
     IMAGE_PATTERN,
     KIND_IMMUTABLE,
     LOCAL_PATH_PREFIXES,
     MAX_REPLICAS,
     MAX_STAGES,
+    MODEL_CACHE_ONE_OF,
+    MODEL_CACHE_READ_ONLY,
+    MODEL_KINDS,
     PIPELINE_IMMUTABLE,
     PIPELINE_NAME_MAX,
     POD_NAME_MAX,
@@ -223,8 +229,8 @@ def _stage_rules(stage: Schema) -> None:
             f"!({_NEEDS_MODEL}) || !{_NO_MODEL}",
             "a model is required for kind ar and diffusion",
             message_expression=_fmt(
-                "a model is required for kind '%s' (built-ins: %s, or a local path starting "
-                "with / or ./)",
+                f"a model is required for kind '%s' (built-ins: %s, {HUB_ID_GRAMMAR}, or a "
+                "local path starting with / or ./)",
                 "self.kind",
                 builtins_for,
             ),
@@ -232,11 +238,12 @@ def _stage_rules(stage: Schema) -> None:
             reason="FieldValueRequired",
         ),
         _rule(
-            f"!({_NEEDS_MODEL}) || {_NO_MODEL} || {_LOCAL_PATH} || self.model in {_BUILTINS}",
-            "unknown built-in model; use a local path starting with / or ./ for your own weights",
+            f"!({_NEEDS_MODEL}) || {_NO_MODEL} || {_LOCAL_PATH} || self.model in {_BUILTINS} || "
+            f"self.model.matches('{HUB_ID_PATTERN}')",
+            f"the model is not a built-in, {HUB_ID_GRAMMAR}, or a local path",
             message_expression=_fmt(
-                "unknown built-in model '%s' for kind '%s' (built-ins: %s); use a local path "
-                "starting with / or ./ for your own weights",
+                f"model '%s' is not a built-in for kind '%s' (built-ins: %s), {HUB_ID_GRAMMAR}, "
+                "or a local path starting with / or ./",
                 "self.model",
                 "self.kind",
                 builtins_for,
@@ -258,8 +265,30 @@ def _stage_rules(stage: Schema) -> None:
             field_path=".model",
         ),
     )
+    _add_rules(
+        stage,
+        _rule(
+            f"!(self.kind in {_cel_list(MODEL_KINDS)}) || !has(self.resources) || "
+            "!has(self.resources.gpus) || self.resources.gpus <= 1",
+            "a replica of an ar or diffusion stage loads its model onto one GPU",
+            message_expression=_fmt(GPUS_PER_MODEL_REPLICA.replace("{kind}", "%s").replace(
+                "{gpus}", "%d"), "self.kind", "self.resources.gpus"),
+            field_path=".resources.gpus",
+        ),
+    )
     _add_rules(_at(stage, "kind"), _rule("self == oldSelf", KIND_IMMUTABLE))
     _toleration_rules(_at(stage, "placement.tolerations.[]"))
+
+
+def _model_cache_rules(cache: Schema) -> None:
+    """ModelCache._one_volume's rules, word for word."""
+    _add_rules(
+        cache,
+        _rule("has(self.claimName) != has(self.size)", MODEL_CACHE_ONE_OF,
+              field_path=".claimName"),
+        _rule("!(has(self.readOnly) && self.readOnly) || has(self.claimName)",
+              MODEL_CACHE_READ_ONLY, field_path=".readOnly"),
+    )
 
 
 def _toleration_rules(toleration: Schema) -> None:
@@ -573,6 +602,7 @@ def omnipipeline_crd() -> Schema:
     """The OmniPipeline CRD, from omnistage.spec.PipelineSpec."""
     spec = structural(PipelineSpec.model_json_schema(by_alias=True, mode="validation"))
     _stage_rules(_at(spec, "stages.[]"))
+    _model_cache_rules(_at(spec, "modelCache"))
     _pipeline_rules(spec)
     schema = _root(
         "OmniPipeline",
@@ -640,6 +670,7 @@ def stagepool_crd() -> Schema:
     """The StagePool CRD, from omnistage.spec.StagePoolSpec."""
     spec = structural(StagePoolSpec.model_json_schema(by_alias=True, mode="validation"))
     _stage_rules(_at(spec, "stage"))
+    _model_cache_rules(_at(spec, "modelCache"))
     _image_rules(_at(spec, "image"))
     _at(spec, "pipeline").update(maxLength=PIPELINE_NAME_MAX, pattern=DNS1035_LABEL_PATTERN)
     _add_rules(_at(spec, "pipeline"), _rule("self == oldSelf", PIPELINE_IMMUTABLE))

@@ -53,6 +53,43 @@ def stage_minimum(desired: int, settled: int, max_unavailable: int) -> int:
     return max(1, min(desired, settled) - max_unavailable)
 
 
+#: Ready reasons of a stage whose model cannot be fetched or loaded.
+MODEL_FAILURES = ("ModelFetchFailed", "ModelLoadFailed")
+
+
+def _failed_run(status: Obj) -> Obj | None:
+    """The container's latest failed run (its current state, else the one before a restart)."""
+    state = status.get("state") or {}
+    if "running" in state and status.get("ready"):
+        return None
+    for term in (state.get("terminated"), (status.get("lastState") or {}).get("terminated")):
+        if term is not None:
+            return term if term.get("exitCode", 0) != 0 else None
+    return None
+
+
+def model_failure(pod: Obj) -> tuple[str, str] | None:
+    """(reason, message) when this replica could not fetch its model (the model-fetch init
+    container failed) or load it (the worker exited MODEL_FAILED_EXIT); the message names the
+    stage, the model, the pod and the last line of the container's termination message."""
+    status = pod.get("status") or {}
+    stage = (pod["metadata"].get("labels") or {}).get(kube.LABEL_STAGE, "?")
+    checks = [("ModelFetchFailed", "could not be fetched", c, None)
+              for c in status.get("initContainerStatuses") or []
+              if c.get("name") == kube.MODEL_FETCH_CONTAINER]
+    checks += [("ModelLoadFailed", "could not be loaded", c, kube.MODEL_FAILED_EXIT)
+               for c in status.get("containerStatuses") or [] if c.get("name") == "worker"]
+    for reason, what, cstatus, code in checks:
+        term = _failed_run(cstatus)
+        if term is None or (code is not None and term.get("exitCode") != code):
+            continue
+        lines = [ln.strip() for ln in str(term.get("message") or "").splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"exit code {term.get('exitCode')}"
+        return reason, (f"stage {stage!r}: the model {what} on {pod['metadata']['name']}: "
+                        f"{why}")
+    return None
+
+
 def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj:
     meta, spec = pool["metadata"], pool["spec"]
     desired = int(spec.get("replicas", 0))
@@ -81,6 +118,8 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj
     elif unschedulable:
         name, msg = unschedulable[0]
         ok, reason, message = False, "InsufficientCapacity", f"{name}: {msg}"
+    elif failures := [f for p in live if (f := model_failure(p))]:
+        ok, (reason, message) = False, failures[0]
     else:
         ok, reason, message = False, "ReplicasNotReady", f"{counts} (minimum {minimum})"
 
@@ -268,5 +307,6 @@ def summary(status: Obj) -> tuple[str, str, str]:
         return "Normal", "Progressing", progressing.get("message", "")
     if phase == "Ready":
         return "Normal", "Ready", f"pipeline is serving ({status.get('stagesReady', '')} stages)"
-    warn = phase == "Degraded" or ready.get("reason") == "InsufficientCapacity"
+    warn = phase == "Degraded" or ready.get("reason") in ("InsufficientCapacity",
+                                                          *MODEL_FAILURES)
     return ("Warning" if warn else "Normal"), phase, ready.get("message", "")

@@ -42,21 +42,38 @@ def _run_stage(args: argparse.Namespace) -> int:
 
 
 def _add_models(sub: Any) -> None:
-    m = sub.add_parser("models", help="built-in tiny models")
+    m = sub.add_parser("models", help="built-in models and the Hugging Face model cache")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     msub.add_parser("list", help="list the built-in models")
     save = msub.add_parser("save", help="save_pretrained a built-in model into a directory")
     save.add_argument("name")
     save.add_argument("dest")
+    pull = msub.add_parser(
+        "pull", help="fetch hub models (org/name[@revision]) into the Hugging Face cache "
+                     "($HF_HOME), with progress; what a stage pod's init container runs")
+    pull.add_argument("models", nargs="+", metavar="ID", help="hub id or built-in name")
+    pull.add_argument("--offline", action="store_true",
+                      help="only check that the cache already holds them")
     m.set_defaults(handler=_run_models)
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    from omnistage.models import BUILTINS, save_builtin
+    from omnistage.models import BUILTINS, ModelUnavailable, pull, save_builtin
 
     if args.models_cmd == "list":
         for name, kind in sorted(BUILTINS.items()):
             print(f"{name}\t{kind}")
+        return 0
+    if args.models_cmd == "pull":
+        from omnistage import kube
+
+        try:
+            cache = pull(args.models, offline_only=args.offline)
+        except (ModelUnavailable, ValueError) as exc:
+            # One last line, the pod's termination message when this is an init container.
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return kube.MODEL_FAILED_EXIT
+        print(f"{len(args.models)} model(s) in {cache}")
         return 0
     if os.path.exists(args.dest):
         print(f"error: destination {args.dest!r} already exists", file=sys.stderr)

@@ -28,6 +28,14 @@ WORKER_ZMQ_PORT = 5555
 WORKER_HTTP_PORT = 8080
 PIPELINE_ENV = "OMNISTAGE_PIPELINE"  # the resolved pipeline manifest, as JSON
 
+# Model fetching and loading, as the operator reads them off a stage pod's status.
+MODEL_FETCH_CONTAINER = "model-fetch"  # init container: `omnistage models pull`
+MODEL_CACHE_VOLUME = "model-cache"
+MODEL_CACHE_PATH = "/var/cache/omnistage/hf"  # HF_HOME in stage pods
+#: Exit status of a worker (and of `omnistage models pull`) whose model could not be fetched or
+#: loaded; their last log line (the pod's termination message) says why.
+MODEL_FAILED_EXIT = 3
+
 
 def pool_name(pipeline: str, stage: str) -> str:
     return f"{pipeline}-{stage}"

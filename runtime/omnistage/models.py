@@ -1,4 +1,9 @@
-"""Model resolution and loading.
+"""Model resolution and loading: the one resolver of model references for every mode.
+
+`omnistage serve` (prepare, before any worker starts), `omnistage models pull` (pull; also the
+cluster's init container), and the worker (resolve, then from_pretrained) all come here; the
+grammar itself is omnistage.modelref. Hub ids resolve through the standard Hugging Face cache
+(HF_HOME / HF_HUB_CACHE) with huggingface_hub's snapshot_download.
 
 Built-in tiny models are random-initialised from configs with a fixed seed, written once with
 save_pretrained into a cache folder, and then loaded like any user model through the real
@@ -7,14 +12,17 @@ from_pretrained path: there is one loading code path, and it is the one users' w
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnistage.spec import BUILTIN_MODELS as BUILTINS
+from omnistage.modelref import BUILTIN_MODELS as BUILTINS
+from omnistage.modelref import ModelRef, parse_model_ref
+from omnistage.spec import Stage
 
 BUILTIN_VERSION = "v1"
 TINY_HIDDEN = 64  # shared width: the tiny UNet cross-attends to the tiny LLM's hidden states
@@ -117,57 +125,198 @@ def save_builtin(name: str, path: str | Path) -> Path:
     return dest
 
 
-@dataclass(frozen=True)
-class ModelRef:
-    """Where a stage's weights come from: a built-in name or a local directory."""
+class ModelUnavailable(RuntimeError):
+    """A model that cannot be resolved here; str() names the model, the cause and the fix."""
 
-    kind: str
-    source: str
+    def __init__(self, model: str, problem: str, fix: str) -> None:
+        super().__init__(f"model {model!r}: {problem}; {fix}")
+        self.model, self.problem, self.fix = model, problem, fix
 
-    def resolve(self) -> Path:
-        """The directory to from_pretrained, materialising a built-in on first use."""
-        if self.source in BUILTINS:
-            if BUILTINS[self.source] != self.kind:
-                raise ValueError(
-                    f"built-in model {self.source!r} is a {BUILTINS[self.source]} model, "
-                    f"not {self.kind}"
-                )
-            path = cache_dir() / "models" / f"{self.source}-{BUILTIN_VERSION}"
-            if not path.exists():
-                save_builtin(self.source, path)
-            return path
-        path = Path(self.source).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"model path {self.source!r} is not a directory")
+    def for_stage(self, stage: str) -> str:
+        return f"stage {stage!r}: {self}"
+
+
+def offline() -> bool:
+    """Whether the hub may not be contacted (HF_HUB_OFFLINE, or transformers' older spelling)."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, read from the environment at each call (HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub), so a pod's HF_HOME volume is honoured."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def _pull_fix(ref: ModelRef) -> str:
+    return (f"run `omnistage models pull {ref}` where the hub is reachable (it fills "
+            f"{hub_cache()}), or use a local path to the model's directory")
+
+
+def fetch(ref: ModelRef, *, download: bool | None = None, progress: bool = True) -> Path:
+    """The snapshot directory of a hub model, from the cache or (when download) from the hub.
+
+    download=None means "unless offline()". Progress bars go to stderr, as tqdm's do.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    if download is None:
+        download = not offline()
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # one line per request otherwise
+    (enable_progress_bars if progress else disable_progress_bars)()
+    name = str(ref)
+    try:
+        path = snapshot_download(ref.source, revision=ref.revision, cache_dir=hub_cache(),
+                                 local_files_only=not download)
+    except GatedRepoError:
+        raise ModelUnavailable(name, "the hub refused access (a gated model)",
+                               "set HF_TOKEN (on a cluster: spec.modelCache.tokenSecret) to a "
+                               "token that was granted access") from None
+    except RevisionNotFoundError:
+        raise ModelUnavailable(name, f"revision {ref.revision!r} does not exist on the hub",
+                               "use a branch, tag or commit the repository has") from None
+    except RepositoryNotFoundError:
+        raise ModelUnavailable(name, "no such repository on the hub (or it is private)",
+                               "check the id, or set HF_TOKEN for a private one") from None
+    except LocalEntryNotFoundError:
+        why = ("not in the Hugging Face cache and HF_HUB_OFFLINE is set" if offline() else
+               "not in the Hugging Face cache" if not download else
+               "not in the Hugging Face cache and the hub cannot be reached")
+        raise ModelUnavailable(name, why, _pull_fix(ref)) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelUnavailable(name, f"cannot be fetched: {exc}", _pull_fix(ref)) from None
+    return Path(path)
+
+
+def resolve(model: str, stage_kind: str) -> Path:
+    """The directory to from_pretrained for a stage's model reference (omnistage.modelref).
+
+    Built-ins are materialised on first use; hub ids come from the cache first and are only
+    downloaded when they are missing and the hub may be contacted (never with HF_HUB_OFFLINE).
+    """
+    ref = parse_model_ref(model)
+    if ref.kind == "builtin":
+        if BUILTINS[ref.source] != stage_kind:
+            raise ValueError(f"built-in model {ref.source!r} is a {BUILTINS[ref.source]} "
+                             f"model, not {stage_kind}")
+        path = cache_dir() / "models" / f"{ref.source}-{BUILTIN_VERSION}"
+        if not path.exists():
+            save_builtin(ref.source, path)
         return path
+    if ref.kind == "hub":
+        try:
+            return fetch(ref, download=False, progress=False)
+        except ModelUnavailable:
+            if offline():
+                raise
+        return fetch(ref, download=True)
+    path = Path(ref.source).expanduser()
+    if not path.is_dir():
+        raise ModelUnavailable(model, "the local path is not a directory",
+                               "point the stage at a saved model's directory")
+    return path
 
 
-def torch_dtype(name: str) -> Any:
+def pull(models: list[str], *, offline_only: bool = False) -> Path:
+    """`omnistage models pull`: every hub id into the cache, with progress; built-ins are
+    materialised. With offline_only, only check that the cache holds them. Returns the cache."""
+    for model in models:
+        ref = parse_model_ref(model)
+        if ref.kind == "hub":
+            fetch(ref, download=not offline_only and not offline())
+        elif ref.kind == "builtin":
+            resolve(model, BUILTINS[model])
+        else:
+            raise ModelUnavailable(model, "a local path is not pulled",
+                                   "pass hub ids (org/name[@revision]) or built-ins")
+    return hub_cache()
+
+
+def prepare(stages: list[Stage], say: Any = print) -> list[str]:
+    """Before any worker starts: every hub model of stages is in the cache, or why not.
+
+    Online, missing models are downloaded (with progress); offline, a missing one is an error.
+    Returns one message per unavailable stage model, naming the stage, the id and the fix.
+    """
+    problems = []
+    for stage in stages:
+        ref = stage.model_ref()
+        if ref is None or ref.kind != "hub":
+            continue
+        try:
+            path = fetch(ref, download=False, progress=False)
+        except ModelUnavailable as exc:
+            if offline():
+                problems.append(exc.for_stage(stage.name))
+                continue
+            say(f"stage {stage.name}: fetching {ref} from the hub")
+            try:
+                path = fetch(ref, download=True)
+            except ModelUnavailable as exc2:
+                problems.append(exc2.for_stage(stage.name))
+                continue
+        say(f"stage {stage.name}: model {ref} at {path}")
+    return problems
+
+
+def torch_dtype(name: str, device: Any) -> Any:
+    """The torch dtype for an engine dtype; auto is bfloat16 on CUDA and float32 elsewhere."""
     import torch
 
+    if name == "auto":
+        return torch.bfloat16 if getattr(device, "type", str(device)) == "cuda" else torch.float32
     try:
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
             name
         ]
     except KeyError:
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {name!r}") from None
+        raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {name!r}"
+                         ) from None
 
 
-def load_causal_lm(ref: ModelRef, device: Any, dtype: str) -> tuple[Any, Any]:
+def load_causal_lm(model: str, device: Any, dtype: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = ref.resolve()
+    path = resolve(model, "ar")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, device))
     return model.to(device).eval(), tokenizer
 
 
-def load_diffusion(ref: ModelRef, device: Any, dtype: str) -> tuple[Any, Any, Any]:
+def load_diffusion(model: str, device: Any, dtype: str) -> tuple[Any, Any, Any]:
+    """UNet, VAE and scheduler of a diffusers pipeline directory (unet/, vae/, scheduler/).
+
+    The scheduler's class is the one the pipeline's model_index.json names (a hub pipeline
+    such as stable-diffusion-v1-5 says PNDMScheduler); without that file, DDIM.
+    """
+    import diffusers
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
-    path = ref.resolve()
-    dt = torch_dtype(dtype)
+    path = resolve(model, "diffusion")
+    dt = torch_dtype(dtype, device)
     unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=dt)
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dt)
-    scheduler = DDIMScheduler.from_pretrained(path, subfolder="scheduler")
+    scheduler_cls: Any = DDIMScheduler
+    index = path / "model_index.json"
+    if index.is_file():
+        entry = json.loads(index.read_text()).get("scheduler") or [None, None]
+        found = getattr(diffusers, str(entry[1]), None)
+        if found is None or not hasattr(found, "from_pretrained"):
+            raise ModelUnavailable(model, f"model_index.json names scheduler {entry[1]!r}, "
+                                   f"which diffusers {diffusers.__version__} does not have",
+                                   "use a pipeline with a diffusers scheduler")
+        scheduler_cls = found
+    scheduler = scheduler_cls.from_pretrained(path, subfolder="scheduler")
     return unet.to(device).eval(), vae.to(device).eval(), scheduler

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from omnistage import validate
+from omnistage import models, validate
 from omnistage.local_runtime import LocalStageRuntime, PlacementError, ReplicaStartupError
 from omnistage.orchestrator.main import ApiBindError, serve_orchestrator
 from omnistage.shm import ShmConfig, ShmError
@@ -77,6 +77,12 @@ def run_serve(
         for path, message in exc.errors:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
+    problems = models.prepare(pipeline.spec.stages, say=_say)
+    if problems:  # before any worker starts
+        print("error: models unavailable:", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
     try:
         shm = ShmConfig.local()  # one machine: tensors go through shared memory
     except ShmError as exc:
@@ -114,7 +120,8 @@ def run_serve(
 def dry_run(file: str | Path, *, output: str = "text") -> int:
     """`omnistage serve --dry-run FILE`: every check serve makes before starting anything.
 
-    That is `omnistage validate` with local model paths checked, plus the GPU placement plan.
+    That is `omnistage validate` with local model paths checked, plus the GPU placement plan,
+    plus (with HF_HUB_OFFLINE) hub models present in the cache.
     Exit 0 when serve would start, 2 when it would refuse.
     """
     report = validate.Report(str(file), 0, kind=KIND)
@@ -123,6 +130,9 @@ def dry_run(file: str | Path, *, output: str = "text") -> int:
         report.name = pipeline.metadata.name
         LocalStageRuntime(pipeline, base_dir=Path(file).resolve().parent,
                           log_dir=Path(tempfile.gettempdir())).plan()
+        if models.offline():  # a dry run downloads nothing; offline, a missing model is fatal
+            report.errors = [("(models)", problem) for problem in models.prepare(
+                pipeline.spec.stages, say=lambda _msg: None)]
     except SpecError as exc:
         report.errors = [(path, message) for path, message in exc.errors]
     except PlacementError as exc:

@@ -40,24 +40,39 @@ from pydantic_core import PydanticCustomError
 
 from omnistage import __version__
 from omnistage.kube import ANNOTATION_SHARED_MEMORY
+from omnistage.modelref import (
+    BUILTIN_MODELS,
+    HUB_ID_GRAMMAR,
+    HUB_ID_PATTERN,
+    LOCAL_PATH_PREFIXES,
+    ModelRef,
+    builtins_for,
+    parse_model_ref,
+    reference_error,
+)
 
 __all__ = [
     "API_VERSION",
     "BUILTIN_MODELS",
     "DEFAULT_IMAGE",
+    "HUB_ID_GRAMMAR",
+    "HUB_ID_PATTERN",
     "KIND",
+    "LOCAL_PATH_PREFIXES",
     "MAX_REPLICAS",
     "MAX_STAGES",
     "STAGE_KINDS",
     "AdmissionOptions",
     "EngineOptions",
     "Metadata",
+    "ModelCache",
     "OmniPipeline",
     "OrchestratorResources",
     "OrchestratorSpec",
     "PerRequest",
     "PipelineSpec",
     "Placement",
+    "SecretKeyRef",
     "SpecError",
     "Stage",
     "StagePool",
@@ -82,8 +97,6 @@ DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
 #: Upper bounds shared with the CRD's CEL rules, so the API server and the runtime agree.
 MAX_STAGES = 16
 MAX_REPLICAS = 64
-#: Built-in tiny models and the stage kind each one serves.
-BUILTIN_MODELS: dict[str, str] = {"tiny-llama": "ar", "tiny-unet": "diffusion"}
 
 StageKind = Literal["ar", "diffusion", "echo"]
 STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
@@ -93,12 +106,14 @@ ApiSurface = Literal["chat", "images", "generic"]
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # The pipeline name prefixes Service names, which must be DNS-1035 labels (leading letter).
 DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
+# Names of Secrets and PersistentVolumeClaims.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 PIPELINE_NAME_MAX = 40
 # Pod names are <pipeline>-<stage>-<ordinal>; keep them within one 63-character DNS label.
 POD_NAME_MAX = 63
 STAGE_NAME_MAX = 20
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
-LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 # A pool's name is <pipeline>-<stage>, and its pods add -<ordinal>.
 POOL_NAME_MAX = POD_NAME_MAX - 1 - len(str(MAX_REPLICAS - 1))
 
@@ -125,6 +140,9 @@ _PATTERN_HELP = {
     DNS1035_LABEL_PATTERN: "must be a DNS-1035 label: lowercase letters, digits and '-', "
     "starting with a letter and ending with a letter or digit",
     QUANTITY_PATTERN: "must be a Kubernetes quantity such as '500m', '2', '1.5' or '4Gi'",
+    URL_PATTERN: "must be an http:// or https:// URL",
+    DNS_SUBDOMAIN_PATTERN: "must be a DNS-1123 subdomain: lowercase letters, digits, '-' and "
+    "'.', starting and ending with a letter or digit",
 }
 
 
@@ -169,10 +187,6 @@ StageName = Annotated[
     str, Field(pattern=DNS_LABEL_PATTERN, min_length=1, max_length=STAGE_NAME_MAX)
 ]
 _SET = {"x-kubernetes-list-type": "set"}
-
-
-def _is_local_path(value: str) -> bool:
-    return value.startswith(LOCAL_PATH_PREFIXES)
 
 
 def image_error(value: str) -> str | None:
@@ -229,8 +243,10 @@ class EngineOptions(_Model):
     A request may override the per-request ones within the same bounds.
     """
 
-    dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32", description="Weight and activation dtype. float32 is safest on CPU."
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="Weight and activation dtype; auto is bfloat16 on a GPU and float32 on "
+        "the CPU.",
     )
     max_tokens: Annotated[int, PerRequest(("ar",))] = Field(
         16,
@@ -443,9 +459,10 @@ class Stage(_Model):
         None,
         max_length=1024,  # bounds the CRD's CEL cost estimate for the model rules
         validate_default=True,
-        description="Built-in model name (ar: tiny-llama; diffusion: tiny-unet) or a local path "
-        "starting with /, ./, ../ or ~ (relative paths are relative to the pipeline file). "
-        "Required for ar and diffusion; omit (or 'none') for echo.",
+        description="A Hugging Face id org/name[@revision] (a branch, tag or commit), a local "
+        "path starting with /, ./, ../ or ~ (relative paths are relative to the pipeline file; "
+        "on a cluster, a path inside the image), or a built-in (ar: tiny-llama; diffusion: "
+        "tiny-unet). Required for ar and diffusion; omit (or 'none') for echo.",
     )
     engine: EngineOptions = Field(
         default_factory=EngineOptions, description="Executor options for this stage."
@@ -498,49 +515,37 @@ class Stage(_Model):
                 f"echo stages take no model; omit it or set it to none (got {value!r})"
             )
         if value is None or value.strip().lower() in ("", "none"):
-            builtins = _builtins_for(kind)
             raise _field_error(
-                f"a model is required for kind {kind!r} (built-ins: {builtins}, "
-                "or a local path starting with / or ./)"
+                f"a model is required for kind {kind!r} (built-ins: {builtins_for(kind)}, "
+                f"{HUB_ID_GRAMMAR}, or a local path starting with / or ./)"
             )
-        if _is_local_path(value):
-            return value
-        builtin_kind = BUILTIN_MODELS.get(value)
-        if builtin_kind is None:
-            raise _field_error(
-                f"unknown built-in model {value!r} for kind {kind!r} "
-                f"(built-ins: {_builtins_for(kind)}); use a local path starting with / or ./ "
-                "for your own weights"
-            )
-        if builtin_kind != kind:
-            raise _field_error(
-                f"built-in model {value!r} is a {builtin_kind!r} model, not {kind!r} "
-                f"(built-ins for {kind!r}: {_builtins_for(kind)})"
-            )
+        problem = reference_error(value, kind)
+        if problem is not None:
+            raise _field_error(problem)
         return value
 
-    def model_ref(self) -> tuple[Literal["builtin", "path", "none"], str | None]:
-        """Classify the model so executors know whether to build a tiny model or load weights."""
-        if self.model is None:
-            return ("none", None)
-        if _is_local_path(self.model):
-            return ("path", self.model)
-        return ("builtin", self.model)
+    @model_validator(mode="after")
+    def _one_gpu_per_model(self) -> Stage:
+        """A replica loads its model onto one device: spreading one model over several GPUs
+        (device_map) is not supported, so asking for it is refused rather than half-used."""
+        if self.kind in MODEL_KINDS and self.resources.gpus > 1:
+            raise _path_errors([("resources.gpus", GPUS_PER_MODEL_REPLICA.format(
+                kind=self.kind, gpus=self.resources.gpus))])
+        return self
+
+    def model_ref(self) -> ModelRef | None:
+        """The parsed model reference (omnistage.modelref), None for an echo stage."""
+        return None if self.model is None else parse_model_ref(self.model)
 
     def model_path(self, base_dir: Path | None = None) -> Path | None:
         """Absolute path of a local model (relative ones resolve against base_dir), else None."""
-        kind, ref = self.model_ref()
-        if kind != "path" or ref is None:
+        ref = self.model_ref()
+        if ref is None or ref.kind != "path":
             return None
-        path = Path(ref).expanduser()
+        path = Path(ref.source).expanduser()
         if not path.is_absolute():
             path = (base_dir or Path.cwd()) / path
         return path
-
-
-def _builtins_for(kind: str) -> str:
-    names = [name for name, k in BUILTIN_MODELS.items() if k == kind]
-    return ", ".join(names) or "none"
 
 
 def _path_errors(errors: list[tuple[str, str]], *, relative: bool = True) -> PydanticCustomError:
@@ -616,6 +621,13 @@ class OrchestratorSpec(_Model):
         return value
 
 
+MODEL_KINDS = ("ar", "diffusion")
+GPUS_PER_MODEL_REPLICA = (
+    "replicas of kind '{kind}' load their model onto one GPU (got {gpus}); spreading a model "
+    "over several GPUs is not supported: request 1 and scale with replicas"
+)
+
+
 def _reject_duplicates(values: list[str]) -> None:
     """Name the repeated entry by index, as the API server does for a set-type list."""
     seen: set[str] = set()
@@ -628,6 +640,76 @@ def _reject_duplicates(values: list[str]) -> None:
         raise _path_errors(errors)
 
 
+class SecretKeyRef(_Model):
+    """A key of a Secret in the pipeline's namespace; only the reference is ever stored."""
+
+    name: str = Field(
+        pattern=DNS_SUBDOMAIN_PATTERN, max_length=253, description="Name of the Secret."
+    )
+    key: str = Field(
+        "token",
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        max_length=253,
+        description="Key in the Secret whose value is the token.",
+    )
+
+
+class ModelCache(_Model):
+    """Where stage pods keep hub models; a local `omnistage serve` uses the Hugging Face cache
+    ($HF_HOME) instead and ignores this.
+
+    Pods of stages with a hub id get an init container that runs `omnistage models pull` into
+    this volume from the stage's own image; the worker then loads with HF_HUB_OFFLINE=1.
+    Without a modelCache each such pod fetches into its own unbounded emptyDir.
+    """
+
+    claim_name: str | None = Field(
+        None,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        max_length=253,
+        description="A PersistentVolumeClaim shared by the replicas (ReadWriteMany, or "
+        "ReadOnlyMany with readOnly: true and the models already in it).",
+    )
+    size: Quantity | None = Field(
+        None,
+        description="Instead of a claim: a per-pod ephemeral cache of this size (an emptyDir "
+        "with this sizeLimit), filled anew by every pod.",
+    )
+    read_only: bool = Field(
+        False,
+        description="With claimName: the claim is mounted read-only and must already hold the "
+        "models; the init container only checks that (`omnistage models pull --offline`).",
+    )
+    endpoint: str | None = Field(
+        None,
+        pattern=URL_PATTERN,
+        max_length=2048,
+        description="Hub to fetch from (HF_ENDPOINT of the init container), for example an "
+        "in-cluster mirror; default the public Hugging Face hub.",
+    )
+    token_secret: SecretKeyRef | None = Field(
+        None,
+        description="Secret holding a Hugging Face token for gated models. Only the fetching "
+        "init container gets it (as HF_TOKEN, from a secretKeyRef); it never appears in a pod "
+        "spec, a status or a log.",
+    )
+
+    @model_validator(mode="after")
+    def _one_volume(self) -> ModelCache:
+        errors = []
+        if (self.claim_name is None) == (self.size is None):
+            errors.append(("claimName", MODEL_CACHE_ONE_OF))
+        if self.read_only and self.claim_name is None:
+            errors.append(("readOnly", MODEL_CACHE_READ_ONLY))
+        if errors:
+            raise _path_errors(errors)
+        return self
+
+
+MODEL_CACHE_ONE_OF = "set exactly one of claimName (a shared PVC) and size (a per-pod volume)"
+MODEL_CACHE_READ_ONLY = "readOnly applies to a claimName only"
+
+
 class PipelineSpec(_Model):
     """The desired pipeline: the stage graph and the orchestrator in front of it."""
 
@@ -637,6 +719,9 @@ class PipelineSpec(_Model):
     )
     orchestrator: OrchestratorSpec = Field(
         default_factory=OrchestratorSpec, description="The orchestrator (API front door)."
+    )
+    model_cache: ModelCache | None = Field(
+        None, description="On a cluster: the volume stage pods keep hub models in."
     )
     stages: list[Stage] = Field(
         min_length=1,
@@ -986,6 +1071,9 @@ class StagePoolSpec(_Model):
         "stage.replicas, which only seeds it.",
     )
     image: ImageRef = Field(description=f"Container image of the stage worker: {IMAGE_GRAMMAR}.")
+    model_cache: ModelCache | None = Field(
+        None, description="The pipeline's modelCache: where the pods keep hub models."
+    )
 
 
 class StagePool(_Model):

@@ -15,7 +15,8 @@ own Nodes, keeps their Leases and Ready condition fresh, and for every pod bound
     missing from the image is RunContainerError: never a fallback to the checkout;
   - process mode (no index): ``command`` + ``args`` run with the checkout's Python and the host's
     environment; the image is ignored, and a container without a command idles like a pause
-    container;
+    container. Volumes are made as in image mode, and env values naming a mount path point at
+    the volume's host directory (there is no mount namespace);
 * resolves env (value with $(VAR) expansion, fieldRef, resourceFieldRef, configMapKeyRef,
   secretKeyRef, envFrom), and gives the pod a unique loopback IP (``status.podIP``);
 * runs startup, readiness and liveness probes (httpGet, tcpSocket, exec), restarts containers per
@@ -193,7 +194,8 @@ class PodWorker(threading.Thread):
         self.log_dir = runner.state_dir / "logs" / self.ns / self.pod_name
         self.pod_dir = runner.state_dir / "pods" / self.uid  # volumes, writable layers
         self.volumes = PodVolumes(runner.kube, pod, self.pod_dir / "volumes",
-                                  lambda _pod, path: field_value(self._pod_with_ip(), path))
+                                  lambda _pod, path: field_value(self._pod_with_ip(), path),
+                                  claims=runner.state_dir / "claims")
         self.exec_count = 0
         self.done = threading.Event()
 
@@ -458,7 +460,7 @@ class PodWorker(threading.Thread):
         proc_env = dict(os.environ)
         proc_env.pop("KUBECONFIG", None)  # a pod sees the API only as its service account
         proc_env.update(self._service_account_env())
-        proc_env.update(env)
+        proc_env.update(self._mounted_paths(spec, env))
         proc_env.setdefault("HOSTNAME", self.pod_name)
         proc_env[RUNNER_ENV] = self.runner.runner_id
         workdir = spec.get("workingDir")
@@ -467,6 +469,21 @@ class PodWorker(threading.Thread):
             workdir_path.mkdir(parents=True, exist_ok=True)
             workdir = str(workdir_path)
         return argv, proc_env, workdir
+
+    def _mounted_paths(self, spec: Obj, env: dict[str, str]) -> dict[str, str]:
+        """Process mode has no mount namespace: an env value at or under a volumeMount's path
+        is pointed at that volume's host directory instead (so HF_HOME=/var/cache/... in a
+        pod spec reaches the pod's cache volume). Only volumes an env value names are made; one
+        that cannot be (a missing claim) fails the container as a kubelet would."""
+        out = dict(env)
+        mounts = sorted(spec.get("volumeMounts", []), key=lambda m: -len(m["mountPath"]))
+        for name, value in env.items():
+            for m in mounts:
+                mount = m["mountPath"].rstrip("/")
+                if value == mount or value.startswith(mount + "/"):
+                    out[name] = str(self.volumes.path(m["name"])) + value[len(mount):]
+                    break
+        return out
 
     def _image_launch(self, c: Container, env: dict[str, str]
                       ) -> tuple[list[str], dict[str, str], str]:

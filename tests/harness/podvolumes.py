@@ -4,7 +4,9 @@ Why: in image mode a container sees only its image and what the pod mounts, so t
 exist as a kubelet would make them: ``emptyDir`` (a fresh world-writable directory shared by the
 pod's containers), ``configMap`` and ``secret`` (files per key), ``downwardAPI``, and
 ``projected`` with ``serviceAccountToken`` (a TokenRequest bound to the pod, so the API server
-applies the service account's RBAC exactly as on a real node). The ServiceAccount admission
+applies the service account's RBAC exactly as on a real node), and ``persistentVolumeClaim`` (one
+host directory per claim under the runner's state, shared by every pod that mounts it, as a
+ReadWriteMany volume is; the claim must exist). The ServiceAccount admission
 plugin adds that projected volume (``kube-api-access-*``: token, ca.crt, namespace) to every pod
 that mounts a token; mounting it is what gives the process in-cluster credentials. ``hostPath``
 mounts the host's own path (tests share a directory with a pod that way).
@@ -30,8 +32,10 @@ DEFAULT_MODE = 0o644
 class PodVolumes:
     """Materialises a pod's volumes under ``base`` (one directory per volume)."""
 
-    def __init__(self, kube: Kube, pod: Obj, base: Path, field_value: Any) -> None:
+    def __init__(self, kube: Kube, pod: Obj, base: Path, field_value: Any,
+                 claims: Path | None = None) -> None:
         self.kube = kube
+        self.claims = claims if claims is not None else base / "claims"
         self.pod = pod
         self.ns: str = pod["metadata"]["namespace"]
         self.base = base
@@ -49,6 +53,8 @@ class PodVolumes:
         dest = self.base / name
         if "hostPath" in vol:
             dest = self._host_path(vol)
+        elif "persistentVolumeClaim" in vol:
+            dest = self._claim(vol["persistentVolumeClaim"]["claimName"])
         elif "emptyDir" in vol:
             dest.mkdir(parents=True, exist_ok=True)
             dest.chmod(0o777)  # as a kubelet makes it: any container uid can write
@@ -85,6 +91,19 @@ class PodVolumes:
                              f"hostPath {path} (type {kind or 'any'}) does not exist")
         return path
 
+    def _claim(self, name: str) -> Path:
+        """The claim's directory; a missing claim keeps the container from being created."""
+        try:
+            self.kube.get(resource_path("v1", "persistentvolumeclaims", self.ns, name))
+        except ApiError as e:
+            raise ImageError("CreateContainerConfigError",
+                             f"persistentvolumeclaim {name!r} not found") from e
+        dest = self.claims / self.ns / name
+        if not dest.is_dir():
+            dest.mkdir(parents=True)
+            dest.chmod(0o777)  # a fresh volume any pod uid may fill
+        return dest
+
     @staticmethod
     def _default_mode(vol: Obj) -> int:
         for kind in ("configMap", "secret", "projected", "downwardAPI"):
@@ -120,7 +139,7 @@ class PodVolumes:
         raise ImageError("CreateContainerConfigError",
                          f"volume {vol['name']!r}: type {kinds} is not supported by the local "
                          "pod runner (emptyDir, configMap, secret, downwardAPI, projected, "
-                         "hostPath)")
+                         "hostPath, persistentVolumeClaim)")
 
     def _object_files(self, resource: str, ref: Obj) -> dict[str, tuple[bytes, int | None]]:
         try:

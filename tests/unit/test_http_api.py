@@ -271,6 +271,8 @@ def test_parse_chat_builds_the_pipeline_request() -> None:
     assert call.stage == "encoder" and req.finals == ["encoder"]
     assert req.params == {"encoder": {"max_tokens": 7, "temperature": 0.5,
                                       "seed": 2**53 - 1, "ignore_eos": True,
+                                      "messages": [{"role": "system", "content": "be brief"},
+                                                   {"role": "user", "content": "a\nb"}],
                                       "return_hidden_states": False}}
     assert (req.n, req.stream, req.session) == (3, True, "alice")
     assert req.prompt == "<|system|>\nbe brief\n<|user|>\na\nb\n<|assistant|>\n"
@@ -281,7 +283,8 @@ def test_parse_chat_builds_the_pipeline_request() -> None:
 def test_parse_chat_defaults_leave_stage_defaults_alone() -> None:
     call = h.parse_chat({"messages": [{"role": "user", "content": "x"}]}, CHAT)
     # Only hidden states are switched off (chat returns text); the rest stays stage defaults.
-    assert call.request.params == {"llm": {"return_hidden_states": False}}
+    assert call.request.params == {"llm": {"messages": [{"role": "user", "content": "x"}],
+                                           "return_hidden_states": False}}
     assert (call.request.n, call.request.stream, call.request.session) == (1, False, None)
     assert call.model == "chat"
 

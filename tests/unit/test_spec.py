@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from omnistage.modelref import ModelRef
 from omnistage.spec import (
     API_VERSION,
     BUILTIN_MODELS,
@@ -151,12 +152,17 @@ def test_model_ref() -> None:
     doc = manifest(
         stage("a", "ar"),
         stage("b", "ar", model="./weights/llm", inputs=["a"]),
-        stage("c", model="none", inputs=["b"], finalOutput=True),
+        stage("c", model="none", inputs=["b"]),
+        stage("d", "ar", model="Qwen/Qwen2.5-0.5B-Instruct", inputs=["c"]),
+        stage("e", "ar", model="acme/tiny_llm.v2@refs/pr/1", inputs=["d"], finalOutput=True),
     )
     spec = parse_pipeline(doc).spec
-    assert spec.stage("a").model_ref() == ("builtin", "tiny-llama")
-    assert spec.stage("b").model_ref() == ("path", "./weights/llm")
-    assert spec.stage("c").model_ref() == ("none", None)
+    assert spec.stage("a").model_ref() == ModelRef("builtin", "tiny-llama")
+    assert spec.stage("b").model_ref() == ModelRef("path", "./weights/llm")
+    assert spec.stage("c").model_ref() is None
+    assert spec.stage("d").model_ref() == ModelRef("hub", "Qwen/Qwen2.5-0.5B-Instruct")
+    assert spec.stage("e").model_ref() == ModelRef("hub", "acme/tiny_llm.v2", "refs/pr/1")
+    assert str(spec.stage("e").model_ref()) == "acme/tiny_llm.v2@refs/pr/1"
     assert spec.stage("b").model_path(Path("/base")) == Path("/base/weights/llm")
     assert set(BUILTIN_MODELS) == {"tiny-llama", "tiny-unet"}
 
@@ -331,8 +337,9 @@ def test_unknown_builtin_model() -> None:
     doc["spec"]["stages"][0]["model"] = "foo"
     message = errors_of(doc)
     assert (
-        "spec.stages[0].model: unknown built-in model 'foo' for kind 'ar' (built-ins: tiny-llama);"
-        " use a local path starting with / or ./ for your own weights"
+        "spec.stages[0].model: model 'foo' is not a built-in for kind 'ar' (built-ins: "
+        "tiny-llama), a Hugging Face id org/name[@revision], or a local path starting with / "
+        "or ./"
     ) in message
 
 

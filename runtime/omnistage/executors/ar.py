@@ -22,13 +22,16 @@ from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
 from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome
-from omnistage.models import ModelRef, load_causal_lm
+from omnistage.models import load_causal_lm
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 
 
 class _ARRequest(StageParams):
     prompt: str | None = None
+    # Chat turns ({"role", "content"}): rendered with the tokenizer's chat template when it has
+    # one; otherwise prompt (the orchestrator's model-agnostic rendering) is used.
+    messages: list[dict[str, str]] | None = None
     token_ids: list[int] | None = None
     stream: bool = False
     ignore_eos: bool = False
@@ -65,8 +68,8 @@ class ARExecutor(BatchExecutor):
     kind = "ar"
 
     def load(self) -> None:
-        ref = ModelRef("ar", self.model_source or "tiny-llama")
-        self.model, self.tokenizer = load_causal_lm(ref, self.device, self.engine.dtype)
+        model = self.model_source or "tiny-llama"
+        self.model, self.tokenizer = load_causal_lm(model, self.device, self.engine.dtype)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; support both spellings.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -89,10 +92,13 @@ class ARExecutor(BatchExecutor):
                 raise BadRequest(f"params.token_ids[{bad}] must be a token id in [0, {vocab}), "
                                  f"got {req.token_ids[bad]}")
             ids = list(req.token_ids)
+        elif req.messages is not None and getattr(self.tokenizer, "chat_template", None):
+            ids = self._chat_ids(req.messages)
         elif req.prompt is not None:
             ids = self.tokenizer(req.prompt).input_ids
         else:
-            raise BadRequest("params.prompt is required (or params.token_ids)")
+            raise BadRequest("params.prompt is required (or params.token_ids; params.messages "
+                             "only with a model that has a chat template)")
         if not ids:
             ids = [self.tokenizer.bos_token_id]
         if len(ids) + opts.max_tokens > self.context_len:
@@ -119,6 +125,16 @@ class ARExecutor(BatchExecutor):
             return_hidden=opts.return_hidden_states,
             ignore_eos=req.ignore_eos,
         )
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The model's own chat template, ending with the assistant's turn."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as exc:  # jinja errors: a template that rejects these turns
+            raise BadRequest(f"params.messages: the model's chat template refused them: "
+                             f"{exc}") from None
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def cost(self, job: ARJob) -> int:
         return len(job.prompt_ids) + job.max_tokens

@@ -19,7 +19,7 @@ from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
 from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome
-from omnistage.models import ModelRef, load_diffusion, torch_dtype
+from omnistage.models import load_diffusion, torch_dtype
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 
@@ -45,10 +45,10 @@ class DiffusionExecutor(BatchExecutor):
     kind = "diffusion"
 
     def load(self) -> None:
-        ref = ModelRef("diffusion", self.model_source or "tiny-unet")
-        self.dtype = torch_dtype(self.engine.dtype)
+        model = self.model_source or "tiny-unet"
+        self.dtype = torch_dtype(self.engine.dtype, self.device)
         self.unet, self.vae, self.scheduler_template = load_diffusion(
-            ref, self.device, self.engine.dtype
+            model, self.device, self.engine.dtype
         )
         self.cross_dim = int(self.unet.config.cross_attention_dim)
         self.scale = 2 ** (len(self.vae.config.block_out_channels) - 1)

@@ -241,10 +241,14 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
     _put(params, "seed", req.seed)
     if req.ignore_eos:
         params["ignore_eos"] = True
-    prompt = render_chat_prompt((m.role, _message_text(m.content)) for m in req.messages)
+    turns = [(m.role, _message_text(m.content)) for m in req.messages]
+    # The worker renders the turns with the model's chat template when it has one; the prompt
+    # (this module's model-agnostic rendering) is the fallback.
+    params["messages"] = [{"role": role, "content": text} for role, text in turns]
     request = rq.PipelineRequest(
         # Chat returns text only: don't compute or ship hidden states a stage may be set to emit.
-        prompt=prompt, params={stage: {**params, "return_hidden_states": False}},
+        prompt=render_chat_prompt(turns),
+        params={stage: {**params, "return_hidden_states": False}},
         n=req.n or 1, stream=bool(req.stream), session=req.user or None, finals=[stage],
     )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 import uuid
@@ -29,6 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from omnistage import kube
 from omnistage import protocol as p
 from omnistage.admission import (
     BoundedAdmission,
@@ -158,7 +160,13 @@ class StageWorker:
             if self.shm is not None:
                 self.shm.close()
         log.info("replica %s exited after drain", self.cfg.replica_id)
-        return 1 if self.load_error else 0
+        if self.load_error:
+            # The last line is the pod's termination message: the operator reports it.
+            stage = self.cfg.stage
+            print(f"model load failed: stage {stage.name!r}, model {stage.model!r}: "
+                  f"{self.load_error}", file=sys.stderr, flush=True)
+            return kube.MODEL_FAILED_EXIT
+        return 0
 
     def _write_port_file(self) -> None:
         if not self.cfg.port_file:
