@@ -114,6 +114,16 @@ def _schemas(types: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return {name: schema for (name, _mode), schema in refs.items()}, defs.get("$defs", {})
 
 
+def _sse_event(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 reads an event stream's schema per event): `data` is
+    a chunk or an error as JSON, or the literal `[DONE]` that ends the stream."""
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [chunk, error]}},
+    ]}}}
+
+
 def _doc_path(path: str) -> str:
     return re.sub(r"\{(\w+):[^}]+\}", r"{\1}", path)
 
@@ -150,7 +160,7 @@ def openapi_document(
             responses["200"] = _json(refs[f"{r.handler}.response"], r.ok)
             if r.stream is not None:
                 responses["200"]["content"]["text/event-stream"] = {
-                    "schema": refs[f"{r.handler}.stream"]}
+                    "schema": _sse_event(refs[f"{r.handler}.stream"], refs["Error"])}
         for status in r.errors:
             if r.response is None:
                 responses[str(status)] = {"description": "The reason.", "content": {
