@@ -86,7 +86,6 @@ DISCONNECT_POLL_S = 0.25
 _IGNORED_HEADER = "X-Omnistage-Ignored-Fields"
 _IGNORED_MAX_CHARS = 1024
 _INLINE_RENDER_BYTES = 256 * 1024
-_EXACT_INT = 2**53  # every integer up to this is exact in float64
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -133,14 +132,12 @@ def _reject_constant(name: str) -> Any:
 
 
 def _parse_float(text: str) -> float | int:
-    """JSON has one number type: 4.0 is the integer 4 (JSON Schema's `integer` agrees), so an
-    integral value within float64's exact range parses as int and meets integer fields."""
+    """JSON has one number type: 4.0 and 1e20 are integers (JSON Schema's `integer` agrees),
+    so an integral value parses as int and meets integer fields and their bounds."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"number {text[:40]} is out of range")
-    if value.is_integer() and abs(value) <= _EXACT_INT:
-        return int(value)
-    return value
+    return int(value) if value.is_integer() else value
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import re
 import typing
-from typing import Annotated, Any, Literal, NotRequired
+from typing import Annotated, Any, Literal, NotRequired, Union
 
 import annotated_types
 from pydantic import (
@@ -26,12 +26,13 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PlainValidator,
     Tag,
     WithJsonSchema,
     create_model,
 )
 from pydantic_core import PydanticCustomError
-from typing_extensions import TypedDict  # pydantic wants this one before Python 3.12
+from typing_extensions import TypeAliasType, TypedDict  # pydantic wants this one before Python 3.12
 
 from omnistage.orchestrator import requests as rq
 from omnistage.params import engine_type, per_request
@@ -111,9 +112,17 @@ def _wire_value(value: Any) -> Any:
     return value
 
 
-WireValue = Annotated[Any, AfterValidator(_wire_value), Field(
-    description="Any JSON value that can travel as msgpack: valid Unicode strings, integers "
-    f"within 64 bits, at most {MAX_WIRE_DEPTH} levels of nesting.")]
+# What _wire admits, as a schema: integers within 64 bits, other numbers only when fractional
+# (the HTTP layer parses 4.0 as the integer 4, as JSON Schema reads it). Only the nesting limit
+# is prose: a recursive schema cannot count.
+_WireSchema = TypeAliasType("WireValue", Union[  # noqa: UP007 (a forward-referencing alias)
+    bool, Annotated[int, Field(ge=_INT64_MIN, le=_UINT64_MAX)],
+    Annotated[float, WithJsonSchema({"type": "number", "not": {"type": "integer"}})],
+    str, list["WireValue"], dict[str, "WireValue"], None])
+WireValue = Annotated[Any, PlainValidator(_wire_value, json_schema_input_type=_WireSchema),
+                      Field(description="Any JSON value that can travel as msgpack: valid "
+                            "Unicode strings, integers within 64 bits, at most "
+                            f"{MAX_WIRE_DEPTH} levels of nesting.")]
 
 
 def only(*allowed: Any, why: str) -> Any:
