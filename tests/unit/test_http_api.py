@@ -881,6 +881,14 @@ async def test_control_results_and_errors(client: TestClient, orch: FakeOrchestr
     err = assert_error(await resp.json(), code="control_failed")
     assert (err["exception_type"], err["replica"]) == ("RuntimeError", "denoiser-0")
     assert "CUDA says no" in err["message"]
+    # Regression (fuzzing): resume while asleep was a 500, as if the replica had failed; a
+    # state the caller must change first is a 409.
+    orch.control_result = ControlError("encoder-0", "resume", "ControlConflict",
+                                       "resume: replica is asleep; call wake_up first")
+    resp = await client.post(url, json={"op": "resume"})
+    assert resp.status == 409
+    err = assert_error(await resp.json(), code="control_conflict")
+    assert (err["exception_type"], err["replica"]) == ("ControlConflict", "encoder-0")
 
 
 def _app_routes(app: web.Application) -> set[tuple[str, str]]:

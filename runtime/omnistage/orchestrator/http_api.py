@@ -60,6 +60,7 @@ from omnistage.orchestrator.schemas import (
     pipeline_bodies,
 )
 from omnistage.params import describe, json_type
+from omnistage.protocol import ControlConflict
 from omnistage.sideport import add_ops_routes, serve_app
 from omnistage.spec import OmniPipeline
 
@@ -608,6 +609,10 @@ class HttpApi:
         try:
             results = await self.orch.control(op, stages)
         except ControlError as exc:
+            if exc.type == ControlConflict.__name__:  # the replica's state forbids it now
+                raise ApiError(409, str(exc), code="control_conflict",
+                               extra={"replica": exc.replica,
+                                      "exception_type": exc.type}) from None
             raise ApiError(500, str(exc), code="control_failed",
                            extra={"replica": exc.replica, "exception_type": exc.type}) from None
         except ValueError as exc:

@@ -68,7 +68,7 @@ ROUTES: tuple[Route, ...] = (
           errors=_COMMON_ERRORS),
     Route("POST", "/v1/pipelines/{name}/control", "pipeline_control", "Fan a control RPC "
           f"({', '.join(CONTROL_OPS)}) out to stage replicas", "generic", ControlRequest,
-          ControlResponse, errors=(400, 404, 500, 503)),
+          ControlResponse, errors=(400, 404, 409, 500, 503)),
     Route("GET", "/livez", "livez", "Liveness: the process serves HTTP"),
     Route("GET", "/readyz", "readyz", "Readiness: every stage has a routable replica and "
           "admission is open", errors=(503,)),
@@ -85,6 +85,8 @@ _ERRORS: dict[int, str] = {
          "`size`, `params.denoiser.height`).",
     404: "Unknown model (`model_not_found`), pipeline, route, or an API surface this pipeline "
          "does not enable (`api_not_enabled`).",
+    409: "A replica's state forbids the control op now (`control_conflict`: resume while "
+         "asleep, sleep with requests in flight); `replica` names it.",
     413: "Request body larger than the server accepts.",
     429: "A stage replica refused the request at admission (`overloaded`). Retry-After says "
          "when to retry.",
