@@ -11,7 +11,10 @@
 # spec.image name (ghcr.io/omnistage/...:<version>), start kwok against it with the same fake GPU
 # and scale nodes as hack/cluster.sh, export KUBECONFIG (that is how the pytest fixtures select
 # this cluster instead of starting their own), run pytest, then delete the cluster. tests/e2e
-# installs the operator with the same chart (charts/omnistage) as on the local cluster.
+# installs the operator with the same chart (charts/omnistage) as on the local cluster, admission
+# webhook on; kind's API server reaches it through the chart's webhook Service (the local control
+# plane, which routes no Services, uses webhook.clientConfig=podIP). tests/cluster's process
+# operator runs without the webhook here: kind's API server cannot call this machine's loopback.
 #
 # Environment:
 #   OMNISTAGE_KIND_CLUSTER   cluster name (default omnistage-e2e)

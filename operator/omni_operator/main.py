@@ -60,6 +60,10 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
                               admission=admission)
     elector = LeaderElector(KubeApi(config, user_agent="omnistage-operator-leader"), *lease)
     primed = False
+    # Only the leader's pod carries the label the chart's webhook Service selects (set with
+    # either client config, so `kubectl get pods -L omnistage.io/webhook` shows who serves).
+    own_pod = _own_pod() if admission.enabled else None
+    serving = False
 
     def readiness() -> tuple[bool, str]:
         # A standby is ready: a rollout must be able to bring it up before the leader goes.
@@ -73,7 +77,10 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         registry=new_registry(OperatorCollector(controller)))
     log.info("operator metrics on %s/metrics", url)
     try:
+        await webhook.mark_serving(elector.api, own_pod, serving=False)
         await elector.acquire()
+        await webhook.mark_serving(elector.api, own_pod, serving=True)
+        serving = True
         hold = asyncio.create_task(elector.hold())
         stop = asyncio.Event()
 
@@ -94,9 +101,17 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         hold.cancel()
         return work.result()
     finally:
+        if serving:  # also after losing the lease: a standby-to-be must leave the Service
+            await webhook.mark_serving(elector.api, own_pod, serving=False)
         await elector.release()
         await elector.api.close()
         await runner.cleanup()
+
+
+def _own_pod() -> tuple[str, str] | None:
+    """(namespace, name) of the pod this operator runs in (the chart's downward-API env)."""
+    name, namespace = os.environ.get("POD_NAME"), os.environ.get("POD_NAMESPACE")
+    return (namespace, name) if name and namespace else None
 
 
 async def _operate(config: KubeConfig, controller: Controller, metrics_host: str | None,

@@ -15,10 +15,15 @@ lines `omnistage validate` prints.
 - TLS: a self-signed CA and serving certificate generated at every start (the CA goes into the
   configuration's caBundle), or the files of a cert-manager Certificate (tls.crt, tls.key,
   ca.crt), which kopf re-reads when they are renewed.
+- With leader election only the leader runs kopf, hence the webhook server. Behind a Service,
+  the leader labels its own pod (SERVING_LABEL) and the chart's Service selects that label, so
+  the API server never reaches a standby (which has no server, and whose self-signed CA the
+  caBundle would not trust anyway).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import ipaddress
 import logging
@@ -31,11 +36,14 @@ from typing import Any, Literal
 import kopf
 
 from omni_operator.models import GROUP, VERSION
+from omnistage.kubeapi import ApiError, KubeApi, path
 from omnistage.spec import SpecError, validate_manifest
 
 log = logging.getLogger("omnistage.operator")
 CONFIGURATION = "validation.omnistage.io"  # the managed ValidatingWebhookConfiguration
 KINDS = ("omnipipelines", "stagepools")
+#: on the leader's own pod while it serves the webhook; the chart's webhook Service selects it
+SERVING_LABEL = "omnistage.io/webhook"
 FailurePolicy = Literal["Ignore", "Fail"]
 
 
@@ -78,7 +86,9 @@ class _QuietDenials(logging.Filter):
 
 
 def register(registry: kopf.OperatorRegistry, settings: WebhookSettings) -> None:
-    """One validating webhook per kind."""
+    """One validating webhook per kind. Called before kopf.operator() spawns its tasks (the
+    startup handler, where configure() runs, is too late for validating_only())."""
+    validating_only()
 
     def check(body: Any, old: Any, operation: str, **_: Any) -> None:
         review(_plain(body), _plain(old) if operation == "UPDATE" and old else None)
@@ -103,6 +113,29 @@ def configure(settings: kopf.OperatorSettings, webhook: WebhookSettings) -> None
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+def validating_only() -> None:
+    """Keep kopf from managing a MutatingWebhookConfiguration.
+
+    With ``settings.admission.managed`` set, kopf runs two configuration managers, validating
+    and mutating, and the mutating one creates a MutatingWebhookConfiguration of the same name
+    even when no mutating handler exists. That needs `create` on mutatingwebhookconfigurations,
+    which RBAC cannot limit by name: the power to intercept every write in the cluster. We
+    register no mutating webhook, so its manager is replaced by one that idles (kopf's runner
+    looks the function up on its admission module when it spawns the task, before the startup
+    handlers run). A kopf release that renames it fails tests/unit/test_validate.py.
+    """
+    from kopf._core.engines import admission
+
+    if getattr(admission.mutating_configuration_manager, "omnistage_idle", False):
+        return
+
+    async def idle(**_: Any) -> None:
+        await asyncio.Event().wait()
+
+    idle.omnistage_idle = True  # type: ignore[attr-defined]
+    admission.mutating_configuration_manager = idle  # type: ignore[assignment]
+
+
 class _ServiceWebhookServer(kopf.WebhookServer):
     """kopf's server, announced to the API server as a Service rather than a URL."""
 
@@ -116,6 +149,20 @@ class _ServiceWebhookServer(kopf.WebhookServer):
             if "caBundle" in config:
                 out["caBundle"] = config["caBundle"]
             yield out
+
+
+async def mark_serving(api: KubeApi, pod: tuple[str, str] | None, serving: bool) -> None:
+    """Set or clear SERVING_LABEL on this operator's pod (namespace, name). Cleared at start
+    too: a container restarted after losing the lease must not keep the label it had."""
+    if pod is None:
+        return
+    namespace, name = pod
+    label = {SERVING_LABEL: "true" if serving else None}
+    try:
+        await api.patch(path("Pod", namespace, name), {"metadata": {"labels": label}})
+    except (TimeoutError, ApiError, OSError) as e:
+        log.warning("pod %s/%s: %s the label %s: %s", namespace, name,
+                    "setting" if serving else "clearing", SERVING_LABEL, e)
 
 
 def parse_service(text: str) -> tuple[str, str, int]:

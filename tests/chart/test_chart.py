@@ -41,7 +41,8 @@ def test_default_render_is_a_cluster_wide_operator_with_leader_election() -> Non
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
-                     "Role", "RoleBinding", "Service", "ServiceAccount"]
+                     "Role", "RoleBinding", "Service", "Service", "ServiceAccount",
+                     "ValidatingWebhookConfiguration"]
     deploy = one(objs, "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     c = _container(objs)
@@ -67,7 +68,7 @@ def test_default_render_is_a_cluster_wide_operator_with_leader_election() -> Non
     assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     pdb = one(objs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
-    svc = one(objs, "Service")
+    svc = next(s for s in by_kind(objs, "Service") if s["metadata"]["name"].endswith("-metrics"))
     assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
     binding = one(objs, "ClusterRoleBinding")
@@ -75,9 +76,28 @@ def test_default_render_is_a_cluster_wide_operator_with_leader_election() -> Non
                                     "namespace": "omnistage-system"}]
 
 
-def test_namespaced_scope_grants_nothing_cluster_wide() -> None:
+def test_namespaced_scope_grants_nothing_cluster_wide_but_the_webhook_configuration() -> None:
     objs = render("--set=watch.scope=namespaced", "--set=watch.namespaces={team-a,team-b}")
-    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
+    [cluster_role] = by_kind(objs, "ClusterRole")
+    assert cluster_role["metadata"]["name"] == "omnistage-operator-webhook"
+    assert {(g, r, v) for rule in cluster_role["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]} == {
+        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "create"),
+        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch")}
+    assert [r.get("resourceNames") for r in cluster_role["rules"]] == [
+        None, ["validation.omnistage.io"]]
+    [binding] = by_kind(objs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == "omnistage-operator-webhook"
+    off = render("--set=watch.scope=namespaced", "--set=watch.namespaces={team-a}",
+                 "--set=webhook.enabled=false")
+    assert not by_kind(off, "ClusterRole") and not by_kind(off, "ClusterRoleBinding")
+    # The leader labels its own pod for the webhook Service (in the release namespace).
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]} in next(
+        r for r in by_kind(render("--set=watch.scope=namespaced", "--set=watch.namespaces={a}",
+                                  "--set=webhook.clientConfig=podIP"), "Role")
+        if r["metadata"]["name"].endswith("-leader"))["rules"]
+    leader = next(r for r in by_kind(objs, "Role") if r["metadata"]["name"].endswith("-leader"))
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]} in leader["rules"]
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(objs, "Role")}
     assert roles == {("team-a", "omnistage-operator"), ("team-b", "omnistage-operator"),
                      ("omnistage-system", "omnistage-operator-leader")}
@@ -132,6 +152,14 @@ def test_optional_pieces_follow_their_values() -> None:
         (["metricsPort=70000"], "at '/metricsPort': maximum: got 70,000, want 65,535"),
         (["podDisruptionBudget.maxUnavailable=0"], "at '/podDisruptionBudget/maxUnavailable'"),
         (["image.tag=not a tag"], "at '/image/tag'"),
+        (["webhook.failurePolicy=Sometimes"],
+         "at '/webhook/failurePolicy': value must be one of 'Ignore', 'Fail'"),
+        (["webhook.clientConfig=url"],
+         "at '/webhook/clientConfig': value must be one of 'service', 'podIP'"),
+        (["webhook.certManager=true", "webhook.clientConfig=podIP"],
+         "at '/webhook/clientConfig': value must be 'service'"),
+        (["webhook.port=443"], "at '/webhook/port': minimum: got 443, want 1,024"),
+        (["webhook.certSecretName=x"], "additional properties 'certSecretName' not allowed"),
     ],
 )
 def test_values_schema_refuses_bad_values_naming_them(values: list[str], message: str) -> None:
@@ -142,12 +170,85 @@ def test_values_schema_refuses_bad_values_naming_them(values: list[str], message
     assert message in proc.stderr, proc.stderr
 
 
-def test_webhook_is_refused_until_it_exists() -> None:
-    proc = helm("template", "omnistage", str(CHART), "--set=webhook.enabled=true",
+def _args(objs: list[Obj]) -> list[str]:
+    return list(_container(objs)["args"])
+
+
+def test_webhook_is_on_by_default_behind_a_service_that_selects_the_leader() -> None:
+    objs = render()
+    c = _container(objs)
+    args = _args(objs)
+    assert {"--webhook", "--webhook-addr=$(POD_IP)", "--webhook-port=9443",
+            "--webhook-failure-policy=Ignore",
+            "--webhook-service=omnistage-system/omnistage-operator-webhook:443"} <= set(args)
+    assert not any(a.startswith(("--webhook-host", "--webhook-cert-dir")) for a in args)
+    assert {"name": "webhook", "containerPort": 9443} in c["ports"]
+    # The self-signed certificate is written under $TMPDIR: /tmp is a writable emptyDir.
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    svc = next(s for s in by_kind(objs, "Service") if s["metadata"]["name"].endswith("-webhook"))
+    assert svc["metadata"]["name"] == "omnistage-operator-webhook"
+    assert svc["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook",
+                                     "protocol": "TCP"}]
+    # Only the leader runs kopf's webhook server: the Service selects the label it sets.
+    assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "omnistage-operator",
+                                       "app.kubernetes.io/instance": "omnistage",
+                                       "omnistage.io/webhook": "true"}
+    from omni_operator.webhook import CONFIGURATION, SERVING_LABEL
+
+    assert SERVING_LABEL in svc["spec"]["selector"]
+    # The release owns the configuration (helm uninstall deletes it); the operator fills it.
+    vwc = one(objs, "ValidatingWebhookConfiguration")
+    assert vwc["metadata"]["name"] == CONFIGURATION and "webhooks" not in vwc
+    rules = one(objs, "ClusterRole")["rules"]
+    assert {"apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["validatingwebhookconfigurations"],
+            "resourceNames": [CONFIGURATION], "verbs": ["patch"]} in rules
+    # Without leader election every operator pod serves, so the Service selects them all.
+    no_le = render("--set=leaderElection.enabled=false")
+    svc = next(s for s in by_kind(no_le, "Service") if s["metadata"]["name"].endswith("-webhook"))
+    assert "omnistage.io/webhook" not in svc["spec"]["selector"]
+
+
+def test_webhook_values_map_onto_flags_and_objects() -> None:
+    pod_ip = render("--set=webhook.clientConfig=podIP", "--set=webhook.failurePolicy=Fail",
+                    "--set=webhook.port=9555")
+    args = _args(pod_ip)
+    assert {"--webhook-host=$(POD_IP)", "--webhook-failure-policy=Fail",
+            "--webhook-port=9555"} <= set(args)
+    assert not any(a.startswith("--webhook-service") for a in args)
+    assert not [s for s in by_kind(pod_ip, "Service") if s["metadata"]["name"].endswith("-webhook")]
+    assert {"name": "webhook", "containerPort": 9555} in _container(pod_ip)["ports"]
+
+    cm = render("--set=webhook.certManager=true")
+    assert "--webhook-cert-dir=/etc/omnistage/webhook-tls" in _args(cm)
+    assert {"name": "webhook-tls", "mountPath": "/etc/omnistage/webhook-tls",
+            "readOnly": True} in _container(cm)["volumeMounts"]
+    volumes = one(cm, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "webhook-tls", "secret": {"secretName": "omnistage-operator-webhook-tls"}} \
+        in volumes
+    certs = {c["metadata"]["name"]: c["spec"] for c in by_kind(cm, "Certificate")}
+    assert certs["omnistage-operator-webhook-tls"]["secretName"] == "omnistage-operator-webhook-tls"
+    assert certs["omnistage-operator-webhook-tls"]["dnsNames"] == [
+        "omnistage-operator-webhook.omnistage-system.svc",
+        "omnistage-operator-webhook.omnistage-system.svc.cluster.local"]
+    assert certs["omnistage-operator-webhook-ca"]["isCA"] is True
+    assert len(by_kind(cm, "Issuer")) == 2
+
+    off = render("--set=webhook.enabled=false")
+    assert "--no-webhook" in _args(off)
+    assert not any(a.startswith("--webhook-") for a in _args(off))
+    assert not by_kind(off, "ValidatingWebhookConfiguration")
+    assert [s["metadata"]["name"] for s in by_kind(off, "Service")] == [
+        "omnistage-operator-metrics"]
+    rules = one(off, "ClusterRole")["rules"]
+    assert not [r for r in rules if "admissionregistration.k8s.io" in r["apiGroups"]]
+
+
+def test_webhook_port_must_differ_from_the_metrics_port() -> None:
+    proc = helm("template", "omnistage", str(CHART), "--set=webhook.port=8081",
                 f"--kube-version={K8S}", check=False)
     assert proc.returncode != 0
-    assert "webhook.enabled: the admission webhook is not part of this chart version" in \
-        proc.stderr
+    assert "webhook.port and metricsPort must differ" in proc.stderr
 
 
 def test_chart_crds_are_the_generated_crds() -> None:
@@ -159,8 +260,9 @@ def test_chart_crds_are_the_generated_crds() -> None:
     assert proc.returncode == 0, proc.stdout
 
 
-def test_operator_rbac_yaml_is_rendered_from_the_chart() -> None:
-    """operator/rbac.yaml (for `kubectl apply` without helm) is generated: hack/gen-rbac."""
+def test_operator_rbac_and_webhook_yaml_are_rendered_from_the_chart() -> None:
+    """operator/rbac.yaml and operator/webhook*.yaml (for `kubectl apply` without helm) are
+    generated: hack/gen-rbac."""
     proc = subprocess.run([str(REPO / "hack" / "gen-rbac"), "--check"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -172,3 +274,13 @@ def test_operator_rbac_yaml_is_rendered_from_the_chart() -> None:
                                          "ClusterRoleBinding"]
     assert [d["rules"] for d in docs if d["kind"] == "ClusterRole"] == \
         [o["rules"] for o in wanted if o["kind"] == "ClusterRole"]
+    webhook = [d for d in yaml.safe_load_all((REPO / "operator" / "webhook.yaml").read_text())
+               if d]
+    assert sorted(d["kind"] for d in webhook) == ["Service", "ValidatingWebhookConfiguration"]
+    [svc] = [d for d in webhook if d["kind"] == "Service"]
+    # Without leader election (no Lease Role in rbac.yaml) every operator pod serves.
+    assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "omnistage-operator",
+                                       "app.kubernetes.io/instance": "omnistage"}
+    cm = [d for d in yaml.safe_load_all(
+        (REPO / "operator" / "webhook-cert-manager.yaml").read_text()) if d]
+    assert sorted(d["kind"] for d in cm) == ["Certificate", "Certificate", "Issuer", "Issuer"]

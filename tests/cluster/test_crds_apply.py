@@ -235,7 +235,12 @@ ALLOWED = [
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "rolebindings.rbac.authorization.k8s.io"),
     ("create", "events"),
+    ("patch", "events"),
+    ("get", "events"),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("create", "validatingwebhookconfigurations.admissionregistration.k8s.io"),
+    ("patch", "validatingwebhookconfigurations.admissionregistration.k8s.io/"
+              "validation.omnistage.io"),
 ]
 DENIED = [
     ("delete", "nodes"),
@@ -254,6 +259,10 @@ DENIED = [
     ("delete", "services"),
     ("create", "events.events.k8s.io"),
     ("list", "namespaces"),
+    # The webhook configuration: patch only its own, never delete or read it.
+    ("patch", "validatingwebhookconfigurations.admissionregistration.k8s.io/other"),
+    ("delete", "validatingwebhookconfigurations.admissionregistration.k8s.io"),
+    ("patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io"),
 ]
 
 

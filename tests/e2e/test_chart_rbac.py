@@ -1,8 +1,9 @@
 """The chart's RBAC is exactly what the operator uses: no 403, and no verb it never uses.
 
 The operator runs from the chart, in its image, as exactly the chart's ServiceAccount (the pod
-runner projects that account's token into the pod). A pipeline goes through its whole life
-(create, scale up, drain-style scale down, delete through the finalizer). The API server's audit
+runner projects that account's token into the pod), with the admission webhook on (the chart's
+default). A pipeline goes through its whole life (create, scale up, drain-style scale down, an
+operator restart, the same scale again, delete through the finalizer). The API server's audit
 log (hack/cluster.sh logs every request of a service account: verb, resource, response code)
 then says what the operator did; every grant of the chart must appear there.
 """
@@ -18,7 +19,7 @@ import pytest
 from omnistage import kube as k
 from tests.e2e.conftest import E2E_VALUES, installed, require_images
 from tests.harness.cluster import Cluster, PodRunner, pods, temp_namespace
-from tests.harness.helm import by_kind, render
+from tests.harness.helm import Release, by_kind, render
 from tests.harness.operator import get, wait_for
 
 pytestmark = pytest.mark.timeout(900)
@@ -73,8 +74,20 @@ def _audit(path: Path, start: int, end: int, user: str) -> tuple[set[Grant], lis
     return used, denied
 
 
-def _lifecycle(kube: Cluster, ns: str, log_tail: Any) -> None:
-    """Everything the operator does to a pipeline: create, scale up, scale down, delete."""
+def _restart(kube: Cluster, release: Release) -> None:
+    """Delete the operator pods; a new one takes the Lease."""
+    old = {p["metadata"]["name"] for p in release.operator_pods()}
+    kube.kubectl("delete", "pod", "-n", release.namespace, "--wait=false",
+                 f"-l=app.kubernetes.io/instance={release.name}")
+    wait_for(lambda: (release.leader() or "") not in old | {""}, 180,
+             "a new operator pod leading", release.log_tail, 1)
+
+
+def _lifecycle(kube: Cluster, ns: str, release: Release) -> None:
+    """Everything the operator does to a pipeline: create, scale up, scale down, an operator
+    restart and the same scale again (the restarted operator finds its aggregated events by
+    name: create answers 409, it reads the count and patches it), delete."""
+    log_tail = release.log_tail
     def ready_pods(stage: str) -> int:
         return sum(p["metadata"]["labels"].get(k.LABEL_STAGE) == stage
                    and not p["metadata"].get("deletionTimestamp")
@@ -97,12 +110,17 @@ def _lifecycle(kube: Cluster, ns: str, log_tail: Any) -> None:
     for child in CHILDREN:
         wait_for(lambda c=child: component(c) != "tampered", 60, f"{child} repaired",
                  log_tail, 0.5)
-    kube.kubectl("scale", "-n", ns, "sp/echo-a", "--replicas=2")
-    wait_for(lambda: ready_pods("a") == 2, 300, "echo-a at 2", log_tail, 1)
-    kube.kubectl("scale", "-n", ns, "sp/echo-a", "--replicas=1")
-    wait_for(lambda: len([p for p in pods(kube.kube, ns, k.stage_selector("echo"))
-                          if p["metadata"]["labels"].get(k.LABEL_STAGE) == "a"]) == 1,
-             300, "echo-a drained to 1", log_tail, 1)
+    def scale_up_and_down() -> None:
+        kube.kubectl("scale", "-n", ns, "sp/echo-a", "--replicas=2")
+        wait_for(lambda: ready_pods("a") == 2, 300, "echo-a at 2", log_tail, 1)
+        kube.kubectl("scale", "-n", ns, "sp/echo-a", "--replicas=1")
+        wait_for(lambda: len([p for p in pods(kube.kube, ns, k.stage_selector("echo"))
+                              if p["metadata"]["labels"].get(k.LABEL_STAGE) == "a"]) == 1,
+                 300, "echo-a drained to 1", log_tail, 1)
+
+    scale_up_and_down()
+    _restart(kube, release)
+    scale_up_and_down()  # the same ReplicasCreated/ScalingDown events: counted on
     kube.kubectl("delete", "-n", ns, "omnipipe/echo", "--wait=false")
     wait_for(lambda: get(kube, ns, "omnipipe", "echo") is None and not pods(kube.kube, ns),
              300, "echo and its pods gone (ordered shutdown through the finalizer)", log_tail, 1)
@@ -126,13 +144,14 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(
             temp_namespace(kube.kube, "rbac-app-") as app:
         user = f"system:serviceaccount:{release.namespace}:{release.fullname}"
         release.wait_leader()
-        _lifecycle(kube, app, release.log_tail)
+        _lifecycle(kube, app, release)
         # Up to here: `helm uninstall` deletes the RBAC and the Deployment at once, so the
         # stopping operator's last Lease release may be refused; that is helm's ordering.
         end = audit_log.stat().st_size
     used, denied = _audit(audit_log, start, end, user)
     assert not denied, denied
-    objs = render(f"--set={E2E_VALUES[0]}", namespace=release.namespace)
+    objs = render(*[f"--set={v}" for v in (*release.cluster_values(), *E2E_VALUES)],
+                  namespace=release.namespace)
     granted = _grants(by_kind(objs, "ClusterRole")[0]["rules"])
     granted |= {g for role in by_kind(objs, "Role") for g in _grants(role["rules"])}
     unused = sorted(granted - used - set(NOT_REQUESTS))
@@ -149,7 +168,7 @@ def test_namespaced_rbac_serves_its_namespace_without_a_403(
                        f"watch.namespaces={{{app}}}", prefix="omnistage-rbac-ns-") as release:
             user = f"system:serviceaccount:{release.namespace}:{release.fullname}"
             release.wait_leader()
-            _lifecycle(kube, app, release.log_tail)
+            _lifecycle(kube, app, release)
             end = audit_log.stat().st_size
     used, denied = _audit(audit_log, start, end, user)
     assert not denied, denied

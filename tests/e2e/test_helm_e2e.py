@@ -2,7 +2,9 @@
 
 Every pod runs in its image (the pod runner's image mode): the operator in the operator image
 from the chart, the pipeline in the runtime image. Requests go to the orchestrator pod's
-loopback IP (nothing routes Service ClusterIPs here).
+loopback IP (nothing routes Service ClusterIPs here). The chart's admission webhook is on: here
+the API server calls the leader's pod IP (webhook.clientConfig=podIP), on kind the webhook
+Service, which selects the leader's pod.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from omni_operator.webhook import CONFIGURATION, SERVING_LABEL
 from omnistage import kube as k
 from omnistage.kubeapi import resource_path
 from omnistage.spec import DEFAULT_IMAGE
@@ -28,6 +31,9 @@ from tests.harness.operator import get, pod_url, wait_for
 pytestmark = pytest.mark.timeout(900)
 REPO = Path(__file__).resolve().parents[2]
 ECHO = REPO / "examples" / "echo.yaml"
+#: Refused only by the webhook (CEL cannot see a cycle behind an entry stage).
+CYCLE = REPO / "tests" / "cluster" / "invalid" / "cycle.yaml"
+CYCLE_PATH = "spec.stages[1].inputs[1]"
 Obj = dict[str, Any]
 OPERATOR_PORT = 8081
 
@@ -38,6 +44,32 @@ def _post(url: str, body: Obj, timeout: float = 30) -> tuple[int, Obj]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=timeout) as resp:
         return resp.status, json.loads(resp.read())
+
+
+def _refused_by_the_webhook(kube: Cluster, ns: str, log_tail: Any) -> None:
+    """kubectl apply of an invalid OmniPipeline is refused by the chart-installed webhook (the
+    leader registers it once its server runs; a dry run probes until then), naming the field."""
+    def probe() -> bool:
+        return kube.kubectl("apply", "--dry-run=server", "-n", ns, "-f", str(CYCLE),
+                            check=False).returncode != 0
+
+    wait_for(probe, 90, "the webhook refusing the cycle", log_tail, 1)
+    proc = kube.kubectl("apply", "-n", ns, "-f", str(CYCLE), check=False)
+    assert proc.returncode != 0, f"kubectl apply accepted a cycle:\n{proc.stdout}"
+    assert 'admission webhook "omnipipelines.validation.omnistage.io" denied the request' in \
+        proc.stderr, proc.stderr
+    assert f"{CYCLE_PATH}: cycle detected" in proc.stderr, proc.stderr
+    assert get(kube, ns, "omnipipe", "cycle") is None
+
+
+def _only_the_leader_is_labelled(release: Release, leader: str) -> None:
+    """The webhook Service selects SERVING_LABEL: only the leader's pod may carry it."""
+    def labelled() -> list[str]:
+        return [p["metadata"]["name"] for p in release.operator_pods()
+                if p["metadata"].get("labels", {}).get(SERVING_LABEL) == "true"]
+
+    wait_for(lambda: labelled() == [leader], 30, f"only {leader} labelled {SERVING_LABEL}",
+             lambda: f"labelled: {labelled()}\n{release.log_tail()}", 0.5)
 
 
 def _reconciles(runner: PodRunner, pod: Obj) -> float:
@@ -71,8 +103,13 @@ def _release_objects(kube: Cluster, release: Release) -> list[str]:
     for resource in ("clusterroles", "clusterrolebindings"):
         for obj in kube.kube.get(resource_path("rbac.authorization.k8s.io/v1", resource),
                                  labelSelector=selector)["items"]:
-            if obj["metadata"]["name"] == release.fullname:
+            if obj["metadata"]["name"].startswith(release.fullname):
                 left.append(f"{resource}/{obj['metadata']['name']}")
+    # The webhook configuration the operator filled in belongs to the release.
+    for obj in kube.kube.get(resource_path("admissionregistration.k8s.io/v1",
+                                           "validatingwebhookconfigurations"))["items"]:
+        if obj["metadata"]["name"] == CONFIGURATION:
+            left.append(f"validatingwebhookconfigurations/{CONFIGURATION}")
     return left
 
 
@@ -110,6 +147,9 @@ def _install_run_upgrade_uninstall(kube: Cluster, runner: PodRunner, release: Re
         assert pod["spec"]["serviceAccountName"] == release.fullname
     leader = release.wait_leader()
     assert kube.kubectl("get", "crd", "omnipipelines.omnistage.io", check=False).returncode == 0
+    assert "admission webhook" in notes
+    _refused_by_the_webhook(kube, app_ns, release.log_tail)
+    _only_the_leader_is_labelled(release, leader)
 
     # 2. A pipeline reconciled by the leader only.
     kube.kubectl("apply", "-n", app_ns, "-f", str(ECHO))
@@ -156,6 +196,9 @@ def _serve_through_upgrade_and_uninstall(kube: Cluster, release: Release, app_ns
                  "every operator pod replaced", release.log_tail)
         new_leader = release.wait_leader()
         assert new_leader in {p["metadata"]["name"] for p in release.operator_pods()}
+        # The new leader serves the webhook (it rewrote the configuration at its start).
+        _refused_by_the_webhook(kube, app_ns, release.log_tail)
+        _only_the_leader_is_labelled(release, new_leader)
         # The new leader reconciles: a scale-up of a pool is carried out.
         kube.kubectl("scale", "-n", app_ns, "sp/echo-a", "--replicas=2")
         wait_for(lambda: sum(p["metadata"]["labels"].get(k.LABEL_STAGE) == "a"

@@ -90,17 +90,22 @@ class Release:
         return helm(*args, "-n", self.namespace, kubeconfig=self.cluster.kubeconfig,
                     check=check, timeout=timeout)
 
+    def cluster_values(self) -> list[str]:
+        """What this cluster needs: the local control plane routes no Service, so its API
+        server calls the webhook at the leader's (loopback) pod IP; kind uses the Service."""
+        return ["webhook.clientConfig=podIP"] if self.cluster.is_local else []
+
     def install(self, *sets: str, timeout: str = "300s") -> str:
         """``helm install --wait``: returns (its output, NOTES included) once the operator
         Deployment is available."""
         self.values = list(sets)
-        args = [f"--set={s}" for s in sets]
+        args = [f"--set={s}" for s in (*self.cluster_values(), *sets)]
         return self.helm("install", self.name, str(CHART), "--wait", f"--timeout={timeout}",
                          *args).stdout
 
     def upgrade(self, *sets: str, timeout: str = "300s") -> None:
         self.values = list(sets)
-        args = [f"--set={s}" for s in sets]
+        args = [f"--set={s}" for s in (*self.cluster_values(), *sets)]
         self.helm("upgrade", self.name, str(CHART), "--wait", f"--timeout={timeout}", *args)
 
     def uninstall(self) -> None:

@@ -11,8 +11,6 @@ the index is an error the runner reports as ErrImagePull, never a silent fallbac
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,18 +44,6 @@ class ImageInfo:
         """The image's USER as (user, group) strings; empty means root."""
         user, _, group = (self.config.get("User") or "").partition(":")
         return user, group
-
-
-def default_index() -> Path:
-    """Where hack/build-images.sh writes the index (it prints it with --print-index)."""
-    base = os.environ.get("OMNISTAGE_CACHE") or str(Path.home() / ".cache" / "omnistage")
-    return Path(base) / "images" / "index.json"
-
-
-def build_images(*names: str) -> Path:
-    """Run hack/build-images.sh (cached: seconds when nothing changed); returns the index path."""
-    subprocess.run([str(REPO / "hack" / "build-images.sh"), *names], check=True)
-    return default_index()
 
 
 class LocalImages:

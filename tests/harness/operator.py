@@ -165,7 +165,10 @@ def crds(kube: Cluster) -> None:
 def operator(
     kube: Cluster, crds: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    op = Operator(kube, tmp_path_factory.mktemp("operator") / "operator.log")
+    # The webhook listens on this machine's loopback, which only the local control plane's API
+    # server can call; kind's API server runs in a container (tests/e2e installs the chart there).
+    op = Operator(kube, tmp_path_factory.mktemp("operator") / "operator.log",
+                  webhook=kube.is_local)
     op.start()
     yield op
     op.stop()

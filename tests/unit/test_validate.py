@@ -210,3 +210,29 @@ async def test_the_webhook_server_announces_a_service_or_a_url(tmp_path: Path) -
                 assert config["url"] == f"https://127.0.0.1:{settings.port}"
         finally:
             await configs.aclose()
+
+
+async def test_kopf_manages_no_mutating_configuration() -> None:
+    """kopf's runner spawns admission.mutating_configuration_manager by attribute lookup, before
+    the startup handlers run; registering the webhook (before kopf.operator()) swaps in one that
+    idles instead of creating a MutatingWebhookConfiguration, which the chart's RBAC does not
+    allow (tests/e2e/test_chart_rbac.py fails on the 403 otherwise)."""
+    import asyncio
+    import inspect
+
+    from kopf._core.engines import admission
+    from kopf._core.reactor import running
+
+    from omni_operator.webhook import WebhookSettings, register
+
+    assert "admission.mutating_configuration_manager(" in inspect.getsource(running)
+    register(kopf.OperatorRegistry(), WebhookSettings())
+    register(kopf.OperatorRegistry(), WebhookSettings())  # idempotent
+    manager = admission.mutating_configuration_manager
+    assert getattr(manager, "omnistage_idle", False)
+    task = asyncio.ensure_future(manager(registry=None, settings=None, insights=None,
+                                         container=None))
+    await asyncio.sleep(0.05)
+    assert not task.done()  # idles: no API call, no error
+    task.cancel()
+    assert "validating_configuration_manager" in dir(admission)  # the validating one stays

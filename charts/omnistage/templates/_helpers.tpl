@@ -38,6 +38,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "omnistage.webhookService" -}}
+{{- printf "%s-webhook" (include "omnistage.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "omnistage.webhookCertSecret" -}}
+{{- printf "%s-webhook-tls" (include "omnistage.fullname" .) -}}
+{{- end -}}
+
 {{- define "omnistage.leaseName" -}}
 {{- default (include "omnistage.fullname" .) .Values.leaderElection.leaseName -}}
 {{- end -}}
@@ -90,8 +98,27 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [list, watch, create, patch]
-# Events: created, scale, unschedulable, replica lost.
+# Events: created, scale, unschedulable, replica lost. Repeats are aggregated on one Event:
+# patch counts one more; get reads the count back when a restarted operator finds the event
+# exists (409 on create).
 - apiGroups: [""]
   resources: [events]
+  verbs: [create, get, patch]
+{{- end -}}
+
+{{- /*
+The validating admission webhook: kopf creates its configuration once (try-create, 409 when it
+exists) and keeps it current (Service or URL, caBundle). The configuration is cluster-scoped, so
+these rules are cluster-wide in both watch scopes; create cannot be limited by name, patch is.
+*/}}
+{{- define "omnistage.webhookRules" -}}
+# The admission webhook's configuration: kopf try-creates it (409 once it exists) and patches
+# its webhooks; patch is limited to that one name, create cannot be.
+- apiGroups: [admissionregistration.k8s.io]
+  resources: [validatingwebhookconfigurations]
   verbs: [create]
+- apiGroups: [admissionregistration.k8s.io]
+  resources: [validatingwebhookconfigurations]
+  resourceNames: [validation.omnistage.io]
+  verbs: [patch]
 {{- end -}}
