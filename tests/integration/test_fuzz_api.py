@@ -73,8 +73,10 @@ def schemathesis(location: str, tmp_path: Path, *args: str, url: str | None = No
     if SEED is not None:
         cmd += ["--seed", str(SEED)]
     started = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1100,
-                         env={**os.environ, "SCHEMATHESIS_HOOKS": HOOKS})
+    # Run from tmp_path: schemathesis keeps a cache of crashes in its working directory.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1100,
+                         env={**os.environ, "SCHEMATHESIS_HOOKS": HOOKS, "PYTHONPATH": path})
     report = out.stdout + out.stderr
     took = time.monotonic() - started
     summary = _SUMMARY.search(report)
