@@ -9,6 +9,7 @@ would only echo our own assumptions. The CRDs and RBAC are applied idempotently 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,9 +207,12 @@ def test_every_status_the_operator_writes_is_stored_unpruned(crds: Cluster, name
 
 
 @pytest.fixture(scope="module")
-def rbac(crds: Cluster) -> Cluster:
+def rbac(crds: Cluster) -> Iterator[Cluster]:
     crds.kubectl("apply", "-f", str(RBAC))
-    return crds
+    yield crds
+    # The e2e suite's `helm install` in this session creates the same cluster-scoped names and
+    # refuses to adopt objects it did not create.
+    crds.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", str(RBAC))
 
 
 def _can(kube: Cluster, *args: str, namespace: str = "default") -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from omni_operator.webhook import CONFIGURATION
 from tests.harness.cluster import Cluster, PodRunner
 from tests.harness.local import free_port
 from tests.harness.metrics import samples
@@ -172,6 +173,10 @@ def operator(
     op.start()
     yield op
     op.stop()
+    # kopf created the webhook configuration; the chart (tests/e2e, same session) owns one of
+    # that name and helm refuses to adopt an object it did not create.
+    kube.kubectl("delete", "--ignore-not-found", "--wait=false",
+                 f"validatingwebhookconfigurations.admissionregistration.k8s.io/{CONFIGURATION}")
 
 
 def pipeline_doc(name: str, stages: list[Obj], **spec: Any) -> Obj:
