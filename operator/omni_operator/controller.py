@@ -291,17 +291,29 @@ class Controller:
                     self.observe(w.kind, None, item, primed=True)
 
     async def confirm_primed(self) -> None:
-        """Read back primed objects no watch event has confirmed yet; drop those that are gone.
+        """Drop primed objects that no watch event has confirmed and a fresh list lacks.
 
         kopf's own first list reports every object that still exists, so normally nothing is
-        left to read by the first resync.
+        left to check by the first resync. One list per kind and namespace, not a get per
+        object: the operator reads through list and watch only (the chart grants no get).
         """
-        for kind, ns, name in list(self._unconfirmed):
-            current = await self.api.get(RESOURCES[kind].path(ns or None, name), ignore=(404,))
-            if current is None:
-                self.forget(kind, ns, name)
-            else:
-                self._unconfirmed.discard((kind, ns, name))
+        groups: dict[tuple[str, str], set[str]] = {}
+        for kind, ns, name in self._unconfirmed:
+            groups.setdefault((kind, ns), set()).add(name)
+        watched = {w.kind: w for w in WATCHED}
+        managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
+        for (kind, ns), names in groups.items():
+            w = watched[kind]
+            items = await self.api.list(w.resource.path(ns or None),
+                                        labelSelector=managed if w.managed_only else None)
+            present = {item["metadata"]["name"] for item in items}
+            for name in names:
+                if (kind, ns, name) not in self._unconfirmed:
+                    continue  # a watch event confirmed it meanwhile
+                if name in present:
+                    self._unconfirmed.discard((kind, ns, name))
+                else:
+                    self.forget(kind, ns, name)
 
     async def _list_patiently(self, url: str, selector: str | None,
                               timeout: float = 120.0) -> list[Obj]:

@@ -52,8 +52,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{- /*
 Least privilege: one rule per thing the operator manages, and why. It reads through list+watch
-caches (never a plain get) and leaves deleting its children to the garbage collector (they carry
-ownerReferences); it deletes only replica Pods and StagePools itself. tests/e2e/test_chart_rbac.py
+caches (its only plain get reads an aggregated Event's count after a restart) and leaves deleting
+its children to the garbage collector (they carry ownerReferences); it deletes only replica Pods
+and StagePools itself. tests/e2e/test_chart_rbac.py
 runs the operator with exactly this ServiceAccount and fails on any 403 or on a grant it never uses.
 */}}
 {{- define "omnistage.rules" -}}
