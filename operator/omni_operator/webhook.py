@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import ipaddress
+import json
 import logging
 import tempfile
 from collections.abc import AsyncIterator
@@ -34,9 +35,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import kopf
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_operator.models import GROUP, VERSION
 from omnistage.kubeapi import ApiError, KubeApi, path
+from omnistage.params import describe
 from omnistage.spec import SpecError, validate_manifest
 
 log = logging.getLogger("omnistage.operator")
@@ -136,7 +140,95 @@ def validating_only() -> None:
     admission.mutating_configuration_manager = idle  # type: ignore[assignment]
 
 
-class _ServiceWebhookServer(kopf.WebhookServer):
+class _Loose(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Group(_Loose):
+    group: Literal[GROUP]  # type: ignore[valid-type]
+    version: Literal[VERSION]  # type: ignore[valid-type]
+
+
+class _Kind(_Group):
+    kind: str
+
+
+class _Resource(_Group):
+    resource: Literal[KINDS]  # type: ignore[valid-type]
+
+
+class AdmissionRequest(_Loose):
+    """The part of admission.k8s.io/v1's request kopf and this webhook read."""
+
+    uid: str = Field(min_length=1)
+    kind: _Kind
+    resource: _Resource
+    operation: Literal["CREATE", "UPDATE"]
+    userInfo: dict[str, Any]
+    object: dict[str, Any]
+    oldObject: dict[str, Any] | None = None
+    dryRun: bool | None = None
+
+
+class AdmissionReview(_Loose):
+    """What the API server posts. kopf reads it without checking its shape (a body that is not
+    one was a 500), so the webhook server checks it first: anything else is a 400."""
+
+    apiVersion: Literal["admission.k8s.io/v1"]
+    kind: Literal["AdmissionReview"]
+    request: AdmissionRequest
+
+
+def review_problem(raw: bytes) -> str | None:
+    """Why a webhook request body is not an AdmissionReview, or None when it is one."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return f"invalid JSON: {exc}"
+    try:
+        AdmissionReview.model_validate(data)
+    except ValidationError as exc:
+        return describe(exc.errors()[0]).message
+    return None
+
+
+def webhook_document() -> dict[str, Any]:
+    """OpenAPI 3.1 document of the webhook's routes (one POST per kind), generated from
+    AdmissionReview, the model the server checks requests with."""
+    schema = AdmissionReview.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.pop("$defs", {})
+    components["AdmissionReview"] = schema
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    reply = {"type": "object", "required": ["apiVersion", "kind", "response"], "properties": {
+        "response": {"type": "object", "required": ["uid", "allowed"], "properties": {
+            "uid": {"type": "string"}, "allowed": {"type": "boolean"}}}}}
+    paths = {f"/{plural}": {"post": {
+        "operationId": f"validate_{plural}",
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/AdmissionReview"}}}},
+        "responses": {
+            "200": {"description": "The review: allowed, or denied with every `path: message` "
+                    "line", "content": {"application/json": {"schema": reply}}},
+            "400": {"description": "Not an AdmissionReview: what is wrong", "content": text},
+            "404": {"description": "No handler for the review's resource", "content": text},
+        }}} for plural in KINDS}
+    return {"openapi": "3.1.0", "info": {"title": "Omnistage admission webhook",
+                                         "version": "0.1.0"},
+            "paths": paths, "components": {"schemas": components}}
+
+
+class CheckedWebhookServer(kopf.WebhookServer):
+    """kopf's server, refusing with 400 a body that is not an AdmissionReview."""
+
+    @staticmethod
+    async def _serve(fn: Any, request: web.Request) -> web.Response:
+        problem = review_problem(await request.read())
+        if problem is not None:
+            raise web.HTTPBadRequest(text=problem)
+        return await kopf.WebhookServer._serve(fn, request)
+
+
+class _ServiceWebhookServer(CheckedWebhookServer):
     """kopf's server, announced to the API server as a Service rather than a URL."""
 
     def __init__(self, *, namespace: str, name: str, service_port: int, **kwargs: Any) -> None:
@@ -201,7 +293,7 @@ def server(webhook: WebhookSettings) -> kopf.WebhookServer:
         namespace, name, port = service
         return _ServiceWebhookServer(namespace=namespace, name=name, service_port=port,
                                      addr=webhook.addr, port=webhook.port, **tls)
-    return kopf.WebhookServer(addr=webhook.addr, port=webhook.port, host=names[0], **tls)
+    return CheckedWebhookServer(addr=webhook.addr, port=webhook.port, host=names[0], **tls)
 
 
 def _reachable(addr: str) -> str:

@@ -34,6 +34,14 @@ MAX_TENSOR_DIMS = 8
 
 ControlOp = Literal["sleep", "wake_up", "pause", "resume", "drain", "state"]
 CONTROL_OPS: tuple[ControlOp, ...] = get_args(ControlOp)
+
+
+class ControlConflict(RuntimeError):
+    """A control op the replica's state forbids now (resume while asleep, sleep while busy).
+    Its name travels in ControlFailure.type, so callers tell it from a failure of the replica:
+    the HTTP API answers it 409, not 500."""
+
+
 # drain retires one replica and state reads one; neither is fanned out across a pipeline.
 REPLICA_ONLY_OPS: frozenset[ControlOp] = frozenset({"drain", "state"})
 # What Orchestrator.control fans out to every replica, and what the HTTP control route accepts.

@@ -66,6 +66,35 @@ def add_ops_routes(app: web.Application, *, readiness: Readiness,
     app.add_routes(routes)
 
 
+def ops_document(*, state: bool, title: str = "Omnistage side port",
+                 version: str = "0.1.0") -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the routes `add_ops_routes` adds (with /state when `state`),
+    for clients and for the fuzz suite; the orchestrator documents the same three routes in
+    its own /openapi.json (orchestrator/openapi.py)."""
+    def text(description: str) -> dict[str, Any]:
+        return {"description": description,
+                "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+    paths: dict[str, Any] = {
+        "/livez": {"get": {"operationId": "livez", "summary": "Liveness: the process serves "
+                           "HTTP", "responses": {"200": text("ok")}}},
+        "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness",
+                            "responses": {"200": text("ready, or ready; what is degraded"),
+                                          "503": text("Why it is not ready.")}}},
+        "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
+                             "responses": {"200": {"description": "The exposition format the "
+                                                   "Accept header asks for", "content": {
+                                 "text/plain": {"schema": {"type": "string"}},
+                                 "application/openmetrics-text": {
+                                     "schema": {"type": "string"}}}}}}},
+    }
+    if state:
+        paths["/state"] = {"get": {"operationId": "state", "summary": "A snapshot for people",
+                                   "responses": {"200": {"description": "The state", "content": {
+                                       "application/json": {"schema": {"type": "object"}}}}}}}
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths}
+
+
 async def serve_app(app: web.Application, host: str, port: int,
                     **runner_options: Any) -> tuple[web.AppRunner, str]:
     """Serve `app` on host:port (0 = any free port); returns the runner (await

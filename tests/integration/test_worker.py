@@ -360,7 +360,7 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
     await _wait_inflight(w, 1)
     with pytest.raises(ControlError) as err:
         await ch.control("sleep")
-    assert err.value.type == "RuntimeError" and "in flight" in err.value.message
+    assert err.value.type == "ControlConflict" and "in flight" in err.value.message
     ch.abort("busy")
     assert (await busy.get()).type == "aborted"
 

@@ -634,6 +634,98 @@ async def test_error_after_stream_started_is_an_sse_error_event(orch: FakeOrches
     assert json.loads(payloads[1])["choices"][0]["delta"] == {"content": "par"}
 
 
+async def test_stream_events_match_the_documented_event_schema(orch: FakeOrchestrator,
+                                                               client: TestClient) -> None:
+    """Regression (fuzzing): the document gave a chunk's schema as the event stream's schema,
+    which OpenAPI 3.1 reads as the schema of each event ({data, event, id, retry}), so every
+    streamed answer failed validation. Each event's data is now a JSON chunk or error, or
+    [DONE]; check a whole stream and an error event against the served document."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    doc = await (await client.get("/openapi.json")).json()
+    content = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    event = content["text/event-stream"]["schema"]
+    done, as_json = event["properties"]["data"]["anyOf"]
+    assert done == {"const": "[DONE]"} and as_json["contentMediaType"] == "application/json"
+    payload = jsonschema_rs.validator_for({"components": doc["components"],
+                                           **as_json["contentSchema"]})
+    seen = []
+    for behaviour in (None, "error"):
+        if behaviour == "error":
+            def fail_later(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+                handle.push(rq.Delta(0, "encoder", "par", [1]))
+                handle.push(rq.Outcome(handle.id, "fatal", [], rq.RequestError(
+                    "replica_lost", "replica encoder-1 died", stage="encoder")))
+            orch.behaviour = fail_later
+        resp = await client.post("/v1/chat/completions", json={
+            **CHAT_BODY, "stream": True, "n": 2, "stream_options": {"include_usage": True}})
+        for data in parse_sse(await resp.text()):
+            assert jsonschema_rs.validator_for(event).is_valid({"data": data}), data
+            if data != "[DONE]":
+                assert payload.is_valid(json.loads(data)), data
+            seen.append("error" if '"error"' in data else data[:6])
+    assert {"[DONE]", "error", '{"id":'} <= set(seen)
+    assert not jsonschema_rs.validator_for(event).is_valid({"data": 3})
+
+
+async def test_integral_numbers_meet_integer_fields(client: TestClient) -> None:
+    """Regression (fuzzing): `"n": 4.0` is the integer 4 to JSON and to JSON Schema, and the
+    document says integer, but the strict validator refused it as a float."""
+    resp = await client.post("/v1/images/generations", json={"prompt": "x", "n": 2.0})
+    assert resp.status == 200, await resp.text()
+    assert len((await resp.json())["data"]) == 2
+    assert h.parse_json_body(b'{"n": 4.0, "t": 0.5, "big": 1e20, "e": 2E1}') == {
+        "n": 4, "t": 0.5, "big": 10**20, "e": 20}
+    assert type(h.parse_json_body(b'{"n": 4.0}')["n"]) is int
+    resp = await client.post("/v1/images/generations", json={"prompt": "x", "n": 2.5})
+    assert_error(await resp.json(), param="n", code="invalid_type")
+
+
+async def test_wire_values_are_accepted_exactly_when_the_document_allows_them(
+        client: TestClient) -> None:
+    """Regression (fuzzing): the document allowed any JSON as a generic parameter value, the
+    server refused integers beyond 64 bits. The schema now says what the validator admits."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    doc = await (await client.get("/openapi.json")).json()
+    value = jsonschema_rs.validator_for({"components": doc["components"],
+                                         "$ref": "#/components/schemas/WireValue"})
+    for raw in ("1", "-9223372036854775808", "18446744073709551615", "18446744073709551616",
+                "-9223372036854775809", "294765991691294474240", "1e300", "2.5", "4.0",
+                '[{"a": 294765991691294474240}]', '{"k": [true, null, "s", 1.5]}'):
+        resp = await client.post("/v1/pipelines/text-to-image/requests",
+                                 data=f'{{"params": {{"*": {{"x": {raw}}}}}}}'.encode(),
+                                 headers={"Content-Type": "application/json"})
+        documented = value.is_valid(json.loads(raw))
+        assert (resp.status == 200) == documented, (raw, resp.status, await resp.text())
+        if not documented:
+            assert_error(await resp.json(), code="invalid_value")
+
+
+async def test_stage_names_are_enumerated_in_the_document_and_enforced(
+        client: TestClient) -> None:
+    """Regression (fuzzing): the document allowed any string as a stage name in `finals`,
+    `stages` and as a `params` key, the server refused all but the pipeline's own. The models
+    the server validates with are narrowed to the pipeline's stages and are the document's."""
+    doc = await (await client.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    generic, control = schemas["GenericRequest"], schemas["ControlRequest"]
+    finals = generic["properties"]["finals"]["anyOf"][0]
+    assert finals["items"]["enum"] == ["encoder", "denoiser"] and finals["uniqueItems"]
+    keys = generic["properties"]["params"]["anyOf"][0]["propertyNames"]["enum"]
+    assert keys == ["encoder", "denoiser", "*"]
+    assert control["properties"]["stages"]["anyOf"][0]["items"]["enum"] == ["encoder",
+                                                                             "denoiser"]
+    url = "/v1/pipelines/text-to-image"
+    for path, body, param in [("requests", {"finals": ["", ""]}, "finals[0]"),
+                              ("requests", {"finals": ["encoder", "encoder"]}, "finals[1]"),
+                              ("requests", {"params": {"ghost": {}}}, "params.ghost"),
+                              ("control", {"op": "pause", "stages": ["x"]}, "stages[0]"),
+                              ("control", {"op": "pause", "stages": ["denoiser"] * 2},
+                               "stages[1]")]:
+        resp = await client.post(f"{url}/{path}", json=body)
+        assert resp.status == 400, (body, await resp.text())
+        assert_error(await resp.json(), param=param, code="invalid_value")
+
+
 async def _wait_aborted(handle: FakeHandle) -> None:
     await asyncio.wait_for(handle.aborted.wait(), 5)
 
@@ -792,6 +884,14 @@ async def test_control_results_and_errors(client: TestClient, orch: FakeOrchestr
     err = assert_error(await resp.json(), code="control_failed")
     assert (err["exception_type"], err["replica"]) == ("RuntimeError", "denoiser-0")
     assert "CUDA says no" in err["message"]
+    # Regression (fuzzing): resume while asleep was a 500, as if the replica had failed; a
+    # state the caller must change first is a 409.
+    orch.control_result = ControlError("encoder-0", "resume", "ControlConflict",
+                                       "resume: replica is asleep; call wake_up first")
+    resp = await client.post(url, json={"op": "resume"})
+    assert resp.status == 409
+    err = assert_error(await resp.json(), code="control_conflict")
+    assert (err["exception_type"], err["replica"]) == ("ControlConflict", "encoder-0")
 
 
 def _app_routes(app: web.Application) -> set[tuple[str, str]]:
@@ -891,6 +991,45 @@ async def test_a_too_long_image_prompt_names_prompt(orch: FakeOrchestrator,
                                "model, got 40", stage="denoiser")
     resp = await client.post("/v1/images/generations", json={"prompt": "x", "size": "40x40"})
     assert_error(await resp.json(), param="size")
+
+
+async def test_405_lists_the_allowed_methods(client: TestClient) -> None:
+    """Regression (fuzzing): every path answered an undeclared method with 405 and no Allow
+    header (RFC 9110 requires one), on the API routes and the ops routes alike."""
+    for method, path, allowed in [("TRACE", "/v1/chat/completions", {"POST"}),
+                                  ("GET", "/v1/images/generations", {"POST"}),
+                                  ("DELETE", "/v1/models", {"GET", "HEAD"}),
+                                  ("PUT", "/v1/pipelines/text-to-image/control", {"POST"}),
+                                  ("POST", "/livez", {"GET", "HEAD"}),
+                                  ("PATCH", "/metrics", {"GET", "HEAD"})]:
+        resp = await client.request(method, path)
+        assert resp.status == 405, (method, path)
+        assert {m.strip() for m in resp.headers["Allow"].split(",")} == allowed, (method, path)
+        body = assert_error(await resp.json(), code="method_not_allowed")
+        assert method in body["message"]
+
+
+@pytest.mark.parametrize("size", [
+    "512x512", "8x2048", " 64 X 32 ", "auto", "2048x2048",  # valid
+    "0x32", "30x32", "32x99999", "2056x8", "0512x512", "big", "", "AUTO", "auto\n",
+    "512x512\n", "\f44X\t\n\v\t980973 \f", "\u0664\u0660x32", "16 x 16\t", "16x16x16",
+])
+def test_size_is_accepted_exactly_when_the_document_allows_it(size: str) -> None:
+    """Regression (fuzzing): the document's size pattern allowed any WIDTHxHEIGHT of up to six
+    digits (and Python-only whitespace) while the validator refused sides out of bounds, so a
+    schema-valid request got 400. One regex, built from EngineOptions' bounds, is both.
+    jsonschema_rs (schemathesis' validator) reads patterns as ECMA-262 does: `$` is the end of
+    the text, where Python's jsonschema would also allow a trailing newline."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = openapi_document()["components"]["schemas"]["ImagesRequest"]["properties"]["size"]
+    documented = jsonschema_rs.validator_for(schema).is_valid(size)
+    try:
+        h.parse_images({"prompt": "x", "size": size}, T2I)
+        accepted = True
+    except ApiError as err:
+        assert (err.status, err.param) == (400, "size")
+        accepted = False
+    assert accepted == documented, (size, accepted, documented)
 
 
 async def test_openapi_is_generated_from_the_models_that_validate(

@@ -30,6 +30,7 @@ class ApiError(Exception):
         code: str | None = None,
         retry_after: float | None = None,
         extra: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -38,6 +39,7 @@ class ApiError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.extra = dict(extra or {})
+        self._headers = dict(headers or {})
 
     @property
     def type(self) -> str:
@@ -51,13 +53,15 @@ class ApiError(Exception):
         return {"error": err}  # type: ignore[typeddict-item]
 
     def headers(self) -> dict[str, str]:
-        """Retry-After is mandatory on 429 (default 1 s) and passed on for 503 when known."""
+        """The given headers (Allow on a 405); Retry-After is mandatory on 429 (default 1 s)
+        and passed on for 503 when known."""
+        out = dict(self._headers)
         after = self.retry_after
         if after is None and self.status == 429:
             after = 1.0
-        if after is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(after)))}
+        if after is not None:
+            out["Retry-After"] = str(max(1, math.ceil(after)))
+        return out
 
 
 

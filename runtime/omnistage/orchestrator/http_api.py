@@ -17,6 +17,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote
 
@@ -56,8 +57,10 @@ from omnistage.orchestrator.schemas import (
     ImagesRequest,
     ModelCard,
     image_size,
+    pipeline_bodies,
 )
 from omnistage.params import describe, json_type
+from omnistage.protocol import ControlConflict
 from omnistage.sideport import add_ops_routes, serve_app
 from omnistage.spec import OmniPipeline
 
@@ -129,11 +132,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _parse_float(text: str) -> float:
+def _parse_float(text: str) -> float | int:
+    """JSON has one number type: 4.0 and 1e20 are integers (JSON Schema's `integer` agrees),
+    so an integral value parses as int and meets integer fields and their bounds."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"number {text[:40]} is out of range")
-    return value
+    return int(value) if value.is_integer() else value
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -296,43 +301,29 @@ def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline,
 # --------------------------------------------------------------------------- generic & control
 
 
-def _stage_list(value: list[str] | None, param: str, known: list[str]) -> list[str] | None:
-    """Stage names checked against the pipeline (the model checked the shape)."""
-    if value is None:
-        return None
-    out: list[str] = []
-    for i, name in enumerate(value):
-        if name not in known:
-            raise bad(f"{param}[{i}]", f"{param}[{i}]: unknown stage {name!r} (stages: "
-                       f"{', '.join(known)})")
-        if name in out:
-            raise bad(f"{param}[{i}]", f"{param}[{i}]: duplicate stage {name!r}")
-        out.append(name)
-    return out
+def _pipeline_body(pipeline: OmniPipeline, stock: type[M]) -> type[M]:
+    """The stock body model narrowed to the pipeline's stage names (schemas.pipeline_bodies)."""
+    return pipeline_bodies(tuple(pipeline.spec.stage_names())).get(stock, stock)  # type: ignore[return-value]
 
 
 def parse_generic(body: Mapping[str, Any], pipeline: OmniPipeline,
-                  model: type[GenericRequest] = GenericRequest) -> rq.PipelineRequest:
-    """Validate the generic route's body; unknown fields are errors (typos must not pass)."""
-    req = validate(model, body)
-    known = pipeline.spec.stage_names()
+                  model: type[GenericRequest] | None = None) -> rq.PipelineRequest:
+    """Validate the generic route's body; unknown fields are errors (typos must not pass).
+    The model (default: GenericRequest for this pipeline's stages) names unknown stages."""
+    req = validate(model or _pipeline_body(pipeline, GenericRequest), body)
     params = {stage: dict(values) for stage, values in (req.params or {}).items()}
-    for stage in params:
-        if stage != "*" and stage not in known:
-            raise bad(f"params.{stage}", f"params.{stage}: unknown stage {stage!r} (stages: "
-                       f"{', '.join(known)}, or * for all)")
     return rq.PipelineRequest(
         prompt=req.prompt or "", negative_prompt=req.negative_prompt, params=params,
         n=req.n or 1, session=req.session or None, timeout_s=req.timeout_s,
-        finals=_stage_list(req.finals, "finals", known),
+        finals=list(req.finals) if req.finals is not None else None,
     )
 
 
 def parse_control(body: Mapping[str, Any], pipeline: OmniPipeline,
-                  model: type[ControlRequest] = ControlRequest) -> tuple[str, list[str] | None]:
+                  model: type[ControlRequest] | None = None) -> tuple[str, list[str] | None]:
     """{op, stages?} -> (op, stages); unknown stages are refused before anything pauses."""
-    req = validate(model, body)
-    return req.op, _stage_list(req.stages, "stages", pipeline.spec.stage_names())
+    req = validate(model or _pipeline_body(pipeline, ControlRequest), body)
+    return req.op, list(req.stages) if req.stages is not None else None
 
 
 
@@ -420,7 +411,9 @@ class HttpApi:
         self.closing = False  # shutdown began: /readyz fails, every response says Connection: close
         self.started = int(time.time())
         table = list(routes)
-        self.served = [r for r in table if r.surface is None or r.surface in self.apis]
+        # The generic and control bodies name this pipeline's stages, in validator and document.
+        self.served = [replace(r, body=_pipeline_body(self.pipeline, r.body)) if r.body else r
+                       for r in table if r.surface is None or r.surface in self.apis]
         self.disabled = [(_path_pattern(r.path), r.surface) for r in table
                          if r.surface is not None and r.surface not in self.apis]
         self.bodies: dict[str, Any] = {r.handler: r.body for r in self.served}
@@ -469,8 +462,11 @@ class HttpApi:
                                     f"{', '.join(self.apis)})", code="api_not_enabled")
             return ApiError(404, f"no route {request.method} {request.path}", code="not_found")
         if exc.status == 405:
-            return ApiError(405, f"method {request.method} is not allowed on {request.path}",
-                            code="method_not_allowed")
+            # RFC 9110: a 405 lists the methods the resource does serve.
+            allow = exc.headers.get("Allow", "")
+            return ApiError(405, f"method {request.method} is not allowed on {request.path} "
+                            f"(allowed: {allow})", code="method_not_allowed",
+                            headers={"Allow": allow})
         if exc.status == 413:
             return ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes",
                             code="request_too_large")
@@ -617,6 +613,10 @@ class HttpApi:
         try:
             results = await self.orch.control(op, stages)
         except ControlError as exc:
+            if exc.type == ControlConflict.__name__:  # the replica's state forbids it now
+                raise ApiError(409, str(exc), code="control_conflict",
+                               extra={"replica": exc.replica,
+                                      "exception_type": exc.type}) from None
             raise ApiError(500, str(exc), code="control_failed",
                            extra={"replica": exc.replica, "exception_type": exc.type}) from None
         except ValueError as exc:

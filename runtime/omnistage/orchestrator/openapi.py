@@ -68,7 +68,7 @@ ROUTES: tuple[Route, ...] = (
           errors=_COMMON_ERRORS),
     Route("POST", "/v1/pipelines/{name}/control", "pipeline_control", "Fan a control RPC "
           f"({', '.join(CONTROL_OPS)}) out to stage replicas", "generic", ControlRequest,
-          ControlResponse, errors=(400, 404, 500, 503)),
+          ControlResponse, errors=(400, 404, 409, 500, 503)),
     Route("GET", "/livez", "livez", "Liveness: the process serves HTTP"),
     Route("GET", "/readyz", "readyz", "Readiness: every stage has a routable replica and "
           "admission is open", errors=(503,)),
@@ -85,6 +85,8 @@ _ERRORS: dict[int, str] = {
          "`size`, `params.denoiser.height`).",
     404: "Unknown model (`model_not_found`), pipeline, route, or an API surface this pipeline "
          "does not enable (`api_not_enabled`).",
+    409: "A replica's state forbids the control op now (`control_conflict`: resume while "
+         "asleep, sleep with requests in flight); `replica` names it.",
     413: "Request body larger than the server accepts.",
     429: "A stage replica refused the request at admission (`overloaded`). Retry-After says "
          "when to retry.",
@@ -112,6 +114,16 @@ def _schemas(types: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     refs, defs = TypeAdapter.json_schemas(inputs, ref_template="#/components/schemas/{model}",
                                           schema_generator=_NoFieldTitles)
     return {name: schema for (name, _mode), schema in refs.items()}, defs.get("$defs", {})
+
+
+def _sse_event(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 reads an event stream's schema per event): `data` is
+    a chunk or an error as JSON, or the literal `[DONE]` that ends the stream."""
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [chunk, error]}},
+    ]}}}
 
 
 def _doc_path(path: str) -> str:
@@ -150,7 +162,7 @@ def openapi_document(
             responses["200"] = _json(refs[f"{r.handler}.response"], r.ok)
             if r.stream is not None:
                 responses["200"]["content"]["text/event-stream"] = {
-                    "schema": refs[f"{r.handler}.stream"]}
+                    "schema": _sse_event(refs[f"{r.handler}.stream"], refs["Error"])}
         for status in r.errors:
             if r.response is None:
                 responses[str(status)] = {"description": "The reason.", "content": {

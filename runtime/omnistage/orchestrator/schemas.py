@@ -13,9 +13,10 @@ Union branches carry tags spelt `<name>` so a validation error names the field's
 
 from __future__ import annotations
 
+import functools
 import re
 import typing
-from typing import Annotated, Any, Literal, NotRequired
+from typing import Annotated, Any, Literal, NotRequired, Union
 
 import annotated_types
 from pydantic import (
@@ -25,12 +26,13 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PlainValidator,
     Tag,
-    TypeAdapter,
     WithJsonSchema,
+    create_model,
 )
 from pydantic_core import PydanticCustomError
-from typing_extensions import TypedDict  # pydantic wants this one before Python 3.12
+from typing_extensions import TypeAliasType, TypedDict  # pydantic wants this one before Python 3.12
 
 from omnistage.orchestrator import requests as rq
 from omnistage.params import engine_type, per_request
@@ -54,6 +56,7 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "image_size",
+    "pipeline_bodies",
 ]
 
 MAX_N_CHAT = 16
@@ -109,9 +112,17 @@ def _wire_value(value: Any) -> Any:
     return value
 
 
-WireValue = Annotated[Any, AfterValidator(_wire_value), Field(
-    description="Any JSON value that can travel as msgpack: valid Unicode strings, integers "
-    f"within 64 bits, at most {MAX_WIRE_DEPTH} levels of nesting.")]
+# What _wire admits, as a schema: integers within 64 bits, other numbers only when fractional
+# (the HTTP layer parses 4.0 as the integer 4, as JSON Schema reads it). Only the nesting limit
+# is prose: a recursive schema cannot count.
+_WireSchema = TypeAliasType("WireValue", Union[  # noqa: UP007 (a forward-referencing alias)
+    bool, Annotated[int, Field(ge=_INT64_MIN, le=_UINT64_MAX)],
+    Annotated[float, WithJsonSchema({"type": "number", "not": {"type": "integer"}})],
+    str, list["WireValue"], dict[str, "WireValue"], None])
+WireValue = Annotated[Any, PlainValidator(_wire_value, json_schema_input_type=_WireSchema),
+                      Field(description="Any JSON value that can travel as msgpack: valid "
+                            "Unicode strings, integers within 64 bits, at most "
+                            f"{MAX_WIRE_DEPTH} levels of nesting.")]
 
 
 def only(*allowed: Any, why: str) -> Any:
@@ -134,7 +145,6 @@ Temperature = engine_type("temperature")
 Seed = engine_type("seed")
 Steps = engine_type("num_inference_steps")
 Guidance = engine_type("guidance_scale")
-Side = engine_type("width")
 
 
 class _Body(BaseModel):
@@ -278,34 +288,37 @@ def _bounds(name: str) -> tuple[Any, Any, Any]:
     return lo, hi, multiple
 
 
-_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
-_SIDE = TypeAdapter(Side)
 _SIDE_MIN, _SIDE_MAX, _SIDE_MULTIPLE = _bounds("width")
+# One regex says which sizes are valid, for the validator and the document alike: every side
+# EngineOptions allows, spelt out, so a pattern-valid size is never refused for its numbers.
+# Only constructs that read the same in Python and ECMA-262 ([0-9] and a space, not \d or \s).
+_SIDES = "|".join(str(v) for v in range(_SIDE_MAX, _SIDE_MIN - 1, -1) if v % _SIDE_MULTIPLE == 0)
+SIZE_PATTERN = f"^(?:auto|[ ]*({_SIDES})[ ]*[xX][ ]*({_SIDES})[ ]*)$"
+_SIZE = re.compile(SIZE_PATTERN)
+_SIZE_SHAPE = re.compile(r"[ ]*[0-9]+[ ]*[xX][ ]*[0-9]+[ ]*")
 
 
 def _size(value: str) -> str:
-    if value == "auto":
+    if _SIZE.fullmatch(value):
         return value
-    match = _SIZE.match(value)
-    if not match:
-        raise PydanticCustomError("invalid_value", "must look like WIDTHxHEIGHT (for example "
-                                  "'512x512'), got {value}", {"value": repr(value[:40])})
-    for side in match.groups():
-        if not _SIDE.validator.isinstance_python(int(side)):
-            raise PydanticCustomError(
-                "invalid_value", "{size}: each side must be {lo}..{hi} and a multiple of {m}",
-                {"size": value.strip(), "lo": _SIDE_MIN, "hi": _SIDE_MAX, "m": _SIDE_MULTIPLE})
-    return value
+    if _SIZE_SHAPE.fullmatch(value):
+        raise PydanticCustomError(
+            "invalid_value", "{size}: each side must be {lo}..{hi} and a multiple of {m}",
+            {"size": value.strip()[:40], "lo": _SIDE_MIN, "hi": _SIDE_MAX, "m": _SIDE_MULTIPLE})
+    raise PydanticCustomError("invalid_value", "must look like WIDTHxHEIGHT (for example "
+                              "'512x512'), got {value}", {"value": repr(value[:40])})
 
 
 def image_size(value: str | None) -> tuple[int, int] | None:
     """A validated size as (width, height); None for auto or not given."""
-    match = _SIZE.match(value or "")
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    match = _SIZE.fullmatch(value or "")
+    if not match or match.group(1) is None:
+        return None
+    return int(match.group(1)), int(match.group(2))
 
 
 Size = Annotated[str, AfterValidator(_size), Field(
-    json_schema_extra={"pattern": f"{_SIZE.pattern}|^auto$"},  # the validator's own regex
+    json_schema_extra={"pattern": SIZE_PATTERN},  # the validator's own regex
     description=f"WIDTHxHEIGHT, each side {_SIDE_MIN}..{_SIDE_MAX} and a multiple of "
     f"{_SIDE_MULTIPLE} (the stage's width/height bounds); auto or omitted uses the stage's "
     "defaults. The model may need a larger multiple; the worker then answers 400 param size.")]
@@ -375,6 +388,37 @@ class ControlRequest(_Body):
     stages: list[str] | None = Field(None, min_length=1, description="Default: every stage.")
 
 
+def _unique(value: list[Any]) -> list[Any]:
+    for i, item in enumerate(value):
+        if item in value[:i]:
+            raise PydanticCustomError("invalid_value", "repeats stage {name}",
+                                      {"name": repr(item), "at": f"[{i}]"})
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def pipeline_bodies(stages: tuple[str, ...]) -> dict[type[BaseModel], type[BaseModel]]:
+    """GenericRequest and ControlRequest narrowed to one pipeline's stage names, as
+    {stock model: its narrowed copy}. The HTTP API validates with the copies and documents
+    them, so a stage name the document allows is one the server accepts, and the reverse."""
+    stage = Literal[stages]  # type: ignore[valid-type]
+    names = Annotated[list[stage], AfterValidator(_unique),  # type: ignore[valid-type]
+                      Field(min_length=1, json_schema_extra={"uniqueItems": True})]
+    knobs = dict[Literal[(*stages, "*")], dict[Text, WireValue]]  # type: ignore[misc]
+
+    def field(model: type[BaseModel], name: str) -> Any:
+        return Field(None, description=model.model_fields[name].description)
+
+    generic = create_model("GenericRequest", __base__=GenericRequest, __module__=__name__,
+                           __doc__=GenericRequest.__doc__,
+                           finals=(names | None, field(GenericRequest, "finals")),
+                           params=(knobs | None, field(GenericRequest, "params")))
+    control = create_model("ControlRequest", __base__=ControlRequest, __module__=__name__,
+                           __doc__=ControlRequest.__doc__,
+                           stages=(names | None, field(ControlRequest, "stages")))
+    return {GenericRequest: generic, ControlRequest: control}
+
+
 # --------------------------------------------------------------------------- responses
 
 Status = Literal[rq.OK, rq.ABORT, rq.REQUEST_ERROR, rq.FATAL]
@@ -383,6 +427,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",

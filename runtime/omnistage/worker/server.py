@@ -510,13 +510,14 @@ class StageWorker:
             self.paused = True
         elif op == "resume":
             if self.asleep:
-                raise RuntimeError("resume: replica is asleep; call wake_up first")
+                raise p.ControlConflict("resume: replica is asleep; call wake_up first")
             self.scheduler.resume()
             self.paused = False
         elif op == "sleep":
             busy = len(self.requests)
             if busy:
-                raise RuntimeError(f"sleep: {busy} requests in flight; pause and let them finish")
+                raise p.ControlConflict(f"sleep: {busy} requests in flight; pause and let them "
+                                        "finish")
             if not self.asleep:
                 self.scheduler.pause()
                 self.paused = True
