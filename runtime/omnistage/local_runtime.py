@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from omnistage.metrics import family
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
 from omnistage.procs import StartupError, WorkerProcess, spawn_worker, wait_all_ready
-from omnistage.shm import ENV_DIR, ShmConfig, spawn_reaper
+from omnistage.shm import ENV_DIR, ShmConfig, release_reaper, spawn_reaper
 from omnistage.spec import OmniPipeline, Stage
 from omnistage.worker.config import resolve_model
 
@@ -293,8 +293,8 @@ class LocalStageRuntime:
         """The replicas are gone: remove their sockets, and let the reaper sweep and exit."""
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        if self._reaper is not None and self._reaper.stdin is not None:
-            self._reaper.stdin.close()
+        if self._reaper is not None:
+            release_reaper(self._reaper)
 
     # ---- supervision -----------------------------------------------------------------------
 

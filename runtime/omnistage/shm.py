@@ -722,13 +722,31 @@ def spawn_reaper(cfg: ShmConfig, grace: float = 60.0) -> subprocess.Popen[bytes]
     )
 
 
+CLEAN_EXIT = b"bye\n"
+
+
+def release_reaper(reaper: subprocess.Popen[bytes]) -> None:
+    """Tell the reaper the session ended cleanly (every replica stopped), then let it go."""
+    if reaper.stdin is None:
+        return
+    with contextlib.suppress(OSError):
+        reaper.stdin.write(CLEAN_EXIT)
+        reaper.stdin.flush()
+    with contextlib.suppress(OSError):
+        reaper.stdin.close()
+
+
 def _reap(directory: Path, session: str, grace: float, parent: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    said = b""
     with contextlib.suppress(OSError):
-        while sys.stdin.buffer.read(65536):
-            pass
-    if os.getppid() == parent:  # closed on purpose: the parent lives and cleans up after itself
+        while chunk := sys.stdin.buffer.read(65536):
+            said += chunk
+    # A parent that closes the pipe on purpose says so first (`release_reaper`). Its death is
+    # not told by getppid(): the kernel closes a dying process's files, so this EOF, before it
+    # reparents its children and sends their PDEATHSIG, so the workers may still be alive here.
+    if said.endswith(CLEAN_EXIT):
         sweep(directory, session)
         return 0
     deadline = time.monotonic() + grace

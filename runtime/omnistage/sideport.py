@@ -132,7 +132,7 @@ async def stop_listening(runner: web.AppRunner, settle: float = 2.0) -> None:
     close, a window of one system call.
     """
     loop = asyncio.get_running_loop()
-    taken: list[Any] = []
+    accepted: list[socket.socket] = []
     listeners = runner.app.get(_LISTENERS, []) if runner.app is not None else []
     for listener in listeners:
         loop.remove_reader(listener.fileno())  # asyncio accepts nothing more from it
@@ -145,12 +145,17 @@ async def stop_listening(runner: web.AppRunner, settle: float = 2.0) -> None:
                 log.warning("accepting the last connections failed: %s", exc)
                 break
             conn.setblocking(False)
-            with contextlib.suppress(OSError):
-                transport, _ = await loop.connect_accepted_socket(runner.server, conn)
-                taken.append(transport)
+            accepted.append(conn)
     listeners.clear()  # stop_listening may run twice; the sites close the sockets
+    # No await between the last accept and the close: BaseSite.stop closes the listening socket
+    # before it yields, so a handshake can only complete in that one-syscall gap.
     for site in list(runner.sites):
         await site.stop()
+    taken: list[Any] = []
+    for conn in accepted:
+        with contextlib.suppress(OSError):
+            transport, _ = await loop.connect_accepted_socket(runner.server, conn)
+            taken.append(transport)
     deadline = loop.time() + settle
     # A transport offers no event for its closing; aiohttp's handler no hook we may set.
     while any(not t.is_closing() for t in taken) and loop.time() < deadline:  # noqa: ASYNC110
