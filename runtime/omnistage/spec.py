@@ -317,7 +317,11 @@ class EngineOptions(_Model):
 
 
 # Engine fields without a PerRequest mark that still apply to some kinds only.
-_ENGINE_KINDS: dict[str, tuple[StageKind, ...]] = {"dtype": ("ar", "diffusion")}
+_ENGINE_KINDS: dict[str, tuple[StageKind, ...]] = {
+    "dtype": ("ar", "diffusion"),
+    "max_batch_size": ("ar", "diffusion"),
+    "max_batch_tokens": ("ar",),
+}
 
 
 def engine_kinds(field: str) -> tuple[str, ...]:
