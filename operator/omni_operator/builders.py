@@ -13,8 +13,7 @@ from typing import Any
 from omni_operator.models import API_VERSION
 from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
-from omnistage.orchestrator.main import shutdown_seconds
-from omnistage.shm import ENV_CAP, ENV_DIR, ENV_SESSION
+from omnistage.orchestrator.shutdown import shutdown_seconds
 from omnistage.spec import ModelCache, OmniPipeline, Stage, engine_for_kind
 from omnistage.tuning import worker_env
 from omnistage.worker.config import worker_args
@@ -105,9 +104,9 @@ def _with_shared_memory(pod_spec: Obj, pipeline: str, memory_limit: str) -> None
     container = pod_spec["containers"][0]
     container["volumeMounts"].append({"name": "omnistage-shm", "mountPath": SHM_MOUNT_PATH})
     container["env"] = [*container["env"],
-                        {"name": ENV_DIR, "value": SHM_MOUNT_PATH},
-                        {"name": ENV_SESSION, "value": pipeline},
-                        {"name": ENV_CAP,
+                        {"name": kube.ENV_SHM_DIR, "value": SHM_MOUNT_PATH},
+                        {"name": kube.ENV_SHM_SESSION, "value": pipeline},
+                        {"name": kube.ENV_SHM_CAP,
                          "value": str(_quantity_bytes(memory_limit) // SHM_CAP_SHARE >> 20)}]
     pod_spec["volumes"].append({"name": "omnistage-shm",
                                 "hostPath": {"path": SHM_HOST_PATH, "type": "DirectoryOrCreate"}})

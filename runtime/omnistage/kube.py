@@ -62,3 +62,8 @@ def condition_status(obj: Mapping[str, Any] | None, ctype: str) -> str | None:
     """"True", "False" or "Unknown" for condition ``ctype``; None when it is absent."""
     cond = condition(obj, ctype)
     return None if cond is None else str(cond.get("status"))
+
+# Shared memory (omnistage.shm reads them; the operator sets them when a pool opts in).
+ENV_SHM_DIR = "OMNISTAGE_SHM_DIR"
+ENV_SHM_CAP = "OMNISTAGE_SHM_CAP_MB"
+ENV_SHM_SESSION = "OMNISTAGE_SHM_SESSION"

@@ -46,13 +46,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from omnistage import kube
 from omnistage import protocol as p
 
 log = logging.getLogger("omnistage.shm")
 
-ENV_DIR = "OMNISTAGE_SHM_DIR"  # the shared directory; unset: no shared memory
-ENV_CAP = "OMNISTAGE_SHM_CAP_MB"  # each process's segment cap
-ENV_SESSION = "OMNISTAGE_SHM_SESSION"  # groups one `omnistage serve`'s segments for its reaper
+ENV_DIR = kube.ENV_SHM_DIR  # the shared directory; unset: no shared memory
+ENV_CAP = kube.ENV_SHM_CAP  # each process's segment cap
+ENV_SESSION = kube.ENV_SHM_SESSION  # groups one `omnistage serve`'s segments for its reaper
 ENV_ENABLE = "OMNISTAGE_SHM"  # "0" turns shared memory off for `omnistage serve`
 ENV_MIN = "OMNISTAGE_SHM_MIN_BYTES"  # smaller tensors travel as frames
 

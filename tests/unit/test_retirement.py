@@ -11,7 +11,7 @@ import pytest
 from omni_operator import builders, retirement
 from omni_operator.replicas_cli import render_status, replica_state
 from omnistage import kube
-from omnistage.orchestrator.main import shutdown_seconds
+from omnistage.orchestrator.shutdown import shutdown_seconds
 from omnistage.spec import parse_pipeline
 
 Obj = dict[str, Any]

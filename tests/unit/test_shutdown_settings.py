@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from omnistage.cli import build_parser
-from omnistage.orchestrator.main import CLOSE_MARGIN_SECONDS, drain_timeout, shutdown_seconds
+from omnistage.orchestrator.shutdown import CLOSE_MARGIN_SECONDS, drain_timeout, shutdown_seconds
 from omnistage.spec import SpecError, parse_pipeline
 
 

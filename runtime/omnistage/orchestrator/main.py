@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from omnistage import kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
+from omnistage.orchestrator.shutdown import drain_timeout
 from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import OmniPipeline, SpecError, load_pipeline, parse_pipeline
 
@@ -93,27 +94,6 @@ def make_membership(
 
     return KubernetesMembership(namespace or default_namespace(), pipeline.metadata.name,
                                 zmq_port=zmq_port)
-
-
-def drain_timeout(pipeline: OmniPipeline) -> float:
-    """How long a stopping orchestrator waits for its in-flight requests: the longest stage
-    drain timeout (a request cannot outlive the replicas' own drains)."""
-    return float(max((s.drain_timeout_seconds for s in pipeline.spec.stages), default=30))
-
-
-CLOSE_MARGIN_SECONDS = 5.0
-"""Time after the drain for the last responses to be written and the listener to close."""
-
-
-def shutdown_seconds(pipeline: OmniPipeline, shutdown_delay: float | None = None) -> float:
-    """The longest an orchestrator takes from SIGTERM to exit: shutdown delay, drain, close.
-
-    A pod's terminationGracePeriodSeconds must cover it, or the kubelet's SIGKILL cuts the
-    drain short.
-    """
-    delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
-             else shutdown_delay)
-    return delay + drain_timeout(pipeline) + CLOSE_MARGIN_SECONDS
 
 
 def api_routes(pipeline: OmniPipeline) -> list[str]:
@@ -283,11 +263,9 @@ __all__ = [
     "ApiBindError",
     "UsageError",
     "api_routes",
-    "drain_timeout",
     "make_membership",
     "parse_replica",
     "read_pipeline",
     "run_orchestrator",
     "serve_orchestrator",
-    "shutdown_seconds",
 ]
