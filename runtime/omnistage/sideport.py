@@ -157,8 +157,14 @@ async def stop_listening(runner: web.AppRunner, settle: float = 2.0) -> None:
             transport, _ = await loop.connect_accepted_socket(runner.server, conn)
             taken.append(transport)
     deadline = loop.time() + settle
+    # Every open connection, not only those just taken in: one accepted a moment before may
+    # still carry a request on its way, and closing it with those bytes unread resets it. Each
+    # closes after its response (`Connection: close`); an idle one is closed at the deadline.
     # A transport offers no event for its closing; aiohttp's handler no hook we may set.
-    while any(not t.is_closing() for t in taken) and loop.time() < deadline:  # noqa: ASYNC110
+    server = runner.server
+    while loop.time() < deadline and (  # noqa: ASYNC110
+            any(not t.is_closing() for t in taken)
+            or (server is not None and server.connections)):
         await asyncio.sleep(0.01)
 
 
