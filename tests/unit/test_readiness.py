@@ -15,7 +15,7 @@ NOW = "2026-01-01T00:00:00Z"
 
 def pod(*, containers: str | None = "True", ready: str | None = "True",
         gate: str | None = None, draining: bool = False, deleting: bool = False,
-        ip: str | None = "10.0.0.1") -> dict[str, Any]:
+        ip: str | None = "127.0.0.5") -> dict[str, Any]:
     conds = [{"type": t, "status": s} for t, s in (
         ("ContainersReady", containers), ("Ready", ready), (kube.READINESS_GATE, gate))
         if s is not None]
