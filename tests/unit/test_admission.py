@@ -316,17 +316,22 @@ async def test_caller_leaving_before_a_busy_shared_pool_starts_fn_withdraws_it()
 
 
 async def test_stop_iteration_from_fn_becomes_runtime_error(sched: SerialScheduler) -> None:
-    # asyncio futures cannot carry StopIteration; the caller must get an error, not hang.
+    """asyncio futures cannot carry StopIteration; the caller must get an error, not hang.
+
+    Kills: the wrapping RuntimeError's text lost or naming `type(None)`.
+    """
     def stop() -> None:
         raise StopIteration("done")
 
     with pytest.raises(RuntimeError) as info:
         await asyncio.wait_for(sched.run(stop), WAIT)
     assert isinstance(info.value.__cause__, StopIteration)
+    assert str(info.value) == "StopIteration raised by scheduled work"
     assert not sched.running
 
 
 def test_scheduler_outlives_a_closed_loop_with_abandoned_work() -> None:
+    """Kills: the reset leaving `running` as None, or miscounting `completed` (-1, +2)."""
     sched = SerialScheduler()
     blocker = Blocker()
 
@@ -343,7 +348,8 @@ def test_scheduler_outlives_a_closed_loop_with_abandoned_work() -> None:
         while sched.running:  # the completion cannot reach the closed loop; it resets instead
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        assert sched.pending == 0
+        assert sched.pending == 0 and sched.running is False
+        assert sched.stats.completed == 1
         assert asyncio.run(sched.run(lambda: "new loop")) == "new loop"
     finally:
         sched.close()
@@ -366,6 +372,7 @@ async def test_exception_reaches_caller_unchanged_and_releases_permit(
 
 
 async def test_max_pending_refuses_at_once_and_counts_abandoned_work() -> None:
+    """Kills: `Overloaded(None)` (the refusal must say how many calls are pending)."""
     sched = SerialScheduler(max_pending=2)
     try:
         blocker = Blocker()
@@ -373,15 +380,17 @@ async def test_max_pending_refuses_at_once_and_counts_abandoned_work() -> None:
         await wait_event(blocker.started)
         t2 = asyncio.create_task(sched.run(lambda: "queued"))
         await until(lambda: sched.queued == 1)
-        with pytest.raises(Overloaded):
-            await asyncio.wait_for(sched.run(lambda: None), 1.0)
+        with pytest.raises(Overloaded) as full:
+            await asyncio.wait_for(sched.run(lambda: None), WAIT)
+        assert str(full.value) == "2 calls pending (max_pending=2)"
+        assert full.value.code == "overloaded"
         # The blocker's caller leaves; its work still runs and still counts.
         t1.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t1
         assert sched.pending == 2
         with pytest.raises(Overloaded) as info:
-            await asyncio.wait_for(sched.run(lambda: None), 1.0)
+            await asyncio.wait_for(sched.run(lambda: None), WAIT)
         assert isinstance(info.value, AdmissionError)
         blocker.gate.set()
         assert await t2 == "queued"
@@ -445,7 +454,7 @@ async def test_pause_keeps_fifo_and_lets_running_work_finish(sched: SerialSchedu
 
 
 async def test_wait_idle_waits_for_running_and_queued_work(sched: SerialScheduler) -> None:
-    await asyncio.wait_for(sched.wait_idle(), 1.0)  # idle already
+    await asyncio.wait_for(sched.wait_idle(), WAIT)  # idle already
     blocker = Blocker()
     t1 = asyncio.create_task(sched.run(blocker))
     t2 = asyncio.create_task(sched.run(lambda: None))
@@ -459,24 +468,16 @@ async def test_wait_idle_waits_for_running_and_queued_work(sched: SerialSchedule
     assert sched.pending == 0
 
 
-async def test_stats_count_dispatches_and_exec_time(sched: SerialScheduler) -> None:
-    await sched.run(time.sleep, 0.02)
-    with pytest.raises(RuntimeError):
-        await sched.run(lambda: (_ for _ in ()).throw(RuntimeError("x")))
-    stats = sched.stats
-    assert stats.dispatched == 2
-    assert stats.completed == 2
-    assert 0.02 <= stats.exec_seconds_total < 1.0
-
-
 async def test_close_shuts_private_executor_and_refuses_new_work() -> None:
+    """Kills: the "SerialScheduler is closed" refusal text changed (None, XX, case)."""
     s = SerialScheduler()
     thread = await s.run(threading.current_thread)
     s.close(wait=True)
-    assert s.closed
+    assert s.closed is True
     assert not thread.is_alive()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError) as info:
         await s.run(lambda: None)
+    assert str(info.value) == "SerialScheduler is closed"
 
 
 async def test_close_keeps_a_caller_supplied_executor(
@@ -510,6 +511,8 @@ async def test_context_checked_before_queueing(sched: SerialScheduler) -> None:
 
 
 async def test_context_cancelled_while_queued_from_another_thread(sched: SerialScheduler) -> None:
+    """Kills: "cancelled while queued" text changed; a failed waiter treated as a handoff
+    (`exception() is not None`), which would free the permit of the work still running."""
     calls = 0
 
     def counted() -> None:
@@ -525,66 +528,16 @@ async def test_context_cancelled_while_queued_from_another_thread(sched: SerialS
     canceller = threading.Thread(target=ctx.cancel)
     canceller.start()
     canceller.join()
-    with pytest.raises(ExecutionCancelled):
+    with pytest.raises(ExecutionCancelled) as info:
         await asyncio.wait_for(queued, WAIT)
-    assert sched.running and not blocker.finished.is_set()  # woken while the permit was busy
+    assert str(info.value) == "cancelled while queued"
+    assert sched.running is True and not blocker.finished.is_set()  # woken while still busy
     assert sched.queued == 0 and sched.pending == 1
     blocker.gate.set()
     await first
     await sched.wait_idle()
     assert calls == 0
     assert sched.stats.dispatched == 1
-
-
-async def test_deadline_expires_a_queued_waiter(sched: SerialScheduler) -> None:
-    calls = 0
-
-    def counted() -> None:
-        nonlocal calls
-        calls += 1
-
-    blocker = Blocker()
-    first = asyncio.create_task(sched.run(blocker))
-    await wait_event(blocker.started)
-    ctx = ExecutionContext.with_timeout(0.2)
-    task = asyncio.create_task(sched.run_with_context(ctx, counted))
-    await until(lambda: sched.queued == 1)  # queued before the deadline, then expired there
-    with pytest.raises(DeadlineExceeded):
-        await asyncio.wait_for(task, WAIT)
-    assert not blocker.finished.is_set()  # expired by the loop timer, not at dispatch
-    assert sched.queued == 0 and sched.pending == 1
-    blocker.gate.set()
-    await first
-    assert calls == 0 and sched.stats.dispatched == 1
-
-
-async def test_deadline_passing_while_waiting_for_busy_pool_is_refused_on_worker() -> None:
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    gate = threading.Event()
-    occupied = pool.submit(gate.wait, WAIT)  # something else holds the pool's only thread
-    sched = SerialScheduler(executor=pool)
-    calls = 0
-
-    def counted() -> None:
-        nonlocal calls
-        calls += 1
-
-    try:
-        ctx = ExecutionContext.with_timeout(0.2)  # ample time to pass the pre-queue check
-        task = asyncio.create_task(sched.run_with_context(ctx, counted))
-        await until(lambda: sched.stats.dispatched == 1)  # past the scheduler, stuck in the pool
-        await asyncio.sleep(ctx.remaining() or 0)
-        await until(lambda: ctx.remaining() == 0)
-        assert sched.running and not task.done()
-        gate.set()
-        with pytest.raises(DeadlineExceeded):
-            await asyncio.wait_for(task, WAIT)
-        assert occupied.result(timeout=WAIT)
-        assert calls == 0
-        assert not sched.running and sched.pending == 0  # the refusal released the permit
-        assert await sched.run(lambda: "next") == "next"
-    finally:
-        pool.shutdown(wait=False)
 
 
 async def test_no_check_after_fn_a_finished_result_is_returned(sched: SerialScheduler) -> None:
@@ -830,7 +783,7 @@ def test_remaining_and_with_timeout() -> None:
     assert ExecutionContext().remaining() is None
     assert ExecutionContext.with_timeout(None).deadline is None
     remaining = ExecutionContext.with_timeout(10).remaining()
-    assert remaining is not None and 9.0 < remaining <= 10.0
+    assert remaining is not None and 0.0 < remaining <= 10.0  # exact values: the fake-clock tests
     assert ExecutionContext(deadline=time.monotonic() - 5).remaining() == 0.0
     with pytest.raises(ValueError, match="deadline"):
         ExecutionContext(deadline=float("nan"))
