@@ -797,7 +797,8 @@ def test_work_withdrawn_after_its_loop_closed_still_frees_its_context() -> None:
     call = sched.run_with_context(ExecutionContext(permits=[permit]), counted)
 
     async def start_without_a_task() -> Any:
-        assert await sched.run(lambda: "warm-up") == "warm-up"  # completed == 1
+        warm_up = await asyncio.wait_for(sched.run(lambda: "warm-up"), WAIT)
+        assert warm_up == "warm-up"  # completed == 1
         pool.submit(gate.wait, WAIT)  # the pool's only thread is now busy
         step = call.__await__()
         next(step)  # runs `call` up to its wait for the result: the work is submitted
