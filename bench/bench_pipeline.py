@@ -44,6 +44,9 @@ from typing import Any
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goals import Goal, add_check_flag, exit_status
+
 ROOT = Path(__file__).resolve().parents[1]
 ECHO_YAML = ROOT / "examples" / "echo.yaml"
 PROMPT = "hello omnistage"
@@ -476,31 +479,38 @@ async def main_async(args: argparse.Namespace) -> int:
             results.update(await measure(targets, args))
     for key in keys:
         print(results[key].line(args.concurrency), flush=True)
-    print(summary(results), flush=True)
-    return 0 if all(not r.note and r.ok for r in results.values()) else 1
+    line, goals = summary(results)
+    print(line, flush=True)
+    if not all(not r.note and r.ok for r in results.values()):
+        return 1
+    return exit_status(goals, args.check)
 
 
-def summary(results: dict[str, Result]) -> str:
-    """Ratios of omnistage to each baseline, and whether each goal holds."""
+GOALS = {"ray": 2.0, "zmq": 0.9}  # omnistage / baseline throughput
+
+
+def summary(results: dict[str, Result]) -> tuple[str, list[Goal]]:
+    """Ratios of omnistage to each baseline, and whether each goal holds (a baseline that
+    could not run is a MISS of its goal, shown as n/a)."""
     omni = results.get("omnistage")
-    parts = []
-    for key, goal in (("ray", 2.0), ("zmq", 0.9), ("dynamo", None), ("omnistage-base", None)):
+    parts, goals = [], []
+    for key in ("ray", "zmq", "dynamo", "omnistage-base"):
         other = results.get(key)
         if omni is None or other is None:
             continue
-        label = other.name
-        if omni.note or other.note or not other.rps:
-            parts.append(f"omnistage/{label} = n/a")
-            continue
-        ratio = omni.rps / other.rps
+        label = f"omnistage/{other.name}"
+        ratio = None if omni.note or other.note or not other.rps else omni.rps / other.rps
         spread = ""
-        if len(omni.rounds) > 1 and len(omni.rounds) == len(other.rounds):
+        if ratio is not None and len(omni.rounds) > 1 and len(omni.rounds) == len(other.rounds):
             each = sorted(o / b for o, b in zip(omni.rounds, other.rounds, strict=True) if b)
             spread = f" [rounds {each[0]:.2f}-{each[-1]:.2f}]"
-        verdict = "" if goal is None else (
-            f" (goal >= {goal:g}x: {'PASS' if ratio >= goal else 'MISS'})")
-        parts.append(f"omnistage/{label} = {ratio:.2f}x{spread}{verdict}")
-    return "summary: " + ("; ".join(parts) or "nothing to compare")
+        if key in GOALS:
+            goal = Goal(label, ratio, GOALS[key])
+            goals.append(goal)
+            parts.append(f"{goal}{spread}")
+        else:
+            parts.append(f"{label}={'n/a' if ratio is None else f'{ratio:.2f}x'}{spread}")
+    return "summary: " + ("; ".join(parts) or "nothing to compare"), goals
 
 
 def main() -> int:
@@ -520,6 +530,7 @@ def main() -> int:
                         help="alternating rounds the duration is split into")
     parser.add_argument("--systems", default="omnistage,zmq,ray,dynamo",
                         help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    add_check_flag(parser)
     args = parser.parse_args()
     if args.baseline_tree:
         tree = Path(args.baseline_tree).resolve()
