@@ -742,7 +742,9 @@ class Bench:
         def doc(i: int) -> Obj:
             return {
                 "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"raw-{i:05d}", "labels": {"omnistage.io/bench": "raw"}},
+                "metadata": {"name": f"raw-{i:05d}",
+                             "labels": {"omnistage.io/bench": "raw",
+                                        "omnistage.io/chunk": str(i // 200)}},
                 "spec": {
                     "nodeSelector": dict(SCALE_POOL), "tolerations": [dict(KWOK_TOLERATION)],
                     "containers": [{"name": "stage", "image": "omnistage-raw-baseline",
@@ -772,7 +774,11 @@ class Bench:
         t_ready = time.monotonic()
         log(f"raw baseline: {count} pods Ready after {t_ready - t0:.1f}s "
             f"(created in {t_created - t0:.1f}s); deleting them")
-        self.k.delete(path("Pod", ns), {"gracePeriodSeconds": 0}, labelSelector=selector)
+        # In chunks: one delete-collection of thousands of pods outlasts the client's timeout.
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda c: self.k.delete(
+                path("Pod", ns), {"gracePeriodSeconds": 0},
+                labelSelector=f"{selector},omnistage.io/chunk={c}"), range(count // 200 + 1)))
         while self.k.list(path("Pod", ns), labelSelector=selector, resourceVersion="0"):
             if time.monotonic() > t_ready + self.args.timeout:
                 raise BenchError("raw baseline: its pods were not deleted in time")
