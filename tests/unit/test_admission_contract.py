@@ -32,7 +32,7 @@ from omnistage.admission import (
     SchedulerStats,
     SerialScheduler,
 )
-from tests.unit.test_admission import WAIT, Blocker, until, wait_event
+from tests.unit.test_admission import WAIT, Blocker, ManualExecutor, until, wait_event
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -438,6 +438,39 @@ async def test_a_granted_waiter_keeps_the_permit_while_its_work_runs(
     second.gate.set()
     assert await asyncio.gather(t1, t2, t3) == ["blocked", "blocked", "third"]
     assert sched.running is False and sched.pending == 0
+
+
+async def test_a_waiter_cancelled_as_it_is_handed_the_permit_counts_itself_out_once() -> None:
+    """The handoff race with two callers behind the one that leaves: `pending` drops by exactly
+    one (the holder's completion and the leaver each count themselves out).
+
+    Kills: the handoff path of `_wait_turn` setting `_pending = 1` instead of decrementing it.
+    """
+    executor = ManualExecutor()
+    sched = SerialScheduler(executor=executor)
+    ran: list[str] = []
+    holder = asyncio.create_task(sched.run(ran.append, "holder"))
+    await until(lambda: len(executor.jobs) == 1)
+    leaver, second, third = (asyncio.create_task(sched.run(ran.append, n)) for n in "abc")
+    await until(lambda: sched.queued == 3)
+    assert sched.pending == 4
+    executor.finish(0)  # the permit goes back via the loop, to the first waiter
+    for _ in range(10):  # step the loop until the first waiter is granted
+        if sched.queued != 3:
+            break
+        await asyncio.sleep(0)
+    assert sched.queued == 2 and len(executor.jobs) == 1 and not leaver.done()
+    leaver.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    assert sched.pending == 2
+    await until(lambda: len(executor.jobs) == 2)
+    executor.finish(1)
+    await until(lambda: len(executor.jobs) == 3)
+    executor.finish(2)
+    await asyncio.gather(holder, second, third)
+    assert ran == ["holder", "b", "c"]
+    assert sched.pending == 0 and sched.running is False
 
 
 async def test_wait_idle_ignores_a_queued_caller_leaving_while_work_still_runs(
