@@ -881,9 +881,14 @@ def test_a_fetch_that_failed_in_its_current_run_counts_whatever_its_exit_code() 
 
 
 def test_a_worker_that_exits_model_failed_is_a_load_failure() -> None:
-    """Kills: the worker container name, MODEL_FAILED_EXIT, the 'could not be loaded' text
-    and ModelLoadFailed reason."""
-    pod_ = replica(containers=[worker(terminated(LOAD, "model load failed: OSError: bad"))])
+    """The model was fetched (the init container completed), then the worker exited
+    MODEL_FAILED_EXIT.
+
+    Kills: `continue` -> `break` (the completed fetch would end the search), the worker
+    container name, MODEL_FAILED_EXIT, the 'could not be loaded' text and ModelLoadFailed.
+    """
+    pod_ = replica(init=[fetch(terminated(0))],
+                   containers=[worker(terminated(LOAD, "model load failed: OSError: bad"))])
     assert model_failure(pod_) == (
         "ModelLoadFailed",
         "stage 'llm': the model could not be loaded on p-llm-0: model load failed: OSError: bad")
