@@ -18,7 +18,7 @@ HANG_GUARD = 60.0
 """Seconds: what every wait here allows by default (the thing waited for takes milliseconds)."""
 
 
-def wait(pred: Callable[[], T], what: str, timeout: float = HANG_GUARD,
+def wait(pred: Callable[[], T], what: str = "the condition", timeout: float = HANG_GUARD,
          interval: float = 0.02) -> T:
     """Poll `pred` until it returns a truthy value (returned); fail naming `what`."""
     deadline = time.monotonic() + timeout
@@ -29,7 +29,7 @@ def wait(pred: Callable[[], T], what: str, timeout: float = HANG_GUARD,
     return value
 
 
-async def until(pred: Callable[[], Any], what: str, timeout: float = HANG_GUARD,
+async def until(pred: Callable[[], Any], what: str = "the condition", timeout: float = HANG_GUARD,
                 interval: float = 0.01) -> Any:
     """`wait` for state the running event loop updates (it keeps running meanwhile)."""
     loop = asyncio.get_running_loop()
