@@ -27,7 +27,7 @@ from omnistage.admission import (
 from omnistage.batching import BatchScheduler, run_alone, select_joiners
 from tests.harness.waiting import HANG_GUARD, until
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)  # a hang guard, above the waits' HANG_GUARD
 
 
 @dataclass(eq=False)

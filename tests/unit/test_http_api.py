@@ -45,7 +45,7 @@ from omnistage.spec import OmniPipeline, load_pipeline, parse_pipeline
 from tests.harness.metrics import sample
 from tests.harness.waiting import HANG_GUARD
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)  # a hang guard, above the waits' HANG_GUARD
 
 ROOT = Path(__file__).resolve().parents[2]
 T2I = load_pipeline(ROOT / "examples/text-to-image.yaml")  # chat, images, generic
