@@ -413,7 +413,7 @@ class Bench:
         if self.op is not None and self.op.poll() is not None:
             raise BenchError(f"operator died (rc={self.op.returncode}):\n{self.log_tail()}")
         with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=60
         ) as r:
             text = r.read().decode()
         out: dict[str, float] = {}

@@ -445,9 +445,9 @@ def _dynamo_model(tmp: Path) -> Path:
     weights), with a plain chat template, which Dynamo's chat route requires."""
     import shutil
 
-    from omnistage.models import ModelRef
+    from omnistage.models import resolve
 
-    src, dest = ModelRef("ar", "tiny-llama").resolve(), tmp / "dynamo-model"
+    src, dest = resolve("tiny-llama", "ar"), tmp / "dynamo-model"
     dest.mkdir()
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         shutil.copy(src / name, dest / name)
