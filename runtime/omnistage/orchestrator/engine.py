@@ -194,6 +194,7 @@ class Orchestrator:
             if self.shm is not None:  # stop() will not run: leave no segment behind
                 self.shm.close()
                 self.shm = None
+            self._stopped = None  # not started: a stop() returns at once (it waited forever)
             raise
         # Replicas known at start become routable as their handshakes complete: wait for
         # those (bounded), so the first requests find them.
