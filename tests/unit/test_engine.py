@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import zmq.asyncio
 from prometheus_client import generate_latest
 
 from omnistage import protocol as p
@@ -67,7 +68,7 @@ class Worker:
     incarnation: str = "inc-1"
     version: int = p.PROTOCOL_VERSION
     hello: str = "answer"  # answer | silent | closed
-    pings: str = "answer"  # answer | silent
+    pings: str = "answer"  # answer | silent | refused
     control: Callable[[str], dict[str, Any]] | None = None
 
 
@@ -116,6 +117,7 @@ class FakeLink:
         self.hellos = 1  # the real channel sends one as it opens
         self.closed = False
         self.pinged = 0
+        self.timeouts: list[float | None] = []  # of ping and control calls
         net.links.append(self)
 
     @property
@@ -159,12 +161,16 @@ class FakeLink:
 
     async def control(self, op: str, timeout: float = 30.0) -> dict[str, Any]:
         assert self.worker.control is not None
+        self.timeouts.append(timeout)
         return self.worker.control(op)
 
     async def ping(self, timeout: float = 2.0) -> p.Pong:
         self.pinged += 1
+        self.timeouts.append(timeout)
         if self.worker.pings == "silent":
             raise TimeoutError
+        if self.worker.pings == "refused":
+            raise ConnectionRefusedError("nobody listens")
         return p.Pong(cid="probe", state=state(self.worker))
 
     # ---- the test's side: what the worker answers ---------------------------------------------
@@ -524,13 +530,15 @@ async def test_without_a_negative_prompt_nothing_runs_twice(make: Make) -> None:
 
     Kills: companions planned without a negative prompt, for non-AR stages or for stages not
     feeding diffusion; `"hidden_states" in neg.tensors` dropped; the second input's rename."""
-    rig = await make([ar("enc"), echo("side"), diffusion("img", ("enc", "side")), ar("chat")],
-                     orch={})
+    rig = await make([ar("enc"), echo("side"), diffusion("img", ("enc", "side")),
+                      ar("chat", final=True)])
     h = rig.submit("p")
     assert h._request.companions == set()
     assert len(rig.net.link("enc-0").of(p.Submit)) == 1
     h2 = rig.submit("p", negative_prompt="n")
-    assert h2._request.companions == {"enc"}
+    assert h2._request.companions == {"enc"}  # not chat: it feeds no diffusion stage
+    assert [s.id for s in rig.net.link("chat-0").of(p.Submit)] == [f"{h.id}/0/chat",
+                                                                   f"{h2.id}/0/chat"]
     rig.answer(h2, "enc", text="E", tensors={"hidden_states": tensor(1)})
     rig.answer(h2, "enc", companion=True, text="N", tensors={"x": tensor(2)})
     rig.answer(h2, "side", text="S", tensors={"hidden_states": tensor(3)})
@@ -538,7 +546,7 @@ async def test_without_a_negative_prompt_nothing_runs_twice(make: Make) -> None:
     assert set(tensors) == {"encoder_hidden_states", "side.hidden_states"}
     h3 = rig.submit("c", negative_prompt="n", finals=["chat"])
     assert h3._request.companions == set()
-    [sub] = rig.net.link("chat-0").of(p.Submit)
+    sub = rig.net.link("chat-0").of(p.Submit)[-1]
     assert sub.params == {"prompt": "c", "stream": False}  # no diffusion needs its states
 
 
@@ -546,7 +554,12 @@ async def test_only_final_non_diffusion_stages_stream(make: Make) -> None:
     """Twin: test_abort_goes_to_the_bound_replica_and_returns_prefix. With stream=True only a
     final AR/echo stage is asked to stream: not an inner stage, not a diffusion stage.
 
-    Kills: `req.stream and final and kind != "diffusion"` with any term dropped or inverted."""
+    A non-diffusion stage fed by an AR stage with a companion gets the AR stage's tensors as
+    they are, without the negative ones.
+
+    Kills: `req.stream and final and kind != "diffusion"` with any term dropped or inverted,
+    return_hidden_states asked where no diffusion stage runs, `and diffusion` dropped from the
+    negative tensor's condition."""
     rig = await make([ar("enc"), diffusion("img", ("enc",)), echo("e", ("enc",), final=True)])
     h = rig.submit("x", stream=True)
     [enc] = rig.net.link("enc-0").of(p.Submit)
@@ -559,6 +572,13 @@ async def test_only_final_non_diffusion_stages_stream(make: Make) -> None:
     rig.answer(h2, "enc", text="E")
     assert rig.net.link("e-0").of(p.Submit)[-1].params["stream"] is False
     assert "return_hidden_states" not in rig.net.link("enc-0").of(p.Submit)[-1].params
+    h3 = rig.submit("x", negative_prompt="n")  # only the diffusion stage gets the negative
+    states = tensor(1)
+    rig.answer(h3, "enc", text="E", tensors={"hidden_states": states})
+    rig.answer(h3, "enc", companion=True, text="N", tensors={"hidden_states": tensor(2)})
+    assert rig.net.link("e-0").sent[-1][1] == {"hidden_states": states}
+    assert set(rig.net.link("img-0").sent[-1][1]) == {"encoder_hidden_states",
+                                                      "negative_encoder_hidden_states"}
 
 
 async def test_a_session_goes_to_the_replica_it_is_pinned_to(make: Make) -> None:
@@ -987,8 +1007,9 @@ async def test_a_failed_stage_aborts_the_others_and_their_replies_are_late(make:
     with f1's error, an abort goes to f2's replica, and f2's later reply (and its deltas) are
     dropped, counted and their shared-memory blocks given back, never forwarded.
 
-    Kills: `_fail_child` not aborting the other running tasks, late replies forwarded or not
-    counted or not released, a second outcome."""
+    Kills: `_fail_child` not aborting the other running tasks, the abort's send not guarded,
+    the failed child's outputs dropped, late replies forwarded or not counted or not released,
+    a second outcome."""
     rig = await make(MULTI, orch={}, shm=object())
     shm = rig.net.shms[0]  # type: ignore[attr-defined]
     h = rig.submit("x", stream=True)
@@ -999,6 +1020,20 @@ async def test_a_failed_stage_aborts_the_others_and_their_replies_are_late(make:
     assert (out.status, out.error.code, out.error.stage) == ("request_error", "bad_request", "f1")
     assert rig.net.link("f2-0").of(p.Abort) == [p.Abort(id=f2.wire_id, incarnation="inc-1")]
     rig.clean()
+    # The outputs gathered before the failure stay on the failed child; an abort that cannot
+    # be sent (closed channel) does not stop the failure.
+    h2 = rig.submit("y")
+    rig.answer(h2, "src", text="S")
+    rig.answer(h2, "f1", text="kept")
+    rig.answer(h2, "f2", p.Deadline, message="late")
+    child = outcome(h2).children[0]
+    assert child.status == "request_error" and set(child.outputs) == {"f1"}
+    h3 = rig.submit("z")
+    rig.answer(h3, "src", text="S")
+    rig.net.link("f2-0").closed = True  # f2 runs; the abort for it will raise
+    rig.answer(h3, "f1", p.Error, code="internal", message="boom")
+    assert outcome(h3).error.code == "stage_failed"
+    rig.net.link("f2-0").closed = False
     link = rig.net.link("f2-0")
     link.reply(p.Delta(id=f2.wire_id, seq=1, text="late"))
     late = link.reply(p.Aborted(id=f2.wire_id, text="x"), {"t": tensor(1)})
@@ -1263,8 +1298,8 @@ async def test_a_pong_from_a_new_incarnation_fails_the_old_work_and_says_hello(
     assert events(h) == [] and link.hellos == 1
     link.reply(p.Pong(cid="hb-2", state=state(w, "inc-2")))
     out = outcome(h)
-    assert out.error.code == "replica_lost"
-    assert "restarted: incarnation inc-1 -> inc-2" in out.error.message
+    assert out.error.message == ("replica a-0 of stage a was lost: restarted: incarnation "
+                                 "inc-1 -> inc-2")
     assert link.hellos == 2 and rig.replica("a-0").incarnation is None
     link.reply(p.Pong(cid="hb-3", state=state(w, "inc-3")))  # no incarnation yet: wait
     assert link.hellos == 2 and rig.orch.counters["replica_restarts"] == 1
@@ -1288,7 +1323,8 @@ async def test_a_stale_incarnation_refusal_fails_that_request_and_restarts_once(
     out = outcome(h1)
     assert (out.status, out.error.code, out.error.stage) == ("fatal", "replica_lost", "a")
     assert out.error.message == ("replica a-0 of stage a restarted: the replica restarted")
-    assert outcome(h2).error.code == "replica_lost"
+    assert outcome(h2).error.message == ("replica a-0 of stage a was lost: refused a request "
+                                         "for its previous incarnation")
     assert link.hellos == 2 and rig.orch.counters["replica_restarts"] == 1
     link.reply(link.hello_reply("inc-2"))
     h3 = rig.submit("3")
@@ -1316,7 +1352,8 @@ async def test_a_hello_after_a_reconnect_that_refuses_is_not_routed_to(make: Mak
     rig.orch.pools["a"].sessions["s"] = "a-0"
     h = rig.submit("x", session="s")
     link0.reply(p.Error(code="version_mismatch", message="speaks 9"))
-    assert outcome(h).error.code == "replica_lost"
+    assert outcome(h).error.message == ("replica a-0 of stage a was lost: restarted with "
+                                        "another protocol version")
     assert a0.refused == ("replica a-0 refused the handshake after a restart: "
                           "version_mismatch: speaks 9")
     assert not a0.routable and rig.orch.counters["replica_restarts"] == 1
@@ -1348,7 +1385,8 @@ async def test_a_new_incarnation_in_a_hello_fails_the_old_work(make: Make) -> No
     link = rig.net.link("a-0")
     link.reply(link.hello_reply("inc-2"))
     out = outcome(h)
-    assert out.error.code == "replica_lost" and "inc-1 -> inc-2" in out.error.message
+    assert out.error.message == ("replica a-0 of stage a was lost: restarted: incarnation "
+                                 "inc-1 -> inc-2")
     assert rig.replica("a-0").incarnation == "inc-2"
     assert rig.orch.counters["replica_restarts"] == 1
 
@@ -1359,8 +1397,10 @@ async def test_a_replica_of_another_protocol_version_is_never_routed_to(make: Ma
     skipped by the heartbeat.
 
     Kills: VersionMismatch not recorded, a refused replica routed to or declared lost."""
-    rig = await make(ONE, {"a": 1}, workers=[Worker("old", "a", version=p.PROTOCOL_VERSION - 1)],
+    rig = await make(ONE, {"a": 0}, workers=[Worker("old", "a", version=p.PROTOCOL_VERSION - 1),
+                                             Worker("a-0", "a")],
                      heartbeat_interval=0, heartbeat_timeout=5)
+    assert list(rig.orch.pools["a"].replicas) == ["old", "a-0"]  # the refused one first
     old = rig.replica("old")
     assert old.refused == f"replica old speaks protocol version {p.PROTOCOL_VERSION - 1}"
     assert old.incarnation is None and not old.routable
@@ -1394,13 +1434,24 @@ async def test_start_waits_for_the_handshakes_so_the_first_request_finds_them(
     """Twin: test_replicas_are_routed_only_after_a_handshake_of_our_version. After start() the
     replicas that answered are routable, with their incarnation and last_seen set.
 
-    Kills: start() not waiting for pending handshakes, the incarnation not recorded."""
+    Each channel shares the orchestrator's ZMQ context; without a shared-memory config there
+    is no segment manager.
+
+    Kills: start() not waiting for pending handshakes, the incarnation not recorded, no
+    context made or another one passed, a segment manager started without a config."""
     rig = await make(TWO)
     for name in ("a-0", "b-0"):
         r = rig.replica(name)
         assert r.incarnation == "inc-1" and r.routable and r.last_seen == rig.clock.now
         assert r.handshake.done()
+        assert rig.net.link(name).shm is None
     assert rig.orch.ready and rig.orch.readiness() == (True, "ready")
+    zctx = rig.orch._zctx
+    assert isinstance(zctx, zmq.asyncio.Context)
+    assert all(ln.zctx is zctx for ln in rig.net.links)
+    assert rig.orch.shm is None and rig.net.shms == []  # type: ignore[attr-defined]
+    await rig.orch.stop()
+    assert zctx.closed
 
 
 async def test_a_silent_handshake_puts_the_replica_on_probation_until_it_answers(
@@ -1419,8 +1470,14 @@ async def test_a_silent_handshake_puts_the_replica_on_probation_until_it_answers
     assert rig.orch.counters["replicas_lost"] == 1
     await until(lambda: rig.net.has("probe-s"), "a probe channel opened")
     probe = rig.net.link("probe-s")
+    assert probe.zctx is rig.orch._zctx and probe.endpoint == endpoint(rig, "s")
     await until(lambda: probe.pinged >= 2, "the probe retried a silent ping")
     w = rig.net.workers[endpoint(rig, "s")]
+    w.pings = "refused"  # the address refuses: still a suspect, still probed
+    n = probe.pinged
+    await until(lambda: probe.pinged >= n + 2, "the probe retried a refused ping")
+    assert "s" in rig.orch.suspects and not probe.closed
+    assert set(probe.timeouts) == {0.01}  # each ping waits the heartbeat timeout
     w.hello, w.pings = "answer", "answer"
     await until(lambda: "s" in rig.orch.pools["a"].replicas, "s re-admitted")
     assert rig.orch.suspects == {}
@@ -1434,9 +1491,12 @@ async def test_missed_heartbeats_lose_the_replica_and_fail_its_work(make: Make) 
     replica silent for exactly the timeout is kept, longer is lost (on probation), its bound
     work fails with replica_lost, and it is re-admitted when a probe ping is answered.
 
-    Kills: `>` -> `>=` on the heartbeat timeout, pings not sent, the loss not failing the
-    bound work, probation not set."""
-    rig = await make(ONE, {"a": 2}, heartbeat_interval=0, heartbeat_timeout=3.0)
+    Kills: `>` -> `>=` on the heartbeat timeout, pings not sent, a ping that cannot be sent
+    ending the heartbeat, the loss not failing the bound work, probation not set."""
+    rig = await make(ONE, {"a": 0}, workers=[Worker("c", "a"), Worker("a-0", "a"),
+                                             Worker("a-1", "a")],
+                     heartbeat_interval=0, heartbeat_timeout=3.0)
+    rig.net.link("c").closed = True  # its pings raise: the others are pinged all the same
     link0 = rig.net.link("a-0")
     await until(lambda: len(link0.of(p.Ping)) >= 3, "pings sent")
     assert all(ping.cid.startswith("hb-") for ping in link0.of(p.Ping))
@@ -1446,7 +1506,9 @@ async def test_missed_heartbeats_lose_the_replica_and_fail_its_work(make: Make) 
     n = len(link0.of(p.Ping))
     await until(lambda: len(link0.of(p.Ping)) >= n + 3, "more pings, nothing lost")
     assert rig.orch.counters["replicas_lost"] == 0
-    rig.net.link("a-1").reply(p.Pong(cid="x", state=state(rig.net.workers[endpoint(rig, "a-1")])))
+    for name in ("a-1", "c"):  # these two answered: their last_seen moves with the clock
+        rig.net.link(name).reply(p.Pong(cid="x", state=state(rig.net.workers[endpoint(
+            rig, name)])))
     w0 = rig.net.workers[endpoint(rig, "a-0")]
     w0.pings = "silent"
     rig.clock.advance(0.5)
@@ -1511,9 +1573,14 @@ async def test_membership_changes_route_and_unroute_replicas(make: Make) -> None
     await until(lambda: rig.replica("a-0").incarnation == "inc-9", "new instance handshaken")
     rig.membership.publish(ReplicaInfo("zz", "z-0", "tcp://127.0.0.1:1"))
     assert "zz" not in rig.orch.pools and all(ln.name != "z-0" for ln in rig.net.links)
+    rig.orch.pools["a"].sessions["s1"] = "a-1"
+    on_a1 = rig.submit("z", session="s1")
+    assert rig.task(on_a1, "a").replica.name == "a-1"
     rig.membership.publish(ReplicaInfo("a", "a-1", e1, "gone"))
     assert "a-1" not in rig.orch.pools["a"].replicas
     assert rig.orch.counters["replicas_lost"] == 2
+    assert outcome(on_a1).error.message == ("replica a-1 of stage a was lost: replica left the "
+                                            "membership")
     await until(lambda: rig.net.link("a-1").closed, "a-1 channel closed")
     rig.membership.publish(ReplicaInfo("a", "a-1", e1, "gone"))  # gone twice: nothing
     assert rig.orch.counters["replicas_lost"] == 2
@@ -1571,15 +1638,21 @@ async def test_stop_lets_requests_in_flight_finish_then_closes_everything(make: 
         await membership_stop()
 
     rig.membership.stop = record_stop  # type: ignore[method-assign]
-    h = rig.submit("x")
+    await until(lambda: "s" in rig.orch.suspects, "s on probation")
+    h, h2 = rig.submit("x"), rig.submit("y")
+    hb = rig.orch._heartbeat
     stopping = asyncio.ensure_future(rig.orch.stop(drain_timeout=3600))
     await until(lambda: not rig.orch.accepting, "stop began")
     assert outcome(rig.submit("late")).error.code == "shutting_down"
-    assert not stopping.done()
     rig.answer(h, "a", text="done")
     assert outcome(h).status == "ok"
+    for _ in range(10):  # one request is still in flight: the drain goes on
+        await asyncio.sleep(0)
+    assert not stopping.done() and events(h2) == []
+    rig.answer(h2, "a", text="done")
+    assert outcome(h2).status == "ok"
     await asyncio.wait_for(stopping, 30)
-    assert rig.orch._heartbeat is None and stopped == [True]
+    assert rig.orch._heartbeat is None and hb.done() and stopped == [True]
     assert all(not pool.replicas for pool in rig.orch.pools.values())
     assert rig.orch.suspects == {} and not rig.orch._background
     assert all(ln.closed for ln in rig.net.links)
@@ -1661,10 +1734,13 @@ async def test_control_fans_out_and_raises_the_workers_exception(make: Make) -> 
     assert calls == []
     got = await rig.orch.control("pause", ["a"])
     assert got == {"a-0": {"who": "a-0"}, "a-1": {"who": "a-1"}}
+    assert rig.net.link("a-0").timeouts == [60.0]  # the default bound on a control RPC
+    await rig.orch.control("pause", ["b"], timeout=5.0)
+    assert rig.net.link("b-0").timeouts == [5.0]
     got = await rig.orch.control("resume")
     assert set(got) == {"a-0", "a-1", "b-0"}
-    assert sorted(calls) == sorted([("a-0", "pause"), ("a-1", "pause"), ("a-0", "resume"),
-                                    ("a-1", "resume"), ("b-0", "resume")])
+    assert sorted(calls) == sorted([("a-0", "pause"), ("a-1", "pause"), ("b-0", "pause"),
+                                    ("a-0", "resume"), ("a-1", "resume"), ("b-0", "resume")])
 
     def asleep(op: str) -> dict[str, Any]:
         raise ControlError("b-0", op, "ControlConflict", "asleep")
@@ -1745,3 +1821,154 @@ async def test_default_heartbeat_settings(make: Make) -> None:
     orch = Orchestrator(pipeline(ONE), StaticMembership())
     assert (orch.heartbeat_interval, orch.heartbeat_timeout) == (1.0, 3.0)
     assert list(orch.notes()) == [] and orch.final_stages == ("a",)
+
+
+async def test_a_second_stop_during_the_drain_waits_for_the_first(make: Make) -> None:
+    """Twin: none with processes (main.py stops once; a second stop comes from a caller's error
+    path). A stop() called while another drains waits for that one; it must not start a drain
+    of its own, which replaced the idle event the first waits on (the first then waited its
+    whole drain timeout after the last request had ended).
+
+    Kills: the idempotency check of stop() letting a concurrent call through."""
+    rig = await make(ONE)
+    h = rig.submit("x")
+    first = asyncio.ensure_future(rig.orch.stop(drain_timeout=3600))
+    await until(lambda: not rig.orch.accepting, "stop began")
+    second = asyncio.ensure_future(rig.orch.stop(drain_timeout=3600))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not first.done() and not second.done()
+    rig.answer(h, "a", text="done")
+    assert outcome(h).status == "ok"
+    await asyncio.wait_for(asyncio.gather(first, second), 20)
+    assert rig.orch._stopped.is_set()
+
+
+async def test_a_stage_whose_replicas_went_meanwhile_is_no_replica(make: Make) -> None:
+    """Twin: test_dead_downstream_stage. Stage b was routable at admission but its replica left
+    before a finished: b cannot start, and the request fails with no_replica (not draining:
+    nothing refused it) naming b.
+
+    Kills: `"draining" if task.tried else "no_replica"` inverted."""
+    rig = await make(TWO)
+    h = rig.submit("x")
+    rig.membership.publish(ReplicaInfo("b", "b-0", endpoint(rig, "b-0"), "gone"))
+    rig.answer(h, "a", text="A")
+    out = outcome(h)
+    assert (out.status, out.error.code, out.error.stage) == ("fatal", "no_replica", "b")
+    assert out.error.message == "stage 'b' has no live replica"
+    rig.clean()
+
+
+async def test_in_flight_and_served_count_every_task_on_a_replica(make: Make) -> None:
+    """Twin: test_requests_spread_across_replicas_and_sessions_pin (least in-flight). Each task
+    sent adds one to its replica's in-flight and served counts; each that ends takes one off
+    in-flight only.
+
+    Kills: `+= 1` -> `= 1` or `-= 1`, the in-flight decrement off by one."""
+    rig = await make(ONE)
+    a0 = rig.replica("a-0")
+    hs = [rig.submit(str(i)) for i in range(3)]
+    assert (a0.inflight, a0.served, len(a0.bound)) == (3, 3, 3)
+    rig.answer(hs[0], "a")
+    assert (a0.inflight, a0.served, len(a0.bound)) == (2, 3, 2)
+    rig.answer(hs[1], "a", p.Error, code="internal", message="x")
+    assert a0.inflight == 1
+    rig.answer(hs[2], "a")
+    rig.clean()
+    assert a0.served == 3
+
+
+async def test_an_aborted_reply_nobody_asked_for_stops_the_walk(make: Make) -> None:
+    """Twin: test_several_final_stages_only_last_abort_is_terminal. A worker that answers
+    `aborted` by itself (no abort from the client) ends that sample as abort: a stage still
+    running may finish, but nothing after it starts.
+
+    Kills: the Aborted case not marking the abort as requested (b's successor would start)."""
+    rig = await make([echo("a", final=True), echo("b"), echo("c", ("b",), final=True)])
+    h = rig.submit("x")
+    rig.answer(h, "a", p.Aborted, text="pre", finish_reason="abort")
+    assert events(h) == []
+    rig.answer(h, "b", text="B")
+    assert rig.net.link("c-0").sent == []
+    out = outcome(h)
+    assert out.status == "abort" and set(out.children[0].outputs) == {"a"}
+    rig.clean()
+
+
+async def test_losing_a_replica_with_both_halves_of_a_companion_fails_the_sample_once(
+        make: Make) -> None:
+    """Twin: test_kill_9_one_replica_fails_only_its_bound_requests. The prompt and its negative
+    companion both run on the AR replica that is lost: the sample fails once, and the other
+    sample's work elsewhere is untouched; nothing stays bound.
+
+    Kills: `_fail_bound` failing a child twice or stopping at the first terminal child, the
+    detach of an already detached task raising."""
+    rig = await make(T2I, {"enc": 2, "img": 1})
+    rig.orch.pools["enc"].sessions["s"] = "enc-0"
+    hs = [rig.submit(str(i), negative_prompt="n", session="s") for i in range(8)]
+    rig.orch.pools["enc"].sessions["t"] = "enc-1"
+    other = rig.submit("o", negative_prompt="n", session="t")
+    assert len(rig.replica("enc-0").bound) == 16
+    rig.net.link("enc-0").on_disconnect()
+    for h in hs:
+        out = outcome(h)
+        assert out.error.code == "replica_lost" and len(out.children) == 1
+    assert events(other) == [] and len(rig.replica("enc-1").bound) == 2
+    assert rig.replica("enc-0").bound == set() and rig.replica("enc-0").inflight == 0
+    assert set(rig.orch.tasks) == {f"{other.id}/0/enc", f"{other.id}/0/enc/neg"}
+
+
+async def test_the_log_says_what_happened_to_each_replica(
+        make: Make, caplog: pytest.LogCaptureFixture) -> None:
+    """Twin: test_replicas_are_routed_only_after_a_handshake_of_our_version and
+    test_a_restart_at_the_same_address_fails_the_old_work_at_once (their log assertions). The
+    lines an operator reads, exactly: joins, handshakes, refusals, state changes, restarts,
+    losses, re-admissions, unknown stages, shutdown.
+
+    Kills: each log line's text or arguments changed, the state-change line's condition."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="omnistage.orchestrator")
+    rig = await make(ONE, {"a": 1}, workers=[
+        Worker("old", "a", version=p.PROTOCOL_VERSION + 1),
+        Worker("s", "a", hello="silent", pings="silent")],
+        heartbeat_interval=0, heartbeat_timeout=0.01)
+    await until(lambda: "s" in rig.orch.suspects, "s on probation")
+    e0, es = endpoint(rig, "a-0"), endpoint(rig, "s")
+    link = rig.net.link("a-0")
+    h = rig.submit("x")
+    rig.membership.publish(ReplicaInfo("a", "a-0", e0, "ready"))  # no change: no line
+    rig.membership.publish(ReplicaInfo("a", "a-0", e0, "draining"))
+    rig.membership.publish(ReplicaInfo("zz", "z-0", "tcp://127.0.0.1:1"))
+    link.on_disconnect()
+    link.reply(p.Error(code="version_mismatch", message="no"))
+    link.reply(link.hello_reply("inc-2"))
+    rig.net.workers[es].pings = rig.net.workers[es].hello = "answer"
+    await until(lambda: "s" in rig.orch.pools["a"].replicas, "s re-admitted")
+    await until(lambda: rig.replica("s").routable, "s handshaken")
+    rig.membership.publish(ReplicaInfo("a", "a-0", e0, "gone"))
+    assert outcome(h).error.code == "replica_lost"
+    await rig.orch.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "omnistage.orchestrator"]
+    v = p.PROTOCOL_VERSION
+    assert lines == [
+        f"replica a-0 of stage a joined at {e0} (ready); handshake sent",
+        f"replica old of stage a joined at {endpoint(rig, 'old')} (ready); handshake sent",
+        f"replica s of stage a joined at {es} (ready); handshake sent",
+        "replica a-0: handshake done (protocol 3, incarnation inc-1)",
+        f"not routing to replica old: replica old speaks protocol version {v + 1}",
+        "replica s lost (no hello reply within 0.0s): failing 0 bound tasks",
+        "replica a-0: ready -> draining",
+        "ignoring replica z-0 of unknown stage 'zz'",
+        "replica a-0: connection closed: incarnation inc-1 is gone; failing 1 bound tasks",
+        "not routing to replica a-0: replica a-0 refused the handshake after a restart: "
+        "version_mismatch: no",
+        "replica a-0: handshake done (incarnation inc-2); routable again",
+        "replica s answers again: re-admitted",
+        f"replica s of stage a joined at {es} (ready); handshake sent",
+        "replica s: handshake done (protocol 3, incarnation inc-1)",
+        "replica a-0 lost (replica left the membership): failing 0 bound tasks",
+        "orchestrator stopping: 0 requests in flight",
+    ], lines
+    assert v == 3

@@ -209,7 +209,7 @@ class Orchestrator:
         """Stop admitting, let in-flight requests finish, then close. Idempotent."""
         if self._stopped is None:
             return
-        if not self.accepting and self._heartbeat is None:
+        if not self.accepting:  # another stop() began: wait for it, never drain twice
             await self._stopped.wait()
             return
         self.accepting = False
