@@ -1217,6 +1217,7 @@ async def test_an_unencodable_request_is_a_bad_request(make: Make, params: Any) 
     Kills: each exception type dropped from the encode-error tuple, the task bound before the
     send succeeded."""
     rig = await make(ONE)
+    params = dict(params)  # the parametrize dict is shared by every run of this test
     prompt = params.pop("prompt", "x")
     h = rig.submit(prompt, params={"a": params})
     out = outcome(h)
