@@ -78,6 +78,7 @@ class Worker:
     hello: str = "answer"  # answer | silent | closed
     pings: str = "answer"  # answer | silent | refused
     control: Callable[[str], dict[str, Any]] | None = None
+    on_ping: Callable[[], None] | None = None  # runs while a ping waits for its pong
 
 
 class FakeShm:
@@ -103,6 +104,8 @@ class Net:
         self.links: list[FakeLink] = []
         self.send_error: BaseException | None = None  # raised by the next submit sent
         self.borrower: str | None = None
+        self.waiting = 0  # control calls held by slow_control
+        self.slow_control: asyncio.Event | None = None  # when set, a-* answer control after it
 
     def has(self, name: str) -> bool:
         return any(ln.name == name for ln in self.links)
@@ -170,6 +173,10 @@ class FakeLink:
     async def control(self, op: str, timeout: float = 30.0) -> dict[str, Any]:
         assert self.worker.control is not None
         self.timeouts.append(timeout)
+        slow = self.net.slow_control
+        if slow is not None and self.name.startswith("a-"):
+            self.net.waiting += 1
+            await slow.wait()
         return self.worker.control(op)
 
     async def ping(self, timeout: float = 2.0) -> p.Pong:
@@ -179,6 +186,8 @@ class FakeLink:
             raise TimeoutError
         if self.worker.pings == "refused":
             raise ConnectionRefusedError("nobody listens")
+        if self.worker.on_ping is not None:
+            self.worker.on_ping()
         return p.Pong(cid="probe", state=state(self.worker))
 
     # ---- the test's side: what the worker answers ---------------------------------------------
@@ -292,7 +301,9 @@ def outcome(handle: RequestHandle) -> Outcome:
 
 async def until(pred: Callable[[], Any], what: str) -> None:
     """Wait for engine state, turn by turn of the loop (never a clock): polled, because the
-    state lives in the engine, which signals nothing a test could await."""
+    state lives in the engine, which signals nothing a test could await. Not
+    tests/harness/waiting.until (10 ms polls, a 60 s guard): here everything is in-process, a
+    loop turn is enough, and a broken engine (a mutant) fails in a second, not a minute."""
     for _ in range(TURNS):
         if pred():
             return
@@ -517,7 +528,8 @@ async def test_ar_to_diffusion_with_a_negative_prompt_companion(make: Make) -> N
     assert rig.net.link("img-0").sent == []
     neg_task = rig.task(h, "enc", companion=True)
     rig.net.link("enc-0").reply(p.Delta(id=neg_task.wire_id, seq=1, text="n"))
-    assert events(h) == [] and rig.orch.counters["late_messages"] == 1
+    rig.net.link("enc-0").reply(p.Delta(id=neg_task.wire_id, seq=2, text="m"))
+    assert events(h) == [] and rig.orch.counters["late_messages"] == 2
     rig.answer(h, "enc", companion=True, text="N", tensors={"hidden_states": neg})
     [(sub, tensors)] = rig.net.link("img-0").sent
     assert sub.params == {"stream": False}
@@ -623,7 +635,9 @@ async def test_bad_requests_are_refused_at_once_with_the_field_named(make: Make)
                                                                  400), why
         assert out.error.message == "n must be an integer in [1, 64]", why
         assert out.children == []
-    out = outcome(rig.submit("x", finals=["b", "nope"]))
+    refused = rig.submit("x", finals=["b", "nope"], request_id="r-9")
+    out = outcome(refused)
+    assert out.request_id == "r-9" == refused.id
     assert out.error.message == "finals: unknown stage(s) ['nope']"
     assert out.error.code == "bad_request"
     out = outcome(rig.submit("x", params={"*": {}, "a": {}, "zz": {}}))
@@ -814,6 +828,7 @@ async def test_abort_goes_to_the_bound_replica_and_the_prefix_is_the_outcome(mak
     assert (out.status, out.error, out.http_status) == ("abort", None, 200)
     [child] = out.children
     assert child.status == "abort"
+    assert child.outputs["llm"].replica == bound
     assert child.outputs["llm"].fields == {"text": "he", "token_ids": [5, 6],
                                            "finish_reason": "abort"}
     rig.clean()
@@ -946,6 +961,9 @@ async def test_aborting_one_sample_drops_the_parent_only_when_none_remain(make: 
     assert events(h) == [] and h.id in rig.orch.requests
     h.abort(child=0)
     h.abort(child=2)
+    aborts = sorted(a.id for n in ("a-0", "a-1") for a in rig.net.link(n).of(p.Abort))
+    assert aborts == [f"{h.id}/{i}/a" for i in range(3)]  # 0 and 2 are in range
+    assert rig.orch.counters["late_aborts"] == 0
     rig.answer(h, "a", p.Aborted, child=0)
     assert events(h) == []
     rig.answer(h, "a", p.Aborted, child=2)
@@ -1181,6 +1199,7 @@ async def test_the_request_error_is_the_first_samples_when_all_failed(make: Make
     out = outcome(h)
     assert (out.status, out.error.code) == ("request_error", "overloaded")
     assert [c.error.code for c in out.children] == ["overloaded", "deadline"]
+    assert [c.index for c in out.children] == [0, 1]
     h = rig.submit("x", n=2)
     rig.answer(h, "a", p.Error, child=0, code="internal", message="boom")
     rig.answer(h, "a", p.Error, child=1, code="bad_request", message="bad")
@@ -1729,7 +1748,8 @@ async def test_control_fans_out_and_raises_the_workers_exception(make: Make) -> 
     default) and the answers come back by replica; a worker's exception is raised.
 
     Kills: the op or stage checks removed, the fan-out missing replicas or stages, a worker
-    exception swallowed, results keyed wrongly."""
+    exception swallowed or raised before the other replicas answered (return_exceptions),
+    results keyed wrongly."""
     rig = await make(TWO, {"a": 2, "b": 1})
     calls: list[tuple[str, str]] = []
     for w in rig.net.workers.values():
@@ -1755,8 +1775,17 @@ async def test_control_fans_out_and_raises_the_workers_exception(make: Make) -> 
         raise ControlError("b-0", op, "ControlConflict", "asleep")
 
     rig.net.workers[endpoint(rig, "b-0")].control = asleep
+    slow = asyncio.Event()
+    rig.net.slow_control = slow
+    call = asyncio.ensure_future(rig.orch.control("resume"))
+    await until(lambda: rig.net.waiting == 2, "a-0 and a-1 hold their answers")
+    for _ in range(10):  # a-0 and a-1 have not answered: the error waits for them
+        await asyncio.sleep(0)
+    assert not call.done()
+    slow.set()
     with pytest.raises(ControlError, match="asleep"):
-        await rig.orch.control("resume")
+        await asyncio.wait_for(call, HANG)
+    rig.net.slow_control = None
     rig.replica("a-1").alive = False
     assert set(await rig.orch.control("pause", ["a"])) == {"a-0"}
 
@@ -1983,3 +2012,25 @@ async def test_the_log_says_what_happened_to_each_replica(
         "orchestrator stopping: 0 requests in flight",
     ], lines
     assert v == 3
+
+
+async def test_a_replica_gone_while_its_probe_pings_is_not_readmitted(make: Make) -> None:
+    """Twin: test_stalled_replica_is_dropped_then_readmitted. Membership says `gone` while the
+    probe's ping is on the wire: the pong that follows re-admits nothing, and the probe ends
+    cleanly (its channel closed, no exception).
+
+    Kills: the probe's `suspects.pop(name, None)` without its default (a KeyError in the probe
+    once the suspect went meanwhile), re-admitting a replica that left."""
+    rig = await make(ONE, {"a": 1}, workers=[Worker("s", "a", hello="silent", pings="silent")],
+                     heartbeat_interval=0, heartbeat_timeout=0.01)
+    await until(lambda: "s" in rig.orch.suspects and rig.net.has("probe-s"), "s probed")
+    probe = rig.net.link("probe-s")
+    tasks = set(rig.orch._background)
+    w = rig.net.workers[endpoint(rig, "s")]
+    w.on_ping = lambda: rig.membership.publish(ReplicaInfo("a", "s", probe.endpoint, "gone"))
+    w.pings = "answer"
+    await until(lambda: probe.closed, "the probe ended")
+    await until(lambda: all(t.done() for t in tasks), "the probe task finished")
+    assert [t.exception() for t in tasks if not t.cancelled()] == [None] * len(
+        [t for t in tasks if not t.cancelled()])
+    assert "s" not in rig.orch.pools["a"].replicas and rig.orch.suspects == {}
