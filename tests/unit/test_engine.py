@@ -75,7 +75,7 @@ class Worker:
     stage: str
     incarnation: str = "inc-1"
     version: int = p.PROTOCOL_VERSION
-    hello: str = "answer"  # answer | silent | closed
+    hello: str = "answer"  # answer | silent | closed | hang (past any timeout it is given)
     pings: str = "answer"  # answer | silent | refused
     control: Callable[[str], dict[str, Any]] | None = None
     on_ping: Callable[[], None] | None = None  # runs while a ping waits for its pong
@@ -143,6 +143,8 @@ class FakeLink:
         w = self.worker
         if w.hello == "silent":
             await asyncio.wait_for(asyncio.Event().wait(), timeout)
+        if w.hello == "hang":
+            await asyncio.Event().wait()
         if w.hello == "closed":
             raise ChannelClosed(f"channel to {self.name} closed")
         if w.version != p.PROTOCOL_VERSION:
@@ -642,6 +644,7 @@ async def test_bad_requests_are_refused_at_once_with_the_field_named(make: Make)
     assert out.error.code == "bad_request"
     out = outcome(rig.submit("x", params={"*": {}, "a": {}, "zz": {}}))
     assert out.error.message == "params: unknown stage(s) ['zz']"
+    assert (out.status, out.error.code) == ("request_error", "bad_request")
     assert rig.orch.outcomes == {"request_error": 7}
     assert rig.net.link("a-0").sent == [] and rig.orch.requests == {}
     h = rig.submit("x", n=MAX_N, params={"*": {"seed": 1}})
@@ -2034,3 +2037,34 @@ async def test_a_replica_gone_while_its_probe_pings_is_not_readmitted(make: Make
     assert [t.exception() for t in tasks if not t.cancelled()] == [None] * len(
         [t for t in tasks if not t.cancelled()])
     assert "s" not in rig.orch.pools["a"].replicas and rig.orch.suspects == {}
+
+
+async def test_one_heartbeat_round_loses_every_silent_replica(make: Make) -> None:
+    """Twin: test_stalled_replica_is_dropped_then_readmitted. Two replicas silent past the
+    timeout are both lost in the same round of the heartbeat, not one per round.
+
+    Kills: `continue` -> `break` after a loss in the heartbeat loop."""
+    rig = await make(ONE, {"a": 2}, heartbeat_interval=0, heartbeat_timeout=3.0)
+    for name in ("a-0", "a-1"):
+        rig.net.workers[endpoint(rig, name)].pings = "silent"
+    rig.clock.advance(5)
+    await until(lambda: rig.orch.suspects, "a replica lost")
+    assert set(rig.orch.suspects) == {"a-0", "a-1"}  # checked in the same turn as the first
+    assert rig.orch.pools["a"].replicas == {}
+
+
+async def test_start_waits_for_handshakes_only_up_to_the_heartbeat_timeout(make: Make) -> None:
+    """Twin: test_replicas_are_routed_only_after_a_handshake_of_our_version. A handshake that
+    never ends (whatever its own timeout) does not hold start() past the heartbeat timeout;
+    the replica is not routed to; stop() cancels that handshake and waits until it is gone.
+
+    Kills: start()'s wait without its bound, stop() not waiting for the cancelled background
+    tasks."""
+    rig = await make(ONE, {"a": 1}, workers=[Worker("h", "a", hello="hang")], start=False,
+                     heartbeat_timeout=0.01)
+    await asyncio.wait_for(rig.orch.start(), HANG)
+    assert rig.orch.accepting and not rig.replica("h").routable
+    handshake = rig.replica("h").handshake
+    assert not handshake.done() and handshake in rig.orch._background
+    await asyncio.wait_for(rig.orch.stop(), HANG)
+    assert handshake.cancelled() and not rig.orch._background
