@@ -1835,6 +1835,7 @@ async def test_metrics_follow_outcomes_counters_and_latency(make: Make) -> None:
     assert rig.orch.counters == {"late_messages": 0, "late_aborts": 0, "replicas_lost": 0,
                                  "replica_restarts": 0, "latency_sum": 0.0}
     assert rig.orch.name == "pl" and rig.orch.heartbeat_timeout == 3.0
+    assert rig.orch.pipeline.metadata.name == "pl" and rig.orch.pools["a"].stage == "a"
     h = rig.submit("x")
     text = generate_latest(rig.orch.registry).decode()
     assert sample(text, "omnistage_orchestrator_inflight_requests", pipeline="pl") == 1
@@ -2066,5 +2067,5 @@ async def test_start_waits_for_handshakes_only_up_to_the_heartbeat_timeout(make:
     assert rig.orch.accepting and not rig.replica("h").routable
     handshake = rig.replica("h").handshake
     assert not handshake.done() and handshake in rig.orch._background
-    await asyncio.wait_for(rig.orch.stop(), HANG)
+    await rig.orch.stop()  # awaited in this task: no loop turn between its end and the check
     assert handshake.cancelled() and not rig.orch._background
