@@ -24,7 +24,9 @@ declare -A FILE=(
 declare -A TESTS=(
   [admission]="tests/unit/test_admission.py tests/unit/test_admission_contract.py tests/unit/test_params.py"
   [spec]="tests/unit/test_spec.py tests/unit/test_validate.py"
-  [engine]="tests/integration/test_orchestrator.py"
+  # engine: the fast unit tests (in-process fake replica channels). Their real-process twins,
+  # tests/integration/test_orchestrator.py, take tens of seconds per mutant: not selected.
+  [engine]="tests/unit/test_engine.py tests/unit/test_metrics.py"
   [drain]="tests/unit/test_drain.py"
   [status]="tests/unit/test_status.py"
   [placement]="tests/unit/test_placement.py"

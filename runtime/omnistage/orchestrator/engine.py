@@ -194,6 +194,7 @@ class Orchestrator:
             if self.shm is not None:  # stop() will not run: leave no segment behind
                 self.shm.close()
                 self.shm = None
+            self._stopped = None  # not started: a stop() returns at once (it waited forever)
             raise
         # Replicas known at start become routable as their handshakes complete: wait for
         # those (bounded), so the first requests find them.
@@ -208,7 +209,7 @@ class Orchestrator:
         """Stop admitting, let in-flight requests finish, then close. Idempotent."""
         if self._stopped is None:
             return
-        if not self.accepting and self._heartbeat is None:
+        if not self.accepting:  # another stop() began: wait for it, never drain twice
             await self._stopped.wait()
             return
         self.accepting = False
