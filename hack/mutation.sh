@@ -23,7 +23,7 @@ declare -A FILE=(
 # The tests that exercise each module (mutmut runs only those that reach the mutated function).
 declare -A TESTS=(
   [admission]="tests/unit/test_admission.py tests/unit/test_params.py"
-  [spec]="tests/unit/test_spec.py tests/unit/test_validate.py"
+  [spec]="tests/unit/test_spec.py tests/unit/test_spec_bounds.py tests/unit/test_spec_errors.py tests/unit/test_validate.py"
   [engine]="tests/integration/test_orchestrator.py"
   [drain]="tests/unit/test_drain.py"
   [status]="tests/unit/test_status.py"
