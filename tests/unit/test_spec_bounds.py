@@ -225,6 +225,9 @@ def test_several_field_errors_are_all_reported_with_their_paths() -> None:
 
 
 def test_a_model_stage_asks_for_at_most_one_gpu() -> None:
+    """A replica loads its model onto one device. Kills: a changed bound or message of
+    Stage._one_gpu_per_model (a decorated validator, which mutmut leaves alone), and
+    _path_errors' relative default True -> False (the path would lose spec.stages[0])."""
     for kind in ("ar", "diffusion"):
         doc = manifest(stage("a", kind, finalOutput=True, resources={"gpus": 2}))
         assert errors_of(doc) == [(
@@ -240,6 +243,8 @@ def test_a_model_stage_asks_for_at_most_one_gpu() -> None:
 
 
 def test_engine_defaults() -> None:
+    """What a stage gets when it omits engine. Kills: a changed default in the bounds table
+    (class bodies are not mutated by mutmut; this pins them against hand edits)."""
     assert EngineOptions().model_dump() == {
         "dtype": "auto", "max_tokens": 16, "temperature": 0.0, "return_hidden_states": False,
         "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 0,
@@ -248,6 +253,8 @@ def test_engine_defaults() -> None:
 
 
 def test_other_defaults() -> None:
+    """Kills: a changed default of a resource, admission, placement, toleration, orchestrator,
+    stage or model-cache field (class bodies, not mutated by mutmut)."""
     assert StageResources().model_dump() == {"gpus": 0, "cpu": "1", "memory": "2Gi"}
     assert AdmissionOptions().model_dump() == {
         "max_requests": 64, "max_cost": None, "max_queue": 256, "default_deadline_seconds": 60.0}
@@ -278,6 +285,8 @@ def test_other_defaults() -> None:
 @pytest.mark.parametrize("value", ["500m", "2", "1.5", ".5", "4Gi", "512Mi", "1Ki", "1e3",
                                    "1E-3", "2k", "3M", "1T", "2P", "1E", "7Ei", "100n", "10u"])
 def test_quantities_that_parse(value: str) -> None:
+    """Every suffix form of a Kubernetes quantity. Kills: a narrowed QUANTITY_PATTERN
+    (module constant, not mutated by mutmut)."""
     doc = manifest(stage("a", finalOutput=True, resources={"memory": value, "cpu": value}))
     resources = parse_pipeline(doc).spec.stages[0].resources
     assert (resources.memory, resources.cpu) == (value, value)
@@ -289,6 +298,8 @@ QUANTITY_HELP = "must be a Kubernetes quantity such as '500m', '2', '1.5' or '4G
 
 @pytest.mark.parametrize("value", ["2 gigs", "4gi", "1.5.5", "-1", "", "Gi", "1KB", "1e", "0x10"])
 def test_quantities_that_do_not(value: str) -> None:
+    """Kills: a widened QUANTITY_PATTERN, and in _convert the "string_pattern_mismatch" branch
+    and _PATTERN_HELP lookup (ctx.get("pattern", "") -> get(None, "") / "XXpatternXX")."""
     doc = manifest(stage("a", finalOutput=True, resources={"memory": value}))
     assert errors_of(doc) == [
         ("spec.stages[0].resources.memory", f"{QUANTITY_HELP} (got {value!r})")]
@@ -353,6 +364,8 @@ def test_engine_for_kind_is_exactly_the_options_of_the_kind() -> None:
 
 
 def test_engine_kinds_of_every_field() -> None:
+    """Kills: engine_kinds' `mark is not None` -> `is None`, `mark = None`, next(...) without its
+    None default (StopIteration for an unmarked field), and a changed _ENGINE_KINDS entry."""
     assert {name: engine_kinds(name) for name in EngineOptions.model_fields} == {
         "dtype": ("ar", "diffusion"), "max_tokens": ("ar",), "temperature": ("ar",),
         "return_hidden_states": ("ar",), "height": ("diffusion",), "width": ("diffusion",),
