@@ -211,7 +211,8 @@ def test_python_callers_get_the_readable_message_too() -> None:
 def test_errors_of_a_list_entry_are_named_by_index() -> None:
     """Kills: _reject_duplicates' `item in seen` -> `not in`, `seen.add(item)` -> `add(None)`,
     `errors.append(...)` -> `append(None)`; _join's `rel.startswith("[")` -> "XX[XX" and its two
-    conditional arms; _convert's `_join(base, rel)` -> `_join(None, rel)`."""
+    conditional arms; _convert's `_join(base, rel)` -> `_join(None, rel)`; _path_errors'
+    relative default True -> False (a nested cross-field error would lose its prefix)."""
     doc = manifest(stage("a", finalOutput=True),
                    orchestrator={"api": ["chat", "images", "chat", "images", "generic"]})
     assert errors_of(doc) == [("spec.orchestrator.api[2]", "duplicate entry 'chat'"),
@@ -222,8 +223,8 @@ def test_errors_of_a_list_entry_are_named_by_index() -> None:
 
 
 def test_cross_field_errors_at_the_root_are_not_prefixed() -> None:
-    """Kills: `_join`'s `if not base` -> `if base`, and _path_errors' relative default -> False
-    (every nested cross-field error would lose its prefix)."""
+    """Errors of the root objects' own validators (pod-name length, pool name) carry absolute
+    paths. Kills: `_join`'s `if not base` -> `if base` (they would start with a dot)."""
     doc = chain()
     doc["metadata"]["name"] = "p" * 40
     doc["spec"]["stages"][0]["name"] = "a" * 20
