@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from omnistage import spec as spec_module
 from omnistage.kube import ANNOTATION_SHARED_MEMORY
 from omnistage.modelref import ModelRef
 from omnistage.spec import (
@@ -770,3 +771,41 @@ def test_the_json_schema_has_no_null_branches_and_keeps_real_defaults() -> None:
                                     "description": ModelCache.model_fields["token_secret"]
                                     .description}
     assert cache["readOnly"]["default"] is False
+
+
+def test_nullable_branches_collapse_in_either_order() -> None:
+    """The CRD hook handles a null branch in either position and a schema without properties
+    (pydantic writes [X, null] today; the hook must not depend on that). Kills:
+    _collapse_nullable's `b != {"type": "null"}` key and value strings (XX, upper), and
+    `schema.get("properties", {})` -> `get("properties", None)` / `get("properties")`."""
+    schema = {"properties": {
+        "a": {"anyOf": [{"type": "null"}, {"type": "integer"}], "default": None},
+        "b": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": "x"},
+        "c": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    }}
+    spec_module._collapse_nullable(schema)
+    assert schema == {"properties": {
+        "a": {"type": "integer"},
+        "b": {"type": "string", "default": "x"},
+        "c": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    }}
+    empty: dict[str, Any] = {"type": "object"}
+    spec_module._collapse_nullable(empty)
+    assert empty == {"type": "object"}
+
+
+@pytest.mark.parametrize(("doc", "expected"), [
+    (manifest(stage("a", finalOutput=True), modelCache={"size": "1 GB"}),
+     [("spec.modelCache.size", "must be a Kubernetes quantity such as '500m', '2', '1.5' or "
+                               "'4Gi' (got '1 GB')")]),
+    (manifest(stage("a", finalOutput=True), orchestrator={"chatStage": "Chat"}),
+     [("spec.orchestrator.chatStage", "must be a DNS-1123 label: lowercase letters, digits and "
+                                      "'-', starting and ending with a letter or digit (got "
+                                      "'Chat')")]),
+])
+def test_optional_constrained_fields_name_their_path(doc: dict[str, Any],
+                                                     expected: list[tuple[str, str]]) -> None:
+    """An optional field of a constrained type (Quantity | None, StageName | None) keeps its
+    annotation nested; its errors still name it. Kills: _unwrap's
+    `typing.get_args(annotation)[0]` -> `typing.get_args(None)[0]` for Annotated."""
+    assert errors_of(doc) == expected
