@@ -46,6 +46,9 @@ from omnistage.client import ReplicaChannel
 from omnistage.procs import WorkerProcess, spawn_worker, wait_all_ready
 from omnistage.spec import Stage
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goals import Goal, add_check_flag, exit_status, verdicts
+
 RUNTIME = str(Path(__file__).resolve().parents[1] / "runtime")
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog", "a",
            "Once upon a time, in a land far away, there lived a", "xyz 123", "batching",
@@ -174,29 +177,21 @@ async def bench_kind(kind: str, batch: int, concurrency: int, args: argparse.Nam
     return modes[0], modes[1]
 
 
-def summary(ar: tuple[Mode, Mode] | None, dif: tuple[Mode, Mode] | None) -> tuple[str, bool]:
-    parts, ok = [], True
-
-    def goal(text: str, value: float, target: float, higher: bool) -> None:
-        nonlocal ok
-        hit = value >= target if higher else value <= target
-        ok = ok and hit
-        parts.append(f"{text} {value:.2f}x (goal {'>=' if higher else '<='} {target:g}x: "
-                     f"{'PASS' if hit else 'MISS'})")
-
+def summary(ar: tuple[Mode, Mode] | None, dif: tuple[Mode, Mode] | None) -> list[Goal]:
+    """The goals: a kind whose runs had errors (or no rate) is not measured, hence a MISS."""
+    goals = []
     for pair, name in ((ar, "ar"), (dif, "diffusion")):
         if pair is None:
             continue
         one, batched = pair
-        if one.errors or batched.errors or not one.rate or not batched.latencies:
-            parts.append(f"{name}: errors, no ratio (MISS)")
-            ok = False
-            continue
+        ok = not (one.errors or batched.errors or not one.rate or not batched.latencies)
         unit = "tokens/s" if name == "ar" else "images/s"
-        goal(f"{name} {unit}", batched.rate / one.rate, 3.0 if name == "ar" else 2.0, True)
+        goals.append(Goal(f"{name} {unit}", batched.rate / one.rate if ok else None,
+                          3.0 if name == "ar" else 2.0))
         if name == "ar":
-            goal("ar p50 latency", batched.p50 / one.p50, 1.0, False)
-    return "summary: " + "; ".join(parts), ok
+            goals.append(Goal("ar p50 latency", batched.p50 / one.p50 if ok else None, 1.0,
+                              at_least=False))
+    return goals
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -206,9 +201,9 @@ async def main_async(args: argparse.Namespace) -> int:
               if "ar" in kinds else None)
         dif = (await bench_kind("diffusion", args.diffusion_batch, args.diffusion_concurrency,
                                 args, Path(tmp)) if "diffusion" in kinds else None)
-    line, ok = summary(ar, dif)
-    print(line, flush=True)
-    return 0 if ok or not args.check else 1
+    goals = summary(ar, dif)
+    print("summary: " + verdicts(goals), flush=True)
+    return exit_status(goals, args.check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per round")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating")
-    parser.add_argument("--check", action="store_true", help="exit 1 if a goal is missed")
+    add_check_flag(parser)
     return asyncio.run(main_async(parser.parse_args(argv)))
 
 

@@ -24,7 +24,15 @@ Run from the repository root:  python bench/bench_operator_scale.py
     [--pipelines 50] [--replicas 4] [--idle-seconds 60] [--resync-seconds 10]
     [--kubeconfig K] [--port-base 29440] [--timeout 900] [--json OUT] [--keep]
 
-It prints progress every ~5 s and ONE summary line starting with `operator_scale:`.
+It prints progress every ~5 s, ONE line starting with `operator_scale:` with the figures and a
+`summary:` line with each goal and PASS/MISS (`--check` exits 1 on a MISS):
+  - idle writes 0, restart writes 0 and restart Ready flips 0 (when measured);
+  - at 6,000 stage pods or more (the tenfold fleet of issue 13): apply_to_ready <= 60 s;
+  - with --lws: Omnistage's apply_to_ready and controller writes per pod <= LWS's.
+
+--raw-baseline first measures the physical limit of this control plane: the same number of bare
+pods (same placement, no controller, no readiness gate), created by the bench itself 64 at a
+time, until kwok has them all Running and Ready; then it deletes them and runs the fleet.
 Everything listens on and connects to 127.0.0.1 only (kwok pod IPs are never contacted).
 """
 
@@ -54,6 +62,7 @@ from omnistage.kube import condition, condition_status  # noqa: E402
 from omnistage.kubeapi import ApiError, SyncKubeApi, path, resource_path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goals import Goal, add_check_flag, exit_status, verdicts  # noqa: E402
 from lws_baseline import LwsBaseline, apiserver_writes, controller_writes  # noqa: E402
 
 HACK = REPO / "hack"
@@ -404,7 +413,7 @@ class Bench:
         if self.op is not None and self.op.poll() is not None:
             raise BenchError(f"operator died (rc={self.op.returncode}):\n{self.log_tail()}")
         with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=60
         ) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
@@ -722,6 +731,62 @@ class Bench:
         except Exception as exc:  # cleanup is best effort; say what is left
             log(f"cleanup of namespace {self.ns} incomplete: {exc}")
 
+    def raw_pods_baseline(self, count: int) -> Obj:
+        """The control plane's own limit: `count` bare pods on the same kwok nodes, created
+        64 at a time with no controller in between, timed until all are Running and Ready."""
+        ns = f"{self.ns}-raw"
+        if self.k.get(path("Namespace", name=ns), ignore=(404,)) is None:
+            self.k.create(path("Namespace"), {"metadata": {"name": ns}})
+        selector = "omnistage.io/bench=raw"
+
+        def doc(i: int) -> Obj:
+            return {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"raw-{i:05d}",
+                             "labels": {"omnistage.io/bench": "raw",
+                                        "omnistage.io/chunk": str(i // 200)}},
+                "spec": {
+                    "nodeSelector": dict(SCALE_POOL), "tolerations": [dict(KWOK_TOLERATION)],
+                    "containers": [{"name": "stage", "image": "omnistage-raw-baseline",
+                                    "resources": {"requests": {"cpu": "10m",
+                                                               "memory": "16Mi"}}}],
+                },
+            }
+
+        log(f"raw baseline: creating {count} bare pods in namespace {ns}, 64 at a time")
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            list(pool.map(lambda i: self.k.create(path("Pod", ns), doc(i)), range(count)))
+        t_created = time.monotonic()
+        deadline, last_print = t0 + self.args.timeout, 0.0
+        while True:
+            pods = self.k.list(path("Pod", ns), labelSelector=selector, resourceVersion="0")
+            ready, now = sum(1 for p in pods if pod_ready(p)), time.monotonic()
+            if ready == count:
+                break
+            if now - last_print >= 5:
+                log(f"  t={now - t0:6.1f}s raw pods Ready {ready}/{count} (exist {len(pods)})")
+                last_print = now
+            if now > deadline:
+                raise BenchError(f"raw baseline: {ready}/{count} pods Ready after "
+                                 f"{self.args.timeout:.0f}s")
+            time.sleep(1.0)
+        t_ready = time.monotonic()
+        log(f"raw baseline: {count} pods Ready after {t_ready - t0:.1f}s "
+            f"(created in {t_created - t0:.1f}s); deleting them")
+        # In chunks: one delete-collection of thousands of pods outlasts the client's timeout.
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda c: self.k.delete(
+                path("Pod", ns), {"gracePeriodSeconds": 0},
+                labelSelector=f"{selector},omnistage.io/chunk={c}"), range(count // 200 + 1)))
+        while self.k.list(path("Pod", ns), labelSelector=selector, resourceVersion="0"):
+            if time.monotonic() > t_ready + self.args.timeout:
+                raise BenchError("raw baseline: its pods were not deleted in time")
+            time.sleep(1.0)
+        return {"pods": count, "create_s": round(t_created - t0, 1),
+                "apply_to_ready_s": round(t_ready - t0, 1),
+                "delete_s": round(time.monotonic() - t_ready, 1)}
+
     def run(self) -> Obj:
         self.kubectl = self._find_kubectl()
         if not self.kubeconfig:
@@ -730,6 +795,10 @@ class Bench:
         self.check_capacity()
         self.apply_crds()
         self.make_namespace()
+        raw = None
+        if self.args.raw_baseline:
+            raw = self.raw_pods_baseline(
+                self.args.pipelines * len(STAGES) * self.args.replicas)
         tree = tree_state()
         log(f"operator under test: this tree at {tree}")
         self.start_operator()
@@ -805,6 +874,8 @@ class Bench:
             "shared_cluster": self.cluster_dir is None,
             "tree": tree,
         }
+        if raw is not None:
+            result["raw_baseline"] = raw
         if self.args.restart_seconds > 0:
             result["restart"] = self.restart_check(self.args.restart_seconds)
         if not self.args.keep and self.args.teardown_timeout > 0:
@@ -835,9 +906,14 @@ class Bench:
             )
         if "teardown" in result:
             line += f" delete_to_gone={result['teardown']['delete_to_gone_s']:.1f}s"
+        if raw is not None:
+            line += (f" raw_pods_to_ready={raw['apply_to_ready_s']:.1f}s"
+                     f" ratio_to_raw={(t_ready - t0) / raw['apply_to_ready_s']:.2f}x")
         print(line, flush=True)
         if "lws" in result:
             print(lws_summary(result, secs), flush=True)
+        result["goals"] = [g.__dict__ for g in scale_goals(result, secs)]
+        print("summary: " + verdicts(scale_goals(result, secs)), flush=True)
         return result
 
     def run_lws(self) -> Obj:
@@ -877,6 +953,34 @@ def read_versions() -> dict[str, str]:
         if sep and not key.startswith("#"):
             out[key] = value
     return out
+
+
+TENFOLD_PODS = 6000  # issue 13: the tenfold fleet's apply -> Ready goal
+TENFOLD_READY_S = 60.0
+
+
+def scale_goals(result: Obj, idle_s: int) -> list[Goal]:
+    """The goals this run measured (see the module docstring)."""
+    goals = [Goal(f"idle_writes_{idle_s}s", result["idle"]["writes"], 0, at_least=False,
+                  unit="", digits=0)]
+    if "restart" in result:
+        rs = result["restart"]
+        goals += [Goal("restart_writes", rs["writes"], 0, at_least=False, unit="", digits=0),
+                  Goal("restart_ready_flips", rs["ready_conditions_changed"], 0,
+                       at_least=False, unit="", digits=0)]
+    if result["pods"] >= TENFOLD_PODS:
+        goals.append(Goal("apply_to_ready", result["apply_to_ready_s"], TENFOLD_READY_S,
+                          at_least=False, unit="s", digits=1))
+    if "lws" in result:
+        lws = result["lws"]
+        goals += [
+            Goal("apply_to_ready omnistage/lws",
+                 result["apply_to_ready_s"] / lws["apply_to_ready_s"], 1.0, at_least=False),
+            Goal("controller_writes_per_pod omnistage/lws",
+                 result["controller_writes_per_pod"] / lws["controller_writes_per_pod"], 1.0,
+                 at_least=False),
+        ]
+    return goals
 
 
 def lws_summary(result: Obj, idle_s: int) -> str:
@@ -954,6 +1058,13 @@ def main() -> int:
         action="store_true",
         help="leave the cluster and pipelines in place (the operator is stopped)",
     )
+    ap.add_argument(
+        "--raw-baseline",
+        action="store_true",
+        help="first time the same number of bare pods (no controller) to Ready: the control "
+        "plane's own limit on this machine",
+    )
+    add_check_flag(ap)
     args = ap.parse_args()
 
     signal.signal(signal.SIGTERM, _interrupt)
@@ -963,6 +1074,7 @@ def main() -> int:
         result = bench.run()
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        rc = exit_status(scale_goals(result, int(args.idle_seconds)), args.check)
     except BenchError as exc:
         log(f"FAILED: {exc}")
         rc = 1

@@ -27,6 +27,9 @@ except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
     from omnistage.admission import SerialScheduler
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goals import Goal, add_check_flag, exit_status
+
 
 def noop() -> None:
     """The work: nothing, so only dispatch is measured."""
@@ -76,14 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20_000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("-v", "--verbose", action="store_true", help="print every variant")
+    add_check_flag(parser)
     args = parser.parse_args(argv)
     results = asyncio.run(_bench(args.calls, args.reps))
     best = {name: min(vals) * 1e6 for name, vals in results.items()}
-    ratio = best["serial"] / best["to_thread"]
+    goal = Goal("serial/to_thread", best["serial"] / best["to_thread"], 1.5, at_least=False)
     print(
         f"scheduler_dispatch: serial={best['serial']:.1f}us/call "
-        f"to_thread={best['to_thread']:.1f}us/call ratio={ratio:.2f}x (goal <=1.5x)"
+        f"to_thread={best['to_thread']:.1f}us/call"
     )
+    print(f"summary: {goal}")
     if args.verbose:
         for name, vals in results.items():
             us = [v * 1e6 for v in vals]
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"ratio_vs_to_thread={min(us) / best['to_thread']:.2f}x",
                 file=sys.stderr,
             )
-    return 0
+    return exit_status([goal], args.check)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ from omnistage import protocol as p
 from omnistage.shm import SegmentManager, ShmConfig
 from omnistage.tuning import worker_env
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goals import Goal, add_check_flag, exit_status, verdicts
+
 SIZES_MB = (1, 16, 64)
 GOALS = (("shm", 64, 0.6), ("shm", 1, 0.3), ("tcp", 64, 0.3))
 
@@ -216,7 +219,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--raw", action="store_true", help="without the workers' malloc tuning")
     ap.add_argument("--shm-dir", default="/dev/shm", help="where the segments live")
-    ap.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
+    add_check_flag(ap)
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="omnistage-bench-")
@@ -241,16 +244,10 @@ def main() -> int:
     finally:
         for path in paths.values():
             path.close()
-    verdicts = []
-    missed = 0
-    for name, mb, goal in GOALS:
-        ok = ratios[(name, mb)] >= goal
-        missed += not ok
-        verdicts.append(f"{name}@{mb}MB={ratios[(name, mb)]:.2f}x (goal >={goal}x: "
-                        f"{'PASS' if ok else 'MISS'})")
-    print(f"summary[{tuned}]: " + " ".join(verdicts) + f"; ipc@64MB={ratios[('ipc', 64)]:.2f}x"
+    goals = [Goal(f"{name}@{mb}MB", ratios.get((name, mb)), goal) for name, mb, goal in GOALS]
+    print(f"summary[{tuned}]: " + verdicts(goals) + f"; ipc@64MB={ratios[('ipc', 64)]:.2f}x"
           f" tcp-raw@64MB={ratios[('tcp-raw', 64)]:.2f}x", flush=True)
-    return 1 if args.check and missed else 0
+    return exit_status(goals, args.check)
 
 
 if __name__ == "__main__":

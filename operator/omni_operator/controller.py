@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -373,6 +373,10 @@ class Controller:
                 if key in self._dirty:
                     self._dirty.discard(key)
                     self.enqueue(key)
+            # A converged reconcile makes no API call, so it never suspends, and get() on a
+            # full queue does not either: without this a resync of thousands of objects held
+            # the event loop for seconds (watches, /metrics and /healthz starved).
+            await asyncio.sleep(0)
 
     async def _resync(self) -> None:
         while True:
@@ -639,12 +643,14 @@ class Controller:
                 pdb, self.children.get(("PodDisruptionBudget", ns, pdb["metadata"]["name"]))
             )
 
+        # Readiness gates of several replicas flip together: patch them concurrently.
+        gates = [(pod["metadata"]["name"], gate_patch(pod, now))
+                 for pod in ([] if deleting else pods.values())]
+        await _all(self._write("Pod", ns, pname, self.api.patch(
+            path("Pod", ns, pname, "status"), patch, kind="strategic"))
+            for pname, patch in gates if patch is not None)
         for pod in [] if deleting else pods.values():
-            patch = gate_patch(pod, now)
             pname = pod["metadata"]["name"]
-            if patch is not None:
-                await self._write("Pod", ns, pname, self.api.patch(
-                    path("Pod", ns, pname, "status"), patch, kind="strategic"))
             msg = unschedulable_message(pod)
             uid = pod["metadata"].get("uid", "")
             if msg and uid not in self._warned:
@@ -701,13 +707,13 @@ class Controller:
         ns = pool["metadata"]["namespace"]
         by_ordinal = {retirement.ordinal_of(p): p for p in pods.values()}
         wanted = retirement.wanted_ordinals(pool, _staying(by_ordinal))
-        # Create missing replicas, lowest ordinal first; a lost replica returns under its name.
-        created = []
-        for ordinal in wanted:
-            if ordinal not in by_ordinal:
-                pod = builders.pool_pod(pool, ordinal)
-                if await self.api.create(path("Pod", ns), pod, ignore=(409,)) is not None:
-                    created.append(pod["metadata"]["name"])
+        # Create missing replicas (a lost replica returns under its name), all at once: each
+        # create waits on the API server, and a pool's replicas do not depend on each other.
+        missing = [builders.pool_pod(pool, o) for o in wanted if o not in by_ordinal]
+        results = await _all(self.api.create(path("Pod", ns), pod, ignore=(409,))
+                             for pod in missing)
+        created = [pod["metadata"]["name"]
+                   for pod, result in zip(missing, results, strict=True) if result is not None]
         if created:
             self._event(pool, "Normal", "ReplicasCreated",
                         f"created {', '.join(created)} (replicas {len(wanted)})")
@@ -750,6 +756,16 @@ class Controller:
             await drain.begin(self.api, victim)
             self._event(pool, "Normal", "RollingUpdate",
                         f"replacing {victim['metadata']['name']} with the new spec")
+
+
+async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await independent API calls together; once all have ended, raise the first failure (so
+    none is left running unobserved), else return their results in order."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _staying(by_ordinal: dict[int, Obj]) -> list[int]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -198,19 +200,23 @@ def _held_pipeline(kube: Cluster, namespace: str, operator: Release,
 
 def _hold_one_on_each(podrunner: PodRunner, url: str, replicas: list[dict[str, Any]],
                       delay_ms: int) -> list[_Held]:
-    """Two held requests: the engine's least-in-flight choice puts one on each replica."""
-    held = [_Held(url, delay_ms)]
+    """Two held requests, one on each replica (the engine's least-in-flight choice); the i-th
+    is the one held on replicas[i], read from each replica's /state."""
+    first = _Held(url, delay_ms)
+    started = [first]
 
     def detail() -> str:
         return f"in flight {[_inflight(podrunner, p) for p in replicas]}; " \
-               f"results {[h.result for h in held]}"
+               f"results {[h.result for h in started]}"
 
     wait_for(lambda: sum(_inflight(podrunner, p) for p in replicas) == 1, 60, "first held",
              detail)
-    held.append(_Held(url, delay_ms))
+    on_first = [_inflight(podrunner, p) for p in replicas].index(1)
+    second = _Held(url, delay_ms)
+    started.append(second)
     wait_for(lambda: [_inflight(podrunner, p) for p in replicas] == [1, 1], 60,
              "one held request on each replica", detail)
-    return held
+    return [first, second] if on_first == 0 else [second, first]
 
 
 def _orchestrator_sees_draining(url: str) -> bool:
@@ -220,22 +226,14 @@ def _orchestrator_sees_draining(url: str) -> bool:
             or 0) >= 1
 
 
-def test_scale_down_waits_for_the_request_in_flight_on_the_retiring_replica(
-    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
+def _deleted_only_after_its_request(
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release, url: str,
+    victim: dict[str, Any], held: list[_Held], on_victim: _Held, delay_ms: int,
 ) -> None:
-    """Scale 2 -> 1 while a request is held on replica 1: it is marked draining, gets no new
-    work, and is deleted only once that request has completed (which it does, ok).
-
-    Kills: deleting the victim at once (drain.finished always True, or the wait skipped), a
-    drain mark that does not stop routing, and a wait that ignores the replica's in-flight
-    work (the deletion would come before the held request could have finished)."""
-    if not podrunner.local:
-        pytest.skip("reads worker /state on loopback pod IPs: needs the local pod runner")
-    delay_ms = 45_000
-    url, keep, victim = _held_pipeline(kube, namespace, operator, drain_timeout=600)
-    held = _hold_one_on_each(podrunner, url, [keep, victim], delay_ms)
+    """The retirement of `victim` (just asked for) waits for `on_victim`, the request held on
+    it: the replica is marked draining, gets no new work, and is deleted only once that request
+    has completed; every held request completes ok."""
     vname = victim["metadata"]["name"]
-    kube.kubectl("scale", "-n", namespace, f"sp/{ECHO}-a", "--replicas=1")
 
     def marked() -> dict[str, Any] | None:
         pod = get(kube, namespace, "pod", vname) or {}
@@ -247,7 +245,7 @@ def test_scale_down_waits_for_the_request_in_flight_on_the_retiring_replica(
     wait_for(lambda: _orchestrator_sees_draining(url), 60, "the orchestrator to see it draining")
     labels = {"stage": "a", "replica": vname}
     admitted = _worker_metric(podrunner, victim, "omnistage_worker_admitted_total", **labels)
-    assert not held[1].done.is_set(), "the held request finished before the test could check"
+    assert not on_victim.done.is_set(), "the held request finished before the test could check"
     assert [_post(url, f"new-{i}") for i in range(6)] == [200] * 6
     assert _worker_metric(podrunner, victim, "omnistage_worker_admitted_total",
                           **labels) == admitted  # no new work on the retiring replica
@@ -267,11 +265,68 @@ def test_scale_down_waits_for_the_request_in_flight_on_the_retiring_replica(
         assert h.result is not None and h.result[0] == 200, h.result
         assert h.result[1]["status"] == "ok", h.result
     if isinstance(deleting, dict):  # the deletion mark came no earlier than the work allowed
+        # (the stamp has one-second resolution; the request ended >= sent + delay)
         assert _stamp(deleting["metadata"]["deletionTimestamp"]) >= \
-            held[1].sent + delay_ms / 1000 - 1.0
+            on_victim.sent + delay_ms / 1000 - 1.0
     wait_for(lambda: get(kube, namespace, "pod", vname) is None, 120, f"{vname} gone")
+
+
+def test_scale_down_waits_for_the_request_in_flight_on_the_retiring_replica(
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
+) -> None:
+    """Scale 2 -> 1 while a request is held on replica 1: it is marked draining, gets no new
+    work, and is deleted only once that request has completed (which it does, ok).
+
+    Kills: deleting the victim at once (drain.finished always True, or the wait skipped), a
+    drain mark that does not stop routing, and a wait that ignores the replica's in-flight
+    work (the deletion would come before the held request could have finished)."""
+    if not podrunner.local:
+        pytest.skip("reads worker /state on loopback pod IPs: needs the local pod runner")
+    delay_ms = 45_000
+    url, keep, victim = _held_pipeline(kube, namespace, operator, drain_timeout=600)
+    held = _hold_one_on_each(podrunner, url, [keep, victim], delay_ms)
+    kube.kubectl("scale", "-n", namespace, f"sp/{ECHO}-a", "--replicas=1")
+    _deleted_only_after_its_request(kube, podrunner, namespace, operator, url, victim, held,
+                                    held[1], delay_ms)
     assert [p["metadata"]["name"] for p in _live(kube, namespace, k.stage_selector(ECHO))] \
         == [f"{ECHO}-a-0"]
+    kube.kubectl("delete", "omnipipe", "-n", namespace, ECHO, "--wait=false")
+
+
+def test_retire_waits_for_the_request_in_flight_on_the_retired_replica(
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
+) -> None:
+    """`omnistage drain --retire` of replica 0 (the one a scale-down would keep) while a
+    request is held on it: replicas go 2 -> 1, replica 0 is marked draining, gets no new work,
+    and is deleted only once that request has completed; replica 1 stays, and the command
+    returns once replica 0 is gone.
+
+    Kills: deleting the retired replica at once (drain.finished always True, or the wait
+    skipped), a drain mark that does not stop routing, a wait that ignores the replica's
+    in-flight work, and a retirement that takes the highest ordinal instead of the named one."""
+    if not podrunner.local:
+        pytest.skip("reads worker /state on loopback pod IPs: needs the local pod runner")
+    delay_ms = 45_000
+    url, victim, keep = _held_pipeline(kube, namespace, operator, drain_timeout=600)
+    held = _hold_one_on_each(podrunner, url, [victim, keep], delay_ms)
+    vname = victim["metadata"]["name"]
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "omnistage.cli", "drain", vname, "--retire", "-n", namespace,
+         "--kubeconfig", str(kube.kubeconfig), "--timeout", "600"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _deleted_only_after_its_request(kube, podrunner, namespace, operator, url, victim, held,
+                                        held[0], delay_ms)
+        out, err = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, (out, err)
+    assert f"{vname}: retiring for good" in out and f"{vname}: retired" in out, out
+    assert get(kube, namespace, "stagepool", f"{ECHO}-a")["spec"]["replicas"] == 1
+    assert [p["metadata"]["name"] for p in _live(kube, namespace, k.stage_selector(ECHO))] \
+        == [f"{ECHO}-a-1"]
     kube.kubectl("delete", "omnipipe", "-n", namespace, ECHO, "--wait=false")
 
 

@@ -370,7 +370,13 @@ async def test_control_fan_out_and_error_propagation(launch) -> None:
     states = await orch.control("pause", ["a"])  # nothing was paused by the rejected call
     assert set(states) == {"ctl-a-0", "ctl-a-1"} and all(s["paused"] for s in states.values())
     handle = orch.submit(PipelineRequest(prompt="held"))
-    await asyncio.sleep(0.3)
+
+    async def queued_on_a() -> int:  # pause is idempotent, and answers each replica's state
+        return sum(st["queued"] for st in (await orch.control("pause", ["a"])).values())
+
+    end = asyncio.get_running_loop().time() + 60  # hang guard
+    while await queued_on_a() != 1:  # admitted by a paused replica, not dispatched
+        assert asyncio.get_running_loop().time() < end, "never queued on a paused replica"
     assert handle.id in orch.requests
     await orch.control("sleep", ["b"])
     with pytest.raises(ControlError, match="asleep"):

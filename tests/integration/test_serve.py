@@ -32,7 +32,7 @@ READY = re.compile(r"ready at (http://\S+)")
 
 
 
-def wait_dead(pids: list[int], timeout: float = 15.0) -> list[int]:
+def wait_dead(pids: list[int], timeout: float = 60.0) -> list[int]:
     """Poll the process table until every pid is gone; returns the ones still alive."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -97,6 +97,12 @@ class Serve:
     def worker_pids(self) -> list[int]:
         """Worker pids, from the port files each worker writes."""
         return [json.loads(f.read_text())["pid"] for f in self.log_dir.glob("*.ports.json")]
+
+    def worker_state(self, replica: str) -> dict[str, Any]:
+        """A replica's /state, at the side-port URL its port file names."""
+        http = json.loads((self.log_dir / f"{replica}.ports.json").read_text())["http"]
+        with urllib.request.urlopen(f"{http}/state", timeout=30) as resp:
+            return dict(json.loads(resp.read()))
 
 
 @pytest.fixture
@@ -163,23 +169,32 @@ def test_taken_port_fails_cleanly_and_stops_the_replicas(serve) -> None:
 
 
 def test_signals_drain_orchestrator_first_then_replicas(serve, tmp_path: Path) -> None:
-    s = serve(slow_echo(tmp_path, 1500))
+    """SIGINT with a request inside stage a: the orchestrator drains it, then the replicas stop.
+
+    Kills: replicas stopped before (or while) the orchestrator drains (the request fails), and
+    a shutdown that does not wait for in-flight requests (no reply, or an error)."""
+    s = serve(slow_echo(tmp_path, 10_000))  # long enough to be in flight when SIGINT lands
     url = s.url()
     pids = s.worker_pids()
     assert len(pids) == 2 and all(alive(pid) for pid in pids)
     result: dict[str, Any] = {}
 
     def in_flight() -> None:
-        result["reply"] = post(f"{url}/v1/pipelines/echo/requests", {"prompt": "drain me"})
+        result["reply"] = post(f"{url}/v1/pipelines/echo/requests", {"prompt": "drain me"},
+                               timeout=120)
 
     t = threading.Thread(target=in_flight)
     t.start()
-    time.sleep(0.5)  # the request is now inside stage a
+    deadline = time.monotonic() + 60  # hang guard: the request reaches stage a in milliseconds
+    while s.worker_state("echo-a-0")["in_flight"] < 1:
+        assert time.monotonic() < deadline and t.is_alive(), ("never in stage a", result)
+        time.sleep(0.05)
     s.proc.send_signal(signal.SIGINT)
-    s.wait_for(re.compile("SIGINT received"), 10)
+    s.wait_for(re.compile("SIGINT received"), 60)
+    assert "reply" not in result  # still in flight when the shutdown began: it is drained
     s.proc.send_signal(signal.SIGINT)  # a second Ctrl-C is harmless
     s.proc.send_signal(signal.SIGTERM)
-    t.join(30)
+    t.join(120)
     # The orchestrator drained the in-flight request before the replicas were stopped.
     status, body = result["reply"]
     assert status == 200 and body["status"] == "ok", body
@@ -199,7 +214,7 @@ def test_kill_9_of_serve_leaves_no_worker(serve) -> None:
     assert len(pids) == 2 and all(alive(pid) for pid in pids)
     s.proc.kill()
     s.proc.wait()
-    assert wait_dead(pids, timeout=10) == []  # PR_SET_PDEATHSIG took them down
+    assert wait_dead(pids) == []  # PR_SET_PDEATHSIG took them down
 
 
 def test_text_to_image_with_the_openai_client(serve, tmp_path: Path) -> None:

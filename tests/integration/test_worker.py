@@ -35,12 +35,12 @@ async def _state(w) -> dict:
     return json.loads((await asyncio.to_thread(_get, w.http + "/state"))[1])
 
 
-async def _wait_inflight(w, n: int, timeout: float = 60.0) -> None:
+async def _wait_inflight(w, n: int, timeout: float = 60.0, key: str = "in_flight") -> None:
     for _ in range(int(timeout / 0.02)):
-        if (await _state(w))["in_flight"] >= n:
+        if (await _state(w))[key] >= n:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"never reached {n} in flight: {await _state(w)}")
+    raise AssertionError(f"never reached {key} {n}: {await _state(w)}")
 
 
 # ---- AR ------------------------------------------------------------------------------------
@@ -366,8 +366,8 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
 
     assert (await ch.control("pause"))["paused"] is True
     held = ch.submit("held", {"prompt": "h"})
-    await asyncio.sleep(0.3)
-    assert held.empty()  # paused: admitted but not dispatched
+    await _wait_inflight(w, 1, key="queued")  # paused: admitted but not dispatched ...
+    assert held.empty() and (await _state(w))["queued"] == 1  # ... and it stays queued
     assert (await ch.control("resume"))["paused"] is False
     assert (await asyncio.wait_for(held.get(), 5)).type == "final"
 
@@ -377,8 +377,8 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
     woke = await ch.control("wake_up")
     assert woke["asleep"] is False and woke["paused"] is True  # wake_up does not resume
     after = ch.submit("after", {"prompt": "a"})
-    await asyncio.sleep(0.2)
-    assert after.empty()
+    await _wait_inflight(w, 1, key="queued")
+    assert after.empty() and (await _state(w))["queued"] == 1
     await ch.control("resume")
     assert (await asyncio.wait_for(after.get(), 5)).type == "final"
 

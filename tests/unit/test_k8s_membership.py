@@ -326,7 +326,8 @@ async def test_resync_relists_and_reports_nothing_new() -> None:
 
 async def test_initial_list_retries_then_fails() -> None:
     async with fake_server(lists=[], watches=[]) as (server, api):
-        m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.02), start_timeout=0.1)
+        # 1 s of retries: three lists take milliseconds, even on a loaded machine.
+        m = KubernetesMembership("ns", "p", api=api, backoff=(0.01, 0.02), start_timeout=1.0)
         with pytest.raises(ApiError) as failed:
             await m.start(lambda info: None)
         assert failed.value.status == 500
@@ -348,9 +349,9 @@ async def test_no_reports_after_stop() -> None:
 async def test_watch_start_410_relists_at_once() -> None:
     async with fake_server(lists=[[pod("x-0")], [pod("x-1")]], watches=[410]) as (_, api):
         seen: list[ReplicaInfo] = []
-        m = KubernetesMembership("ns", "p", api=api, backoff=(5.0, 5.0))  # no backoff on 410
+        m = KubernetesMembership("ns", "p", api=api, backoff=(60.0, 60.0))  # no backoff on 410
         await m.start(seen.append)
-        await until(lambda: len(seen) == 3, 2)
+        await until(lambda: len(seen) == 3, 30)  # hang guard: far below the 60 s backoff
         assert [(i.name, i.state) for i in seen] == [("x-0", "ready"), ("x-1", "ready"),
                                                      ("x-0", "gone")]
         await m.stop()

@@ -16,6 +16,7 @@ import pytest
 
 from omnistage import protocol as p
 from omnistage import shm as S
+from tests.harness.waiting import HANG_GUARD, until
 
 MiB = 1 << 20
 
@@ -264,14 +265,15 @@ async def test_a_full_segment_makes_the_sender_wait_until_space_frees(managers, 
 
     first = asyncio.ensure_future(m.place(x))
     second = asyncio.ensure_future(m.place(np.full(MiB, 7, np.uint8)))
-    await asyncio.sleep(0.2)
+    await until(lambda: m.stats()["waits"] == 2 or first.done() or second.done(),
+                "both senders waiting")
     assert not first.done() and not second.done()  # waiting, not failing
     assert m.try_place(x) is None  # no jumping the queue while others wait
     m.free([a.shm.lease])
-    placed = await asyncio.wait_for(first, 5)  # FIFO: the first waiter gets the room
+    placed = await asyncio.wait_for(first, HANG_GUARD)  # FIFO: the first waiter gets the room
     assert placed is not None and not second.done()
     m.free([b.shm.lease])
-    late = await asyncio.wait_for(second, 5)
+    late = await asyncio.wait_for(second, HANG_GUARD)
     assert late is not None and late.numpy()[0] == 7
     assert m.stats()["waits"] == 2 and m.segment.used == 2 * MiB
 
@@ -281,15 +283,16 @@ async def test_waiting_ends_at_the_deadline_or_on_cancel(managers, shm_dir) -> N
     x = np.ones(MiB, np.uint8)
     held = m.try_place(x)
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="no room in shared memory"):
-        await m.place(x, deadline=time.monotonic() + 0.3)
-    assert 0.25 < time.monotonic() - t0 < 2
+    with pytest.raises(TimeoutError, match="no room in shared memory"):  # not wait_for's
+        await asyncio.wait_for(m.place(x, deadline=time.monotonic() + 0.3), HANG_GUARD)
+    assert time.monotonic() - t0 >= 0.25  # not before its deadline (a lower bound only)
     cancelled = False
     waiter = asyncio.ensure_future(m.place(x, cancelled=lambda: cancelled))
-    await asyncio.sleep(0.1)
+    await until(lambda: m.stats()["waits"] == 2 or waiter.done(), "the sender waiting")
+    assert not waiter.done()
     cancelled = True
     with pytest.raises(S.WaitCancelled):
-        await asyncio.wait_for(waiter, 5)
+        await asyncio.wait_for(waiter, HANG_GUARD)
     m.free([held.shm.lease])
     assert await m.place(x) is not None  # nobody left in the queue blocks the next one
 
@@ -309,10 +312,10 @@ async def test_a_dead_borrower_unblocks_a_waiting_sender(managers, shm_dir) -> N
     worker.verify(client.probe())
     worker.try_place(np.ones(MiB, np.uint8), borrower=client.name)
     waiter = asyncio.ensure_future(worker.place(np.ones(MiB, np.uint8)))
-    await asyncio.sleep(0.1)
+    await until(lambda: worker.stats()["waits"] == 1 or waiter.done(), "the sender waiting")
     assert not waiter.done()
     crash(client)  # it never releases; its death does
-    assert await asyncio.wait_for(waiter, 5) is not None
+    assert await asyncio.wait_for(waiter, HANG_GUARD) is not None
 
 
 # ---- configuration -------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -120,14 +121,27 @@ async def test_cleanup_closes_the_port(runners: Started) -> None:
 
 
 
+def _accept_queue(port: int) -> int:
+    """Connections waiting in the accept queue of the IPv4 listener on `port` (Linux: a
+    listening socket's rx_queue in /proc/net/tcp is its accept backlog)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, queues = fields[1], fields[3], fields[4]
+        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+            return int(queues.split(":")[1], 16)
+    return 0
+
+
 async def test_close_gracefully_answers_connections_still_in_the_accept_queue() -> None:
     """A busy event loop leaves new connections in the kernel's accept queue; closing the
     listener would reset them after the client sent its request. close_gracefully takes them in
-    and answers them first."""
+    and answers them first.
+
+    Kills: closing the listener without draining its accept queue (the client is reset)."""
     import threading
-    import time
 
     from omnistage.sideport import close_gracefully
+    from tests.harness.waiting import wait
 
     async def hello(_: web.Request) -> web.Response:
         response = web.Response(text="answered")
@@ -143,7 +157,7 @@ async def test_close_gracefully_answers_connections_still_in_the_accept_queue() 
 
     def client() -> None:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
                 sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
                 connected.set()
                 data = b""
@@ -157,10 +171,11 @@ async def test_close_gracefully_answers_connections_still_in_the_accept_queue() 
 
     thread = threading.Thread(target=client)
     thread.start()
-    assert connected.wait(10)
-    time.sleep(0.2)  # the loop is blocked: the connection waits in the accept queue
+    assert connected.wait(60)
+    # The loop is blocked (this test holds it): the connection waits in the accept queue.
+    wait(lambda: _accept_queue(port) >= 1, "the connection in the listener's accept queue")
     await close_gracefully(runner)
-    thread.join(10)
+    thread.join(60)
     [reply] = replies
     assert isinstance(reply, bytes) and reply.startswith(b"HTTP/1.1 200"), reply
     assert reply.endswith(b"answered")

@@ -15,6 +15,7 @@ from omni_operator.crd import omnipipeline_crd, stagepool_crd
 from omni_operator.status import (
     PHASES,
     invalid_status,
+    model_failure,
     pipeline_status,
     pool_status,
     reported_invalid,
@@ -30,11 +31,11 @@ HASH = "h1"
 
 
 def pod(ordinal: int, *, ready: bool = True, spec_hash: str = HASH, draining: bool = False,
-        deleting: bool = False, unschedulable: bool = False) -> dict[str, Any]:
+        deleting: bool = False, unschedulable: bool = False, stage: str = "a") -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "name": f"p-a-{ordinal}",
+        "name": f"p-{stage}-{ordinal}",
         "annotations": {kube.ANNOTATION_SPEC_HASH: spec_hash},
-        "labels": {kube.LABEL_ORDINAL: str(ordinal)},
+        "labels": {kube.LABEL_ORDINAL: str(ordinal), kube.LABEL_STAGE: stage},
     }
     if draining:
         meta["annotations"][kube.ANNOTATION_DRAINING] = "true"
@@ -47,13 +48,16 @@ def pod(ordinal: int, *, ready: bool = True, spec_hash: str = HASH, draining: bo
     return {"metadata": meta, "status": {"conditions": conditions}}
 
 
-def pool(replicas: int, *, max_unavailable: int = 1, generation: int = 1,
-         status: dict[str, Any] | None = None) -> dict[str, Any]:
+def pool(replicas: int, *, max_unavailable: int | None = 1, generation: int = 1,
+         status: dict[str, Any] | None = None, stage: str = "a") -> dict[str, Any]:
+    """A StagePool; max_unavailable None leaves the field out (a hand-written pool may)."""
+    stage_doc: dict[str, Any] = {"name": stage, "kind": "echo"}
+    if max_unavailable is not None:
+        stage_doc["maxUnavailable"] = max_unavailable
     return {
         "apiVersion": "omnistage.io/v1alpha1", "kind": "StagePool",
-        "metadata": {"name": "p-a", "namespace": "ns", "generation": generation},
-        "spec": {"pipeline": "p", "replicas": replicas,
-                 "stage": {"name": "a", "kind": "echo", "maxUnavailable": max_unavailable}},
+        "metadata": {"name": f"p-{stage}", "namespace": "ns", "generation": generation},
+        "spec": {"pipeline": "p", "replicas": replicas, "stage": stage_doc},
         "status": status or {},
     }
 
@@ -266,3 +270,670 @@ def test_the_schema_check_is_not_vacuous() -> None:
     bad = {"phase": "Failed"}  # what the operator used to write, and the API server refused
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(_status_schema(omnipipeline_crd())).validate(bad)
+
+
+# ---------------------------------------------------------------------------- the full contract
+# What `kubectl get sp/omnipipe -o yaml` shows, field by field: every condition whole (type,
+# status, reason, message, lastTransitionTime, observedGeneration), every count, every phase.
+
+
+def c(ctype: str, status: bool, reason: str, message: str, *, since: str = NOW,
+      gen: int = 1) -> dict[str, Any]:
+    """One condition exactly as the operator writes it."""
+    return {"type": ctype, "status": "True" if status else "False", "reason": reason,
+            "message": message, "lastTransitionTime": since, "observedGeneration": gen}
+
+
+def failed_worker(p: dict[str, Any], exit_code: int = kube.MODEL_FAILED_EXIT,
+                  message: str = "model load failed: OSError: bad weights") -> dict[str, Any]:
+    """The pod with its worker container exited (not ready)."""
+    p["status"]["containerStatuses"] = [{
+        "name": "worker", "ready": False, "restartCount": 0,
+        "state": {"terminated": {"exitCode": exit_code, "message": message}}}]
+    return p
+
+
+def _pool_scenarios() -> list[tuple[str, dict[str, Any], list[dict[str, Any]], dict[str, Any],
+                                    dict[str, Any], dict[str, Any]]]:
+    """(id, pool, pods, counts, Ready, Progressing) for every branch of pool_status."""
+    gpu = "p-a-0: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    return [
+        ("settled", pool(2), [pod(0), pod(1)],
+         {"replicas": 2, "readyReplicas": 2, "drainingReplicas": 0, "updatedReplicas": 2,
+          "settledReplicas": 2, "ready": "2/2"},
+         c("Ready", True, "AllReplicasReady", "2/2 replicas ready (minimum 1)"),
+         c("Progressing", False, "UpToDate", "2 replicas updated and ready")),
+        ("scale-up", pool(3, status={"settledReplicas": 1}), [pod(0), pod(1, ready=False)],
+         {"replicas": 2, "readyReplicas": 1, "drainingReplicas": 0, "updatedReplicas": 2,
+          "settledReplicas": 1, "ready": "1/3"},
+         c("Ready", True, "MinimumReplicasReady", "1/3 replicas ready (minimum 1)"),
+         c("Progressing", True, "ScalingUp", "2/3 replicas created")),
+        # Three live replicas, one draining, for one wanted: two to retire; settledReplicas
+        # keeps 3 (the pool is not at its new size yet, although ready >= desired).
+        ("scale-down", pool(1, status={"settledReplicas": 3}),
+         [pod(0), pod(1), pod(2, draining=True)],
+         {"replicas": 3, "readyReplicas": 2, "drainingReplicas": 1, "updatedReplicas": 3,
+          "settledReplicas": 3, "ready": "1/1"},
+         c("Ready", True, "AllReplicasReady", "1/1 replicas ready (minimum 1)"),
+         c("Progressing", True, "ScalingDown", "retiring 2 replica(s)")),
+        ("rollout", pool(2, status={"settledReplicas": 2}), [pod(0, spec_hash="old"), pod(1)],
+         {"replicas": 2, "readyReplicas": 2, "drainingReplicas": 0, "updatedReplicas": 1,
+          "settledReplicas": 2, "ready": "2/2"},
+         c("Ready", True, "AllReplicasReady", "2/2 replicas ready (minimum 1)"),
+         c("Progressing", True, "RollingUpdate", "1/2 replicas updated")),
+        # Every replica exists and is ready, but one runs the old spec: the pool has not
+        # reached 2 "with every replica updated and ready", so settledReplicas stays 1.
+        ("rollout-after-scale-up", pool(2, status={"settledReplicas": 1}),
+         [pod(0, spec_hash="old"), pod(1)],
+         {"replicas": 2, "readyReplicas": 2, "drainingReplicas": 0, "updatedReplicas": 1,
+          "settledReplicas": 1, "ready": "2/2"},
+         c("Ready", True, "AllReplicasReady", "2/2 replicas ready (minimum 1)"),
+         c("Progressing", True, "RollingUpdate", "1/2 replicas updated")),
+        # A new pool has settled nothing yet: settledReplicas 0, minimum 1.
+        ("starting", pool(2), [pod(0), pod(1, ready=False)],
+         {"replicas": 2, "readyReplicas": 1, "drainingReplicas": 0, "updatedReplicas": 2,
+          "settledReplicas": 0, "ready": "1/2"},
+         c("Ready", True, "MinimumReplicasReady", "1/2 replicas ready (minimum 1)"),
+         c("Progressing", True, "ReplicasStarting", "1/2 replicas ready")),
+        ("capacity", pool(1), [pod(0, ready=False, unschedulable=True)],
+         {"replicas": 1, "readyReplicas": 0, "drainingReplicas": 0, "updatedReplicas": 1,
+          "settledReplicas": 0, "ready": "0/1"},
+         c("Ready", False, "InsufficientCapacity", gpu),
+         c("Progressing", True, "InsufficientCapacity", gpu)),
+        ("zero", pool(0, status={"settledReplicas": 2}), [],
+         {"replicas": 0, "readyReplicas": 0, "drainingReplicas": 0, "updatedReplicas": 0,
+          "settledReplicas": 0, "ready": "0/0"},
+         c("Ready", False, "ScaledToZero", "replicas is 0: the stage cannot serve"),
+         c("Progressing", False, "UpToDate", "0 replicas updated and ready")),
+        ("below-minimum", pool(3, status={"settledReplicas": 3}),
+         [pod(0), pod(1, ready=False), pod(2, ready=False)],
+         {"replicas": 3, "readyReplicas": 1, "drainingReplicas": 0, "updatedReplicas": 3,
+          "settledReplicas": 3, "ready": "1/3"},
+         c("Ready", False, "ReplicasNotReady", "1/3 replicas ready (minimum 2)"),
+         c("Progressing", True, "ReplicasStarting", "1/3 replicas ready")),
+        # Exactly at the minimum is serving.
+        ("at-minimum", pool(3, status={"settledReplicas": 3}),
+         [pod(0), pod(1), pod(2, ready=False)],
+         {"replicas": 3, "readyReplicas": 2, "drainingReplicas": 0, "updatedReplicas": 3,
+          "settledReplicas": 3, "ready": "2/3"},
+         c("Ready", True, "MinimumReplicasReady", "2/3 replicas ready (minimum 2)"),
+         c("Progressing", True, "ReplicasStarting", "2/3 replicas ready")),
+        # maxUnavailable 0: losing any replica is below the minimum.
+        ("max-unavailable-0", pool(3, max_unavailable=0, status={"settledReplicas": 3}),
+         [pod(0), pod(1), pod(2, ready=False)],
+         {"replicas": 3, "readyReplicas": 2, "drainingReplicas": 0, "updatedReplicas": 3,
+          "settledReplicas": 3, "ready": "2/3"},
+         c("Ready", False, "ReplicasNotReady", "2/3 replicas ready (minimum 3)"),
+         c("Progressing", True, "ReplicasStarting", "2/3 replicas ready")),
+        # A pool that leaves maxUnavailable out gets the Stage default, 1.
+        ("max-unavailable-absent", pool(3, max_unavailable=None, status={"settledReplicas": 3}),
+         [pod(0), pod(1), pod(2, ready=False)],
+         {"replicas": 3, "readyReplicas": 2, "drainingReplicas": 0, "updatedReplicas": 3,
+          "settledReplicas": 3, "ready": "2/3"},
+         c("Ready", True, "MinimumReplicasReady", "2/3 replicas ready (minimum 2)"),
+         c("Progressing", True, "ReplicasStarting", "2/3 replicas ready")),
+        # A pod being deleted is not a replica of the pool any more (but it is draining).
+        ("terminating-pod", pool(1), [pod(0), pod(1, deleting=True)],
+         {"replicas": 1, "readyReplicas": 1, "drainingReplicas": 1, "updatedReplicas": 1,
+          "settledReplicas": 1, "ready": "1/1"},
+         c("Ready", True, "AllReplicasReady", "1/1 replicas ready (minimum 1)"),
+         c("Progressing", False, "UpToDate", "1 replicas updated and ready")),
+        ("model-load-failed", pool(1), [failed_worker(pod(0, ready=False))],
+         {"replicas": 1, "readyReplicas": 0, "drainingReplicas": 0, "updatedReplicas": 1,
+          "settledReplicas": 0, "ready": "0/1"},
+         c("Ready", False, "ModelLoadFailed",
+           "stage 'a': the model could not be loaded on p-a-0: model load failed: OSError: bad "
+           "weights"),
+         c("Progressing", True, "ReplicasStarting", "0/1 replicas ready")),
+        # A replica the scheduler cannot place is named before one whose model failed.
+        ("capacity-before-model", pool(2),
+         [failed_worker(pod(0, ready=False)), pod(1, ready=False, unschedulable=True)],
+         {"replicas": 2, "readyReplicas": 0, "drainingReplicas": 0, "updatedReplicas": 2,
+          "settledReplicas": 0, "ready": "0/2"},
+         c("Ready", False, "InsufficientCapacity", gpu.replace("p-a-0", "p-a-1")),
+         c("Progressing", True, "InsufficientCapacity", gpu.replace("p-a-0", "p-a-1"))),
+        # The failure of a replica on its way out is not the pool's.
+        ("terminating-pod-failed", pool(1),
+         [pod(0, ready=False), failed_worker(pod(1, ready=False, deleting=True))],
+         {"replicas": 1, "readyReplicas": 0, "drainingReplicas": 1, "updatedReplicas": 1,
+          "settledReplicas": 0, "ready": "0/1"},
+         c("Ready", False, "ReplicasNotReady", "0/1 replicas ready (minimum 1)"),
+         c("Progressing", True, "ReplicasStarting", "0/1 replicas ready")),
+    ]
+
+
+@pytest.mark.parametrize(("name", "p", "pods", "counts", "ready", "progressing"),
+                         _pool_scenarios(), ids=lambda v: v if isinstance(v, str) else "")
+def test_pool_status_is_exactly_what_kubectl_shows(
+    name: str, p: dict[str, Any], pods: list[dict[str, Any]], counts: dict[str, Any],
+    ready: dict[str, Any], progressing: dict[str, Any],
+) -> None:
+    """The whole StagePool status, for every branch: counts, selector, both conditions whole.
+
+    Kills: every reason/message text mutation of pool_status (ScaledToZero,
+    InsufficientCapacity in both conditions, ScalingDown/ScalingUp/RollingUpdate/
+    ReplicasStarting/UpToDate and their counts, `len(live) - desired` -> `+`), the status keys
+    (replicas, drainingReplicas, updatedReplicas, selector), `draining = None`/`sum(2 ...)`,
+    `counts = None`, ok/moving True<->False flips, gen/message/now -> None in either condition,
+    the maxUnavailable lookup (key, `or` -> `and`, default 1 -> 2/None), the deletionTimestamp
+    key of `live`, `settled_now` `and` -> `or` (scale-down, rollout-after-scale-up), the
+    settledReplicas default 0 -> 1, and `ready >= minimum` -> `>` (at-minimum).
+    """
+    st = pool_status(p, pods, HASH, NOW)
+    assert st == {**counts, "selector": "omnistage.io/pool=p-a", "observedGeneration": 1,
+                  "conditions": [ready, progressing]}
+
+
+def test_pool_conditions_keep_their_transition_time_until_their_status_flips() -> None:
+    """A recomputed pool keeps each condition's lastTransitionTime while its status holds and
+    takes the new time on a flip; observedGeneration follows the pool's generation.
+
+    Kills: `previous` lookup mutations (key, default), `now` -> None in the Progressing
+    condition, generation -> None in either condition.
+    """
+    before = settle(pool(2, generation=4), [pod(0), pod(1)])
+    later = pool_status(before, [pod(0), pod(1, ready=False)], HASH, LATER)
+    assert later["conditions"] == [
+        c("Ready", True, "MinimumReplicasReady", "1/2 replicas ready (minimum 1)", gen=4),
+        c("Progressing", True, "ReplicasStarting", "1/2 replicas ready", since=LATER, gen=4),
+    ]
+    assert later["observedGeneration"] == 4
+
+
+# ---- pipelines, whole
+
+ENDPOINT = "http://p-orchestrator.ns.svc:8000"
+
+
+def dep(*, want: int = 1, generation: int = 1, **status: int) -> dict[str, Any]:
+    """An orchestrator Deployment. Kubernetes leaves zero counts (and, before the deployment
+    controller has seen it, observedGeneration) out of the status: so do the callers."""
+    return {"metadata": {"generation": generation}, "spec": {"replicas": want}, "status": status}
+
+
+def converged(want: int) -> dict[str, Any]:
+    counts = {"replicas": want, "updatedReplicas": want, "readyReplicas": want} if want else {}
+    return dep(want=want, observedGeneration=1, **counts)
+
+
+def serving_pool(stage: str = "a", replicas: int = 2) -> dict[str, Any]:
+    return settle(pool(replicas, stage=stage), [pod(i, stage=stage) for i in range(replicas)])
+
+
+def pstatus(pools: dict[str, Any], deployment: dict[str, Any] | None, *, want: int = 1,
+            previous: dict[str, Any] | None = None, now: str = NOW,
+            generation: int = 1) -> dict[str, Any]:
+    pipe = pipeline(previous)
+    pipe["metadata"]["generation"] = generation
+    return pipeline_status(pipe, list(pools), pools, deployment, want, ENDPOINT, now)
+
+
+def pconds(ready: tuple[bool, str, str], progressing: tuple[bool, str, str],
+           stages: tuple[bool, str, str], orch: tuple[bool, str, str], *, since: str = NOW,
+           gen: int = 1) -> list[dict[str, Any]]:
+    return [c(t, *v, since=since, gen=gen) for t, v in (
+        ("Ready", ready), ("Progressing", progressing), ("StagesReady", stages),
+        ("OrchestratorReady", orch))]
+
+
+SERVING = (True, "Serving", "pipeline is serving")
+UP_TO_DATE = (False, "UpToDate", "every stage is updated and ready")
+ORCH_1 = (True, "OrchestratorAvailable", "1/1 orchestrator replicas ready")
+
+
+def test_a_serving_pipeline_status_is_exactly_what_kubectl_shows() -> None:
+    """Kills: the Serving/UpToDate/AllStagesServing/OrchestratorAvailable texts, the
+    observedGeneration/endpoint/stagesReady keys, `gen = None`, `ready_n = None`/`sum(2 ...)`,
+    `moving[0] if moving and False` (UpToDate would always show), and None for the message,
+    generation or time of any of the four conditions."""
+    st = pstatus({"a": serving_pool()}, converged(1), generation=3)
+    assert st == {
+        "observedGeneration": 3, "phase": "Ready", "endpoint": ENDPOINT, "stagesReady": "1/1",
+        "stages": {"a": {"pool": "p-a", "ready": 2, "desired": 2}},
+        "conditions": pconds(SERVING, UP_TO_DATE,
+                             (True, "AllStagesServing", "1/1 stages at or above their minimum"),
+                             ORCH_1, gen=3),
+    }
+
+
+def test_a_new_pipeline_is_pending_on_pools_not_reconciled_yet() -> None:
+    """No pool yet, and a pool whose status is still empty: both 'pool not reconciled yet'.
+
+    Kills: `pool is None or ready is None` -> `and` (the empty status would crash), the
+    'pool not reconciled yet' text, the stage's `replicas` default 0 -> 1 (no pool: 0 desired),
+    the pool's `readyReplicas` default 0 -> 1 (reconciled never: 0 ready), `bool(moving)` ->
+    None, and the OrchestratorNotReady texts.
+    """
+    unreconciled = pool(2)
+    st = pstatus({"a": None, "b": unreconciled}, None)
+    pending_a = "stage a: pool not reconciled yet"
+    assert st == {
+        "observedGeneration": 1, "phase": "Pending", "endpoint": ENDPOINT, "stagesReady": "0/2",
+        "stages": {"a": {"pool": "p-a", "ready": 0, "desired": 0},
+                   "b": {"pool": "p-b", "ready": 0, "desired": 2}},
+        "conditions": pconds((False, "StagesPending", pending_a),
+                             (True, "StagesPending", pending_a),
+                             (False, "StagesPending", pending_a),
+                             (False, "OrchestratorNotReady", "0/1 orchestrator replicas ready")),
+    }
+
+
+def test_a_scaling_stage_keeps_the_pipeline_ready_and_names_what_moves() -> None:
+    """Kills: `why_moving[0]` -> `[1]` (the reason would be the message), the pool Progressing
+    reason/message lookups (`get(None)`, key case, `get("Progressing")`), and the
+    `stage <name>: ` prefix."""
+    scaling = settle(pool(3, status={"settledReplicas": 1}), [pod(0), pod(1, ready=False)])
+    st = pstatus({"a": scaling}, converged(1))
+    assert st["phase"] == "Progressing"
+    assert st["conditions"] == pconds(
+        SERVING, (True, "ScalingUp", "stage a: 2/3 replicas created"),
+        (True, "AllStagesServing", "1/1 stages at or above their minimum"), ORCH_1)
+
+
+def test_a_pool_that_has_not_seen_its_new_spec_is_progressing() -> None:
+    """Kills: the 'Progressing' / 'applying the new spec' texts of a stale pool."""
+    stale = serving_pool()
+    stale["metadata"]["generation"] = 2
+    st = pstatus({"a": stale}, converged(1))
+    assert st["phase"] == "Progressing"
+    assert st["conditions"][1] == c("Progressing", True, "Progressing",
+                                    "stage a: applying the new spec")
+
+
+def test_pool_conditions_with_only_type_and_status_still_read_well() -> None:
+    """The CRD requires only type and status of a condition: a pool whose conditions carry
+    no reason or message (written by hand, or by another client) reads as ReplicasNotReady /
+    Progressing with an empty detail, never as None.
+
+    Kills: the defaults of the pool's Ready and Progressing reason/message lookups
+    (`get("reason", None)`, `get("reason")`, "XXProgressingXX", "XXReplicasNotReadyXX",
+    `get("message", None)`, "XXXX" ...).
+    """
+    bare = pool(1, status={"observedGeneration": 1, "conditions": [
+        {"type": "Ready", "status": "False"}, {"type": "Progressing", "status": "True"}]})
+    st = pstatus({"a": bare}, converged(1))
+    assert st["conditions"][:3] == pconds(
+        (False, "ReplicasNotReady", "stage a: "), (True, "Progressing", "stage a: "),
+        (False, "ReplicasNotReady", "stage a: "), ORCH_1)[:3]
+
+
+def test_insufficient_capacity_is_named_before_other_stages_that_are_down() -> None:
+    """Capacity is the one thing a user must act on: it wins over an earlier stage that is
+    only starting.
+
+    Kills: `capacity = None`, `d[0]` -> `d[1]`, `==` -> `!=` and the InsufficientCapacity text
+    in the capacity filter; the StagesReady type/status/reason/message/generation/time.
+    """
+    starting = settle(pool(1), [pod(0, ready=False)])
+    full = settle(pool(1, stage="b"), [pod(0, ready=False, unschedulable=True, stage="b")])
+    st = pstatus({"a": starting, "b": full}, converged(1))
+    gpu = "stage b: p-b-0: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    assert st["phase"] == "Pending" and st["stagesReady"] == "0/2"
+    assert st["conditions"] == pconds(
+        (False, "InsufficientCapacity", gpu),
+        (True, "ReplicasStarting", "stage a: 0/1 replicas ready"),
+        (False, "InsufficientCapacity", gpu), ORCH_1)
+
+
+def test_stages_ready_counts_stages_at_or_above_their_desired_replicas() -> None:
+    """stagesReady: a stage at exactly its desired count counts; one scaled to zero does not
+    (it cannot serve); one short of its count does not.
+
+    Kills: `s["desired"] and` -> `or` (zero stage), `>=` -> `>` (exactly desired).
+    """
+    zero = settle(pool(0, stage="z"), [])
+    short = settle(pool(2, stage="s"), [pod(0, stage="s"), pod(1, ready=False, stage="s")])
+    st = pstatus({"a": serving_pool(), "z": zero, "s": short}, converged(1))
+    assert st["stagesReady"] == "1/3"
+    assert st["stages"] == {"a": {"pool": "p-a", "ready": 2, "desired": 2},
+                            "z": {"pool": "p-z", "ready": 0, "desired": 0},
+                            "s": {"pool": "p-s", "ready": 1, "desired": 2}}
+    assert st["conditions"][0] == c("Ready", False, "ScaledToZero",
+                                    "stage z: replicas is 0: the stage cannot serve")
+
+
+def test_pipeline_conditions_keep_their_transition_time_until_their_status_flips() -> None:
+    """Kills: the `previous` lookup mutations of pipeline_status (key, default), and `now` ->
+    None in any of its conditions."""
+    first = pstatus({"a": serving_pool()}, converged(1))
+    again = pstatus({"a": serving_pool()}, converged(1), previous=first, now=LATER)
+    assert again == first
+    # The orchestrator's replicas are all lost (Kubernetes leaves the zero counts out).
+    lost = pstatus({"a": serving_pool()}, dep(observedGeneration=1), previous=first, now=LATER)
+    assert lost["phase"] == "Degraded"
+    assert lost["conditions"] == [
+        c("Ready", False, "OrchestratorNotReady", "0/1 orchestrator replicas ready", since=LATER),
+        c("Progressing", True, "OrchestratorRollout", "0/1 orchestrator replicas ready",
+          since=LATER),
+        c("StagesReady", True, "AllStagesServing", "1/1 stages at or above their minimum"),
+        c("OrchestratorReady", False, "OrchestratorNotReady", "0/1 orchestrator replicas ready",
+          since=LATER),
+    ]
+
+
+@pytest.mark.parametrize(("old_phase", "phase"), [
+    (None, "Pending"), ("Pending", "Pending"), ("Invalid", "Pending"), ("Terminating", "Pending"),
+    ("Ready", "Degraded"), ("Progressing", "Degraded"), ("Degraded", "Degraded"),
+])
+def test_below_the_minimum_is_degraded_only_after_having_served(old_phase: str | None,
+                                                                 phase: str) -> None:
+    """Kills: every text mutation of the phases in _HAS_SERVED, and the Degraded/Pending
+    choice."""
+    down = settle(pool(1), [pod(0, ready=False)])
+    previous = {"phase": old_phase} if old_phase else None
+    assert pstatus({"a": down}, converged(1), previous=previous)["phase"] == phase
+
+
+# ---- the orchestrator Deployment
+
+NOT_MOVING = None
+
+
+@pytest.mark.parametrize(("deployment", "want", "orch", "moving"), [
+    pytest.param(None, 1, (False, "OrchestratorNotReady", "0/1 orchestrator replicas ready"),
+                 "0/1 orchestrator replicas ready", id="no-deployment"),
+    # Just created: the deployment controller has written nothing yet.
+    pytest.param(dep(), 1, (False, "OrchestratorNotReady", "0/1 orchestrator replicas ready"),
+                 "0/1 orchestrator replicas ready", id="fresh"),
+    pytest.param(converged(1), 1, ORCH_1, NOT_MOVING, id="converged"),
+    pytest.param(converged(2), 2,
+                 (True, "OrchestratorAvailable", "2/2 orchestrator replicas ready"), NOT_MOVING,
+                 id="converged-2"),
+    # One ready replica of two serves the whole pipeline, but the rollout is not done.
+    pytest.param(dep(want=2, observedGeneration=1, replicas=2, updatedReplicas=2,
+                     readyReplicas=1), 2,
+                 (True, "OrchestratorAvailable", "1/2 orchestrator replicas ready"),
+                 "1/2 orchestrator replicas ready", id="one-of-two-ready"),
+    # Each rollout signal alone makes it Progressing.
+    pytest.param(dep(want=2, generation=2, observedGeneration=1, replicas=2, updatedReplicas=2,
+                     readyReplicas=2), 2,
+                 (True, "OrchestratorAvailable", "2/2 orchestrator replicas ready"),
+                 "2/2 orchestrator replicas ready", id="spec-not-observed"),
+    pytest.param(dep(want=2, observedGeneration=1, replicas=2, updatedReplicas=1,
+                     readyReplicas=2), 2,
+                 (True, "OrchestratorAvailable", "2/2 orchestrator replicas ready"),
+                 "2/2 orchestrator replicas ready", id="not-all-updated"),
+    # Surging: an extra replica exists (and is ready); ready never reads above wanted.
+    pytest.param(dep(want=2, observedGeneration=1, replicas=3, updatedReplicas=2,
+                     readyReplicas=3), 2,
+                 (True, "OrchestratorAvailable", "2/2 orchestrator replicas ready"),
+                 "2/2 orchestrator replicas ready", id="surge"),
+    pytest.param(dep(want=1, observedGeneration=1, replicas=2, updatedReplicas=1,
+                     readyReplicas=1), 1, ORCH_1, "1/1 orchestrator replicas ready",
+                 id="surge-only-replicas"),
+    # Zero wanted: no orchestrator, and converged once the Deployment says so (zero counts
+    # absent); until the deployment controller has seen it, it is still rolling out.
+    pytest.param(converged(0), 0, (False, "NoOrchestrator", "0/0 orchestrator replicas ready"),
+                 NOT_MOVING, id="zero"),
+    pytest.param(dep(want=0), 0, (False, "NoOrchestrator", "0/0 orchestrator replicas ready"),
+                 "0/0 orchestrator replicas ready", id="zero-not-observed"),
+    # Scaled to zero while a replica still runs: not an orchestrator to count on.
+    pytest.param(dep(want=0, observedGeneration=2, generation=2, replicas=1, updatedReplicas=1,
+                     readyReplicas=1), 0,
+                 (False, "NoOrchestrator", "0/0 orchestrator replicas ready"),
+                 "0/0 orchestrator replicas ready", id="scaling-to-zero"),
+    pytest.param(dep(want=2, observedGeneration=1, replicas=2, updatedReplicas=2), 2,
+                 (False, "OrchestratorNotReady", "0/2 orchestrator replicas ready"),
+                 "0/2 orchestrator replicas ready", id="none-of-two-ready"),
+])
+def test_orchestrator_readiness_and_rollout(deployment: dict[str, Any] | None, want: int,
+                                            orch: tuple[bool, str, str],
+                                            moving: str | None) -> None:
+    """OrchestratorReady whole, and OrchestratorRollout in Progressing exactly while the
+    Deployment is not converged on `want` replicas.
+
+    Kills: the OrchestratorAvailable/NoOrchestrator/OrchestratorNotReady/OrchestratorRollout
+    texts, `o_reason = None`, `orch_ok and False`/`or True`, `want == 0` -> `!= 0`/`== 1`,
+    `want > 0` -> `>= 0` (scaling-to-zero), `o_msg = None`, the readyReplicas default 0 -> 1
+    (fresh), each `or` of the rollout test -> `and` (spec-not-observed, not-all-updated,
+    surge-only-replicas, one-of-two-ready), the generation lookups (key, `or {}` -> `and {}`),
+    and the observedGeneration/updatedReplicas/replicas defaults 0 -> 1 and `or 0` -> `or 1`
+    (zero, zero-not-observed), the OrchestratorReady condition's type/status/reason/message.
+    """
+    st = pstatus({"a": serving_pool()}, deployment, want=want)
+    ok = orch[0]
+    assert st["conditions"][3] == c("OrchestratorReady", *orch)
+    assert st["conditions"][0] == c("Ready", *(SERVING if ok else orch))
+    if moving is None:
+        assert st["conditions"][1] == c("Progressing", *UP_TO_DATE)
+        assert st["phase"] == ("Ready" if ok else "Pending")
+    else:
+        assert st["conditions"][1] == c("Progressing", True, "OrchestratorRollout", moving)
+        assert st["phase"] == ("Progressing" if ok else "Pending")
+
+
+# ---- refused specs and deletion
+
+ERRORS = [("spec.image", "an image is required"), ("spec.stages[0].replicas", "must be <= 64")]
+REFUSED = "spec.image: an image is required; spec.stages[0].replicas: must be <= 64"
+
+
+def test_a_pipeline_refused_from_the_start_is_invalid() -> None:
+    """Kills: `kind == "OmniPipeline"` -> `!=` (no phase on a pipeline without one before),
+    `now` -> None and `ok` -> None/True of the Ready condition, the observedGeneration key."""
+    st = invalid_status(pipeline(), ERRORS, NOW)
+    assert st == {"observedGeneration": 1, "phase": "Invalid",
+                  "conditions": [c("Ready", False, "InvalidSpec", REFUSED)]}
+
+
+def test_a_refused_pool_spec_keeps_the_pool_status_and_gets_no_phase() -> None:
+    """A StagePool has no phase (its CRD has none); its counts and other conditions stay, since
+    the replicas of the earlier generation keep running.
+
+    Kills: `"phase" in old` -> `not in` (a phase on a pool), the observedGeneration key, the
+    filter that drops the old Ready condition.
+    """
+    served = settle(pool(2), [pod(0), pod(1)])
+    served["metadata"]["generation"] = 2
+    st = invalid_status(served, [("spec.image", "bad")], LATER)
+    old = served["status"]
+    assert "phase" not in st
+    assert st == {**old, "observedGeneration": 2, "conditions": [
+        c("Ready", False, "InvalidSpec", "spec.image: bad", since=LATER, gen=2),
+        old["conditions"][1]]}
+
+
+def test_a_serving_pipeline_refused_keeps_its_status_but_says_invalid() -> None:
+    """Kills: the same mutations, on a pipeline that had a phase."""
+    before = pstatus({"a": serving_pool()}, converged(1))
+    obj = pipeline(before)
+    obj["metadata"]["generation"] = 2
+    st = invalid_status(obj, ERRORS, LATER)
+    assert st == {**before, "observedGeneration": 2, "phase": "Invalid", "conditions": [
+        c("Ready", False, "InvalidSpec", REFUSED, since=LATER, gen=2), *before["conditions"][1:]]}
+
+
+def test_a_pipeline_being_deleted_says_so_and_keeps_the_rest() -> None:
+    """Ready turns False with the deletion step; the other conditions and fields stay; a later
+    step updates the message but not the transition time.
+
+    Kills: every mutation of terminating_status: `gen = None` and the generation lookup,
+    `obj.get("status") or {}` -> `and {}`/other keys (the old fields would vanish), the
+    `previous` lookup, ok -> True, message/generation/now -> None, the Ready filter (`!=` ->
+    `==`, key, text: a second Ready would appear), the observedGeneration key.
+    """
+    before = pstatus({"a": serving_pool()}, converged(1))
+    obj = pipeline(before)
+    obj["metadata"]["generation"] = 2
+    gone = terminating_status(obj, "draining the orchestrator", LATER)
+    assert gone == {**before, "observedGeneration": 2, "phase": "Terminating", "conditions": [
+        c("Ready", False, "Terminating", "pipeline is being deleted: draining the orchestrator",
+          since=LATER, gen=2),
+        *before["conditions"][1:]]}
+    later = terminating_status({**obj, "status": gone}, "stopping the stage pools",
+                               "2026-01-01T00:02:00Z")
+    assert later["conditions"][0] == c(
+        "Ready", False, "Terminating", "pipeline is being deleted: stopping the stage pools",
+        since=LATER, gen=2)
+    assert terminating_status(pipeline(), "x", NOW) == {
+        "observedGeneration": 1, "phase": "Terminating",
+        "conditions": [c("Ready", False, "Terminating", "pipeline is being deleted: x")]}
+
+
+# ---- the event that sums a pipeline up (`kubectl describe omnipipe`)
+
+
+def _with_ready(reason: str, message: str, phase: str = "Pending") -> dict[str, Any]:
+    return {"phase": phase, "conditions": [
+        {"type": "Progressing", "status": "True", "reason": "ScalingUp", "message": "moving"},
+        {"type": "Ready", "status": "False", "reason": reason, "message": message}]}
+
+
+def test_summary_of_every_phase() -> None:
+    """Event type, reason and message for each phase: Warning only for a refused spec, a
+    pipeline that lost its minimum, or a stage that cannot get capacity or its model.
+
+    Kills: every text mutation of summary ("Normal", "Warning", the phase names, the
+    'pipeline is serving (...)' message and its stagesReady key), the Ready/Progressing
+    condition lookups (key, type text, `==` -> `!=`: the message would come from the other
+    condition), the warn expression (`None`, `and`, `!=`, "Degraded", the reason key and
+    "InsufficientCapacity"), and `"Warning" if warn and False`/`or True`.
+    """
+    scaling = settle(pool(3, status={"settledReplicas": 1}), [pod(0), pod(1, ready=False)])
+    assert summary(pstatus({"a": scaling}, converged(1))) == (
+        "Normal", "Progressing", "stage a: 2/3 replicas created")
+    assert summary(pstatus({"a": serving_pool(), "b": serving_pool("b")}, converged(1))) == (
+        "Normal", "Ready", "pipeline is serving (2/2 stages)")
+    assert summary(invalid_status(pipeline(), ERRORS, NOW)) == ("Warning", "InvalidSpec",
+                                                                 REFUSED)
+    assert summary(terminating_status(pipeline(), "stopping the stage pools", NOW)) == (
+        "Normal", "Terminating", "pipeline is being deleted: stopping the stage pools")
+    assert summary(_with_ready("ReplicasNotReady", "stage a: 0/1", "Degraded")) == (
+        "Warning", "Degraded", "stage a: 0/1")
+    assert summary(_with_ready("ReplicasNotReady", "stage a: 0/1")) == (
+        "Normal", "Pending", "stage a: 0/1")
+    for reason in ("InsufficientCapacity", "ModelFetchFailed", "ModelLoadFailed"):
+        assert summary(_with_ready(reason, "stage a: why")) == ("Warning", "Pending",
+                                                                "stage a: why")
+
+
+def test_summary_of_a_status_without_conditions() -> None:
+    """The status schema requires no field: a pipeline with no status yet sums up as Pending
+    with no message (the controller compares it with the new summary), and a stored phase
+    without conditions gives an empty message rather than failing.
+
+    Kills: the phase default "Pending" (None, case, XX), the conditions defaults (None, `get()`
+    with no default) and the `{}` defaults of both condition lookups, and the message defaults
+    "" -> None/"XXXX" in the Invalid, Progressing and other branches.
+    """
+    assert summary({}) == ("Normal", "Pending", "")
+    assert summary({"phase": "Progressing"}) == ("Normal", "Progressing", "")
+    assert summary({"phase": "Invalid"}) == ("Warning", "InvalidSpec", "")
+    assert summary({"phase": "Degraded"}) == ("Warning", "Degraded", "")
+
+
+# ---- a model that cannot be fetched or loaded
+
+WORKER_WAITING = {"name": "worker", "ready": False, "restartCount": 0,
+                  "state": {"waiting": {"reason": "PodInitializing"}}}
+
+
+def replica(*, init: list[dict[str, Any]] | None = None,
+            containers: list[dict[str, Any]] | None = None,
+            labels: dict[str, str] | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": "Pending"}
+    if init is not None:
+        status["initContainerStatuses"] = init
+    if containers is not None:
+        status["containerStatuses"] = containers
+    return {"metadata": {"name": "p-llm-0", "labels": {kube.LABEL_STAGE: "llm"}
+                         if labels is None else labels}, "status": status}
+
+
+def fetch(state: dict[str, Any], last: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"name": kube.MODEL_FETCH_CONTAINER, "ready": False, "restartCount": 1,
+            "state": state, **({"lastState": last} if last is not None else {})}
+
+
+def worker(state: dict[str, Any], last: dict[str, Any] | None = None,
+           ready: bool = False) -> dict[str, Any]:
+    return {"name": "worker", "ready": ready, "restartCount": 1, "state": state,
+            **({"lastState": last} if last is not None else {})}
+
+
+def terminated(code: int, message: str | None = None) -> dict[str, Any]:
+    return {"terminated": {"exitCode": code, **({"message": message} if message else {})}}
+
+
+LOAD = kube.MODEL_FAILED_EXIT
+
+
+def test_a_failed_fetch_is_named_with_the_last_line_of_its_message() -> None:
+    """The fetch init container crash-loops (its failure is in lastState) while the worker
+    waits: the reason is ModelFetchFailed and the message ends with the last non-blank line.
+
+    Kills: `checks +=` -> `checks =` (the fetch check would be dropped), the fetch container
+    name, the 'could not be fetched' text and reason, the line split/strip/last-line choice,
+    the lastState lookup (key, `or {}`), and the message format.
+    """
+    failing = fetch({"waiting": {"reason": "CrashLoopBackOff"}},
+                    terminated(1, "Fetching acme/x...\nerror: model 'acme/x': gone  \n\n  \n"))
+    assert model_failure(replica(init=[failing], containers=[WORKER_WAITING])) == (
+        "ModelFetchFailed", "stage 'llm': the model could not be fetched on p-llm-0: "
+                            "error: model 'acme/x': gone")
+
+
+def test_a_fetch_that_failed_in_its_current_run_counts_whatever_its_exit_code() -> None:
+    """Kills: the current-state lookup (`state.get("terminated")`), the `exitCode != 0`
+    test, and the 'exit code N' fallback when the container left no message."""
+    assert model_failure(replica(init=[fetch(terminated(7))])) == (
+        "ModelFetchFailed", "stage 'llm': the model could not be fetched on p-llm-0: exit code 7")
+
+
+def test_a_worker_that_exits_model_failed_is_a_load_failure() -> None:
+    """The model was fetched (the init container completed), then the worker exited
+    MODEL_FAILED_EXIT.
+
+    Kills: `continue` -> `break` (the completed fetch would end the search), the worker
+    container name, MODEL_FAILED_EXIT, the 'could not be loaded' text and ModelLoadFailed.
+    """
+    pod_ = replica(init=[fetch(terminated(0))],
+                   containers=[worker(terminated(LOAD, "model load failed: OSError: bad"))])
+    assert model_failure(pod_) == (
+        "ModelLoadFailed",
+        "stage 'llm': the model could not be loaded on p-llm-0: model load failed: OSError: bad")
+
+
+def test_a_worker_restarted_after_a_load_failure_reports_it_until_ready() -> None:
+    """Running again but not ready (reloading after the failure): the last failure still
+    explains why; once the worker is ready it is not a failure any more.
+
+    Kills: `"running" in state and ready` -> `or`, `not in`, the "running"/"ready" keys.
+    """
+    last = terminated(LOAD, "model load failed: OOM")
+    reloading = replica(containers=[worker({"running": {}}, last)])
+    assert model_failure(reloading) == (
+        "ModelLoadFailed", "stage 'llm': the model could not be loaded on p-llm-0: "
+                           "model load failed: OOM")
+    assert model_failure(replica(containers=[worker({"running": {}}, last, ready=True)])) is None
+
+
+def test_what_is_not_a_model_failure() -> None:
+    """Another crash of the worker, a fetch that succeeded after a failed try, other
+    containers, and a pod with no status yet are not blamed on the model.
+
+    Kills: `exitCode != code` -> `==`, `code is not None and` -> `or`, the exitCode key and
+    `!= 0` in _failed_run (a completed fetch whose previous run failed), the container name
+    filters, `pod.get("status") or {}`.
+    """
+    assert model_failure(replica(containers=[worker(terminated(1, "Traceback: boom"))])) is None
+    assert model_failure(replica(containers=[worker(terminated(0))])) is None
+    completed = fetch(terminated(0), terminated(1, "error: timeout"))
+    assert model_failure(replica(init=[completed], containers=[worker({"running": {}})])) is None
+    other = {**fetch(terminated(1, "x")), "name": "setup"}
+    sidecar = {**worker(terminated(LOAD, "x")), "name": "proxy"}
+    assert model_failure(replica(init=[other], containers=[sidecar])) is None
+    assert model_failure({"metadata": {"name": "p-llm-0"}}) is None
+    assert model_failure({"metadata": {"name": "p-llm-0"}, "status": None}) is None
+
+
+def test_a_failure_on_a_pod_without_a_stage_label_still_reads() -> None:
+    """Kills: the stage label lookup (`or {}`, key, the "?" default)."""
+    for labels in ({}, {"app": "x"}):
+        pod_ = replica(containers=[worker(terminated(LOAD))], labels=labels)
+        assert model_failure(pod_) == (
+            "ModelLoadFailed",
+            f"stage '?': the model could not be loaded on p-llm-0: exit code {LOAD}")
+    unlabelled = replica(containers=[worker(terminated(LOAD))])
+    unlabelled["metadata"]["labels"] = None
+    assert model_failure(unlabelled)[1].startswith("stage '?'")  # type: ignore[index]
