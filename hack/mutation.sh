@@ -23,7 +23,8 @@ declare -A FILE=(
 # The tests that exercise each module (mutmut runs only those that reach the mutated function).
 declare -A TESTS=(
   [admission]="tests/unit/test_admission.py tests/unit/test_admission_contract.py tests/unit/test_params.py"
-  [spec]="tests/unit/test_spec.py tests/unit/test_validate.py"
+  [spec]="tests/unit/test_spec.py tests/unit/test_spec_bounds.py tests/unit/test_spec_errors.py
+          tests/unit/test_validate.py"
   # engine: the fast unit tests (in-process fake replica channels). Their real-process twins,
   # tests/integration/test_orchestrator.py, take tens of seconds per mutant: not selected.
   [engine]="tests/unit/test_engine.py tests/unit/test_metrics.py"
@@ -42,7 +43,8 @@ for mod in "${MODULES[@]}"; do
   stage="$ROOT/.mutation/$mod"
   rm -rf "$stage"
   mkdir -p "$stage"
-  cp -r runtime/omnistage operator/omni_operator tests conftest.py "$stage/"
+  # examples/: the spec and validate tests load them (relative to the repository root).
+  cp -r runtime/omnistage operator/omni_operator tests examples conftest.py "$stage/"
   find "$stage" -name __pycache__ -prune -exec rm -rf {} +
   tests="${MUTATION_TESTS:-${TESTS[$mod]}}"
   {
@@ -53,7 +55,7 @@ for mod in "${MODULES[@]}"; do
     printf 'pytest_add_cli_args_test_selection = [%s]\n' \
       "$(printf '"%s", ' $tests | sed 's/, $//')"
     echo 'use_git_change_detection = false'
-    echo 'also_copy = ["conftest.py"]'
+    echo 'also_copy = ["conftest.py", "examples"]'
   } > "$stage/pyproject.toml"
   echo "== $mod: mutating $file, tests: $tests"
   (

@@ -1232,7 +1232,9 @@ def _convert(exc: ValidationError, root: type[BaseModel]) -> list[tuple[str, str
         elif kind == "literal_error":
             message = f"invalid value {_short(value)} (expected {ctx.get('expected')})"
         elif kind == "string_pattern_mismatch":
-            help_text = _PATTERN_HELP.get(ctx.get("pattern", ""), err["msg"].lower())
+            # Lowercase only the first letter: the pattern quoted in the message keeps its case.
+            fallback = err["msg"][:1].lower() + err["msg"][1:]
+            help_text = _PATTERN_HELP.get(ctx.get("pattern", ""), fallback)
             message = f"{help_text} (got {_short(value)})"
         elif kind in _TYPE_NAMES:
             # Strict parsing, as the API server types JSON: "3" is not 3 and "true" is not true.
