@@ -121,6 +121,8 @@ def main() -> int:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip()  # what is measured: at the start
     rows, failed = [], False
     for bench in todo:
         before = load()
@@ -130,8 +132,6 @@ def main() -> int:
         goals = "<br>".join(summaries) or f"no summary (exit {rc}; see {logs}/{bench.name}.log)"
         rows.append(f"| {bench.name} | {goals} | {took:.0f} s | {before} → {load()} |")
         (logs / f"{bench.name}.figures").write_text("\n".join(figures) + "\n")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                            capture_output=True).stdout.strip()
     text = "\n".join([
         f"One run of bench/run_all.py, started {started}, at commit {commit}.",
         f"Machine: {machine()}.",
