@@ -75,7 +75,8 @@ def operator(kube: Cluster, crds: None,
 
 def _denied(op: Operator) -> list[str]:
     return [line for line in op.log_path.read_text(errors="replace").splitlines()
-            if re.search(r"\b403\b|[Ff]orbidden", line)]
+            # "HTTP 403" as ApiError words it; a bare 403 also matches a log line's milliseconds
+            if re.search(r"\bHTTP 403\b|[Ff]orbidden", line)]
 
 
 def _reconciles(op: Operator) -> int:
