@@ -912,8 +912,9 @@ class Bench:
         print(line, flush=True)
         if "lws" in result:
             print(lws_summary(result, secs), flush=True)
-        result["goals"] = [g.__dict__ for g in scale_goals(result, secs)]
-        print("summary: " + verdicts(scale_goals(result, secs)), flush=True)
+        goals = scale_goals(result, secs)
+        result["goals"] = [g.__dict__ for g in goals]
+        print("summary: " + verdicts(goals), flush=True)
         return result
 
     def run_lws(self) -> Obj:
