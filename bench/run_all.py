@@ -74,7 +74,8 @@ def load() -> str:
 
 SUMMARY = re.compile(r"^summary(\[[^\]]*\])?: (?P<goals>.*)$")
 FIGURES = re.compile(r"^(operator_scale|operator_vs_lws|scheduler_dispatch|tensor_transfer"
-                     r"\[\w+(,\w+)?\]|omnistage |zmq-direct|ray-serve|dynamo|ar |diffusion )")
+                     r"\[\w+(,\w+)?\]|omnistage |zmq-direct|ray-serve|dynamo|ar |diffusion "
+                     r"|(aiohttp|fastapi|starlette)[-\w]* +/)")
 
 
 def run(bench: Bench, logs: Path) -> tuple[int, list[str], list[str], float]:

@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any
 
-from omni_operator.models import API_VERSION
+from omni_operator.models import API_VERSION, desired_replicas
 from omni_operator.placement import pod_scheduling, tolerations
 from omnistage import kube
 from omnistage.orchestrator.shutdown import shutdown_seconds
@@ -480,7 +480,7 @@ def pool_pdb(pool: Obj) -> Obj:
         # disruption controller resolves maxUnavailable through the owner's scale subresource,
         # which fails until its discovery cache learns the CRD. minAvailable needs no lookup.
         "spec": {
-            "minAvailable": max(0, int(pool["spec"].get("replicas", 0)) - stage.max_unavailable),
+            "minAvailable": max(0, desired_replicas(pool) - stage.max_unavailable),
             "maxUnavailable": None,  # merge-patch away the form older operators wrote
             "selector": {"matchLabels": {kube.LABEL_POOL: meta["name"]}},
         },

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_operator import retirement
+from omni_operator.models import desired_replicas
 from omnistage import kube
 
 Obj = dict[str, Any]
@@ -109,7 +110,7 @@ def run_drain(args: argparse.Namespace) -> int:
                     raise
     except ApiError as exc:
         return _fail(str(exc))
-    replicas = int(pool["spec"].get("replicas", 0))
+    replicas = desired_replicas(pool)
     if args.mode == "retire":
         SAY(f"{args.replica}: retiring for good (StagePool {pool_name} replicas {replicas} -> "
             f"{replicas - 1}; the name stays free until a scale-up)")

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from omni_operator.models import desired_replicas
 from omnistage import kube
 
 Obj = dict[str, Any]
@@ -37,10 +38,6 @@ class Retired:
     def to_annotation(self) -> str:
         return json.dumps({"ordinals": sorted(self.ordinals), "replace": sorted(self.replace),
                            "atReplicas": self.at_replicas}, sort_keys=True)
-
-
-def _replicas(pool: Obj) -> int:
-    return int((pool.get("spec") or {}).get("replicas", 0))
 
 
 def stored(pool: Obj) -> Retired | None:
@@ -60,7 +57,7 @@ def stored(pool: Obj) -> Retired | None:
 def retired(pool: Obj) -> Retired:
     """The retirement in force: none once the pool was scaled up past atReplicas."""
     state = stored(pool)
-    if state is None or _replicas(pool) > state.at_replicas:
+    if state is None or desired_replicas(pool) > state.at_replicas:
         return Retired()
     return state
 
@@ -69,7 +66,7 @@ def expired(pool: Obj) -> bool:
     """The annotation exists but no longer applies (a scale-up freed its ordinals)."""
     state = stored(pool)
     text = ((pool.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RETIRED)
-    return bool(text) and (state is None or _replicas(pool) > state.at_replicas)
+    return bool(text) and (state is None or desired_replicas(pool) > state.at_replicas)
 
 
 def wanted_ordinals(pool: Obj, present: Iterable[int] = ()) -> list[int]:
@@ -80,7 +77,7 @@ def wanted_ordinals(pool: Obj, present: Iterable[int] = ()) -> list[int]:
     so a lost replica comes back under its name.
     """
     skip = retired(pool).ordinals
-    want = _replicas(pool)
+    want = desired_replicas(pool)
     out = sorted(o for o in set(present) if o not in skip)[:want]
     ordinal = 0
     while len(out) < want:
@@ -114,7 +111,7 @@ def drain_patch(pool: Obj, pod: Obj, mode: Mode) -> Obj:
     if meta.get("deletionTimestamp") or (meta.get("annotations") or {}).get(
             kube.ANNOTATION_DRAINING) == "true":
         raise DrainRefused(f"{name} is already leaving the pool (scale-down, rollout or drain)")
-    replicas = _replicas(pool)
+    replicas = desired_replicas(pool)
     if mode == "retire":
         replicas -= 1
     new = Retired(state.ordinals | {ordinal},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_operator.models import desired_replicas
 from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import is_draining, is_ready
 from omnistage import kube
@@ -92,7 +93,7 @@ def model_failure(pod: Obj) -> tuple[str, str] | None:
 
 def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj:
     meta, spec = pool["metadata"], pool["spec"]
-    desired = int(spec.get("replicas", 0))
+    desired = desired_replicas(pool)
     max_unavailable = int((spec.get("stage") or {}).get("maxUnavailable", 1))
     gen = int(meta.get("generation", 0))
     old = pool.get("status") or {}
@@ -193,7 +194,7 @@ def pipeline_status(
     for name in stages:
         pool = pools.get(name)
         st = (pool or {}).get("status") or {}
-        desired = int(((pool or {}).get("spec") or {}).get("replicas", 0))
+        desired = desired_replicas(pool) if pool else 0
         per_stage[name] = {"pool": kube.pool_name(pipeline["metadata"]["name"], name),
                            "ready": min(int(st.get("readyReplicas", 0)), desired),
                            "desired": desired}

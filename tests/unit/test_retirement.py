@@ -187,3 +187,24 @@ def test_status_tree_names_state_inflight_and_node() -> None:
     assert "p-a-3  Unschedulable  in-flight=?  node=-" in text
     assert replica_state({**draining, "metadata": {**draining["metadata"],
                                                    "deletionTimestamp": "t"}}) == "Terminating"
+
+
+def test_a_pool_without_spec_replicas_wants_the_documented_default_of_one_everywhere() -> None:
+    """The CRD documents `replicas` as defaulting to 1 and StagePoolSpec says so, but the CRD
+    itself stores no default. Kills: any reader of a stored pool falling back to 0 (the
+    controller would create no pod; status, PDB and `omnistage drain` would disagree)."""
+    from omni_operator.models import StagePoolSpec, desired_replicas
+    from omni_operator.status import pool_status
+
+    pool = _pool(1)
+    del pool["spec"]["replicas"]
+    spec = {**pool["spec"], "image": "omnistage/stage:dev"}
+    assert StagePoolSpec.model_validate(spec).replicas == 1 == desired_replicas(pool)
+    assert retirement.wanted_ordinals(pool) == [0]
+    assert retirement.drain_patch(pool, _pod(0), "retire")["spec"] == {"replicas": 0}
+    owned = {**pool, "apiVersion": "omnistage.io/v1alpha1", "kind": "StagePool",
+             "metadata": {**pool["metadata"], "uid": "u1"}}
+    assert builders.pool_pdb(owned)["spec"]["minAvailable"] == 0  # 1 - maxUnavailable 1
+    ready = {**_pod(0), "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    assert pool_status(pool, [ready], "h", "2026-01-01T00:00:00Z")["ready"] == "1/1"
+    assert desired_replicas({"spec": {"replicas": 0}}) == 0  # an explicit 0 stays 0
