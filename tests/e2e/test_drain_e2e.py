@@ -257,9 +257,9 @@ def _deleted_only_after_its_request(
     try:
         after = _worker_metric(podrunner, victim, "omnistage_worker_admitted_total", **labels)
     except urllib.error.URLError as exc:
-        # The replica is gone. That is right only once its own request has ended: on a loaded
-        # machine the waits above can take most of its 45 s. The deletion-time checks below
-        # still apply; only the new-work count cannot be read from a stopped worker.
+        # The replica is gone. That is right only once its own request has ended (the waits
+        # above may take most of its 45 s). The deletion-time checks below still apply; only
+        # the new-work count cannot be read from a stopped worker.
         took = time.time() - on_victim.sent
         assert on_victim.done.wait(10), (
             f"{vname} stopped answering ({exc.reason}) {took:.1f} s after its "

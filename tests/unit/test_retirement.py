@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from omni_operator import builders, retirement
+from omni_operator.models import API_VERSION, StagePoolSpec, desired_replicas
 from omni_operator.replicas_cli import render_status, replica_state
+from omni_operator.status import pool_status
 from omnistage import kube
 from omnistage.orchestrator.shutdown import shutdown_seconds
 from omnistage.spec import parse_pipeline
@@ -193,16 +195,13 @@ def test_a_pool_without_spec_replicas_wants_the_documented_default_of_one_everyw
     """The CRD documents `replicas` as defaulting to 1 and StagePoolSpec says so, but the CRD
     itself stores no default. Kills: any reader of a stored pool falling back to 0 (the
     controller would create no pod; status, PDB and `omnistage drain` would disagree)."""
-    from omni_operator.models import StagePoolSpec, desired_replicas
-    from omni_operator.status import pool_status
-
     pool = _pool(1)
     del pool["spec"]["replicas"]
     spec = {**pool["spec"], "image": "omnistage/stage:dev"}
     assert StagePoolSpec.model_validate(spec).replicas == 1 == desired_replicas(pool)
     assert retirement.wanted_ordinals(pool) == [0]
     assert retirement.drain_patch(pool, _pod(0), "retire")["spec"] == {"replicas": 0}
-    owned = {**pool, "apiVersion": "omnistage.io/v1alpha1", "kind": "StagePool",
+    owned = {**pool, "apiVersion": API_VERSION, "kind": "StagePool",
              "metadata": {**pool["metadata"], "uid": "u1"}}
     assert builders.pool_pdb(owned)["spec"]["minAvailable"] == 0  # 1 - maxUnavailable 1
     ready = {**_pod(0), "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
