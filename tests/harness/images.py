@@ -6,15 +6,28 @@ writes an index (image reference -> rootfs and image config). This module reads 
 applies the Kubernetes rules that combine an image with a container spec (command/args against
 ENTRYPOINT/CMD, runAsUser against USER, workingDir against WORKDIR). An image that is not in
 the index is an error the runner reports as ErrImagePull, never a silent fallback.
+
+``python -m tests.harness.images canary`` is hack/test.sh's image canary: it runs each image's
+entry point (and an import of what its pods need) once, the way image mode runs a container, so
+an image that cannot start ends the CI run in seconds instead of after the e2e suite's timeouts.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.harness.sandbox import START_ERROR_EXIT, Mount, SandboxSpec, launcher_argv
 
 REPO = Path(__file__).resolve().parents[2]
 INDEX_ENV = "OMNISTAGE_IMAGE_INDEX"
@@ -174,3 +187,162 @@ def container_user(image: ImageInfo, pod_sc: dict[str, Any], sc: dict[str, Any]
     if "fsGroup" in pod_sc:
         groups.append(pod_sc["fsGroup"])
     return int(uid), int(gid), sorted(set(groups))
+
+
+# ---- the image canary (hack/test.sh) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CanaryCheck:
+    """One command run once in one image: ``command`` replaces the entry point, else ``args``
+    go to it (Kubernetes' rules, as a pod spec would say)."""
+
+    image: str  # the index entry's name: runtime or operator
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+
+
+#: What every pod of each image needs: the entry point starts, and the modules it runs import.
+CANARY_CHECKS = (
+    CanaryCheck("runtime", command=("python3", "-c", "import torch, omnistage.worker.server, "
+                                    "omnistage.orchestrator.main")),
+    CanaryCheck("runtime"),  # ENTRYPOINT + CMD: `omnistage --help`
+    CanaryCheck("operator", command=("python3", "-c", "import kopf, omni_operator.main, "
+                                     "omni_operator.command")),
+    CanaryCheck("operator", args=("--help",)),  # ENTRYPOINT: `omnistage operator --help`
+)
+CANARY_TIMEOUT = 60.0
+"""Seconds per check: a torch import in a cold overlay takes about 10 s on a loaded machine."""
+
+
+@dataclass
+class CanaryResult:
+    check: CanaryCheck
+    ref: str
+    argv: list[str]
+    rc: int | None  # None: it did not finish within the limit
+    seconds: float
+    output: str  # stderr then stdout, or why it could not run
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+
+def _entries_by_name(index: Path) -> dict[str, ImageInfo]:
+    """The index's images by their name (runtime, operator), under their version reference."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise ImageError("ErrImagePull", f"cannot read the image index {index}: {e}") from e
+    out: dict[str, ImageInfo] = {}
+    for ref, e in sorted(data.get("images", {}).items()):
+        if e.get("name") and e["name"] not in out:
+            out[e["name"]] = ImageInfo(ref, e["id"], e["rootfs"], e.get("config") or {})
+    return out
+
+
+def run_check(images: LocalImages, info: ImageInfo | None, check: CanaryCheck,
+              timeout: float = CANARY_TIMEOUT) -> CanaryResult:
+    """Run one check as image mode runs a container: the image's rootfs read-only under an
+    overlay, its USER, its Env, a writable /tmp (the emptyDir the operator mounts there)."""
+    spec = {"command": list(check.command), "args": list(check.args)}
+    if info is None:
+        return CanaryResult(check, "?", [], -1, 0.0,
+                            f"no {check.image!r} image in {images.index} (hack/build-images.sh)")
+    argv: list[str] = []
+    started = time.monotonic()
+    try:
+        info = images.lookup(info.ref)
+        argv = container_argv(info, spec)
+        uid, gid, groups = container_user(info, {}, {})
+    except ImageError as e:
+        return CanaryResult(check, info.ref, argv, -1, 0.0, f"{e.reason}: {e.message}")
+    with tempfile.TemporaryDirectory(prefix="omnistage-canary-") as tmp:
+        tmpdir = Path(tmp, "tmp")
+        tmpdir.mkdir()
+        tmpdir.chmod(0o1777)
+        sandbox = SandboxSpec(
+            rootfs=info.rootfs, scratch=str(Path(tmp, "fs")), argv=argv,
+            env={**info.env, "HOSTNAME": f"canary-{check.image}"}, uid=uid, gid=gid,
+            groups=groups, workdir=info.config.get("WorkingDir") or "/", read_only_root=True,
+            no_new_privs=True, mounts=[Mount(str(tmpdir), "/tmp")],
+            error_file=str(Path(tmp, "start-error.json")))
+        sandbox.write(Path(tmp, "sandbox.json"))
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen(launcher_argv(Path(tmp, "sandbox.json")), env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, text=True,
+                                errors="replace")
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            rc = None
+        if rc == START_ERROR_EXIT and Path(sandbox.error_file).is_file():
+            start = json.loads(Path(sandbox.error_file).read_text() or "{}")
+            err = f"{start.get('reason')}: {start.get('message')}\n{err}"
+    return CanaryResult(check, info.ref, argv, rc, time.monotonic() - started,
+                        (err or "") + (out or ""))
+
+
+def canary(index: Path, checks: tuple[CanaryCheck, ...] = CANARY_CHECKS,
+           timeout: float = CANARY_TIMEOUT) -> list[CanaryResult]:
+    """Every check, all at once (the slowest one bounds the wall time)."""
+    images = LocalImages(index)
+    by_name = _entries_by_name(index)
+    results: list[CanaryResult | None] = [None] * len(checks)
+
+    def one(i: int) -> None:
+        results[i] = run_check(images, by_name.get(checks[i].image), checks[i], timeout)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(checks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in results if r is not None]
+
+
+def summary(results: list[CanaryResult], tail: int = 15) -> str:
+    """One line per check; for a failed one, the image, the command and its output's tail."""
+    lines = []
+    for r in results:
+        how = ("ok" if r.ok else "TIMED OUT" if r.rc is None else
+               "CANNOT START" if r.rc == -1 else f"FAILED (exit {r.rc})")
+        lines.append(f"  {how:<16} {r.check.image:<9} {r.ref}  $ {' '.join(r.argv) or '-'}  "
+                     f"({r.seconds:.1f}s)")
+        if not r.ok:
+            lines += [f"      | {line}" for line in r.output.rstrip().splitlines()[-tail:]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the image canary (hack/test.sh).")
+    parser.add_argument("command", choices=("canary",))
+    parser.add_argument("--index", type=Path, default=os.environ.get(INDEX_ENV) or None,
+                        required=not os.environ.get(INDEX_ENV),
+                        help=f"image index (hack/build-images.sh --print-index; ${INDEX_ENV})")
+    parser.add_argument("--timeout", type=float, default=CANARY_TIMEOUT,
+                        help="seconds each check may take (default %(default)s)")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        parser.error("the image canary needs root, as image mode does (overlay mounts)")
+    started = time.monotonic()
+    results = canary(args.index, timeout=args.timeout)
+    failed = [r for r in results if not r.ok]
+    print(f"image canary: {len(results) - len(failed)} of {len(results)} checks passed in "
+          f"{time.monotonic() - started:.1f}s (limit {args.timeout:g}s each)")
+    print(summary(results))
+    if failed:
+        names = ", ".join(sorted({r.check.image for r in failed}))
+        print(f"image canary: FAILED: the {names} image cannot start; see the output above",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,16 +5,22 @@ tests/e2e/test_image_mode.py runs the same rules against real pods and images.""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.harness.images import (
+    CanaryCheck,
     ImageError,
     ImageInfo,
     LocalImages,
+    canary,
     container_argv,
     container_user,
+    summary,
 )
 from tests.harness.sandbox import in_root
 
@@ -89,3 +95,50 @@ def test_mount_targets_resolve_symlinks_inside_the_image(tmp_path: Path) -> None
     (tmp_path / "loop").symlink_to("/loop")
     with pytest.raises(OSError, match="too many symlinks"):
         in_root(tmp_path, "/loop/x")
+
+
+# ---- the image canary (hack/test.sh) ------------------------------------------------------------
+
+
+def _shell_image(root: Path) -> Path:
+    """A real, tiny image: the host's /bin/sh and the libraries it loads, plus /etc/passwd."""
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    sh = Path("/bin/sh").resolve()
+    out = subprocess.run(["ldd", str(sh)], capture_output=True, text=True, check=True).stdout
+    libs = [w for w in out.split() if w.startswith("/")]
+    for src in [str(sh), *libs]:
+        dest = root / src.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(Path(src).resolve(), dest)
+    (root / "bin").mkdir(exist_ok=True)
+    if not (root / "bin" / "sh").exists():
+        (root / "bin" / "sh").symlink_to(sh)
+    return root
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ldd") is None,
+                    reason="the canary runs containers as image mode does: root, overlay mounts")
+def test_the_canary_names_the_image_the_command_and_its_stderr(tmp_path: Path) -> None:
+    rootfs = _shell_image(tmp_path / "rootfs")
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"images": {"example/rt:1": {
+        "name": "rt", "id": "sha256:1", "rootfs": str(rootfs),
+        "config": {"Entrypoint": ["/bin/sh", "-c"], "Cmd": ["test -w /tmp && exit 0"],
+                   "Env": ["PATH=/bin"]}}}}))
+    checks = (
+        CanaryCheck("rt"),  # the entry point, with a writable /tmp as the operator mounts
+        CanaryCheck("rt", args=("echo broken on purpose >&2; exit 3",)),
+        CanaryCheck("rt", command=("/bin/omnistage",)),
+        CanaryCheck("rt", args=("while :; do :; done",)),
+        CanaryCheck("gone"),
+    )
+    results = canary(index, checks, timeout=2)
+    assert [(r.ok, r.rc) for r in results] == [
+        (True, 0), (False, 3), (False, 128), (False, None), (False, -1)]
+    text = summary(results)
+    assert "FAILED (exit 3)  rt        example/rt:1  $ /bin/sh -c echo broken" in text
+    assert "| broken on purpose" in text
+    assert 'RunContainerError: exec: "/bin/omnistage"' in text
+    assert "TIMED OUT" in text and "no 'gone' image in" in text
