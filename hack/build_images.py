@@ -6,8 +6,13 @@ machine, and developers rebuild them after a change. It works with Docker where 
 runs and with buildah (daemonless: ``--isolation chroot``) everywhere else. Where no registry is
 reachable, the public base image cannot be pulled, so it builds an equivalent Debian base with
 mmdebstrap first. Each image is cached by a content hash of its inputs (Dockerfile, install
-script, pyproject.toml, README.md, the sources, the base image id, the torch variant), the way
-hack/build_k8s.py caches binaries: a warm run only hashes and checks, in seconds.
+script, pyproject.toml, README.md, the sources, the base image id, the build arguments), the way
+hack/build_k8s.py caches binaries: a warm run only hashes and checks, in seconds. The cache is
+keyed by that hash alone (the image's ``<repository>:<hash>`` tag), never by the checkout's
+path, so a second checkout of the same sources reuses the image instead of rebuilding it.
+
+``OMNISTAGE_BREAK_IMAGE=1`` (test-only) builds a runtime image whose entry point fails, to prove
+that hack/test.sh's image canary stops the run (docs/testing.md).
 
 After a build each image is unpacked ONCE into a read-only root filesystem that every pod of the
 local pod runner shares (tests/harness/podrunner.py, image mode); ``index.json`` maps each image
@@ -124,8 +129,10 @@ def cache_dir() -> Path:
 
 
 def checkout_id() -> str:
-    """Several checkouts (git worktrees) share one cache; each has its own index and state, so
-    one checkout's build never changes the images another one's pods run."""
+    """Several checkouts (git worktrees) share one cache and its images; each has its own index
+    (a small file: which image each reference means for THIS checkout's sources), so one
+    checkout's build never changes the images another one's pods run. Only the index is per
+    path: what is built is found by its inputs' hash (``content_ref``)."""
     return hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
 
 
@@ -150,6 +157,32 @@ def input_files() -> list[Path]:
                 continue
             files.append(path)
     return files
+
+
+#: Test-only build argument of the runtime image: "1" replaces its entry point with one that
+#: fails (runtime/Dockerfile), so a CI run can prove that the image canary stops it.
+BREAK_ENV = "OMNISTAGE_BREAK_IMAGE"
+
+
+def build_args(image: Image, base: str, variant: str,
+               env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """The build arguments that decide an image's content (all of them enter its cache key)."""
+    args = {"BASE_IMAGE": base}
+    if image.torch:
+        args["TORCH_VARIANT"] = variant
+    broken = env.get(BREAK_ENV) or "0"
+    if broken not in ("0", "1"):
+        raise die(f"{BREAK_ENV} must be 0 or 1 (1: a runtime image whose entry point fails, "
+                  f"for testing the image canary), not {broken!r}")
+    if broken == "1" and image.name == "runtime":
+        log(f"{BREAK_ENV}=1: building a runtime image whose entry point fails (test only)")
+        args[BREAK_ENV] = "1"
+    return args
+
+
+def content_ref(image: Image, key: str) -> str:
+    """The tag that names an image by its inputs' hash: the cache lookup of every checkout."""
+    return f"{image.repository}:{key[:12]}"
 
 
 def inputs_digest(image: Image, base_id: str, build_args: dict[str, str]) -> str:
@@ -308,6 +341,10 @@ class Builder:
     def config(self, image_id: str) -> dict[str, Any]:
         raise NotImplementedError
 
+    def tag(self, image_id: str, ref: str) -> None:
+        """Point ``ref`` at ``image_id``."""
+        raise NotImplementedError
+
     def rootfs(self, name: str, image_id: str) -> Path:
         """A read-only-use root filesystem of the image, unpacked once per image id."""
         raise NotImplementedError
@@ -414,6 +451,9 @@ class Buildah(Builder):
         cfg = data.get("OCIv1", {}).get("config", {})
         return {k: cfg.get(k) for k in CONFIG_KEYS if cfg.get(k) is not None}
 
+    def tag(self, image_id: str, ref: str) -> None:
+        run(self.cmd("tag", image_id, ref))
+
     def size(self, image_id: str) -> str:
         out = run(self.cmd("images", "--format", "{{.Size}}", image_id)).stdout
         return out.splitlines()[0].strip()
@@ -481,6 +521,9 @@ class Docker(Builder):
         data = json.loads(run(["docker", "image", "inspect", image_id]).stdout)[0]
         cfg = data.get("Config") or {}
         return {k: cfg.get(k) for k in CONFIG_KEYS if cfg.get(k) is not None}
+
+    def tag(self, image_id: str, ref: str) -> None:
+        run(["docker", "tag", image_id, ref])
 
     def size(self, image_id: str) -> str:
         out = run(["docker", "image", "inspect", "--format", "{{.Size}}", image_id]).stdout
@@ -618,38 +661,33 @@ def build_all(only: list[str], force: bool, variant: str) -> dict[str, Any]:
     ver = version()
     base = resolve_base(builder)
     base_id = builder.image_id(base) or ""
-    state_dir = cache_dir() / "state" / checkout_id()
     index: dict[str, Any] = {base: index_entry(builder, "base", base, base_id)}
     index[BASE_ALIAS] = index[base]
     with tempfile.TemporaryDirectory(prefix="omnistage-pip-") as tmp:
         secrets, volumes = pip_secrets(Path(tmp))
         for image in IMAGES:
-            args = {"BASE_IMAGE": base}
-            if image.torch:
-                args["TORCH_VARIANT"] = variant
+            args = build_args(image, base, variant)
             key = inputs_digest(image, base_id, args)
-            ref = image.ref(ver)
-            state = read_json(state_dir / f"{image.name}.json")
-            image_id = builder.image_id(ref)
-            fresh = state.get("inputs") == key and image_id == state.get("id")
+            ref, by_inputs = image.ref(ver), content_ref(image, key)
+            # Found by the inputs' hash alone: whichever checkout built it, it is these sources.
+            image_id = builder.image_id(by_inputs)
             if only and image.name not in only:
-                if not fresh:
+                if not image_id:
                     log(f"{image.name} {ref}: not built (out of date or missing); not indexed")
                     continue
-                log(f"{image.name} {ref}: cached (inputs {key[:12]})")
-            elif fresh and not force:
-                log(f"{image.name} {ref}: cached (inputs {key[:12]})")
+                log(f"{image.name} {ref}: cached as {by_inputs}")
+            elif image_id and not force:
+                log(f"{image.name} {ref}: cached as {by_inputs}")
             else:
-                log(f"{image.name} {ref}: building (inputs {key[:12]}; slow on a cold cache)")
-                tags = [ref, f"{image.repository}:{key[:12]}"]
-                build_args = {**args, "VERSION": ver, "REVISION": git_revision()}
-                builder.build(image, tags, build_args, secrets, volumes)
-                image_id = builder.image_id(ref)
+                log(f"{image.name} {ref}: building {by_inputs} (slow on a cold cache)")
+                build = {**args, "VERSION": ver, "REVISION": git_revision()}
+                builder.build(image, [ref, by_inputs], build, secrets, volumes)
+                image_id = builder.image_id(by_inputs)
                 if not image_id:
-                    raise die(f"{image.name}: built, but {ref} is not in the image store")
-                write_json(state_dir / f"{image.name}.json",
-                           {"inputs": key, "id": image_id, "ref": ref,
-                            "size": builder.size(image_id)})
+                    raise die(f"{image.name}: built, but {by_inputs} is not in the image store")
+                log(f"{image.name}: {builder.size(image_id)}")
+            if builder.image_id(ref) != image_id:
+                builder.tag(image_id, ref)  # the version tag follows the last checkout built
             index[ref] = index_entry(builder, image.name, ref, image_id)
     write_json(index_path(), {"version": 1, "images": index})
     in_use = {e["id"] for path in (cache_dir() / "index").glob("*.json")

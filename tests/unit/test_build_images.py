@@ -84,3 +84,113 @@ def test_the_cache_key_covers_sources_but_not_bytecode(
     assert bi.inputs_digest(runtime, "sha256:other", {"TORCH_VARIANT": "cuda"}) != key
     (tmp_path / "runtime" / "omnistage" / "new.py").write_text("x = 1\n")
     assert bi.inputs_digest(runtime, "sha256:base", {"TORCH_VARIANT": "cuda"}) != key
+
+
+class FakeBuilder:
+    """An image store in memory: what build_all asks of docker or buildah, and the builds."""
+
+    kind = "fake"
+
+    def __init__(self, rootfs: Path) -> None:
+        self.tags: dict[str, str] = {"base": "sha256:base"}
+        self.builds: list[tuple[str, dict[str, str]]] = []
+        self.root = rootfs
+
+    def image_id(self, ref: str) -> str | None:
+        return self.tags.get(ref)
+
+    def pull(self, ref: str) -> bool:
+        return False
+
+    def build(self, image: object, tags: list[str], args: dict[str, str],
+              secrets: dict[str, Path], volumes: list[str]) -> None:
+        name = image.name  # type: ignore[attr-defined]
+        self.builds.append((name, args))
+        for tag in tags:
+            self.tags[tag] = f"sha256:{name}-{len(self.builds)}"
+
+    def tag(self, image_id: str, ref: str) -> None:
+        self.tags[ref] = image_id
+
+    def size(self, image_id: str) -> str:
+        return "1 MB"
+
+    def config(self, image_id: str) -> dict[str, object]:
+        return {}
+
+    def rootfs(self, name: str, image_id: str) -> Path:
+        path = self.root / image_id.split(":")[-1]
+        (path / "etc").mkdir(parents=True, exist_ok=True)
+        return path
+
+    def prune(self, keep: set[str]) -> None:
+        pass
+
+
+def _checkout(bi: ModuleType, dest: Path) -> Path:
+    """A checkout with everything the two images are built from."""
+    for path in bi.input_files() + [REPO / i.dockerfile for i in bi.IMAGES]:
+        rel = path.relative_to(REPO)
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, dest / rel)
+    return dest
+
+
+@pytest.fixture
+def store(bi: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeBuilder:
+    builder = FakeBuilder(tmp_path / "rootfs")
+    monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMNISTAGE_BASE_IMAGE", "base")
+    monkeypatch.delenv(bi.BREAK_ENV, raising=False)
+    monkeypatch.setattr(bi, "pick_builder", lambda: builder)
+    monkeypatch.setattr(bi, "git_revision", lambda: "abc")
+    return builder
+
+
+def test_two_checkouts_of_the_same_sources_share_the_images(
+    bi: ModuleType, store: FakeBuilder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is keyed by the inputs' hash, never by the checkout's path: a second worktree
+    reuses the 6 GB image; a source change in one rebuilds there, and the other keeps its own."""
+    first, second = _checkout(bi, tmp_path / "a"), _checkout(bi, tmp_path / "b")
+    monkeypatch.setattr(bi, "REPO", first)
+    index_a = bi.build_all([], False, "cuda")
+    assert [name for name, _ in store.builds] == ["runtime", "operator"]
+    path_a = bi.index_path()
+    monkeypatch.setattr(bi, "REPO", second)
+    assert bi.index_path() != path_a  # each checkout says which images ITS sources mean
+    index_b = bi.build_all([], False, "cuda")
+    assert len(store.builds) == 2  # nothing built for the second checkout
+    assert {r: e["id"] for r, e in index_b.items()} == {r: e["id"] for r, e in index_a.items()}
+
+    (second / "runtime" / "omnistage" / "new.py").write_text("x = 1\n")
+    index_b = bi.build_all([], False, "cuda")
+    assert [name for name, _ in store.builds[2:]] == ["runtime", "operator"]
+    ref = next(r for r, e in index_b.items() if e["name"] == "runtime")
+    monkeypatch.setattr(bi, "REPO", first)
+    saved_a = bi.read_json(bi.index_path())["images"]
+    assert saved_a[ref]["id"] == index_a[ref]["id"] != index_b[ref]["id"]
+    # The first checkout, built again, gets its own image back (retagged), without a build.
+    assert bi.build_all([], False, "cuda")[ref]["id"] == index_a[ref]["id"]
+    assert len(store.builds) == 4 and store.tags[ref] == index_a[ref]["id"]
+
+
+def test_the_break_argument_reaches_only_the_runtime_build_and_its_key(
+    bi: ModuleType, store: FakeBuilder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bi, "REPO", _checkout(bi, tmp_path / "a"))
+    healthy = bi.build_all([], False, "cuda")
+    monkeypatch.setenv(bi.BREAK_ENV, "1")
+    broken = bi.build_all([], False, "cuda")
+    assert [(n, a.get(bi.BREAK_ENV)) for n, a in store.builds] == [
+        ("runtime", None), ("operator", None), ("runtime", "1")]  # a cache entry of its own
+    ref = next(r for r, e in broken.items() if e["name"] == "runtime")
+    assert broken[ref]["id"] != healthy[ref]["id"]
+    monkeypatch.setenv(bi.BREAK_ENV, "0")
+    assert bi.build_all([], False, "cuda")[ref]["id"] == healthy[ref]["id"]  # no rebuild
+    assert len(store.builds) == 3
+    monkeypatch.setenv(bi.BREAK_ENV, "yes")
+    with pytest.raises(SystemExit, match=r"OMNISTAGE_BREAK_IMAGE must be 0 or 1.*'yes'"):
+        bi.build_all([], False, "cuda")
+    dockerfile = (REPO / "runtime" / "Dockerfile").read_text()
+    assert "ARG OMNISTAGE_BREAK_IMAGE=0" in dockerfile  # the Dockerfile takes the argument
