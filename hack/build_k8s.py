@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -108,9 +109,29 @@ class Target:
     main_src: Path | None = None
     # Only built when named on the command line (benchmark baselines, not test components).
     optional: bool = False
+    # Rebuild a cached binary when its ldflags change (they must then be deterministic: no
+    # build date). Off by default so binaries built before stamps existed stay cached.
+    stamped: bool = False
 
     def outputs(self, bindir: Path) -> list[Path]:
         return [bindir / f"{b}-{self.version}" for b in self.binaries]
+
+    def stamp(self) -> str:
+        return hashlib.sha256(" ".join(self.ldflags).encode()).hexdigest()[:16]
+
+    def stamp_file(self, bindir: Path) -> Path:
+        return bindir / f".{self.name}-{self.version}.ldflags"
+
+    def cached(self, bindir: Path) -> bool:
+        """Every binary is there (and, when stamped, was linked with today's ldflags)."""
+        if not all(p.exists() for p in self.outputs(bindir)):
+            return False
+        if not self.stamped:
+            return True
+        try:
+            return self.stamp_file(bindir).read_text().strip() == self.stamp()
+        except OSError:
+            return False
 
 
 def staging_replaces(k8s_version: str, workdir: Path) -> dict[str, str]:
@@ -139,6 +160,22 @@ def k8s_ldflags(version: str) -> list[str]:
             ("buildDate", date),
         ):
             flags.append(f"-X {pkg}.{key}={value}")
+    return flags
+
+
+def helm_ldflags(module: str, version: str, k8s_version: str) -> list[str]:
+    """What helm's own release build (its Makefile) links in: its version, and the Kubernetes
+    version that ``helm template`` and ``helm lint`` assume without a cluster. A module build
+    without them believes Kubernetes is v1.20, and the chart's ``kubeVersion: >=1.30`` fails;
+    here it is the control plane's version (K8S_VERSION). The paths are helm v3's."""
+    if not module.endswith("/v3"):
+        raise SystemExit(f"build-k8s: helm_ldflags knows helm v3's package paths, not {module} "
+                         "(see that helm's Makefile for its k8sVersionMajor/Minor variables)")
+    major, minor = k8s_version.removeprefix("v").split(".")[:2]
+    flags = [f"-X {module}/internal/version.version={version}"]
+    for pkg in ("pkg/chartutil", "pkg/lint/rules"):
+        flags += [f"-X {module}/{pkg}.k8sVersionMajor={major}",
+                  f"-X {module}/{pkg}.k8sVersionMinor={minor}"]
     return flags
 
 
@@ -180,7 +217,8 @@ def targets(v: dict[str, str], workdir: Path) -> list[Target]:
             binaries=("helm",),
             packages=(f"{helm_mod}/cmd/helm",),
             requires={helm_mod: helm},
-            ldflags=[f"-X {helm_mod}/internal/version.version={helm}"],
+            ldflags=helm_ldflags(helm_mod, helm, k8s),
+            stamped=True,  # a K8S_VERSION bump relinks helm
         ),
         # LeaderWorkerSet's controller: the Go controller-runtime baseline of
         # bench/bench_operator_scale.py --lws (`hack/build-k8s.sh lws`).
@@ -223,6 +261,8 @@ def build(t: Target, bindir: Path, srcroot: Path, k8s_version: str) -> None:
         run_build(cmd, cwd=moddir)
         for b in t.binaries:
             os.replace(Path(tmp) / b, bindir / f"{b}-{t.version}")
+        if t.stamped:
+            t.stamp_file(bindir).write_text(t.stamp() + "\n")
         log(f"built {t.name} {t.version} in {time.monotonic() - started:.0f}s")
 
 
@@ -252,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets(versions, srcroot):
         if (args.only and t.name not in args.only) or (t.optional and t.name not in args.only):
             continue
-        outs = t.outputs(bindir)
-        if not args.force and all(p.exists() for p in outs):
+        if not args.force and t.cached(bindir):
             log(f"{t.name} {t.version}: cached")
             continue
         log(f"{t.name} {t.version}: building {', '.join(t.binaries)} (slow on a cold cache)")

@@ -1,5 +1,6 @@
 """hack/build_images.py without building: what is forwarded to a build, and what the cache key
-covers. The builds themselves run in hack/test.sh (and tests/e2e runs what they produced)."""
+covers; and the flags hack/build_k8s.py links helm with. The builds themselves run in
+hack/test.sh (and tests/e2e runs what they produced)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import configparser
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -194,3 +196,52 @@ def test_the_break_argument_reaches_only_the_runtime_build_and_its_key(
         bi.build_all([], False, "cuda")
     dockerfile = (REPO / "runtime" / "Dockerfile").read_text()
     assert "ARG OMNISTAGE_BREAK_IMAGE=0" in dockerfile  # the Dockerfile takes the argument
+
+
+# ---- hack/build_k8s.py: the helm it builds knows the control plane's Kubernetes version -------
+
+
+@pytest.fixture(scope="module")
+def bk() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("build_k8s", REPO / "hack" / "build_k8s.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["build_k8s"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_helm_is_linked_with_the_control_planes_kubernetes_version(
+    bk: ModuleType, tmp_path: Path
+) -> None:
+    """Without these, `helm template charts/omnistage` assumes v1.20 and fails the chart's
+    kubeVersion; a cached helm linked without them (no stamp) is rebuilt."""
+    versions = bk.read_versions()
+    major, minor = versions["K8S_VERSION"].removeprefix("v").split(".")[:2]
+    [helm] = [t for t in bk.targets(versions, tmp_path) if t.name == "helm"]
+    for pkg in ("pkg/chartutil", "pkg/lint/rules"):
+        assert f"-X helm.sh/helm/v3/{pkg}.k8sVersionMajor={major}" in helm.ldflags
+        assert f"-X helm.sh/helm/v3/{pkg}.k8sVersionMinor={minor}" in helm.ldflags
+    (tmp_path / f"helm-{helm.version}").write_text("old helm")
+    assert not helm.cached(tmp_path)  # built before the flags: relinked
+    helm.stamp_file(tmp_path).write_text(helm.stamp() + "\n")
+    assert helm.cached(tmp_path)
+    other = bk.targets({**versions, "K8S_VERSION": "v1.99.0"}, tmp_path)
+    assert not next(t for t in other if t.name == "helm").cached(tmp_path)
+    [kubernetes] = [t for t in bk.targets(versions, tmp_path) if t.name == "kubernetes"]
+    for out in kubernetes.outputs(tmp_path):
+        out.write_text("")
+    assert kubernetes.cached(tmp_path)  # unstamped targets: the binaries alone decide
+
+
+def test_the_helm_variables_exist_in_the_pinned_helm(bk: ModuleType) -> None:
+    """-X on a variable that does not exist links silently: check the pinned helm's source."""
+    gomodcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True,
+                                check=False).stdout.strip() if shutil.which("go") else ""
+    version = bk.read_versions()["HELM_VERSION"]
+    src = Path(gomodcache or "/nonexistent") / f"helm.sh/helm/v3@{version}"
+    if not src.is_dir():
+        pytest.skip(f"helm {version}'s module source is not in the Go module cache")
+    for pkg in ("pkg/chartutil", "pkg/lint/rules"):
+        text = "".join(p.read_text() for p in (src / pkg).glob("*.go"))
+        assert 'k8sVersionMajor = "' in text and 'k8sVersionMinor = "' in text, pkg
