@@ -3,6 +3,7 @@
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok, built by hack/build-k8s.sh.
 #
 #   hack/cluster.sh up [--podrunner]   start (idempotent); --podrunner also runs the local pod runner
+#                                      (in image mode when the images are built, see below)
 #   hack/cluster.sh down [--purge]     stop everything started, by pid; --purge deletes the state dir
 #   hack/cluster.sh env                print 'export KUBECONFIG=... PATH=...' for eval
 #   hack/cluster.sh status             show component pids and /readyz
@@ -17,10 +18,19 @@
 #                          etcd peer, controller-manager, scheduler, kwok
 #   OMNISTAGE_GPU_NODES    kwok GPU nodes (default 4, 8 x nvidia.com/gpu each)
 #   OMNISTAGE_SCALE_NODES  kwok scale nodes without GPUs (default 4, 250 pods each)
+#   OMNISTAGE_POD_CIDR     pod IPs of the local pod runner (default: a /20 of 127.128.0.0/10
+#                          derived from OMNISTAGE_PORT_BASE, so two clusters on one host never
+#                          give pods the same IP; tests/harness/podrunner.py cluster_pod_cidr)
+#   OMNISTAGE_POD_MODE     how `up --podrunner` runs pods: image (each in its image, as built by
+#                          hack/build-images.sh; needs root), process (the checkout's Python, the
+#                          image ignored), or unset: image when the images are built, else process
+#                          with a notice
+#   OMNISTAGE_IMAGE_INDEX  the image index of image mode (default: this checkout's,
+#                          `hack/build-images.sh --print-index`)
 #
 # Everything listens on 127.0.0.1 only. Pod IPs are loopback (kwok: 127.192.0.0/10; the local pod
-# runner: 127.1.0.0/16 here, a random 127.N.0.0/16 under pytest) and the service range
-# (198.18.0.0/16, RFC 2544 benchmarking space) is never connected to.
+# runner: a /20 of 127.128.0.0/10 per cluster) and the service range (198.18.0.0/16, RFC 2544
+# benchmarking space) is never connected to.
 set -euo pipefail
 
 HACK="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -276,9 +286,22 @@ EOF
     --dry-run=client -o yaml | "$KUBECTL" --kubeconfig="$KUBECONFIG_ADMIN" apply -f - >/dev/null
   nodes_yaml | "$KUBECTL" --kubeconfig="$KUBECONFIG_ADMIN" apply -f - >/dev/null
   if [[ "$with_podrunner" == true ]]; then
-    start podrunner env PYTHONPATH="$REPO" "$PYTHON" -m tests.harness.podrunner \
-      --kubeconfig="$KUBECONFIG_ADMIN" --state-dir="$STATE/podrunner" --nodes=local-0,local-1 \
-      --pod-cidr=127.1.0.0/16
+    local pod_cidr images images_arg=()
+    pod_cidr="${OMNISTAGE_POD_CIDR:-}"
+    if [[ -z "$pod_cidr" ]]; then
+      pod_cidr="$(PYTHONPATH="$REPO" "$PYTHON" -c \
+        "from tests.harness.podrunner import cluster_pod_cidr; print(cluster_pod_cidr($BASE))")"
+    fi
+    images="$(podrunner_images)"
+    [[ -n "$images" ]] && images_arg=(--images="$images")
+    if [[ -n "$images" ]]; then
+      log "pod runner: pod IPs from $pod_cidr; pods run in their images ($images)"
+    else
+      log "pod runner: pod IPs from $pod_cidr; pods run in process mode"
+    fi
+    start podrunner env -u OMNISTAGE_IMAGE_INDEX PYTHONPATH="$REPO" "$PYTHON" \
+      -m tests.harness.podrunner --kubeconfig="$KUBECONFIG_ADMIN" --state-dir="$STATE/podrunner" \
+      --nodes=local-0,local-1 --pod-cidr="$pod_cidr" "${images_arg[@]}"
   fi
   local want=$((GPU_NODES + SCALE_NODES))
   wait_for kwok 60 kwok_nodes_ready "$want"
@@ -288,6 +311,29 @@ EOF
   fi
   api_ready >/dev/null || fail_with_log kube-apiserver
   log "cluster up: $GPU_NODES GPU + $SCALE_NODES scale kwok nodes; run: eval \"\$($0 env)\""
+}
+
+# podrunner_images: the image index `up --podrunner` runs pods from (image mode), or nothing
+# (process mode). OMNISTAGE_POD_MODE decides; unset, image mode when the images are built.
+podrunner_images() {
+  local mode="${OMNISTAGE_POD_MODE:-}" index why
+  case "$mode" in
+  "" | image | process) ;;
+  *) die "OMNISTAGE_POD_MODE must be image or process, not '$mode'" ;;
+  esac
+  [[ "$mode" == process ]] && return 0
+  index="${OMNISTAGE_IMAGE_INDEX:-}"
+  [[ -n "$index" ]] || index="$("$HACK/build-images.sh" --print-index)"
+  if [[ ! -f "$index" ]]; then
+    why="no image index at $index (build the images: hack/build-images.sh)"
+  elif [[ $EUID -ne 0 ]]; then
+    why="image mode needs root (overlay mounts in private mount namespaces)"
+  else
+    echo "$index"
+    return 0
+  fi
+  [[ "$mode" == image ]] && die "OMNISTAGE_POD_MODE=image: $why"
+  log "NOTICE: the pod runner runs pods in process mode (the checkout's Python): $why"
 }
 
 kwok_nodes_ready() {
@@ -359,7 +405,7 @@ env) cmd_env ;;
 status) cmd_status ;;
 nodes-yaml) nodes_yaml ;;
 *)
-  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
   exit 2
   ;;
 esac

@@ -32,7 +32,7 @@ from typing import Any
 from omnistage.kube import condition_status
 from omnistage.kubeapi import ApiError, Obj, resource_path
 from tests.harness.kubeclient import Kube, wait_until
-from tests.harness.podrunner import iter_events, kill_leftovers
+from tests.harness.podrunner import cluster_pod_cidr, iter_events, kill_leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 HACK = REPO / "hack"
@@ -320,6 +320,8 @@ def start_podrunner(cluster: Cluster, nodes: tuple[str, ...] = ("local-0", "loca
         f"--nodes={','.join(nodes)}",
         "--exit-with-parent",
     ]
+    if cluster.env.get("OMNISTAGE_PORT_BASE"):  # a cluster we started: its own pod range
+        cmd.append(f"--pod-cidr={cluster_pod_cidr(int(cluster.env['OMNISTAGE_PORT_BASE']))}")
     env.pop("OMNISTAGE_IMAGE_INDEX", None)  # the mode is chosen here, never inherited
     if POD_MODE == "image":
         cmd.append(f"--images={build_images(state_dir / 'build-images.log')}")

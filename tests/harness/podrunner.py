@@ -77,6 +77,12 @@ from tests.harness.sandbox import START_ERROR_EXIT, Mount, SandboxSpec, launcher
 log = logging.getLogger("podrunner")
 
 POOL_LABEL = "omnistage.io/node-pool"
+#: Pod IPs of the runners of local clusters (hack/cluster.sh, and the harness's own): one /20
+#: per cluster, picked by its port base. Outside kwok's 127.192.0.0/10 and the random
+#: 127.2-126.0.0/16 a runner takes without --pod-cidr.
+CLUSTER_POD_SPACE = ipaddress.ip_network("127.128.0.0/10")
+CLUSTER_POD_PREFIX = 20
+PORTS_PER_CLUSTER = 6  # hack/cluster.sh: OMNISTAGE_PORT_BASE and the five ports after it
 RUNNER_ENV = "OMNISTAGE_PODRUNNER_ID"
 OWNED_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
 PAUSE_CMD = [
@@ -1267,6 +1273,19 @@ def kill_leftovers(state_dir: Path) -> list[int]:
                 os.killpg(pid, signal.SIGKILL)
                 killed.append(pid)
     return killed
+
+
+def cluster_pod_cidr(port_base: int) -> str:
+    """The pod range of the local cluster on ``port_base``: two clusters running on one host
+    use disjoint port ranges, so their bases differ by at least PORTS_PER_CLUSTER, and bases
+    closer than 1024 slots (6,144 ports) get disjoint ranges; the state dir needs no part in it
+    (two state dirs on one port base cannot run at once)."""
+    if not 0 < port_base < 65536:
+        raise ValueError(f"port base {port_base} is not a TCP port")
+    slots = 2 ** (CLUSTER_POD_PREFIX - CLUSTER_POD_SPACE.prefixlen)
+    slot = (port_base // PORTS_PER_CLUSTER) % slots
+    first = int(CLUSTER_POD_SPACE.network_address) + slot * 2 ** (32 - CLUSTER_POD_PREFIX)
+    return str(ipaddress.ip_network((first, CLUSTER_POD_PREFIX)))
 
 
 def iter_events(state_dir: Path) -> Iterator[Obj]:

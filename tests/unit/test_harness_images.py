@@ -1,9 +1,11 @@
-"""The pod runner's image rules (tests/harness/images.py) without running anything: how a
-container spec combines with an image, and the kubelet errors for what cannot run.
+"""The pod runner's image rules (tests/harness/images.py) without a cluster: how a container
+spec combines with an image, the kubelet errors for what cannot run, hack/test.sh's image
+canary (on a tiny real image), and the pod address range of each local cluster.
 tests/e2e/test_image_mode.py runs the same rules against real pods and images."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -22,6 +24,7 @@ from tests.harness.images import (
     container_user,
     summary,
 )
+from tests.harness.podrunner import PORTS_PER_CLUSTER, PodRunner, cluster_pod_cidr
 from tests.harness.sandbox import in_root
 
 
@@ -142,3 +145,26 @@ def test_the_canary_names_the_image_the_command_and_its_stderr(tmp_path: Path) -
     assert "| broken on purpose" in text
     assert 'RunContainerError: exec: "/bin/omnistage"' in text
     assert "TIMED OUT" in text and "no 'gone' image in" in text
+
+
+# ---- pod address ranges of local clusters (hack/cluster.sh) -------------------------------------
+
+
+def test_two_local_clusters_give_their_pods_disjoint_addresses(tmp_path: Path) -> None:
+    """hack/cluster.sh up --podrunner on two port bases: the runners' allocations never meet
+    (they were both 127.1.0.0/16), and stay on loopback, off kwok's 127.192.0.0/10 and off the
+    random 127.2-126.0.0/16 of a runner started without --pod-cidr."""
+    ips = []
+    for base in (26440, 26446):  # adjacent clusters: six ports each
+        runner = PodRunner(None, ["n"], tmp_path, pod_cidr=cluster_pod_cidr(base))  # type: ignore[arg-type]
+        ips.append({runner.allocate_ip(f"uid-{i}", None) for i in range(600)})
+    assert len(ips[0]) == len(ips[1]) == 600 and not ips[0] & ips[1]
+    for ip in ips[0] | ips[1]:
+        addr = ipaddress.ip_address(ip)
+        assert addr in ipaddress.ip_network("127.128.0.0/10"), ip
+    # Every pair of bases at least six ports apart, up to 1024 slots apart, gets its own range.
+    bases = range(20000, 20000 + 1024 * PORTS_PER_CLUSTER, PORTS_PER_CLUSTER)
+    assert len({cluster_pod_cidr(b) for b in bases}) == len(bases)
+    assert cluster_pod_cidr(26440) == cluster_pod_cidr(26441)  # one cluster, one range
+    with pytest.raises(ValueError, match="port base 0 is not a TCP port"):
+        cluster_pod_cidr(0)
