@@ -41,7 +41,7 @@ from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.load import Endpoints, Load, longest_gap, summary
 from tests.harness.operator import Operator, apply, get, pipeline_doc, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 
 ORCH_PORT = 8000
 Obj = dict[str, Any]
@@ -114,7 +114,7 @@ def _start(kube: Cluster, ns: str, operator: Operator, name: str, stage: Obj,
            **orchestrator: Any) -> None:
     apply(kube, ns, pipeline_doc(name, [stage], orchestrator={
         "api": ["generic"], "shutdownDelaySeconds": 2, **orchestrator}))
-    wait_for(lambda: _pipeline_ready(kube, ns, name), 600, f"{name} Ready", operator.log_tail,
+    wait_for(lambda: _pipeline_ready(kube, ns, name), 300, f"{name} Ready", operator.log_tail,
              interval=1)
 
 

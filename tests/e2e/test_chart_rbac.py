@@ -22,7 +22,7 @@ from tests.harness.cluster import Cluster, PodRunner, pods, temp_namespace
 from tests.harness.helm import Release, by_kind, render
 from tests.harness.operator import get, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
 ECHO = REPO / "examples" / "echo.yaml"
 Obj = dict[str, Any]
@@ -102,7 +102,7 @@ def _lifecycle(kube: Cluster, ns: str, release: Release) -> None:
         return bool(cond and cond["status"] == "True")
 
     kube.kubectl("apply", "-n", ns, "-f", str(ECHO))
-    wait_for(ready, 600, "echo Ready", log_tail, 1)
+    wait_for(ready, 300, "echo Ready", log_tail, 1)
     # Drift: every child kind edited by hand is patched back.
     for child in CHILDREN:
         kube.kubectl("label", "-n", ns, child, f"{k.LABEL_COMPONENT}=tampered", "--overwrite")

@@ -33,7 +33,7 @@ from tests.harness.operator import (
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _live(kube: Cluster, ns: str, selector: str) -> list[dict[str, Any]]:
@@ -54,7 +54,7 @@ def test_kubectl_drain_loses_no_request(
         cond = k.condition(get(kube, namespace, "omnipipe", "chat"), "Ready")
         return bool(cond and cond["status"] == "True")
 
-    wait_for(ready, 600, "chat Ready", operator.log_tail, interval=1)
+    wait_for(ready, 300, "chat Ready", operator.log_tail, interval=1)
     [orch] = _live(kube, namespace, f"{k.LABEL_PIPELINE}=chat,{k.LABEL_COMPONENT}=orchestrator")
     replicas = _live(kube, namespace, k.stage_selector("chat"))
     victim = next(p for p in replicas if p["spec"]["nodeName"] != orch["spec"]["nodeName"])
@@ -198,7 +198,7 @@ def _held_pipeline(kube: Cluster, namespace: str, operator: Release,
         cond = k.condition(get(kube, namespace, "omnipipe", ECHO), "Ready")
         return bool(cond and cond["status"] == "True")
 
-    wait_for(ready, 600, f"{ECHO} Ready", operator.log_tail, interval=1)
+    wait_for(ready, 300, f"{ECHO} Ready", operator.log_tail, interval=1)
     [orch] = _live(kube, namespace, f"{k.LABEL_PIPELINE}={ECHO},{k.LABEL_COMPONENT}=orchestrator")
     by_name = {p["metadata"]["name"]: p for p in _live(kube, namespace, k.stage_selector(ECHO))}
     return f"http://{orch['status']['podIP']}:8000", by_name[f"{ECHO}-a-0"], \

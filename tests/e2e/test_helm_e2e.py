@@ -28,7 +28,7 @@ from tests.harness.helm import Release
 from tests.harness.metrics import sample
 from tests.harness.operator import get, pod_url, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
 ECHO = REPO / "examples" / "echo.yaml"
 #: Refused only by the webhook (CEL cannot see a cycle behind an entry stage).
@@ -153,7 +153,7 @@ def _install_run_upgrade_uninstall(kube: Cluster, runner: PodRunner, release: Re
 
     # 2. A pipeline reconciled by the leader only.
     kube.kubectl("apply", "-n", app_ns, "-f", str(ECHO))
-    wait_for(lambda: _ready(kube, app_ns, "echo"), 600, "echo Ready", release.log_tail, 1)
+    wait_for(lambda: _ready(kube, app_ns, "echo"), 300, "echo Ready", release.log_tail, 1)
     by_name = {p["metadata"]["name"]: p for p in release.operator_pods()}
     standby = next(p for name, p in by_name.items() if name != leader)
     assert _reconciles(runner, by_name[leader]) > 0

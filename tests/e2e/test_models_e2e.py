@@ -24,7 +24,7 @@ from tests.harness.helm import Release
 from tests.harness.hubcache import FakeHub, tiny_models
 from tests.harness.operator import apply, get, pipeline_doc, pod_url, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 TOKEN = "hf_e2eSecretTokenValue9876543210"
 Obj = dict[str, Any]
 
@@ -93,7 +93,7 @@ def test_hub_models_fetched_into_a_shared_cache_and_served(
     doc = pipeline_doc("hubpipe", stages, modelCache=cache,
                        orchestrator={"api": ["chat", "images", "generic"]})
     apply(kube, namespace, doc)
-    wait_for(lambda: _ready(kube, namespace, "hubpipe"), 600, "hubpipe Ready",
+    wait_for(lambda: _ready(kube, namespace, "hubpipe"), 300, "hubpipe Ready",
              lambda: _diagnose(kube, podrunner, namespace, "hubpipe"), interval=1)
 
     stage_pods = [p for p in pods(kube.kube, namespace, k.stage_selector("hubpipe"))

@@ -24,7 +24,7 @@ from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
 from tests.harness.operator import apply, get, pod_url, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text-to-image.yaml"
 
 
@@ -61,7 +61,7 @@ def test_text_to_image_runs_on_the_cluster(
     kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release
 ) -> None:
     apply(kube, namespace, yaml.safe_load(EXAMPLE.read_text()))
-    obj = wait_for(lambda: _ready(kube, namespace), 600, "text-to-image Ready",
+    obj = wait_for(lambda: _ready(kube, namespace), 300, "text-to-image Ready",
                    lambda: _diagnose(kube, podrunner, namespace, operator), interval=1)
     assert obj["status"]["stages"]["encoder"]["ready"] == 2
     assert obj["status"]["stages"]["denoiser"]["ready"] == 1

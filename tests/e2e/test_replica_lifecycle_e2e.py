@@ -27,7 +27,7 @@ from tests.harness.load import Endpoints, Load, longest_gap, summary
 from tests.harness.metrics import sample
 from tests.harness.operator import Operator, apply, get, pipeline_doc, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 
 NAME = "life"
 ROUTE = f"/v1/pipelines/{NAME}/requests"
@@ -66,7 +66,7 @@ def test_crashed_worker_and_deleted_orchestrator_under_load(
         cond = k.condition(get(kube, namespace, "omnipipe", NAME), "Ready")
         return bool(cond and cond["status"] == "True")
 
-    wait_for(ready, 600, f"{NAME} Ready", operator.log_tail, interval=1)
+    wait_for(ready, 300, f"{NAME} Ready", operator.log_tail, interval=1)
     _kill_9_of_a_worker(kube, podrunner, namespace)
     _deleted_orchestrator_pod(kube, podrunner, namespace, operator)
 

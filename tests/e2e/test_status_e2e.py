@@ -26,7 +26,7 @@ from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner
 from tests.harness.operator import Operator, apply, get, pipeline_doc, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(600)
 NAME = "life"
 
 
