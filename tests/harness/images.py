@@ -212,7 +212,7 @@ CANARY_CHECKS = (
     CanaryCheck("operator", args=("--help",)),  # ENTRYPOINT: `omnistage operator --help`
 )
 CANARY_TIMEOUT = 60.0
-"""Seconds per check: a torch import in a cold overlay takes about 10 s on a loaded machine."""
+"""Seconds per check: a hang guard (a torch import, the slowest of them, takes seconds)."""
 
 
 @dataclass
@@ -331,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("the image canary needs root, as image mode does (overlay mounts)")
     started = time.monotonic()
-    results = canary(args.index, timeout=args.timeout)
+    try:
+        results = canary(args.index, timeout=args.timeout)
+    except ImageError as e:
+        print(f"image canary: FAILED: {e.message}", file=sys.stderr)
+        return 1
     failed = [r for r in results if not r.ok]
     print(f"image canary: {len(results) - len(failed)} of {len(results)} checks passed in "
           f"{time.monotonic() - started:.1f}s (limit {args.timeout:g}s each)")

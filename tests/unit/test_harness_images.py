@@ -24,6 +24,7 @@ from tests.harness.images import (
     container_user,
     summary,
 )
+from tests.harness.images import main as images_main
 from tests.harness.podrunner import PORTS_PER_CLUSTER, PodRunner, cluster_pod_cidr
 from tests.harness.sandbox import in_root
 
@@ -145,6 +146,9 @@ def test_the_canary_names_the_image_the_command_and_its_stderr(tmp_path: Path) -
     assert "| broken on purpose" in text
     assert 'RunContainerError: exec: "/bin/omnistage"' in text
     assert "TIMED OUT" in text and "no 'gone' image in" in text
+    # hack/test.sh's command: the default checks find no runtime/operator image here.
+    assert images_main(["canary", "--index", str(index), "--timeout", "2"]) == 1
+    assert images_main(["canary", "--index", str(tmp_path / "missing.json")]) == 1
 
 
 # ---- pod address ranges of local clusters (hack/cluster.sh) -------------------------------------
