@@ -87,6 +87,8 @@ if [[ "$cluster" == true ]]; then
   export OMNISTAGE_POD_MODE=image
 fi
 
+# Further checks are one `phase "NAME"` line and their command each; the summary lists them.
+
 if [[ $# -gt 0 ]]; then
   phase "pytest $*"
   pytest_run "$@"
