@@ -31,7 +31,17 @@ SAY: Callable[[str], None] = print
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--namespace", default=None,
                    help="namespace (default: the kubeconfig context's, else default)")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    add_cluster_flags(p)
+
+
+def add_cluster_flags(p: argparse.ArgumentParser | Any) -> None:
+    """--kubeconfig and --context, as kubectl has them (so `kubectl omnistage` takes the
+    flags a kubectl user types)."""
+    p.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig file (default: $KUBECONFIG's files merged, else "
+                        "~/.kube/config; in a pod its service account)")
+    p.add_argument("--context", default=None,
+                   help="kubeconfig context to use (default: the current-context)")
 
 
 def register_drain(sub: Any) -> None:
@@ -67,7 +77,7 @@ def register_status(sub: Any) -> None:
 def _api(args: argparse.Namespace) -> tuple[Any, str]:
     from omnistage.kubeapi import SyncKubeApi
 
-    api = SyncKubeApi.load(args.kubeconfig)
+    api = SyncKubeApi.load(args.kubeconfig, args.context)
     return api, args.namespace or api.config.namespace or "default"
 
 
@@ -108,7 +118,7 @@ def run_drain(args: argparse.Namespace) -> int:
             except ApiError as exc:
                 if exc.status != 409 or attempt == 4:
                     raise
-    except ApiError as exc:
+    except (ApiError, ConfigError) as exc:  # ConfigError: an exec plugin failed
         return _fail(str(exc))
     replicas = desired_replicas(pool)
     if args.mode == "retire":
@@ -119,7 +129,10 @@ def run_drain(args: argparse.Namespace) -> int:
             "taking work once it is Ready)")
     if not args.wait:
         return 0
-    return _wait_gone(api, ns, pod, args.timeout)
+    try:
+        return _wait_gone(api, ns, pod, args.timeout)
+    except (ApiError, ConfigError) as exc:
+        return _fail(str(exc))
 
 
 def _wait_gone(api: Any, ns: str, pod: Obj, timeout: float) -> int:
@@ -252,7 +265,7 @@ def run_status(args: argparse.Namespace) -> int:
         pools = [p for p in api.list(path("StagePool", ns))
                  if (p.get("spec") or {}).get("pipeline") == args.pipeline]
         pods = api.list(path("Pod", ns), labelSelector=f"{kube.LABEL_PIPELINE}={args.pipeline}")
-    except ApiError as exc:
+    except (ApiError, ConfigError) as exc:  # ConfigError: an exec plugin failed
         return _fail(str(exc))
     stage_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(kube.LABEL_POOL)]
     inflight = {p["metadata"]["name"]: _inflight(api, p) for p in stage_pods}
