@@ -81,6 +81,16 @@ def _api(args: argparse.Namespace) -> tuple[Any, str]:
     return api, args.namespace or api.config.namespace or "default"
 
 
+def _api_errors() -> tuple[type[BaseException], ...]:
+    """What talking to the API server raises that a person should read as one line: an error
+    answer, credentials that do not work (an exec plugin failed), a server out of reach."""
+    import aiohttp
+
+    from omnistage.kubeapi import ApiError, ConfigError
+
+    return ApiError, ConfigError, aiohttp.ClientError, OSError
+
+
 def _fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 1
@@ -118,8 +128,8 @@ def run_drain(args: argparse.Namespace) -> int:
             except ApiError as exc:
                 if exc.status != 409 or attempt == 4:
                     raise
-    except (ApiError, ConfigError) as exc:  # ConfigError: an exec plugin failed
-        return _fail(str(exc))
+    except _api_errors() as exc:
+        return _fail(str(exc) or type(exc).__name__)
     replicas = desired_replicas(pool)
     if args.mode == "retire":
         SAY(f"{args.replica}: retiring for good (StagePool {pool_name} replicas {replicas} -> "
@@ -131,8 +141,8 @@ def run_drain(args: argparse.Namespace) -> int:
         return 0
     try:
         return _wait_gone(api, ns, pod, args.timeout)
-    except (ApiError, ConfigError) as exc:
-        return _fail(str(exc))
+    except _api_errors() as exc:
+        return _fail(str(exc) or type(exc).__name__)
 
 
 def _wait_gone(api: Any, ns: str, pod: Obj, timeout: float) -> int:
@@ -252,7 +262,7 @@ def _inflight(api: Any, pod: Obj) -> int | None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from omnistage.kubeapi import ApiError, ConfigError, path
+    from omnistage.kubeapi import ConfigError, path
 
     try:
         api, ns = _api(args)
@@ -265,8 +275,8 @@ def run_status(args: argparse.Namespace) -> int:
         pools = [p for p in api.list(path("StagePool", ns))
                  if (p.get("spec") or {}).get("pipeline") == args.pipeline]
         pods = api.list(path("Pod", ns), labelSelector=f"{kube.LABEL_PIPELINE}={args.pipeline}")
-    except (ApiError, ConfigError) as exc:  # ConfigError: an exec plugin failed
-        return _fail(str(exc))
+    except _api_errors() as exc:
+        return _fail(str(exc) or type(exc).__name__)
     stage_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(kube.LABEL_POOL)]
     inflight = {p["metadata"]["name"]: _inflight(api, p) for p in stage_pods}
     SAY(render_status(pipeline, pools, pods, inflight))

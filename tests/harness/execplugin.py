@@ -21,19 +21,25 @@ import datetime, json, os, sys
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "settings.json")) as f:
     settings = json.load(f)
-with open(os.path.join(here, "calls"), "a") as f:
-    f.write(json.dumps({{"args": sys.argv[1:], "env": os.environ.get("PLUGIN_ENV"),
-                        "info": os.environ.get("KUBERNETES_EXEC_INFO")}}) + "\\n")
-with open(os.path.join(here, "calls")) as f:
-    n = sum(1 for _ in f)
-if settings["fail"]:
-    print(settings["fail"], file=sys.stderr)
-    sys.exit(1)
+try:
+    with open(os.path.join(here, "calls")) as f:
+        n = sum(1 for _ in f) + 1
+except FileNotFoundError:
+    n = 1
 status = {{"token": settings["tokens"][min(n, len(settings["tokens"])) - 1]}}
+expires = None
 if settings["ttl_s"] is not None:
     at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(
         seconds=settings["ttl_s"])
+    expires = at.timestamp()
     status["expirationTimestamp"] = at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+with open(os.path.join(here, "calls"), "a") as f:
+    f.write(json.dumps({{"args": sys.argv[1:], "env": os.environ.get("PLUGIN_ENV"),
+                        "info": os.environ.get("KUBERNETES_EXEC_INFO"),
+                        "failed": bool(settings["fail"]), "expires": expires}}) + "\\n")
+if settings["fail"]:
+    print(settings["fail"], file=sys.stderr)
+    sys.exit(1)
 info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
 print(json.dumps({{"apiVersion": info["apiVersion"], "kind": "ExecCredential",
                   "status": status}}))
@@ -63,7 +69,8 @@ class ExecPluginScript:
             {"tokens": self.tokens, "ttl_s": self.ttl_s, "fail": self.fail}))
 
     def calls(self) -> list[dict[str, Any]]:
-        """One entry per run: its args, $PLUGIN_ENV and the ExecCredential it was given."""
+        """One entry per run: its args, $PLUGIN_ENV, the ExecCredential it was given, whether
+        it failed and when the token it handed out expires (epoch seconds)."""
         log = self.dir / "calls"
         if not log.exists():
             return []
