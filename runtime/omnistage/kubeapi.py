@@ -7,6 +7,11 @@ retries and watch semantics are the same everywhere. kopf still runs the operato
 the API server sends them: no generated model classes. Counting writes (every non-GET) is how the
 operator's idle-resync goal, zero writes, is measured.
 
+Credentials: in a pod, the service account; elsewhere kubeconfig as kubectl reads it (merged
+$KUBECONFIG list, contexts, certificates, token files, exec plugins), through the `kubernetes`
+package's loader, imported only then. The loader supplies server, CA, client certificate and a
+token; an exec plugin's token is renewed on expiry or a 401, and this client sends every request.
+
 Synchronous code (tests, benches) uses `SyncKubeApi`: this same client on a private event loop in
 a daemon thread, not a second HTTP implementation.
 """
@@ -335,8 +340,13 @@ class KubeConfig:
             ctx = _named_node(merged, "contexts", ctx_name, "context", source)["context"]
             cluster = _named_node(merged, "clusters", ctx.safe_get("cluster"), "cluster",
                                   source)
-            if not (cluster.safe_get("cluster") or {}).get("server"):
+            cluster_spec: Obj = cluster.safe_get("cluster") or {}
+            if not cluster_spec.get("server"):
                 raise ConfigError(f"{source}: cluster {ctx.safe_get('cluster')!r} has no server")
+            for unsupported in ("proxy-url", "tls-server-name"):
+                if cluster_spec.get(unsupported):
+                    raise ConfigError(f"{source}: cluster {ctx.safe_get('cluster')!r} sets "
+                                      f"{unsupported!r}, which omnistage does not support")
             user_name = ctx.safe_get("user")
             user = (_named_node(merged, "users", user_name, "user", source)
                     if user_name else None)

@@ -123,6 +123,9 @@ def test_kubeconfig_errors_name_the_problem(tmp_path: Path) -> None:
         KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}), context="nope")
     with pytest.raises(ConfigError, match="has no server"):
         KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}, {"server": ""}))
+    with pytest.raises(ConfigError, match="sets 'proxy-url', which omnistage does not"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}, {
+            "server": "https://127.0.0.1:6443", "proxy-url": "http://127.0.0.1:3128"}))
     with pytest.raises(ConfigError, match="'username'"):
         KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"username": "a", "password": "b"}))
     with pytest.raises(ConfigError, match=r"File does not exist: .*absent\.crt"):
