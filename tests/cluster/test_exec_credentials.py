@@ -154,14 +154,19 @@ def test_operator_and_commands_keep_working_through_token_renewals(
 
 def test_a_failing_plugin_is_one_error_line_naming_it(
         kube: Cluster, crds: None, tmp_path: Path, tokens: list[str]) -> None:
+    """Each command picks the plugin's context with --context (the current-context's token
+    would be refused with a 401 instead) and says which plugin failed and why."""
     plugin = ExecPluginScript(tmp_path / "plugin", tokens, fail="token service unreachable")
-    config = _kubeconfig(kube, tmp_path / "exec.kubeconfig", {"exec": plugin.user()}, "exec")
+    config = _kubeconfig(kube, tmp_path / "exec.kubeconfig",
+                         {"wrong": {"token": "not-a-token"}, "exec": plugin.user()}, "wrong")
     named = f"exec credential plugin `{plugin.command} --cluster test` failed"
     env = {**os.environ, "KUBECONFIG": str(config)}
-    for argv in ([sys.executable, "-m", "omni_operator.kubectl_plugin", "status", "p"],
-                 [sys.executable, "-m", "omnistage.cli", "drain", "p-s-0", "--no-wait"],
+    for argv in ([sys.executable, "-m", "omni_operator.kubectl_plugin", "status", "p",
+                  "--context", "exec"],
+                 [sys.executable, "-m", "omnistage.cli", "drain", "p-s-0", "--no-wait",
+                  "--context=exec", f"--kubeconfig={config}"],
                  [sys.executable, "-m", "omnistage.cli", "operator", "--no-webhook",
-                  "--metrics-port=0", f"--kubeconfig={config}"]):
+                  "--metrics-port=0", "--context=exec"]):
         out = _run(argv, env)
         assert out.returncode == 1, out
         assert named in out.stderr and "token service unreachable" in out.stderr, out
