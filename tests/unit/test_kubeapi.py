@@ -224,6 +224,27 @@ def test_connection_info_for_kopf_renews_a_refused_token(tmp_path: Path,
     assert again.token == "two" and len(plugin.calls()) == 2
 
 
+def test_every_command_that_talks_to_a_cluster_takes_context_and_kubeconfig() -> None:
+    """`omnistage operator|drain|status` and `kubectl omnistage drain|status`, flags placed
+    after the arguments as kubectl passes them to a plugin."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
+    from omni_operator import kubectl_plugin
+    from omnistage.cli import COMMANDS_GROUP, build_parser
+
+    table = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())[
+        "project"]["entry-points"][COMMANDS_GROUP]
+    omnistage = build_parser(plugins=[EntryPoint(n, v, COMMANDS_GROUP) for n, v in table.items()])
+    flags = ["--context", "prod", "--kubeconfig", "/k"]
+    for parser, argv in ((omnistage, ["operator"]), (omnistage, ["drain", "p-s-0"]),
+                         (omnistage, ["status", "p"]),
+                         (kubectl_plugin.build_parser(), ["drain", "p-s-0"]),
+                         (kubectl_plugin.build_parser(), ["status", "p", "-n", "ns"])):
+        args = parser.parse_args(argv + flags)
+        assert (args.context, args.kubeconfig) == ("prod", "/k"), argv
+
+
 @pytest.fixture
 def service_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sa = tmp_path / "serviceaccount"
