@@ -227,6 +227,14 @@ rules:
 - level: None
 EOF
 
+  # Static bearer tokens of the user omnistage-token-user, who has no rights until a test binds
+  # some: tests/cluster/test_exec_credentials.py hands them out through an exec plugin.
+  if [[ ! -f "$STATE/tokens.csv" ]]; then
+    (umask 077 && for _ in 1 2 3; do
+      printf '%s,omnistage-token-user,omnistage-token-user\n' "$(openssl rand -hex 16)"
+    done >"$STATE/tokens.csv")
+  fi
+
   start etcd "$BIN/etcd-$ETCD_VERSION" --name=omnistage --data-dir="$STATE/etcd" \
     --listen-client-urls="http://127.0.0.1:$ETCD_PORT" \
     --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
@@ -241,7 +249,7 @@ EOF
     --bind-address=127.0.0.1 --secure-port="$API_PORT" --advertise-address=127.0.0.1 \
     --cert-dir="$STATE/apiserver" \
     --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
-    --client-ca-file="$PKI/ca.crt" \
+    --client-ca-file="$PKI/ca.crt" --token-auth-file="$STATE/tokens.csv" \
     --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
     --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
     --authorization-mode=Node,RBAC --anonymous-auth=false \

@@ -11,6 +11,8 @@ import argparse
 import sys
 from typing import Any
 
+from omni_operator.replicas_cli import add_cluster_flags
+
 
 def _positive_float(text: str) -> float:
     value = float(text)
@@ -22,8 +24,7 @@ def _positive_float(text: str) -> float:
 def register(sub: Any) -> None:
     """Add the `operator` subcommand to the `omnistage` subparsers."""
     o = sub.add_parser("operator", help="run the Kubernetes operator (needs the operator extra)")
-    o.add_argument("--kubeconfig", default=None,
-                   help="kubeconfig (default: in-cluster config, else $KUBECONFIG)")
+    add_cluster_flags(o)
     o.add_argument("--namespace", action="append", default=[],
                    help="watch only this namespace (repeatable; default: all namespaces)")
     o.add_argument("--metrics-host", default="127.0.0.1")
@@ -63,4 +64,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: the operator needs its extra: pip install 'omnistage[operator]' ({exc})",
               file=sys.stderr)
         return 2
-    return main(args)
+    from omnistage.kubeapi import ConfigError
+
+    try:
+        return main(args)
+    except ConfigError as exc:  # no usable credentials, or an exec plugin that failed
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -49,10 +49,11 @@ class OperatorCollector:
 async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               resync_seconds: float, namespaces: list[str],
               lease: tuple[str, str, str] | None = None,
-              admission: webhook.WebhookSettings | None = None) -> int:
+              admission: webhook.WebhookSettings | None = None,
+              context: str | None = None) -> int:
     """Run the operator; with ``lease`` (namespace, name, identity) only while holding it."""
     admission = admission or webhook.WebhookSettings(enabled=False)
-    config = KubeConfig.load(kubeconfig)
+    config = KubeConfig.load(kubeconfig, context)
     controller = Controller(KubeApi(config, user_agent="omnistage-operator"),
                             resync_seconds=resync_seconds)
     if lease is None:
@@ -140,6 +141,9 @@ async def _operate(config: KubeConfig, controller: Controller, metrics_host: str
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> Any:
+        # The controller's credentials: kopf logs in again when their expiration passes (an
+        # exec plugin's token) or the server refuses them, and gets renewed ones. Sync on
+        # purpose: kopf runs it in a thread, where a plugin may take its time.
         return config.connection_info()
 
     await controller.prime(namespaces)
@@ -184,4 +188,5 @@ def main(args: Any) -> int:
         failure_policy=args.webhook_failure_policy,
     )
     return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
-                           args.resync_seconds, list(args.namespace or []), lease, admission))
+                           args.resync_seconds, list(args.namespace or []), lease, admission,
+                           args.context))

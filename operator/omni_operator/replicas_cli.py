@@ -31,7 +31,17 @@ SAY: Callable[[str], None] = print
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--namespace", default=None,
                    help="namespace (default: the kubeconfig context's, else default)")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    add_cluster_flags(p)
+
+
+def add_cluster_flags(p: argparse.ArgumentParser | Any) -> None:
+    """--kubeconfig and --context, as kubectl has them (so `kubectl omnistage` takes the
+    flags a kubectl user types)."""
+    p.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig file (default: $KUBECONFIG's files merged, else "
+                        "~/.kube/config; in a pod its service account)")
+    p.add_argument("--context", default=None,
+                   help="kubeconfig context to use (default: the current-context)")
 
 
 def register_drain(sub: Any) -> None:
@@ -67,8 +77,18 @@ def register_status(sub: Any) -> None:
 def _api(args: argparse.Namespace) -> tuple[Any, str]:
     from omnistage.kubeapi import SyncKubeApi
 
-    api = SyncKubeApi.load(args.kubeconfig)
+    api = SyncKubeApi.load(args.kubeconfig, args.context)
     return api, args.namespace or api.config.namespace or "default"
+
+
+def _api_errors() -> tuple[type[BaseException], ...]:
+    """What talking to the API server raises that a person should read as one line: an error
+    answer, credentials that do not work (an exec plugin failed), a server out of reach."""
+    import aiohttp
+
+    from omnistage.kubeapi import ApiError, ConfigError
+
+    return ApiError, ConfigError, aiohttp.ClientError, OSError
 
 
 def _fail(message: str) -> int:
@@ -108,8 +128,8 @@ def run_drain(args: argparse.Namespace) -> int:
             except ApiError as exc:
                 if exc.status != 409 or attempt == 4:
                     raise
-    except ApiError as exc:
-        return _fail(str(exc))
+    except _api_errors() as exc:
+        return _fail(str(exc) or type(exc).__name__)
     replicas = desired_replicas(pool)
     if args.mode == "retire":
         SAY(f"{args.replica}: retiring for good (StagePool {pool_name} replicas {replicas} -> "
@@ -119,7 +139,10 @@ def run_drain(args: argparse.Namespace) -> int:
             "taking work once it is Ready)")
     if not args.wait:
         return 0
-    return _wait_gone(api, ns, pod, args.timeout)
+    try:
+        return _wait_gone(api, ns, pod, args.timeout)
+    except _api_errors() as exc:
+        return _fail(str(exc) or type(exc).__name__)
 
 
 def _wait_gone(api: Any, ns: str, pod: Obj, timeout: float) -> int:
@@ -239,7 +262,7 @@ def _inflight(api: Any, pod: Obj) -> int | None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from omnistage.kubeapi import ApiError, ConfigError, path
+    from omnistage.kubeapi import ConfigError, path
 
     try:
         api, ns = _api(args)
@@ -252,8 +275,8 @@ def run_status(args: argparse.Namespace) -> int:
         pools = [p for p in api.list(path("StagePool", ns))
                  if (p.get("spec") or {}).get("pipeline") == args.pipeline]
         pods = api.list(path("Pod", ns), labelSelector=f"{kube.LABEL_PIPELINE}={args.pipeline}")
-    except ApiError as exc:
-        return _fail(str(exc))
+    except _api_errors() as exc:
+        return _fail(str(exc) or type(exc).__name__)
     stage_pods = [p for p in pods if (p["metadata"].get("labels") or {}).get(kube.LABEL_POOL)]
     inflight = {p["metadata"]["name"]: _inflight(api, p) for p in stage_pods}
     SAY(render_status(pipeline, pools, pods, inflight))

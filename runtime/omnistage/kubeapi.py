@@ -7,6 +7,11 @@ retries and watch semantics are the same everywhere. kopf still runs the operato
 the API server sends them: no generated model classes. Counting writes (every non-GET) is how the
 operator's idle-resync goal, zero writes, is measured.
 
+Credentials: in a pod, the service account; elsewhere kubeconfig as kubectl reads it (merged
+$KUBECONFIG list, contexts, certificates, token files, exec plugins), through the `kubernetes`
+package's loader, imported only then. The loader supplies server, CA, client certificate and a
+token; an exec plugin's token is renewed on expiry or a 401, and this client sends every request.
+
 Synchronous code (tests, benches) uses `SyncKubeApi`: this same client on a private event loop in
 a daemon thread, not a second HTTP implementation.
 """
@@ -15,19 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import base64
 import contextlib
 import json
 import logging
 import os
 import queue
-import shutil
 import ssl
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -152,6 +155,111 @@ def default_namespace() -> str:
         return "default"
 
 
+def _kube_config_module() -> Any:
+    """The `kubernetes` package's kubeconfig loader, imported only when a kubeconfig is read:
+    in a pod the service account needs nothing beyond this module."""
+    try:
+        from kubernetes.config import kube_config
+    except ImportError as exc:
+        raise ConfigError(
+            "reading a kubeconfig needs the `kubernetes` package: pip install "
+            f"'omnistage[operator]' ({exc})") from exc
+    return kube_config
+
+
+def kubeconfig_paths(spec: str | os.PathLike[str] | None = None) -> list[str]:
+    """The kubeconfig files kubectl would read: ``spec`` (one file, or a list joined by the
+    path separator), else $KUBECONFIG's list, else ~/.kube/config."""
+    text = os.fspath(spec) if spec else os.environ.get("KUBECONFIG", "")
+    paths = [os.path.expanduser(p) for p in text.split(os.pathsep) if p]
+    return paths or [str(Path.home() / ".kube" / "config")]
+
+
+#: A plugin's token is renewed this long before its expirationTimestamp (at most a quarter
+#: of its lifetime, so a short-lived token is not renewed on every call).
+EXEC_RENEW_EARLY_S = 30.0
+
+
+class ExecPlugin:
+    """A kubeconfig user's ``exec`` credential plugin (``aws eks get-token``,
+    ``gke-gcloud-auth-plugin``, ``kubelogin``), run through the `kubernetes` package's
+    ExecProvider exactly as kubectl runs it (ExecCredential in $KUBERNETES_EXEC_INFO, the
+    kubeconfig's args and env). Its token is cached until its expirationTimestamp and renewed
+    then, or when the API server refuses it (401). Thread-safe: one run serves all callers."""
+
+    def __init__(self, user: str, exec_node: Any, cwd: str | None, cluster_node: Any) -> None:
+        self.user = user
+        self._exec, self._cwd, self._cluster = exec_node, cwd, cluster_node
+        exec_cfg = exec_node.value
+        self.command = " ".join(str(a) for a in [exec_cfg.get("command", ""),
+                                                  *(exec_cfg.get("args") or [])])
+        self.install_hint = str(exec_cfg.get("installHint") or "").strip()
+        self.runs = 0
+        self.expires_at: float | None = None  # epoch seconds; None: no expiry given
+        self._renew_at: float | None = None
+        self._token: str | None = None
+        self._lock = threading.Lock()
+
+    def token(self) -> str:
+        """The cached token, or a new one when there is none yet or it is about to expire."""
+        with self._lock:
+            if self._token is None or (self._renew_at is not None
+                                       and time.time() >= self._renew_at):
+                self._run()
+            assert self._token is not None
+            return self._token
+
+    def renew(self, rejected: str | None) -> bool:
+        """The API server refused ``rejected``: run the plugin again (once for all callers
+        that saw the same token refused). True when there is a token to try."""
+        with self._lock:
+            if self._token is None or self._token == rejected:
+                self._run()
+            return True
+
+    @property
+    def renew_at(self) -> float | None:
+        """When the current token will be replaced (epoch seconds), if it expires."""
+        return self._renew_at
+
+    def _run(self) -> None:
+        from kubernetes.config.config_exception import ConfigException
+        from kubernetes.config.exec_provider import ExecProvider
+
+        what = f"kubeconfig user {self.user!r}: exec credential plugin `{self.command}`"
+        self.runs += 1
+        try:
+            status = ExecProvider(self._exec, self._cwd, self._cluster).run()
+        except FileNotFoundError as exc:
+            hint = f"; {self.install_hint}" if self.install_hint else ""
+            raise ConfigError(f"{what} not found: {exc}{hint}") from exc
+        except (ConfigException, OSError) as exc:
+            raise ConfigError(f"{what} failed: {exc}") from exc
+        token = status.get("token") if isinstance(status, dict) else None
+        if not token:
+            got = "a client certificate" if isinstance(status, dict) and status.get(
+                "clientCertificateData") else "no token"
+            raise ConfigError(f"{what} returned {got}; omnistage needs a plugin that returns "
+                              "status.token")
+        expiry = status.get("expirationTimestamp")
+        now = time.time()
+        if expiry:
+            try:
+                stamp = datetime.fromisoformat(str(expiry).replace("Z", "+00:00"))
+            except ValueError as exc:
+                raise ConfigError(f"{what} returned expirationTimestamp {expiry!r}, not an "
+                                  "RFC 3339 time") from exc
+            if stamp.tzinfo is None:
+                stamp = stamp.replace(tzinfo=UTC)
+            self.expires_at = stamp.timestamp()
+            early = min(EXEC_RENEW_EARLY_S, max(self.expires_at - now, 0.0) / 4)
+            self._renew_at = self.expires_at - early
+        else:
+            self.expires_at = self._renew_at = None
+        self._token = str(token)
+        log.debug("%s: new token%s", what, f", expires {expiry}" if expiry else "")
+
+
 @dataclass
 class KubeConfig:
     """Where the API server is and how to authenticate: what a REST client and kopf need."""
@@ -164,26 +272,27 @@ class KubeConfig:
     token_file: str | None = None  # re-read when it changes (in-cluster tokens rotate)
     insecure: bool = False
     namespace: str | None = None  # the context's namespace, when it names one
+    exec_plugin: ExecPlugin | None = field(default=None, repr=False, compare=False)
     _token_cache: tuple[float, str] | None = field(default=None, repr=False, compare=False)
+    _kopf_token: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, kubeconfig: str | os.PathLike[str] | None = None,
              context: str | None = None) -> KubeConfig:
-        """An explicit kubeconfig wins; else in-cluster credentials when running in a pod; else
-        the first existing file of $KUBECONFIG; else ~/.kube/config."""
+        """An explicit kubeconfig wins; else in-cluster credentials when running in a pod (and
+        no context is asked for); else the kubeconfig files kubectl reads ($KUBECONFIG's list,
+        merged, else ~/.kube/config)."""
         if kubeconfig:
             return cls.from_kubeconfig(kubeconfig, context)
-        if in_cluster():
+        if in_cluster() and not context:
             return cls.in_cluster()
-        candidates = [p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p]
-        candidates.append(str(Path.home() / ".kube" / "config"))
-        for candidate in candidates:
-            if Path(candidate).is_file():
-                return cls.from_kubeconfig(candidate, context)
-        raise ConfigError(
-            "no Kubernetes credentials: not in a pod (KUBERNETES_SERVICE_HOST and a service "
-            f"account token at {SA_DIR}), and no kubeconfig at {', '.join(candidates)}"
-        )
+        candidates = kubeconfig_paths()
+        if not any(Path(p).is_file() for p in candidates):
+            raise ConfigError(
+                "no Kubernetes credentials: not in a pod (KUBERNETES_SERVICE_HOST and a "
+                f"service account token at {SA_DIR}), and no kubeconfig at "
+                f"{', '.join(candidates)}")
+        return cls.from_kubeconfig(os.pathsep.join(candidates), context)
 
     @classmethod
     def in_cluster(cls) -> KubeConfig:
@@ -209,53 +318,84 @@ class KubeConfig:
     @classmethod
     def from_kubeconfig(cls, path: str | os.PathLike[str],
                         context: str | None = None) -> KubeConfig:
-        """One context of a kubeconfig: client certificates, tokens (inline or tokenFile) and
-        embedded *-data fields (written to a private temp dir, removed at exit)."""
-        doc = yaml.safe_load(Path(path).read_text()) or {}
-        ctx_name = context or doc.get("current-context")
-        ctx = _named(doc.get("contexts") or [], ctx_name, "context", path).get("context") or {}
-        cluster = _named(doc.get("clusters") or [], ctx.get("cluster"), "cluster", path)
-        cluster = cluster.get("cluster") or {}
-        user: Obj = {}
-        if ctx.get("user"):
-            user = _named(doc.get("users") or [], ctx["user"], "user", path).get("user") or {}
-        for unsupported in ("exec", "auth-provider", "username"):
-            if user.get(unsupported):
-                raise ConfigError(
-                    f"{path}: user {ctx.get('user')!r} authenticates with {unsupported!r}, "
-                    "which omnistage does not support (use a client certificate or a token)")
-        if not cluster.get("server"):
-            raise ConfigError(f"{path}: cluster {ctx.get('cluster')!r} has no server")
-        base = Path(path).resolve().parent
-        tmp: list[Path] = []
+        """One context of a kubeconfig, read by the `kubernetes` package's loader as kubectl
+        reads it: ``path`` is one file or a list joined by the path separator (merged, the
+        first file to name a context, cluster or user wins), with client certificates, tokens
+        (inline or tokenFile), embedded *-data fields and exec credential plugins."""
+        kc = _kube_config_module()
+        from kubernetes.client import Configuration
+        from kubernetes.config.config_exception import ConfigException
 
-        def file_of(key: str, obj: Obj) -> str | None:
-            if obj.get(key + "-data"):
-                if not tmp:
-                    tmp.append(Path(tempfile.mkdtemp(prefix="kubecfg-")))
-                    atexit.register(shutil.rmtree, tmp[0], True)
-                out = tmp[0] / key
-                out.write_bytes(base64.b64decode(obj[key + "-data"]))
-                out.chmod(0o600)
-                return str(out)
-            if obj.get(key):
-                return str(base / obj[key])
-            return None
-
-        token_file = user.get("tokenFile")
+        files = kubeconfig_paths(path)
+        source = os.pathsep.join(files)
+        if len(files) == 1 and not Path(files[0]).is_file():
+            raise ConfigError(f"kubeconfig {files[0]} does not exist")
+        try:
+            merged = kc.KubeConfigMerger(source).config
+            if merged is None:
+                raise ConfigError(f"no kubeconfig file found at {source}")
+            ctx_name = context or _current_context(files)
+            if not ctx_name:
+                raise ConfigError(f"{source}: no current-context; name one with --context")
+            ctx = _named_node(merged, "contexts", ctx_name, "context", source)["context"]
+            cluster = _named_node(merged, "clusters", ctx.safe_get("cluster"), "cluster",
+                                  source)
+            cluster_spec: Obj = cluster.safe_get("cluster") or {}
+            if not cluster_spec.get("server"):
+                raise ConfigError(f"{source}: cluster {ctx.safe_get('cluster')!r} has no server")
+            for unsupported in ("proxy-url", "tls-server-name"):
+                if cluster_spec.get(unsupported):
+                    raise ConfigError(f"{source}: cluster {ctx.safe_get('cluster')!r} sets "
+                                      f"{unsupported!r}, which omnistage does not support")
+            user_name = ctx.safe_get("user")
+            user = (_named_node(merged, "users", user_name, "user", source)
+                    if user_name else None)
+            spec: Obj = dict(user.safe_get("user") or {}) if user is not None else {}
+            if spec.get("username") or spec.get("password"):
+                raise ConfigError(f"{source}: user {user_name!r} authenticates with 'username' "
+                                  "(basic auth, which Kubernetes removed); use a token, a "
+                                  "client certificate or an exec plugin")
+            base = str(Path(user.path).resolve().parent) if user is not None and user.path \
+                else None
+            plugin = None
+            if spec.get("exec") and not (spec.get("token") or spec.get("tokenFile")
+                                         or spec.get("auth-provider")):
+                # The loader would run the plugin once and log its failure; we run it
+                # ourselves, when a token is first needed, and renew it.
+                plugin = ExecPlugin(str(user_name), user["user"]["exec"], base,
+                                    cluster["cluster"])
+                del spec["exec"]
+                merged = _with_user(merged, user, {**user.value, "user": spec})
+            loaded = Configuration()
+            kc.KubeConfigLoader(config_dict=merged, active_context=ctx_name,
+                                config_base_path=None).load_and_set(loaded)
+        except ConfigException as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read kubeconfig {source}: {exc}") from exc
+        token = next((str(v) for v in (loaded.api_key or {}).values() if v), None)
+        if token and token.startswith("Bearer "):
+            token = token[len("Bearer "):]
+        token_file = None
+        if spec.get("tokenFile") and not spec.get("token") and base is not None:
+            token_file, token = str(Path(base) / spec["tokenFile"]), None  # re-read on change
         return cls(
-            server=str(cluster["server"]).rstrip("/"),
-            ca_file=file_of("certificate-authority", cluster),
-            cert_file=file_of("client-certificate", user),
-            key_file=file_of("client-key", user),
-            token=user.get("token"),
-            token_file=str(base / token_file) if token_file else None,
-            insecure=bool(cluster.get("insecure-skip-tls-verify")),
-            namespace=ctx.get("namespace"),
+            server=str(loaded.host).rstrip("/"),
+            ca_file=loaded.ssl_ca_cert or None,
+            cert_file=loaded.cert_file or None,
+            key_file=loaded.key_file or None,
+            token=token or None,
+            token_file=token_file,
+            insecure=not loaded.verify_ssl,
+            namespace=ctx.safe_get("namespace"),
+            exec_plugin=plugin,
         )
 
     def bearer_token(self) -> str | None:
-        """The token to send now: inline, or the token file's current content."""
+        """The token to send now: the exec plugin's (run when none is cached or it is about
+        to expire), inline, or the token file's current content. Blocks while a plugin runs."""
+        if self.exec_plugin is not None:
+            return self.exec_plugin.token()
         if self.token or not self.token_file:
             return self.token
         try:
@@ -267,6 +407,21 @@ class KubeConfig:
                 raise ConfigError(f"cannot read token file {self.token_file}: {exc}") from exc
         return self._token_cache[1]
 
+    def renew(self, rejected: str | None) -> bool:
+        """The API server answered 401 to ``rejected``: get new credentials if there is a way
+        (the exec plugin runs again; a token file is read again). True: worth one more try."""
+        if self.exec_plugin is not None:
+            return self.exec_plugin.renew(rejected)
+        if self.token_file and not self.token:
+            self._token_cache = None
+            return self.bearer_token() != rejected
+        return False
+
+    def token_expiry(self) -> datetime | None:
+        """When the current token will be replaced (UTC), for kopf to log in again then."""
+        at = self.exec_plugin.renew_at if self.exec_plugin is not None else None
+        return None if at is None else datetime.fromtimestamp(at, UTC)
+
     def ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=None if self.insecure else self.ca_file)
         if self.insecure:
@@ -277,22 +432,51 @@ class KubeConfig:
         return ctx
 
     def connection_info(self) -> Any:
-        """The same credentials for kopf's watches, so both halves talk to one server."""
+        """The same credentials for kopf's watches, so both halves talk to one server. kopf
+        calls its login handler (this) again when the expiration passes or after the server
+        refused the token; in the latter case the token is still the one handed out before,
+        so an exec plugin runs again."""
         import kopf
 
         token = self.bearer_token()
+        if token is not None and token == self._kopf_token and self.renew(token):
+            token = self.bearer_token()
+        self._kopf_token = token
         return kopf.ConnectionInfo(
             server=self.server, ca_path=self.ca_file, insecure=self.insecure,
             certificate_path=self.cert_file, private_key_path=self.key_file,
             token=token, scheme="Bearer" if token else None, default_namespace=self.namespace,
+            expiration=self.token_expiry(),
         )
 
 
-def _named(items: list[Obj], name: str | None, what: str, source: Any) -> Obj:
-    for item in items:
-        if item.get("name") == name:
-            return item
-    raise ConfigError(f"{source}: no {what} named {name!r}")
+def _current_context(files: list[str]) -> str | None:
+    """The first current-context set in ``files``, as kubectl merges them (the `kubernetes`
+    package's merger lets the last file win)."""
+    for name in files:
+        if Path(name).is_file():
+            doc = yaml.safe_load(Path(name).read_text()) or {}
+            if isinstance(doc, dict) and doc.get("current-context"):
+                return str(doc["current-context"])
+    return None
+
+
+def _named_node(merged: Any, section: str, name: Any, what: str, source: str) -> Any:
+    """The entry ``name`` of a merged kubeconfig's ``section`` (a ConfigNode), or a
+    ConfigError naming what is missing."""
+    node = merged.safe_get(section) and merged[section].get_with_name(name, safe=True)
+    if not name or not node:
+        raise ConfigError(f"{source}: no {what} named {name!r}")
+    return node
+
+
+def _with_user(merged: Any, user: Any, value: Obj) -> Any:
+    """A merged kubeconfig whose entry ``user`` reads ``value`` (the others untouched)."""
+    node_type = type(merged)
+    users = [node_type(user.name, value, user.path) if item is user.value
+             or getattr(item, "value", None) is user.value else item
+             for item in merged.value["users"]]
+    return node_type(merged.name, {**merged.value, "users": users}, merged.path)
 
 
 # ---- the client ------------------------------------------------------------------------------
@@ -341,14 +525,30 @@ class KubeApi:
             )
         return self._session
 
-    def _headers(self, content_type: str | None = None) -> dict[str, str]:
-        headers = {}
-        token = self.config.bearer_token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        if content_type:
-            headers["Content-Type"] = content_type
-        return headers
+    async def _token(self) -> str | None:
+        if self.config.exec_plugin is not None:  # it may run the plugin: not on the loop
+            return await asyncio.to_thread(self.config.bearer_token)
+        return self.config.bearer_token()
+
+    @contextlib.asynccontextmanager
+    async def _response(self, method: str, url_path: str, content_type: str | None = None,
+                        **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One HTTP exchange with the current credentials. A 401 gets new ones where there
+        is a way (an exec plugin runs again) and one more try; then the 401 stands."""
+        for attempt in (1, 2):
+            token = await self._token()
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            if content_type:
+                headers["Content-Type"] = content_type
+            async with self._http().request(method, self.config.server + url_path,
+                                            headers=headers, **kwargs) as resp:
+                if resp.status == 401 and attempt == 1 and await asyncio.to_thread(
+                        self.config.renew, token):
+                    log.info("%s %s: HTTP 401; trying again with new credentials",
+                             method, url_path)
+                    continue
+                yield resp
+                return
 
     @staticmethod
     def _query(params: dict[str, Any] | None) -> dict[str, str]:
@@ -371,10 +571,9 @@ class KubeApi:
             self.writes_by_verb[method] = self.writes_by_verb.get(method, 0) + 1
             write_log.info("%s %s", method, url_path)
         data = None if body is None else json.dumps(body)
-        async with self._http().request(
-            method, self.config.server + url_path, data=data, params=self._query(params),
-            headers=self._headers(content_type if body is not None else None),
-            timeout=aiohttp.ClientTimeout(total=timeout),
+        async with self._response(
+            method, url_path, content_type if body is not None else None, data=data,
+            params=self._query(params), timeout=aiohttp.ClientTimeout(total=timeout),
         ) as resp:
             text = await resp.text(errors="replace")
             if resp.status < 300 and raw:
@@ -424,8 +623,7 @@ class KubeApi:
             "resourceVersion": resource_version or None, "timeoutSeconds": timeout_seconds,
         })
         timeout = aiohttp.ClientTimeout(total=None, connect=15, sock_read=timeout_seconds + 30)
-        async with self._http().get(self.config.server + url_path, params=query,
-                                    headers=self._headers(), timeout=timeout) as resp:
+        async with self._response("GET", url_path, params=query, timeout=timeout) as resp:
             if resp.status >= 300:
                 text = await resp.text(errors="replace")
                 try:
@@ -478,7 +676,8 @@ class KubeApi:
             except WatchExpired:
                 log.info("watch of %s expired (410 Gone); listing again", url_path)
                 rv = ""
-            except (ApiError, aiohttp.ClientError, OSError, ValueError) as exc:  # OSError: timeouts
+            except (ApiError, ConfigError, aiohttp.ClientError, OSError,  # OSError: timeouts
+                    ValueError) as exc:  # ConfigError: an exec plugin failed for now
                 log.warning("list/watch of %s failed (%s: %s); retrying in %.1fs",
                             url_path, type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
@@ -515,8 +714,9 @@ class SyncKubeApi:
         atexit.register(self.close)
 
     @classmethod
-    def load(cls, kubeconfig: str | os.PathLike[str] | None = None, **kwargs: Any) -> SyncKubeApi:
-        return cls(KubeConfig.load(kubeconfig), **kwargs)
+    def load(cls, kubeconfig: str | os.PathLike[str] | None = None,
+             context: str | None = None, **kwargs: Any) -> SyncKubeApi:
+        return cls(KubeConfig.load(kubeconfig, context), **kwargs)
 
     @property
     def writes(self) -> int:

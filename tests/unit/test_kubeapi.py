@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from omnistage.kubeapi import (
     path,
     resource_path,
 )
+from tests.harness.execplugin import API_VERSION, ExecPluginScript
 
 # ---- conditions ------------------------------------------------------------------------------
 
@@ -56,7 +59,7 @@ def test_paths() -> None:
 
 
 def _kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | None = None,
-                namespace: str | None = None) -> Path:
+                namespace: str | None = None, name: str = "kubeconfig") -> Path:
     ctx: dict[str, Any] = {"cluster": "c", "user": "u"}
     if namespace:
         ctx["namespace"] = namespace
@@ -67,12 +70,15 @@ def _kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | 
         "contexts": [{"name": "other", "context": {"cluster": "missing"}},
                      {"name": "main", "context": ctx}],
     }
-    out = tmp_path / "kubeconfig"
+    out = tmp_path / name
     out.write_text(yaml.safe_dump(doc))
     return out
 
 
 def test_kubeconfig_files_relative_to_the_kubeconfig(tmp_path: Path) -> None:
+    (tmp_path / "pki").mkdir()
+    for name in ("ca.crt", "u.crt", "u.key"):
+        (tmp_path / "pki" / name).write_text(name)
     path_ = _kubeconfig(
         tmp_path, {"client-certificate": "pki/u.crt", "client-key": "pki/u.key"},
         {"server": "https://127.0.0.1:6443/", "certificate-authority": "pki/ca.crt"},
@@ -82,7 +88,7 @@ def test_kubeconfig_files_relative_to_the_kubeconfig(tmp_path: Path) -> None:
     assert cfg.ca_file == str(tmp_path / "pki" / "ca.crt")
     assert (cfg.cert_file, cfg.key_file) == (str(tmp_path / "pki/u.crt"),
                                              str(tmp_path / "pki/u.key"))
-    assert cfg.namespace == "team" and cfg.bearer_token() is None
+    assert cfg.namespace == "team" and cfg.bearer_token() is None and not cfg.insecure
 
 
 def test_kubeconfig_embedded_data_and_token(tmp_path: Path) -> None:
@@ -102,6 +108,7 @@ def test_token_file_is_reread_when_it_rotates(tmp_path: Path) -> None:
     token.write_text("first\n")
     cfg = KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"tokenFile": "token"}))
     assert cfg.bearer_token() == "first"
+    assert not cfg.renew("first")  # a 401 with an unchanged file: no new credentials
     token.write_text("second\n")
     import os
 
@@ -110,14 +117,132 @@ def test_token_file_is_reread_when_it_rotates(tmp_path: Path) -> None:
 
 
 def test_kubeconfig_errors_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="'exec'"):
-        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"exec": {"command": "aws"}}))
     with pytest.raises(ConfigError, match="no cluster named 'missing'"):
         KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}), context="other")
     with pytest.raises(ConfigError, match="no context named 'nope'"):
         KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}), context="nope")
     with pytest.raises(ConfigError, match="has no server"):
         KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}, {"server": ""}))
+    with pytest.raises(ConfigError, match="sets 'proxy-url', which omnistage does not"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}, {
+            "server": "https://127.0.0.1:6443", "proxy-url": "http://127.0.0.1:3128"}))
+    with pytest.raises(ConfigError, match="'username'"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"username": "a", "password": "b"}))
+    with pytest.raises(ConfigError, match=r"File does not exist: .*absent\.crt"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {}, {
+            "server": "https://127.0.0.1:6443", "certificate-authority": "absent.crt"}))
+    with pytest.raises(ConfigError, match=r"kubeconfig .*nowhere does not exist"):
+        KubeConfig.from_kubeconfig(tmp_path / "nowhere")
+
+
+def test_kubeconfig_needs_the_kubernetes_package(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "kubernetes.config", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"pip install 'omnistage\[operator\]'"):
+        KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, {"token": "t"}))
+
+
+def test_kubeconfig_list_is_merged_as_kubectl_does(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """$KUBECONFIG's files merge: the first to name an entry wins, current-context comes from
+    the first file that sets one, and --context picks an entry of any file."""
+    first = _kubeconfig(tmp_path, {"token": "first"}, name="first")
+    (tmp_path / "second").write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "prod",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.9:1"}},
+                     {"name": "prod", "cluster": {"server": "https://127.0.0.2:6443"}}],
+        "users": [{"name": "u", "user": {"token": "shadowed"}},
+                  {"name": "ops", "user": {"token": "ops-token"}}],
+        "contexts": [{"name": "prod", "context": {"cluster": "prod", "user": "ops",
+                                                 "namespace": "live"}}],
+    }))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", os.pathsep.join(
+        [str(first), str(tmp_path / "absent"), str(tmp_path / "second")]))
+    cfg = KubeConfig.load()
+    assert (cfg.server, cfg.bearer_token()) == ("https://127.0.0.1:6443", "first")
+    prod = KubeConfig.load(context="prod")
+    assert (prod.server, prod.bearer_token(), prod.namespace) == (
+        "https://127.0.0.2:6443", "ops-token", "live")
+    both = os.pathsep.join([str(tmp_path / "second"), str(first)])
+    assert KubeConfig.load(both).server == "https://127.0.0.2:6443"  # an explicit list too
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> ExecPluginScript:
+    return ExecPluginScript(tmp_path / "plugin", ["one", "two", "three"], ttl_s=3600)
+
+
+def test_exec_plugin_token_is_cached_until_it_expires(tmp_path: Path,
+                                                      plugin: ExecPluginScript) -> None:
+    cfg = KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, plugin.user()))
+    assert plugin.calls() == []  # loading runs nothing: the plugin runs when a token is needed
+    assert cfg.bearer_token() == "one" and cfg.bearer_token() == "one"
+    calls = plugin.calls()
+    assert len(calls) == 1
+    assert calls[0]["args"] == ["--cluster", "test"] and calls[0]["env"] == "from-kubeconfig"
+    info = json.loads(calls[0]["info"])
+    assert (info["apiVersion"], info["kind"]) == (API_VERSION, "ExecCredential")
+    expiry = cfg.token_expiry()
+    assert expiry is not None and cfg.exec_plugin is not None
+    assert cfg.exec_plugin.expires_at is not None
+    assert expiry.timestamp() == pytest.approx(cfg.exec_plugin.expires_at - 30)  # renewed early
+    plugin.ttl_s = -1  # from now on each token handed out has expired already
+    plugin.save()
+    assert cfg.renew("one") and len(plugin.calls()) == 2  # a 401: the plugin runs again
+    assert cfg.bearer_token() == "three"  # "two" had expired at once: again
+    assert len(plugin.calls()) == 3
+    assert cfg.renew("stale")  # a token that was renewed meanwhile: no extra run
+    assert len(plugin.calls()) == 3
+
+
+def test_exec_plugin_failure_names_the_plugin(tmp_path: Path, plugin: ExecPluginScript) -> None:
+    plugin.fail = "token service unreachable"
+    plugin.save()
+    cfg = KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, plugin.user()))
+    with pytest.raises(ConfigError) as failed:
+        cfg.bearer_token()
+    message = str(failed.value)
+    assert f"exec credential plugin `{plugin.command} --cluster test` failed" in message
+    assert "returned 1" in message and "token service unreachable" in message
+    missing = {"exec": {"apiVersion": API_VERSION, "command": str(tmp_path / "no-such-plugin"),
+                        "installHint": "install it with: pip install no-such-plugin"}}
+    cfg = KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, missing))
+    with pytest.raises(ConfigError, match=r"no-such-plugin` not found.*install it with"):
+        cfg.bearer_token()
+
+
+def test_connection_info_for_kopf_renews_a_refused_token(tmp_path: Path,
+                                                         plugin: ExecPluginScript) -> None:
+    """kopf logs in again on expiry or after a 401; a token it was given before means the
+    latter, so the plugin runs again."""
+    cfg = KubeConfig.from_kubeconfig(_kubeconfig(tmp_path, plugin.user()))
+    first = cfg.connection_info()
+    assert (first.token, first.scheme) == ("one", "Bearer")
+    assert first.expiration == cfg.token_expiry() and first.expiration is not None
+    again = cfg.connection_info()
+    assert again.token == "two" and len(plugin.calls()) == 2
+
+
+def test_every_command_that_talks_to_a_cluster_takes_context_and_kubeconfig() -> None:
+    """`omnistage operator|drain|status` and `kubectl omnistage drain|status`, flags placed
+    after the arguments as kubectl passes them to a plugin."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
+    from omni_operator import kubectl_plugin
+    from omnistage.cli import COMMANDS_GROUP, build_parser
+
+    table = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())[
+        "project"]["entry-points"][COMMANDS_GROUP]
+    omnistage = build_parser(plugins=[EntryPoint(n, v, COMMANDS_GROUP) for n, v in table.items()])
+    flags = ["--context", "prod", "--kubeconfig", "/k"]
+    for parser, argv in ((omnistage, ["operator"]), (omnistage, ["drain", "p-s-0"]),
+                         (omnistage, ["status", "p"]),
+                         (kubectl_plugin.build_parser(), ["drain", "p-s-0"]),
+                         (kubectl_plugin.build_parser(), ["status", "p", "-n", "ns"])):
+        args = parser.parse_args(argv + flags)
+        assert (args.context, args.kubeconfig) == ("prod", "/k"), argv
 
 
 @pytest.fixture
@@ -148,6 +273,7 @@ def test_load_precedence(service_account: Path, tmp_path: Path,
     assert KubeConfig.load(explicit).bearer_token() == "explicit"  # an explicit file wins
     monkeypatch.setenv("KUBECONFIG", str(explicit))
     assert KubeConfig.load().bearer_token() == "sa-token"  # in a pod: the service account
+    assert KubeConfig.load(context="main").bearer_token() == "explicit"  # unless a context
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
     assert KubeConfig.load().bearer_token() == "explicit"  # else $KUBECONFIG
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
@@ -167,6 +293,7 @@ class Server:
     def __init__(self) -> None:
         self.requests: list[tuple[str, str, dict[str, str], dict[str, str], Any]] = []
         self.routes: dict[tuple[str, str], tuple[int, Any]] = {}
+        self.accept: set[str] | None = None  # bearer tokens let in; None: all
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -187,6 +314,9 @@ class Server:
                               dict(request.headers), json.loads(body) if body else None))
         status, answer = self.routes.get((request.method, request.path), (404, {
             "kind": "Status", "code": 404, "reason": "NotFound", "message": "not here"}))
+        if self.accept is not None and request.headers.get("Authorization", "").removeprefix(
+                "Bearer ") not in self.accept:
+            status, answer = 401, {"kind": "Status", "code": 401, "reason": "Unauthorized"}
         if isinstance(answer, list):  # a watch stream: one JSON document per line
             resp = web.StreamResponse(status=status)
             await resp.prepare(request)
@@ -234,6 +364,31 @@ async def test_requests_ignore_count_and_errors(server: Server) -> None:
     assert headers["Content-Type"] == "application/strategic-merge-patch+json"
     assert headers["Authorization"] == "Bearer t0k"
     assert server.requests[4][2] == {"labelSelector": "a=b", "watch": "false"}
+
+
+async def test_a_refused_token_is_renewed_once(server: Server, tmp_path: Path) -> None:
+    """A 401 runs the exec plugin again and retries once (a write still counts once); a
+    second 401 stands."""
+    plugin = ExecPluginScript(tmp_path / "plugin", ["revoked", "good"], ttl_s=3600)
+    cfg = KubeConfig.from_kubeconfig(_kubeconfig(
+        tmp_path, plugin.user(), {"server": server.url}))  # type: ignore[attr-defined]
+    pods = path("Pod", "ns")
+    server.routes[("POST", pods)] = (201, {"kind": "Pod"})
+    server.routes[("GET", pods)] = (200, [{"type": "ADDED", "object": {"metadata": {}}}])
+    server.accept = {"good"}
+    api = KubeApi(cfg)
+    try:
+        assert await api.create(pods, {"kind": "Pod"}) == {"kind": "Pod"}
+        assert [r[3]["Authorization"] for r in server.requests] == ["Bearer revoked",
+                                                                   "Bearer good"]
+        assert api.writes == 1 and len(plugin.calls()) == 2
+        assert [e.type async for e in api.watch(pods)] == ["ADDED"]  # the same for a watch
+        server.accept = {"another"}
+        with pytest.raises(ApiError) as refused:
+            await api.create(pods, {"kind": "Pod"})
+        assert refused.value.status == 401 and len(plugin.calls()) == 3
+    finally:
+        await api.close()
 
 
 async def test_watch_streams_typed_events_and_raises_expired(server: Server) -> None:
