@@ -1,10 +1,10 @@
 """The orchestrator's HTTP front door: OpenAI-compatible routes plus operational ones.
 
-Handlers stay thin: validate the body against its model (openapi.py, whose models also make the
-OpenAPI document), submit one PipelineRequest, render its Outcome (pure functions). The HTTP
-layer never routes; the engine does. Every error leaves in OpenAI's JSON error shape, and a
-client that goes away aborts its request through the pipeline so no stage keeps working for
-nobody. See docs/http-api.md for the user-facing contract.
+Handlers stay thin: validate the body against its model (schemas.py; openapi.py makes the
+OpenAPI document from the same models and route table), submit one PipelineRequest, render its
+Outcome (pure functions). The HTTP layer never routes; the engine does. Every error leaves in
+OpenAI's JSON error shape, and a client that goes away aborts its request through the pipeline
+so no stage keeps working for nobody. See docs/http-api.md for the user-facing contract.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def validate(model: type[M], body: Mapping[str, Any]) -> M:
-    """The body as its model (openapi.py); the first problem is a 400 whose `param` is the
+    """The body as its model (schemas.py); the first problem is a 400 whose `param` is the
     field's request path, e.g. messages[0].content."""
     try:
         return model.model_validate(body)
