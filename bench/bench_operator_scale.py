@@ -58,7 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))  # the tree under test, like the operator it starts
 
-from omnistage.kube import condition, condition_status  # noqa: E402
+from omnistage.kube import GROUP, VERSION, condition, condition_status  # noqa: E402
 from omnistage.kubeapi import ApiError, SyncKubeApi, path, resource_path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,7 +67,7 @@ from lws_baseline import LwsBaseline  # noqa: E402
 from write_counts import Obj, apiserver_writes, controller_writes  # noqa: E402
 
 HACK = REPO / "hack"
-GROUP, VERSION, PLURAL = "omnistage.io", "v1alpha1", "omnipipelines"
+PLURAL = "omnipipelines"
 STAGES = ("a", "b", "c")
 SCALE_POOL = {"omnistage.io/node-pool": "kwok-scale"}
 KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
@@ -333,8 +333,8 @@ class Bench:
             "wait",
             "--for=condition=Established",
             "--timeout=60s",
-            "crd/omnipipelines.omnistage.io",
-            "crd/stagepools.omnistage.io",
+            f"crd/omnipipelines.{GROUP}",
+            f"crd/stagepools.{GROUP}",
             timeout=90,
         )
         # Established is not yet served: wait until both resources list, so the operator's first
