@@ -59,7 +59,7 @@ from omnistage.orchestrator.schemas import (
     image_size,
     pipeline_bodies,
 )
-from omnistage.params import describe, json_type
+from omnistage.params import describe, json_type, max_tokens_bound
 from omnistage.protocol import ControlConflict
 from omnistage.sideport import add_ops_routes, serve_app
 from omnistage.spec import OmniPipeline
@@ -231,13 +231,14 @@ def _message_text(content: str | list[Any] | None) -> str:
 
 
 def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
-               model: type[ChatCompletionRequest] = ChatCompletionRequest) -> ChatCall:
-    """Validate an OpenAI chat body into a PipelineRequest for the chat stage only."""
+               model: type[ChatCompletionRequest] | None = None) -> ChatCall:
+    """Validate an OpenAI chat body into a PipelineRequest for the chat stage only. The model
+    (default: ChatCompletionRequest for this pipeline) bounds max_tokens by the chat stage."""
     stage = pipeline.spec.chat_stage()
     if stage is None:
         raise ApiError(404, "this pipeline has no ar stage to answer chat completions",
                        code="api_not_enabled")
-    req = validate(model, body)
+    req = validate(model or _pipeline_body(pipeline, ChatCompletionRequest), body)
     served = _check_model(req.model, pipeline.served_model_name())
     params: dict[str, Any] = {}
     _put(params, "max_tokens", req.max_completion_tokens if req.max_completion_tokens is not None
@@ -302,8 +303,11 @@ def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline,
 
 
 def _pipeline_body(pipeline: OmniPipeline, stock: type[M]) -> type[M]:
-    """The stock body model narrowed to the pipeline's stage names (schemas.pipeline_bodies)."""
-    return pipeline_bodies(tuple(pipeline.spec.stage_names())).get(stock, stock)  # type: ignore[return-value]
+    """The stock body model narrowed to the pipeline: its stage names, its chat stage's
+    max_tokens bound (schemas.pipeline_bodies)."""
+    chat = pipeline.spec.chat_stage()
+    most = None if chat is None else max_tokens_bound(pipeline.spec.stage(chat))
+    return pipeline_bodies(tuple(pipeline.spec.stage_names()), most).get(stock, stock)  # type: ignore[return-value]
 
 
 def parse_generic(body: Mapping[str, Any], pipeline: OmniPipeline,
