@@ -802,7 +802,11 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
     index: dict[str, int] = {}
     for i, stage in enumerate(spec.stages):
         if stage.name in index:
-            # The item itself, as the API server names a duplicate key of a map-type list.
+            # The item itself, as the API server names a duplicate key of a map-type list
+            # (apiextensions-apiserver schema/listtype: field.Duplicate(fldPath.Index(i), ...),
+            # "spec.stages[1]: Duplicate value: {"name": "a"}"). It refuses the object before any
+            # webhook runs, so `<item>.name` (a built-in type's wording) would break the parity
+            # tests/cluster/test_validation.py checks.
             errors.append(
                 (
                     f"stages[{i}]",
