@@ -1,5 +1,6 @@
 """Names shared by the operator (which writes them) and the orchestrator (which reads them), and
-the one way to read an object's status conditions.
+the one way to read what they both read: an object's status conditions, whether a pod is
+draining, and how much work a worker's /state reports left.
 
 Kept in the runtime because the operator depends on the runtime, never the reverse.
 """
