@@ -58,15 +58,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "runtime"))  # the tree under test, like the operator it starts
 
-from omnistage.kube import condition, condition_status  # noqa: E402
+from omnistage.kube import GROUP, VERSION, condition, condition_status  # noqa: E402
 from omnistage.kubeapi import ApiError, SyncKubeApi, path, resource_path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goals import Goal, add_check_flag, exit_status, verdicts  # noqa: E402
-from lws_baseline import LwsBaseline, apiserver_writes, controller_writes  # noqa: E402
+from lws_baseline import LwsBaseline  # noqa: E402
+from write_counts import Obj, apiserver_writes, controller_writes  # noqa: E402
 
 HACK = REPO / "hack"
-GROUP, VERSION, PLURAL = "omnistage.io", "v1alpha1", "omnipipelines"
+PLURAL = "omnipipelines"
 STAGES = ("a", "b", "c")
 SCALE_POOL = {"omnistage.io/node-pool": "kwok-scale"}
 KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
@@ -100,8 +101,6 @@ LATENCY_KEYS = (
 )
 WRITE_LINE = re.compile(r"omnistage\.kubeapi\.writes: (?P<verb>[A-Z]+) (?P<path>/\S+)")
 ERROR_RE = re.compile(r"Traceback|\bERROR\b|\bWARNING\b|failed|Error", re.IGNORECASE)
-
-Obj = dict[str, Any]
 
 
 class BenchError(RuntimeError):
@@ -334,8 +333,8 @@ class Bench:
             "wait",
             "--for=condition=Established",
             "--timeout=60s",
-            "crd/omnipipelines.omnistage.io",
-            "crd/stagepools.omnistage.io",
+            f"crd/omnipipelines.{GROUP}",
+            f"crd/stagepools.{GROUP}",
             timeout=90,
         )
         # Established is not yet served: wait until both resources list, so the operator's first
@@ -811,7 +810,7 @@ class Bench:
             f"creating {p} pipelines x {st} stages x {rep} replicas = {pods} stage pods "
             f"(+{p} orchestrator pods) in namespace {self.ns}"
         )
-        api_w0 = apiserver_writes(self)
+        api_w0 = apiserver_writes(self.k)
         t0 = time.monotonic()
         t_created = self.create_pipelines()
         log(f"  {p} OmniPipelines created in {t_created - t0:.2f}s")
@@ -819,7 +818,7 @@ class Bench:
         w_ready, _ = self.counters()
         settle_s = self.settle()
         w_settled, r_settled = self.counters()
-        api_writes = controller_writes(api_w0, apiserver_writes(self))
+        api_writes = controller_writes(api_w0, apiserver_writes(self.k))
         (g_settled, lat_settled), c_settled = self.apiserver_metrics(), self.operator_cpu()
         latency = {}
         for key in LATENCY_KEYS:
@@ -840,10 +839,10 @@ class Bench:
             + ", ".join(f"{k} {v['mean_ms']}ms (n={v['n']})" for k, v in latency.items())
             + f"; load average {load_at_ready} on {os.cpu_count()} CPUs"
         )
-        api_idle0 = apiserver_writes(self)
+        api_idle0 = apiserver_writes(self.k)
         idle = self.window(self.args.idle_seconds, "idle")
         idle["controller_writes_by_verb_resource"] = controller_writes(
-            api_idle0, apiserver_writes(self))
+            api_idle0, apiserver_writes(self.k))
         idle["controller_writes"] = sum(idle["controller_writes_by_verb_resource"].values())
         if idle["writes"]:
             log(f"idle writes: {idle['writes_logged'] or idle['writes_by_verb']}")

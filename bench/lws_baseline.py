@@ -25,59 +25,20 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import os
-import re
 import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import yaml
+from write_counts import Obj, ScaleRun, apiserver_writes, controller_writes
 
 from omnistage.kube import condition_status
 from omnistage.kubeapi import path, resource_path
 
-if TYPE_CHECKING:
-    from bench_operator_scale import Bench
-
-Obj = dict[str, Any]
-
 LWS_GROUP, LWS_VERSION, LWS_PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
-WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"}
-# Writes that are not a controller's: the scheduler binds, kwok (the kubelet) reports status and
-# heartbeats. Left out for both systems.
-NOT_CONTROLLER = {"pods/binding", "pods/status", "nodes", "nodes/status", "leases"}
-# The bench's own creates (the "apply"), one per object on either side.
-USER_WRITES = {"POST omnipipelines", "POST leaderworkersets"}
-REQUEST_TOTAL = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
-
-
-def apiserver_writes(bench: Bench) -> dict[str, int]:
-    """Writes the API server has served, by "VERB resource[/subresource]" (since it started)."""
-    text = bench.k.request("GET", "/metrics", raw=True, timeout=20)
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        m = REQUEST_TOTAL.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
-        if labels.get("verb") not in WRITE_VERBS:
-            continue
-        res = labels.get("resource", "") + (
-            f"/{labels['subresource']}" if labels.get("subresource") else "")
-        key = f"{labels['verb']} {res}"
-        out[key] = out.get(key, 0) + int(float(m.group("value")))
-    return out
-
-
-def controller_writes(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """The write deltas that a controller made (see NOT_CONTROLLER), largest first."""
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    keep = {k: v for k, v in delta.items()
-            if v and k.split(" ", 1)[1] not in NOT_CONTROLLER and k not in USER_WRITES}
-    return dict(sorted(keep.items(), key=lambda kv: -kv[1]))
 
 
 def module_dir(version: str) -> Path:
@@ -91,7 +52,7 @@ class LwsBaseline:
     """placement: the pods' nodeSelector and tolerations, as the Omnistage fleet's;
     pod_ready, log and free_port: the bench's own."""
 
-    def __init__(self, bench: Bench, binary: Path, version: str, *, placement: Obj,
+    def __init__(self, bench: ScaleRun, binary: Path, version: str, *, placement: Obj,
                  pod_ready: Callable[[Obj], bool], log: Callable[[str], None],
                  free_port: Callable[[], int]) -> None:
         self.bench = bench
@@ -256,7 +217,7 @@ class LwsBaseline:
             b.k.create(path("Namespace"), {"metadata": {"name": self.ns}})
         want = sets * replicas
         names = [f"scale-{i:03d}" for i in range(sets)]
-        w0 = apiserver_writes(b)
+        w0 = apiserver_writes(b.k)
         self.say(f"LWS: creating {sets} LeaderWorkerSets x {replicas} replicas = {want} pods "
               f"in namespace {self.ns}")
         t0 = time.monotonic()
@@ -283,11 +244,11 @@ class LwsBaseline:
         t_ready = time.monotonic() - t0
         self.say(f"  LWS all Available and {want} pods Ready after {t_ready:.1f}s")
         time.sleep(3.0)  # trailing status writes, as the Omnistage side's settle()
-        w1 = apiserver_writes(b)
+        w1 = apiserver_writes(b.k)
         ramp = controller_writes(w0, w1)
         self.say(f"LWS idle: {idle_seconds:.0f}s")
         time.sleep(idle_seconds)
-        idle = controller_writes(w1, apiserver_writes(b))
+        idle = controller_writes(w1, apiserver_writes(b.k))
         total = sum(ramp.values())
         t1 = time.monotonic()
         b.k.delete(self.lws_path())

@@ -233,7 +233,7 @@ class Controller:
         owner = self.pipelines.get((meta["namespace"], pool["spec"].get("pipeline", "")))
         if owner is not None and owner["metadata"].get("deletionTimestamp"):
             return
-        retired = (meta.get("annotations") or {}).get(kube.ANNOTATION_DRAINING) == "true"
+        retired = kube.marked_draining(pod)
         present = {retirement.ordinal_of(p): p
                    for p in self.pods.get((meta["namespace"], pool["metadata"]["name"]), {})
                    .values()}

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,20 +40,6 @@ async def begin(api: KubeApi, pod: Obj) -> None:
     }, ignore=(404,))
 
 
-def _inflight(url: str) -> int | None:
-    """In-flight plus queued work on the replica; None when it cannot be asked."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            state = json.loads(resp.read())
-        return int(state.get("in_flight", 0)) + int(state.get("queued", 0))
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, ConnectionRefusedError):
-            return 0  # nothing listens: nothing can be in flight
-        return None
-    except (OSError, ValueError):
-        return None
-
-
 @dataclass(frozen=True)
 class Progress:
     """Where a retirement stands: done (delete the pod now); timed_out with `cut` requests
@@ -72,7 +55,7 @@ async def finished(pod: Obj, pool: Obj) -> Progress:
     ip = status.get("podIP")
     if not ip or status.get("phase") != "Running":
         return Progress(True)
-    left = await asyncio.to_thread(_inflight, f"http://{ip}:{kube.WORKER_HTTP_PORT}/state")
+    left = await asyncio.to_thread(kube.read_work_left, kube.worker_state_url(ip), 2.0)
     if left == 0:
         return Progress(True)
     since_text = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_DRAINING_SINCE)

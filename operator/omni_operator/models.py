@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from omnistage.kube import API_VERSION, GROUP, VERSION
 from omnistage.spec import StagePool, StagePoolSpec
 
 __all__ = ["API_VERSION", "GROUP", "VERSION", "StagePool", "StagePoolSpec", "desired_replicas"]
-
-GROUP = "omnistage.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
 
 
 def desired_replicas(pool: dict[str, Any]) -> int:

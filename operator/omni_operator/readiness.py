@@ -9,16 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from omnistage import kube
-from omnistage.kube import condition_status
+from omnistage.kube import condition_status, is_draining
 
 Obj = dict[str, Any]
-
-
-def is_draining(pod: Obj) -> bool:
-    meta = pod.get("metadata", {})
-    annotations = meta.get("annotations") or {}
-    draining = annotations.get(kube.ANNOTATION_DRAINING) == "true"
-    return bool(meta.get("deletionTimestamp")) or draining
 
 
 def is_ready(pod: Obj) -> bool:

@@ -15,8 +15,6 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -244,21 +242,11 @@ def _inflight(api: Any, pod: Obj) -> int | None:
     if (pod.get("status") or {}).get("phase") != "Running":
         return None
     url = (f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}:"
-           f"{kube.WORKER_HTTP_PORT}/proxy/state")
-    state: Any = None
+           f"{kube.WORKER_HTTP_PORT}/proxy{kube.WORKER_STATE_PATH}")
     try:
-        state = json.loads(api.request("GET", url, raw=True, timeout=2.0))
+        return kube.work_left(json.loads(api.request("GET", url, raw=True, timeout=2.0)))
     except Exception:  # the proxy is optional: fall back to the pod IP
-        if ip:
-            try:
-                with urllib.request.urlopen(f"http://{ip}:{kube.WORKER_HTTP_PORT}/state",
-                                            timeout=1.0) as resp:
-                    state = json.loads(resp.read())
-            except (urllib.error.URLError, OSError, ValueError):
-                return None
-    if not isinstance(state, dict):
-        return None
-    return int(state.get("in_flight", 0)) + int(state.get("queued", 0))
+        return kube.read_work_left(kube.worker_state_url(ip), 1.0) if ip else None
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -107,9 +107,7 @@ def drain_patch(pool: Obj, pod: Obj, mode: Mode) -> Obj:
     state = retired(pool)
     if ordinal in state.ordinals:
         raise DrainRefused(f"{name} is already being retired")
-    meta = pod["metadata"]
-    if meta.get("deletionTimestamp") or (meta.get("annotations") or {}).get(
-            kube.ANNOTATION_DRAINING) == "true":
+    if kube.is_draining(pod):
         raise DrainRefused(f"{name} is already leaving the pool (scale-down, rollout or drain)")
     replicas = desired_replicas(pool)
     if mode == "retire":

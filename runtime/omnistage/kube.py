@@ -1,13 +1,22 @@
 """Names shared by the operator (which writes them) and the orchestrator (which reads them), and
-the one way to read an object's status conditions.
+the one way to read what they both read: an object's status conditions, whether a pod is
+draining, and how much work a worker's /state reports left.
 
 Kept in the runtime because the operator depends on the runtime, never the reverse.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
+
+#: The API group and version of OmniPipeline and StagePool.
+GROUP = "omnistage.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
 
 LABEL_PIPELINE = "omnistage.io/pipeline"
 LABEL_STAGE = "omnistage.io/stage"
@@ -26,6 +35,7 @@ READINESS_GATE = "omnistage.io/routable"  # pod condition the operator controls
 
 WORKER_ZMQ_PORT = 5555
 WORKER_HTTP_PORT = 8080
+WORKER_STATE_PATH = "/state"  # on WORKER_HTTP_PORT: the replica's protocol.WorkerState as JSON
 PIPELINE_ENV = "OMNISTAGE_PIPELINE"  # the resolved pipeline manifest, as JSON
 
 # Model fetching and loading, as the operator reads them off a stage pod's status.
@@ -67,3 +77,47 @@ def condition_status(obj: Mapping[str, Any] | None, ctype: str) -> str | None:
 ENV_SHM_DIR = "OMNISTAGE_SHM_DIR"
 ENV_SHM_CAP = "OMNISTAGE_SHM_CAP_MB"
 ENV_SHM_SESSION = "OMNISTAGE_SHM_SESSION"
+
+
+def marked_draining(obj: Mapping[str, Any]) -> bool:
+    """The operator has begun to retire this pod: its ANNOTATION_DRAINING is "true", exactly as
+    the operator writes it (one spelling, so the operator and the orchestrator agree)."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(ANNOTATION_DRAINING) == "true"
+
+
+def is_draining(pod: Mapping[str, Any]) -> bool:
+    """On its way out: terminating (deletionTimestamp) or marked draining. It finishes the work
+    it has but takes none new: the readiness gate and the orchestrator's membership both read
+    this."""
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp")) or marked_draining(pod)
+
+
+def work_left(state: Any) -> int | None:
+    """In-flight plus queued requests from a worker's /state body; None when it is not one."""
+    if not isinstance(state, Mapping):
+        return None
+    try:
+        return int(state.get("in_flight", 0)) + int(state.get("queued", 0))
+    except (TypeError, ValueError):
+        return None
+
+
+def worker_state_url(ip: str) -> str:
+    """The /state URL of a stage pod at `ip`."""
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{WORKER_HTTP_PORT}{WORKER_STATE_PATH}"
+
+
+def read_work_left(url: str, timeout: float) -> int | None:
+    """work_left of the worker answering at `url`: 0 when nothing listens there (a worker that
+    has exited has nothing in flight), None when it cannot be asked (a timeout, a bad body)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return work_left(json.loads(resp.read()))
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            return 0
+        return None
+    except (OSError, ValueError):
+        return None

@@ -37,6 +37,8 @@ from typing import Any, NamedTuple, TypeVar
 import aiohttp
 import yaml
 
+from omnistage import kube
+
 log = logging.getLogger("omnistage.kubeapi")
 write_log = logging.getLogger("omnistage.kubeapi.writes")
 
@@ -125,8 +127,8 @@ RESOURCES: dict[str, Resource] = {r.kind: r for r in (
     Resource("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
     Resource("Role", "rbac.authorization.k8s.io", "v1", "roles"),
     Resource("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings"),
-    Resource("OmniPipeline", "omnistage.io", "v1alpha1", "omnipipelines"),
-    Resource("StagePool", "omnistage.io", "v1alpha1", "stagepools"),
+    Resource("OmniPipeline", kube.GROUP, kube.VERSION, "omnipipelines"),
+    Resource("StagePool", kube.GROUP, kube.VERSION, "stagepools"),
 )}
 
 

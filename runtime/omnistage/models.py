@@ -26,6 +26,9 @@ from omnistage.spec import Stage
 
 BUILTIN_VERSION = "v1"
 TINY_HIDDEN = 64  # shared width: the tiny UNet cross-attends to the tiny LLM's hidden states
+#: The built-in ar models' context (max_position_embeddings): known without their files, so the
+#: orchestrator can state the max_tokens bound of a pipeline serving one (params.max_tokens_bound).
+BUILTIN_CONTEXT = {"tiny-llama": 1024}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 
 
@@ -63,7 +66,7 @@ def _save_tiny_llama(path: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=BUILTIN_CONTEXT["tiny-llama"],
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

@@ -13,18 +13,22 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, TypeVar
 
+import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic_core import ErrorDetails
 
-from omnistage.spec import EngineOptions, PerRequest
+from omnistage.models import BUILTIN_CONTEXT
+from omnistage.spec import EngineOptions, PerRequest, Stage
 
 __all__ = [
     "Problem",
     "StageParams",
     "describe",
+    "engine_bounds",
     "engine_type",
     "error_path",
     "json_type",
+    "max_tokens_bound",
     "per_request",
     "stage_params",
 ]
@@ -40,6 +44,34 @@ def engine_type(name: str) -> Any:
     info = EngineOptions.model_fields[name]
     bounds = [m for m in info.metadata if not isinstance(m, PerRequest)]
     return Annotated[info.annotation, *bounds] if bounds else info.annotation
+
+
+def engine_bounds(name: str) -> tuple[Any, Any, Any]:
+    """(min, max, multiple) of an EngineOptions knob (None: unbounded; multiple 1: any)."""
+    lo = hi = None
+    multiple = 1
+    for m in EngineOptions.model_fields[name].metadata:
+        if isinstance(m, annotated_types.Ge):
+            lo = m.ge
+        elif isinstance(m, annotated_types.Le):
+            hi = m.le
+        elif isinstance(m, annotated_types.MultipleOf):
+            multiple = m.multiple_of
+    return lo, hi, multiple
+
+
+def max_tokens_bound(stage: Stage) -> int:
+    """The most max_tokens a request to this ar stage can be served with: the ar worker refuses
+    prompt + max_tokens beyond its model's context and beyond engine.maxBatchTokens, and every
+    prompt is at least one token (an empty one is the BOS token). The model's context counts
+    when it is known without the model's files (a built-in's); otherwise only the worker knows
+    it. The HTTP API's document states this bound and its validator applies it."""
+    most: int = engine_bounds("max_tokens")[1]
+    context = BUILTIN_CONTEXT.get(stage.model or "")
+    for limit in (context, stage.engine.max_batch_tokens):
+        if limit is not None:
+            most = min(most, limit - 1)
+    return max(most, 0)
 
 
 def per_request(kind: str) -> dict[str, str]:

@@ -39,7 +39,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from omnistage import __version__
-from omnistage.kube import ANNOTATION_SHARED_MEMORY
+from omnistage.kube import ANNOTATION_SHARED_MEMORY, API_VERSION
 from omnistage.modelref import (
     BUILTIN_MODELS,
     HUB_ID_GRAMMAR,
@@ -87,7 +87,6 @@ __all__ = [
     "validate_manifest",
 ]
 
-API_VERSION = "omnistage.io/v1alpha1"
 KIND = "OmniPipeline"
 POOL_KIND = "StagePool"
 #: The runtime image (runtime/Dockerfile). Its tag is the package version, the one version
@@ -803,7 +802,11 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
     index: dict[str, int] = {}
     for i, stage in enumerate(spec.stages):
         if stage.name in index:
-            # The item itself, as the API server names a duplicate key of a map-type list.
+            # The item itself, as the API server names a duplicate key of a map-type list
+            # (apiextensions-apiserver schema/listtype: field.Duplicate(fldPath.Index(i), ...),
+            # "spec.stages[1]: Duplicate value: {"name": "a"}"). It refuses the object before any
+            # webhook runs, so `<item>.name` (a built-in type's wording) would break the parity
+            # tests/cluster/test_validation.py checks.
             errors.append(
                 (
                     f"stages[{i}]",
@@ -1021,7 +1024,8 @@ class PoolMetadata(_ObjectMeta):
 class OmniPipeline(_Model):
     """An OmniPipeline manifest: the same document runs locally and on Kubernetes."""
 
-    api_version: Literal["omnistage.io/v1alpha1"] = Field(description=f"Must be {API_VERSION}.")
+    api_version: Literal[API_VERSION] = Field(  # type: ignore[valid-type]
+        description=f"Must be {API_VERSION}.")
     kind: Literal["OmniPipeline"] = Field(description=f"Must be {KIND}.")
     metadata: Metadata = Field(description="Object metadata; name is required.")
     spec: PipelineSpec = Field(description="The desired pipeline.")
@@ -1083,7 +1087,8 @@ class StagePoolSpec(_Model):
 class StagePool(_Model):
     """A StagePool manifest: the replica pods of one stage of one OmniPipeline."""
 
-    api_version: Literal["omnistage.io/v1alpha1"] = Field(description=f"Must be {API_VERSION}.")
+    api_version: Literal[API_VERSION] = Field(  # type: ignore[valid-type]
+        description=f"Must be {API_VERSION}.")
     kind: Literal["StagePool"] = Field(description=f"Must be {POOL_KIND}.")
     metadata: PoolMetadata = Field(description="Object metadata (name <pipeline>-<stage>).")
     spec: StagePoolSpec = Field(description="The desired pool.")

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from omni_operator.webhook import CONFIGURATION
+from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner
 from tests.harness.local import free_port
 from tests.harness.metrics import samples
@@ -167,8 +168,8 @@ def apply_crds(cluster: Cluster) -> None:
         "wait",
         "--for=condition=Established",
         "--timeout=60s",
-        "crd/omnipipelines.omnistage.io",
-        "crd/stagepools.omnistage.io",
+        f"crd/omnipipelines.{k.GROUP}",
+        f"crd/stagepools.{k.GROUP}",
     )
 
 
@@ -198,7 +199,7 @@ def operator(
 
 def pipeline_doc(name: str, stages: list[Obj], **spec: Any) -> Obj:
     return {
-        "apiVersion": "omnistage.io/v1alpha1",
+        "apiVersion": k.API_VERSION,
         "kind": "OmniPipeline",
         "metadata": {"name": name},
         "spec": {**spec, "stages": stages},

@@ -160,10 +160,10 @@ async def test_bad_input_is_400_naming_the_field(oai: openai.AsyncOpenAI) -> Non
     with pytest.raises(openai.BadRequestError) as info:
         await oai.images.generate(model=MODEL, prompt="x", size="33x33")  # type: ignore[arg-type]
     assert info.value.param == "size"
-    # Only the worker knows its model's context length; its refusal still names the field.
+    # Above the document's bound the orchestrator refuses it; test_max_tokens_bound_* below.
     with pytest.raises(openai.BadRequestError) as info:
         await oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100_000)
-    assert info.value.param == "max_tokens" and "context" in info.value.message
+    assert info.value.param == "max_tokens" and "less than or equal to 1023" in info.value.message
     # A prompt longer than the encoder's context (1024 tokens) is the prompt's fault: the
     # images API has no max_tokens, and a chat request that sets none is blamed on messages.
     with pytest.raises(openai.BadRequestError) as info:
@@ -202,6 +202,38 @@ async def test_unencodable_values_are_400_and_the_server_keeps_serving(
                 assert body["error"]["param"] == param, body
     got = await oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
     assert got.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_max_tokens_bound_in_the_document_is_the_one_the_server_applies(
+        served: str, oai: openai.AsyncOpenAI) -> None:
+    """Regression (schemathesis ST202): /openapi.json allowed max_tokens up to 2**20 while the
+    worker refuses prompt + max_tokens beyond its model's context. The document now states the
+    chat stage's bound (tiny-llama: 1024 tokens, less one prompt token): the real worker serves
+    it for the shortest prompt, one more is refused, and a longer prompt at the bound gets the
+    worker's 400 naming max_tokens, as the document's description says."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(served + "/openapi.json") as resp:
+            doc = await resp.json()
+        props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+        most = props["max_tokens"]["anyOf"][0]["maximum"]
+        assert most == props["max_completion_tokens"]["anyOf"][0]["maximum"] == 1023
+        url = served + "/v1/pipelines/text-to-image/requests"
+        # An empty prompt is one token (BOS): the worker takes the bound and no more.
+        for max_tokens, status in ((most, 200), (most + 1, 400)):
+            body = {"prompt": "", "finals": ["encoder"],
+                    "params": {"encoder": {"max_tokens": max_tokens}}}
+            async with s.post(url, json=body) as resp:
+                got = await resp.json()
+                assert resp.status == status, got
+        assert got["error"]["param"] == "params.encoder.max_tokens"
+        assert f"max_tokens ({most + 1}) exceeds the model context of 1024" in \
+            got["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        await oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=most + 1)
+    assert info.value.param == "max_tokens" and str(most) in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:  # the prompt takes more than one token
+        await oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=most)
+    assert info.value.param == "max_tokens" and "context" in info.value.message
 
 
 async def test_generic_route_returns_fields_and_tensors(served: str) -> None:

@@ -727,6 +727,43 @@ async def test_stage_names_are_enumerated_in_the_document_and_enforced(
         assert_error(await resp.json(), param=param, code="invalid_value")
 
 
+def _chat_max_tokens(doc: dict[str, Any]) -> tuple[int, int]:
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    return tuple(props[key]["anyOf"][0]["maximum"]  # type: ignore[return-value]
+                 for key in ("max_tokens", "max_completion_tokens"))
+
+
+@pytest.mark.parametrize(("engine", "most"), [({}, 1023), ({"maxBatchTokens": 100}, 99)])
+async def test_max_tokens_bound_is_documented_and_enforced(engine: dict[str, Any],
+                                                           most: int) -> None:
+    """Regression (schemathesis ST202): the document allowed max_tokens up to 2**20 and the
+    worker refused what its model's context cannot hold. Each pipeline's document states its
+    chat stage's bound (params.max_tokens_bound: tiny-llama's 1024-token context or the
+    stage's maxBatchTokens, less one prompt token), and the orchestrator's validator applies
+    the same number: the maximum reaches the engine, one more is a 400 naming the field."""
+    manifest = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+                "metadata": {"name": "chat"},
+                "spec": {"stages": [{"name": "llm", "kind": "ar", "model": "tiny-llama",
+                                     "finalOutput": True, "engine": engine}]}}
+    orch = FakeOrchestrator(parse_pipeline(manifest))
+    async with TestClient(TestServer(h.build_app(orch))) as client:
+        doc = await (await client.get("/openapi.json")).json()
+        assert _chat_max_tokens(doc) == (most, most)
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        for key in ("max_tokens", "max_completion_tokens"):
+            resp = await client.post("/v1/chat/completions", json={**body, key: most})
+            assert resp.status == 200, await resp.text()
+            assert orch.handles[-1].req.params["llm"]["max_tokens"] == most
+            resp = await client.post("/v1/chat/completions", json={**body, key: most + 1})
+            assert resp.status == 400
+            err = assert_error(await resp.json(), param=key, code="invalid_value")
+            assert f"less than or equal to {most}" in err["message"]
+    # parse_chat without a model validates with the same pipeline's bound.
+    with pytest.raises(ApiError) as info:
+        h.parse_chat({**body, "max_tokens": most + 1}, orch.pipeline)
+    assert info.value.param == "max_tokens"
+
+
 async def _wait_aborted(handle: FakeHandle) -> None:
     await asyncio.wait_for(handle.aborted.wait(), HANG_GUARD)
 

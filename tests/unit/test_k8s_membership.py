@@ -87,7 +87,8 @@ def ep(ip: str = "127.0.0.2") -> str:
         ({"deleting": True}, False, "draining"),  # terminating: finish bound work only
         ({"deleting": True, "ready": False}, False, "draining"),
         ({"draining": "true"}, False, "draining"),
-        ({"draining": "True"}, False, "draining"),
+        # One spelling, the operator's: its readiness gate and retirement read the mark alike.
+        ({"draining": "True"}, False, "ready"),
         ({"draining": "false"}, False, "ready"),
         ({"draining": "true", "ready": False}, False, "draining"),
         ({}, True, "gone"),

@@ -18,8 +18,9 @@ from omnistage.executors import BadRequest, create_executor
 from omnistage.executors.ar import ARParams
 from omnistage.executors.diffusion import DiffusionParams
 from omnistage.executors.echo import EchoExecutor, EchoParams
+from omnistage.models import BUILTIN_CONTEXT
 from omnistage.orchestrator.openapi import openapi_document
-from omnistage.params import per_request
+from omnistage.params import max_tokens_bound, per_request
 from omnistage.spec import STAGE_KINDS, EngineOptions, Stage
 
 BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "type")
@@ -142,3 +143,17 @@ def test_request_overrides_produce_typed_options() -> None:
     assert (opts.temperature, opts.seed, opts.max_tokens) == (1.25, 3, 9)
     assert engine.temperature == 0.5  # the stage's options are not changed
     assert ARParams.model_validate({}).options(engine) is engine
+
+
+@pytest.mark.parametrize(("model", "engine", "most"), [
+    ("tiny-llama", {}, BUILTIN_CONTEXT["tiny-llama"] - 1),  # the context, less one prompt token
+    ("tiny-llama", {"maxBatchTokens": 100}, 99),  # the tighter of the two
+    ("tiny-llama", {"maxBatchTokens": 5000}, 1023),
+    ("tiny-llama", {"maxBatchTokens": 1}, 0),  # a one-token prompt fills the batch
+    ("./weights", {}, 2**20),  # only the worker knows this model's context: the knob's own bound
+    ("org/model", {"maxBatchTokens": 64}, 63),
+])
+def test_max_tokens_bound_is_what_a_one_token_prompt_may_ask(model: str, engine: dict[str, Any],
+                                                             most: int) -> None:
+    stage = Stage.model_validate({"name": "a", "kind": "ar", "model": model, "engine": engine})
+    assert max_tokens_bound(stage) == most

@@ -1,10 +1,10 @@
 """The orchestrator's HTTP front door: OpenAI-compatible routes plus operational ones.
 
-Handlers stay thin: validate the body against its model (openapi.py, whose models also make the
-OpenAPI document), submit one PipelineRequest, render its Outcome (pure functions). The HTTP
-layer never routes; the engine does. Every error leaves in OpenAI's JSON error shape, and a
-client that goes away aborts its request through the pipeline so no stage keeps working for
-nobody. See docs/http-api.md for the user-facing contract.
+Handlers stay thin: validate the body against its model (schemas.py; openapi.py makes the
+OpenAPI document from the same models and route table), submit one PipelineRequest, render its
+Outcome (pure functions). The HTTP layer never routes; the engine does. Every error leaves in
+OpenAI's JSON error shape, and a client that goes away aborts its request through the pipeline
+so no stage keeps working for nobody. See docs/http-api.md for the user-facing contract.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from omnistage.orchestrator.schemas import (
     image_size,
     pipeline_bodies,
 )
-from omnistage.params import describe, json_type
+from omnistage.params import describe, json_type, max_tokens_bound
 from omnistage.protocol import ControlConflict
 from omnistage.sideport import add_ops_routes, serve_app
 from omnistage.spec import OmniPipeline
@@ -156,7 +156,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 
 def validate(model: type[M], body: Mapping[str, Any]) -> M:
-    """The body as its model (openapi.py); the first problem is a 400 whose `param` is the
+    """The body as its model (schemas.py); the first problem is a 400 whose `param` is the
     field's request path, e.g. messages[0].content."""
     try:
         return model.model_validate(body)
@@ -231,13 +231,14 @@ def _message_text(content: str | list[Any] | None) -> str:
 
 
 def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
-               model: type[ChatCompletionRequest] = ChatCompletionRequest) -> ChatCall:
-    """Validate an OpenAI chat body into a PipelineRequest for the chat stage only."""
+               model: type[ChatCompletionRequest] | None = None) -> ChatCall:
+    """Validate an OpenAI chat body into a PipelineRequest for the chat stage only. The model
+    (default: ChatCompletionRequest for this pipeline) bounds max_tokens by the chat stage."""
     stage = pipeline.spec.chat_stage()
     if stage is None:
         raise ApiError(404, "this pipeline has no ar stage to answer chat completions",
                        code="api_not_enabled")
-    req = validate(model, body)
+    req = validate(model or _pipeline_body(pipeline, ChatCompletionRequest), body)
     served = _check_model(req.model, pipeline.served_model_name())
     params: dict[str, Any] = {}
     _put(params, "max_tokens", req.max_completion_tokens if req.max_completion_tokens is not None
@@ -302,8 +303,11 @@ def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline,
 
 
 def _pipeline_body(pipeline: OmniPipeline, stock: type[M]) -> type[M]:
-    """The stock body model narrowed to the pipeline's stage names (schemas.pipeline_bodies)."""
-    return pipeline_bodies(tuple(pipeline.spec.stage_names())).get(stock, stock)  # type: ignore[return-value]
+    """The stock body model narrowed to the pipeline: its stage names, its chat stage's
+    max_tokens bound (schemas.pipeline_bodies)."""
+    chat = pipeline.spec.chat_stage()
+    most = None if chat is None else max_tokens_bound(pipeline.spec.stage(chat))
+    return pipeline_bodies(tuple(pipeline.spec.stage_names()), most).get(stock, stock)  # type: ignore[return-value]
 
 
 def parse_generic(body: Mapping[str, Any], pipeline: OmniPipeline,

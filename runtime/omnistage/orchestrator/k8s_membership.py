@@ -61,10 +61,7 @@ def replica_from_pod(
         return ReplicaInfo(stage, name, endpoint, "gone")
     if not ip:
         return None
-    annotations = meta.get("annotations") or {}
-    if meta.get("deletionTimestamp") or (
-        str(annotations.get(kube.ANNOTATION_DRAINING, "")).lower() == "true"
-    ):
+    if kube.is_draining(pod):
         return ReplicaInfo(stage, name, endpoint, "draining")
     ready = kube.condition_status(pod, "Ready") == "True"
     return ReplicaInfo(stage, name, endpoint, "ready" if ready else "joining")

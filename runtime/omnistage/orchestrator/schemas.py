@@ -18,7 +18,6 @@ import re
 import typing
 from typing import Annotated, Any, Literal, NotRequired, Union
 
-import annotated_types
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -35,9 +34,9 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType, TypedDict  # pydantic wants this one before Python 3.12
 
 from omnistage.orchestrator import requests as rq
-from omnistage.params import engine_type, per_request
+from omnistage.params import engine_bounds, engine_type, per_request
 from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
-from omnistage.spec import STAGE_KINDS, EngineOptions
+from omnistage.spec import STAGE_KINDS
 
 __all__ = [
     "ERROR_TYPES",
@@ -274,21 +273,7 @@ class ChatCompletionRequest(_Body):
 # --------------------------------------------------------------------------- images
 
 
-def _bounds(name: str) -> tuple[Any, Any, Any]:
-    """(min, max, multiple) of an EngineOptions knob, for the prose a pattern cannot carry."""
-    lo = hi = None
-    multiple = 1
-    for m in EngineOptions.model_fields[name].metadata:
-        if isinstance(m, annotated_types.Ge):
-            lo = m.ge
-        elif isinstance(m, annotated_types.Le):
-            hi = m.le
-        elif isinstance(m, annotated_types.MultipleOf):
-            multiple = m.multiple_of
-    return lo, hi, multiple
-
-
-_SIDE_MIN, _SIDE_MAX, _SIDE_MULTIPLE = _bounds("width")
+_SIDE_MIN, _SIDE_MAX, _SIDE_MULTIPLE = engine_bounds("width")
 # One regex says which sizes are valid, for the validator and the document alike: every side
 # EngineOptions allows, spelt out, so a pattern-valid size is never refused for its numbers.
 # Only constructs that read the same in Python and ECMA-262 ([0-9] and a space, not \d or \s).
@@ -396,11 +381,19 @@ def _unique(value: list[Any]) -> list[Any]:
     return value
 
 
+_MAX_TOKENS_NOTE = (" At most {most}, the chat stage's bound (the model's context when known "
+                    "and engine.maxBatchTokens, less one prompt token); the worker also "
+                    "refuses prompt + max_tokens beyond them (400 param max_tokens).")
+
+
 @functools.lru_cache(maxsize=64)
-def pipeline_bodies(stages: tuple[str, ...]) -> dict[type[BaseModel], type[BaseModel]]:
-    """GenericRequest and ControlRequest narrowed to one pipeline's stage names, as
-    {stock model: its narrowed copy}. The HTTP API validates with the copies and documents
-    them, so a stage name the document allows is one the server accepts, and the reverse."""
+def pipeline_bodies(stages: tuple[str, ...], chat_max_tokens: int | None = None
+                    ) -> dict[type[BaseModel], type[BaseModel]]:
+    """The stock bodies narrowed to one pipeline, as {stock model: its narrowed copy}:
+    GenericRequest and ControlRequest to its stage names, ChatCompletionRequest's max_tokens
+    and max_completion_tokens to its chat stage's bound (params.max_tokens_bound). The HTTP API
+    validates with the copies and documents them, so a value the document allows is one the
+    server accepts, and the reverse."""
     stage = Literal[stages]  # type: ignore[valid-type]
     names = Annotated[list[stage], AfterValidator(_unique),  # type: ignore[valid-type]
                       Field(min_length=1, json_schema_extra={"uniqueItems": True})]
@@ -416,7 +409,18 @@ def pipeline_bodies(stages: tuple[str, ...]) -> dict[type[BaseModel], type[BaseM
     control = create_model("ControlRequest", __base__=ControlRequest, __module__=__name__,
                            __doc__=ControlRequest.__doc__,
                            stages=(names | None, field(ControlRequest, "stages")))
-    return {GenericRequest: generic, ControlRequest: control}
+    out: dict[type[BaseModel], type[BaseModel]] = {GenericRequest: generic,
+                                                   ControlRequest: control}
+    if chat_max_tokens is not None:
+        tokens = Annotated[int, Field(ge=0, le=chat_max_tokens)]
+        note = _MAX_TOKENS_NOTE.format(most=chat_max_tokens)
+        out[ChatCompletionRequest] = create_model(
+            "ChatCompletionRequest", __base__=ChatCompletionRequest, __module__=__name__,
+            __doc__=ChatCompletionRequest.__doc__,
+            **{key: (tokens | None, Field(None, description=str(
+                ChatCompletionRequest.model_fields[key].description) + note))
+               for key in ("max_tokens", "max_completion_tokens")})
+    return out
 
 
 # --------------------------------------------------------------------------- responses
