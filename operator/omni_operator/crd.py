@@ -84,7 +84,7 @@ def _describe_default(node: Schema) -> None:
     if node.get("default") is None or isinstance(node["default"], dict | list):
         return
     value = node["default"]
-    shown = json.dumps(value) if isinstance(value, bool) or value is None else str(value)
+    shown = json.dumps(value) if isinstance(value, bool) else str(value)
     text = node.get("description", "").rstrip()
     node["description"] = f"{text} Defaults to {shown}.".strip()
 
