@@ -34,9 +34,10 @@ from omni_operator.status import (
     pipeline_status,
     pool_status,
     reported_invalid,
-    summary,
     terminating_status,
+    transition_event,
 )
+from omni_operator.status_models import PipelineStatus, Status
 from omnistage import kube
 from omnistage.kubeapi import RESOURCES, ApiError, KubeApi, Resource, path
 from omnistage.spec import OmniPipeline, SpecError, parse_pipeline, parse_stagepool
@@ -445,14 +446,15 @@ class Controller:
             kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
             await self._write(kind, ns, name, self.api.patch(path(kind, ns, name), managed))
 
-    async def patch_status(self, obj: Obj, status: Obj) -> bool:
-        """Write status if it differs from the stored one; True when it wrote.
+    async def patch_status(self, obj: Obj, typed: Status) -> bool:
+        """Write status (its wire form) if it differs from the stored one; True when it wrote.
 
         Read-your-writes: until the watch delivers our own write, the view still holds the old
         status, and a reconcile in that window (a 1 s re-check on a loaded machine) would write
         the same status again. So a status equal to the one we wrote against the same
         resourceVersion is not written twice.
         """
+        status = typed.wire()
         if subset(status, obj.get("status") or {}) and subset(obj.get("status") or {}, status):
             return False
         ns, name = _meta_key(obj)
@@ -519,17 +521,12 @@ class Controller:
         )
         await self._pipeline_status(obj, status)
 
-    async def _pipeline_status(self, obj: Obj, status: Obj) -> None:
+    async def _pipeline_status(self, obj: Obj, status: PipelineStatus) -> None:
         """Write the status; when the phase or the Ready reason changed, say so in one event on
         the pipeline, so `kubectl describe omnipipe` tells the story without the pools'."""
-        before = obj.get("status") or {}
-        if await self.patch_status(obj, status) and summary(before) != summary(status):
-            old_ready = kube.condition(obj, "Ready") or {}
-            new_ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-            if (before.get("phase"), old_ready.get("reason")) != (
-                status.get("phase"), new_ready.get("reason")
-            ):
-                self._event(obj, *summary(status))
+        before = PipelineStatus.stored(obj)
+        if await self.patch_status(obj, status) and (event := transition_event(before, status)):
+            self._event(obj, *event)
 
     async def _ensure_child(self, owner: Obj, child: Obj) -> None:
         kind, meta = child["kind"], child["metadata"]

@@ -20,6 +20,7 @@ from typing import Any
 
 from omni_operator import retirement
 from omni_operator.models import desired_replicas
+from omni_operator.status_models import PipelineStatus, PoolStatus
 from omnistage import kube
 
 Obj = dict[str, Any]
@@ -189,9 +190,9 @@ def replica_state(pod: Obj) -> str:
     return str(status.get("phase") or "Pending")
 
 
-def _condition(obj: Obj | None, ctype: str) -> str:
-    cond = kube.condition(obj, ctype) or {}
-    return f"{cond.get('status', '?')} ({cond.get('reason', '')})" if cond else "?"
+def _condition(status: PipelineStatus | PoolStatus, ctype: str) -> str:
+    cond = status.condition(ctype)
+    return "?" if cond is None else f"{cond.status} ({cond.reason or ''})"
 
 
 def _node(pod: Obj) -> str:
@@ -202,9 +203,8 @@ def render_status(pipeline: Obj, pools: list[Obj], pods: list[Obj],
                   inflight: dict[str, int | None]) -> str:
     """The tree `omnistage status` prints (pure, for tests)."""
     name = pipeline["metadata"]["name"]
-    st = pipeline.get("status") or {}
-    lines = [f"pipeline {name}  phase={st.get('phase', '?')}  "
-             f"Ready={_condition(pipeline, 'Ready')}"]
+    st = PipelineStatus.stored(pipeline)
+    lines = [f"pipeline {name}  phase={st.phase or '?'}  Ready={_condition(st, 'Ready')}"]
     orch = sorted((p for p in pods if (p["metadata"].get("labels") or {}).get(
         kube.LABEL_COMPONENT) == "orchestrator"), key=lambda p: p["metadata"]["name"])
     groups: list[tuple[str, list[str]]] = []
@@ -212,11 +212,11 @@ def render_status(pipeline: Obj, pools: list[Obj], pods: list[Obj],
         f"{p['metadata']['name']}  {replica_state(p)}  node={_node(p)}" for p in orch]))
     for pool in sorted(pools, key=lambda p: p["metadata"]["name"]):
         pname = pool["metadata"]["name"]
-        ps = pool.get("status") or {}
+        ps = PoolStatus.stored(pool)
         members = sorted((p for p in pods if (p["metadata"].get("labels") or {}).get(
             kube.LABEL_POOL) == pname), key=retirement.ordinal_of)
-        head = (f"pool {pname}  ready={ps.get('ready', '?')}  "
-                f"Progressing={_condition(pool, 'Progressing')}")
+        head = (f"pool {pname}  ready={ps.ready or '?'}  "
+                f"Progressing={_condition(ps, 'Progressing')}")
         gone = sorted(retirement.retired(pool).ordinals)
         if gone:
             head += f"  retired ordinals={','.join(map(str, gone))}"

@@ -12,6 +12,9 @@
 
 lastTransitionTime only moves when a condition's status flips, so recomputing an unchanged world
 yields an identical status and the reconciler writes nothing.
+
+The functions take objects as the API server returns them (dicts) and return the typed statuses
+of omni_operator.status_models; the controller writes their wire form.
 """
 
 from __future__ import annotations
@@ -21,32 +24,50 @@ from typing import Any
 from omni_operator.models import desired_replicas
 from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import is_draining, is_ready
+from omni_operator.status_models import (
+    PHASES,
+    Condition,
+    PipelineStatus,
+    PoolStatus,
+    StageStatus,
+    Status,
+    status_model,
+)
 from omnistage import kube
+
+__all__ = [
+    "INVALID_SPEC",
+    "MODEL_FAILURES",
+    "PHASES",
+    "condition",
+    "invalid_status",
+    "model_failure",
+    "pipeline_status",
+    "pool_status",
+    "reported_invalid",
+    "stage_minimum",
+    "summary",
+    "terminating_status",
+    "transition_event",
+]
 
 Obj = dict[str, Any]
 
-#: Every phase the operator writes; the CRD's status.phase enum is generated from this tuple.
-PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Terminating", "Invalid")
 INVALID_SPEC = "InvalidSpec"
 #: Phases after which a pipeline below its minimum is Degraded rather than still Pending.
 _HAS_SERVED = ("Ready", "Progressing", "Degraded")
 
 
 def condition(
-    ctype: str, ok: bool, reason: str, message: str, generation: int, previous: list[Obj],
-    now: str,
-) -> Obj:
+    ctype: str, ok: bool, reason: str, message: str, generation: int,
+    previous: list[Condition] | None, now: str,
+) -> Condition:
+    """The condition, keeping the previous one's lastTransitionTime while its status holds."""
     status = "True" if ok else "False"
-    old = next((c for c in previous if c.get("type") == ctype), None)
-    since = old["lastTransitionTime"] if old and old.get("status") == status else now
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since,
-        "observedGeneration": generation,
-    }
+    old = next((c for c in previous or [] if c.type == ctype), None)
+    since = old.last_transition_time if old and old.status == status else now
+    return Condition(type=ctype, status=status, reason=reason, message=message,
+                     last_transition_time=since, observed_generation=generation)
 
 
 def stage_minimum(desired: int, settled: int, max_unavailable: int) -> int:
@@ -91,13 +112,13 @@ def model_failure(pod: Obj) -> tuple[str, str] | None:
     return None
 
 
-def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj:
+def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> PoolStatus:
     meta, spec = pool["metadata"], pool["spec"]
     desired = desired_replicas(pool)
     max_unavailable = int((spec.get("stage") or {}).get("maxUnavailable", 1))
     gen = int(meta.get("generation", 0))
-    old = pool.get("status") or {}
-    previous = old.get("conditions", [])
+    old = PoolStatus.stored(pool)
+    previous = old.conditions
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     ready = sum(1 for p in pods if is_ready(p))
     draining = sum(1 for p in pods if is_draining(p))
@@ -107,7 +128,7 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj
     )
     unschedulable = [(p["metadata"]["name"], m) for p in live if (m := unschedulable_message(p))]
     settled_now = len(live) == desired and updated == desired and ready >= desired
-    settled = desired if settled_now else int(old.get("settledReplicas", 0))
+    settled = desired if settled_now else int(old.settled_replicas or 0)
     minimum = stage_minimum(desired, settled, max_unavailable)
     counts = f"{min(ready, desired)}/{desired} replicas ready"
 
@@ -137,21 +158,21 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Obj
         moving, m_reason, m_msg = True, "ReplicasStarting", counts
     else:
         moving, m_reason, m_msg = False, "UpToDate", f"{desired} replicas updated and ready"
-    return {
-        "replicas": len(live),
-        "readyReplicas": ready,
-        "drainingReplicas": draining,
-        "updatedReplicas": updated,
-        "settledReplicas": settled,
+    return PoolStatus(
+        replicas=len(live),
+        ready_replicas=ready,
+        draining_replicas=draining,
+        updated_replicas=updated,
+        settled_replicas=settled,
         # Never more ready than desired (3/1): extra replicas are on their way out.
-        "ready": f"{min(ready, desired)}/{desired}",
-        "selector": f"{kube.LABEL_POOL}={meta['name']}",
-        "observedGeneration": gen,
-        "conditions": [
+        ready=f"{min(ready, desired)}/{desired}",
+        selector=f"{kube.LABEL_POOL}={meta['name']}",
+        observed_generation=gen,
+        conditions=[
             condition("Ready", ok, reason, message, gen, previous, now),
             condition("Progressing", moving, m_reason, m_msg, gen, previous, now),
         ],
-    }
+    )
 
 
 Why = tuple[str, str]  # (reason, message)
@@ -163,41 +184,46 @@ def _stage_view(pool: Obj | None) -> tuple[bool, Why | None, Why | None]:
     A pool whose status predates its spec (a rollout or scale just began) keeps its last Ready
     verdict, so a spec change alone never flips the pipeline out of Ready.
     """
-    ready = kube.condition(pool, "Ready")
+    status = PoolStatus.stored(pool)
+    ready = status.condition("Ready")
     if pool is None or ready is None:
         pending = ("StagesPending", "pool not reconciled yet")
         return False, pending, pending
-    fresh = (pool.get("status") or {}).get("observedGeneration") == pool["metadata"].get(
-        "generation")
-    moving = kube.condition(pool, "Progressing")
+    fresh = status.observed_generation == pool["metadata"].get("generation")
+    moving = status.condition("Progressing")
     why_moving: Why | None = None
-    if moving and moving.get("status") == "True":
-        why_moving = (moving.get("reason", "Progressing"), moving.get("message", ""))
+    if moving and moving.status == "True":
+        why_moving = (_or(moving.reason, "Progressing"), _or(moving.message, ""))
     elif not fresh:
         why_moving = ("Progressing", "applying the new spec")
-    if ready.get("status") != "True":
-        return False, (ready.get("reason", "ReplicasNotReady"), ready.get("message", "")), (
+    if ready.status != "True":
+        return False, (_or(ready.reason, "ReplicasNotReady"), _or(ready.message, "")), (
             why_moving)
     return True, None, why_moving
+
+
+def _or(value: str | None, default: str) -> str:
+    """A condition field, or default when the stored condition left it out."""
+    return default if value is None else value
 
 
 def pipeline_status(
     pipeline: Obj, stages: list[str], pools: dict[str, Obj | None], deployment: Obj | None,
     want_orchestrators: int, endpoint: str, now: str,
-) -> Obj:
+) -> PipelineStatus:
     gen = int(pipeline["metadata"].get("generation", 0))
-    old = pipeline.get("status") or {}
-    previous = old.get("conditions", [])
-    per_stage: dict[str, Obj] = {}
+    old = PipelineStatus.stored(pipeline)
+    previous = old.conditions
+    per_stage: dict[str, StageStatus] = {}
     down: list[tuple[str, str]] = []  # (reason, message) of stages below their minimum
     moving: list[tuple[str, str]] = []
     for name in stages:
         pool = pools.get(name)
-        st = (pool or {}).get("status") or {}
+        st = PoolStatus.stored(pool)
         desired = desired_replicas(pool) if pool else 0
-        per_stage[name] = {"pool": kube.pool_name(pipeline["metadata"]["name"], name),
-                           "ready": min(int(st.get("readyReplicas", 0)), desired),
-                           "desired": desired}
+        per_stage[name] = StageStatus(pool=kube.pool_name(pipeline["metadata"]["name"], name),
+                                      ready=min(int(st.ready_replicas or 0), desired),
+                                      desired=desired)
         serving, why_down, why_moving = _stage_view(pool)
         if not serving and why_down:
             down.append((why_down[0], f"stage {name}: {why_down[1]}"))
@@ -239,75 +265,91 @@ def pipeline_status(
     if ok:
         phase = "Progressing" if moving else "Ready"
     else:
-        phase = "Degraded" if old.get("phase") in _HAS_SERVED else "Pending"
-    ready_n = sum(1 for s in per_stage.values() if s["desired"] and s["ready"] >= s["desired"])
-    return {
-        "observedGeneration": gen,
-        "phase": phase,
-        "endpoint": endpoint,
-        "stagesReady": f"{ready_n}/{len(stages)}",
-        "stages": per_stage,
-        "conditions": [
+        phase = "Degraded" if old.phase in _HAS_SERVED else "Pending"
+    ready_n = sum(1 for s in per_stage.values() if s.desired and (s.ready or 0) >= s.desired)
+    return PipelineStatus(
+        observed_generation=gen,
+        phase=phase,
+        endpoint=endpoint,
+        stages_ready=f"{ready_n}/{len(stages)}",
+        stages=per_stage,
+        conditions=[
             condition("Ready", ok, r_reason, r_msg, gen, previous, now),
             condition("Progressing", bool(moving), p_reason, p_msg, gen, previous, now),
             condition("StagesReady", stages_ok, s_reason, s_msg, gen, previous, now),
             condition("OrchestratorReady", orch_ok, o_reason, o_msg, gen, previous, now),
         ],
-    }
+    )
 
 
-def invalid_status(obj: Obj, errors: list[tuple[str, str]], now: str) -> Obj:
+def invalid_status(obj: Obj, errors: list[tuple[str, str]], now: str) -> Status:
     """The status of an object whose spec is refused: every field error in the Ready condition.
 
     The rest of the previous status stays as it was (children of an earlier, valid generation
-    keep running), so writing it twice changes nothing.
+    keep running), so writing it twice changes nothing. A pipeline's phase says Invalid; a
+    pool has no phase.
     """
     gen = int(obj["metadata"].get("generation", 0))
-    old = dict(obj.get("status") or {})
-    previous = old.get("conditions", [])
+    old = status_model(obj.get("kind")).stored(obj)
+    previous = old.conditions or []
     message = "; ".join(f"{path}: {msg}" for path, msg in errors)
     ready = condition("Ready", False, INVALID_SPEC, message, gen, previous, now)
-    others = [c for c in previous if c.get("type") != "Ready"]
-    status = {**old, "observedGeneration": gen, "conditions": [ready, *others]}
-    if "phase" in old or obj.get("kind") == "OmniPipeline":
-        status["phase"] = "Invalid"
-    return status
+    others = [c for c in previous if c.type != "Ready"]
+    update: dict[str, Any] = {"observed_generation": gen, "conditions": [ready, *others]}
+    if isinstance(old, PipelineStatus):
+        update["phase"] = "Invalid"
+    return old.model_copy(update=update)
 
 
 def reported_invalid(obj: Obj) -> bool:
     """Whether the stored status already reports this generation as InvalidSpec."""
-    ready = kube.condition(obj, "Ready")
+    ready = status_model(obj.get("kind")).stored(obj).condition("Ready")
     return bool(
         ready
-        and ready.get("reason") == INVALID_SPEC
-        and ready.get("observedGeneration") == obj["metadata"].get("generation")
+        and ready.reason == INVALID_SPEC
+        and ready.observed_generation == obj["metadata"].get("generation")
     )
 
 
-def terminating_status(obj: Obj, step: str, now: str) -> Obj:
+def terminating_status(obj: Obj, step: str, now: str) -> PipelineStatus:
     """A pipeline being deleted: never 'Ready, pipeline is serving' while it goes away."""
     gen = int(obj["metadata"].get("generation", 0))
-    old = dict(obj.get("status") or {})
-    previous = old.get("conditions", [])
+    old = PipelineStatus.stored(obj)
+    previous = old.conditions or []
     ready = condition("Ready", False, "Terminating", f"pipeline is being deleted: {step}", gen,
                       previous, now)
-    others = [c for c in previous if c.get("type") != "Ready"]
-    return {**old, "observedGeneration": gen, "phase": "Terminating",
-            "conditions": [ready, *others]}
+    others = [c for c in previous if c.type != "Ready"]
+    return old.model_copy(update={"observed_generation": gen, "phase": "Terminating",
+                                  "conditions": [ready, *others]})
 
 
-def summary(status: Obj) -> tuple[str, str, str]:
+#: Stands in for a condition the status does not carry (no reason, no message).
+_NO_CONDITION = Condition(type="", status="Unknown")
+
+
+def summary(status: PipelineStatus) -> tuple[str, str, str]:
     """(event type, reason, message) that sums up a pipeline status for `kubectl describe`."""
-    phase = status.get("phase", "Pending")
-    ready = next((c for c in status.get("conditions", []) if c.get("type") == "Ready"), {})
-    progressing = next(
-        (c for c in status.get("conditions", []) if c.get("type") == "Progressing"), {})
+    phase = status.phase or "Pending"
+    ready = status.condition("Ready") or _NO_CONDITION
+    progressing = status.condition("Progressing") or _NO_CONDITION
     if phase == "Invalid":
-        return "Warning", INVALID_SPEC, ready.get("message", "")
+        return "Warning", INVALID_SPEC, ready.message or ""
     if phase == "Progressing":
-        return "Normal", "Progressing", progressing.get("message", "")
+        return "Normal", "Progressing", progressing.message or ""
     if phase == "Ready":
-        return "Normal", "Ready", f"pipeline is serving ({status.get('stagesReady', '')} stages)"
-    warn = phase == "Degraded" or ready.get("reason") in ("InsufficientCapacity",
-                                                          *MODEL_FAILURES)
-    return ("Warning" if warn else "Normal"), phase, ready.get("message", "")
+        return "Normal", "Ready", f"pipeline is serving ({status.stages_ready or ''} stages)"
+    warn = phase == "Degraded" or ready.reason in ("InsufficientCapacity", *MODEL_FAILURES)
+    return ("Warning" if warn else "Normal"), phase, ready.message or ""
+
+
+
+def transition_event(before: PipelineStatus, after: PipelineStatus) -> tuple[str, str, str] | None:
+    """The one event a written pipeline status deserves: its summary when the phase or the
+    Ready reason changed (and the summary with it), else None (no event for a message alone)."""
+    if summary(before) == summary(after):
+        return None
+    old_ready, new_ready = before.condition("Ready"), after.condition("Ready")
+    if (before.phase, old_ready and old_ready.reason) == (after.phase,
+                                                          new_ready and new_ready.reason):
+        return None
+    return summary(after)

@@ -229,14 +229,14 @@ def test_a_failed_fetch_is_the_pool_and_pipeline_ready_reason() -> None:
     pool = _pool("acme/x", None)
     pool["metadata"]["generation"] = 1  # type: ignore[index]
     failed = _pod(init_term={"exitCode": 3, "message": "error: model 'acme/x': gone"})
-    st = pool_status(pool, [failed], "h", NOW)
+    st = pool_status(pool, [failed], "h", NOW).wire()
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ModelFetchFailed")
     assert "stage 'llm'" in ready["message"] and "acme/x" in ready["message"]
     pipe = {"metadata": {"name": "p", "generation": 1}, "status": {}}
     ps = pipeline_status(pipe, ["llm"], {"llm": {**pool, "status": st}}, None, 1, "e", NOW)
-    pready = next(c for c in ps["conditions"] if c["type"] == "Ready")
-    assert pready["reason"] == "ModelFetchFailed" and "acme/x" in pready["message"]
+    pready = ps.condition("Ready")
+    assert pready and pready.reason == "ModelFetchFailed" and "acme/x" in (pready.message or "")
     assert summary(ps)[:2] == ("Warning", "Pending")
 
 

@@ -205,5 +205,5 @@ def test_a_pool_without_spec_replicas_wants_the_documented_default_of_one_everyw
              "metadata": {**pool["metadata"], "uid": "u1"}}
     assert builders.pool_pdb(owned)["spec"]["minAvailable"] == 0  # 1 - maxUnavailable 1
     ready = {**_pod(0), "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
-    assert pool_status(pool, [ready], "h", "2026-01-01T00:00:00Z")["ready"] == "1/1"
+    assert pool_status(pool, [ready], "h", "2026-01-01T00:00:00Z").ready == "1/1"
     assert desired_replicas({"spec": {"replicas": 0}}) == 0  # an explicit 0 stays 0

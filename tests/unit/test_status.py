@@ -2,28 +2,67 @@
 
 The cluster suites write these statuses through the real API server too (tests/cluster); here the
 scenarios are enumerated exhaustively and fast.
+
+The status functions return typed statuses (omni_operator.status_models); the tests below assert
+their wire form, the document the controller writes and `kubectl get -o yaml` shows, through the
+thin wrappers that follow (each also checks that the wire form reads back as the same status).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import jsonschema
 import pytest
+from pydantic import BaseModel
 
+from omni_operator import status as typed
+from omni_operator.controller import Controller
 from omni_operator.crd import omnipipeline_crd, stagepool_crd
-from omni_operator.status import (
-    PHASES,
-    invalid_status,
-    model_failure,
-    pipeline_status,
-    pool_status,
-    reported_invalid,
-    stage_minimum,
-    summary,
-    terminating_status,
+from omni_operator.status import PHASES, model_failure, reported_invalid, stage_minimum
+from omni_operator.status_models import (
+    Condition,
+    PipelineStatus,
+    PoolStatus,
+    StageStatus,
+    Status,
+    field_table,
+    status_model,
 )
 from omnistage import kube
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "crds.md"
+
+
+def wire(status: Status) -> dict[str, Any]:
+    """The wire form of a typed status; parsing it back gives the same status."""
+    doc = status.wire()
+    assert type(status).model_validate(doc).wire() == doc
+    return doc
+
+
+def pool_status(pool: dict[str, Any], pods: list[dict[str, Any]], template_hash: str,
+                now: str) -> dict[str, Any]:
+    return wire(typed.pool_status(pool, pods, template_hash, now))
+
+
+def pipeline_status(*args: Any) -> dict[str, Any]:
+    return wire(typed.pipeline_status(*args))
+
+
+def invalid_status(obj: dict[str, Any], errors: list[tuple[str, str]], now: str) -> dict[str, Any]:
+    return wire(typed.invalid_status(obj, errors, now))
+
+
+def terminating_status(obj: dict[str, Any], step: str, now: str) -> dict[str, Any]:
+    return wire(typed.terminating_status(obj, step, now))
+
+
+def summary(status: dict[str, Any]) -> tuple[str, str, str]:
+    return typed.summary(PipelineStatus.model_validate(status))
 
 NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T00:01:00Z"
@@ -249,12 +288,32 @@ def _status_schema(crd: dict[str, Any]) -> dict[str, Any]:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
 
 
+def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with unknown fields refused. The API server prunes them instead, silently: a
+    field the operator writes but the schema lacks would vanish, and the status would differ
+    from the stored one on every reconcile (a write each time)."""
+    out = copy.deepcopy(schema)
+    nodes = [out]
+    while nodes:
+        node = nodes.pop()
+        if "properties" in node:
+            node.setdefault("additionalProperties", False)
+            nodes.extend(node["properties"].values())
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                nodes.append(node[key])
+    return out
+
+
+def _crd_for(name: str) -> dict[str, Any]:
+    return stagepool_crd() if name.startswith("pool") else omnipipeline_crd()
+
+
 @pytest.mark.parametrize(("name", "status"), every_status(), ids=lambda v: v if isinstance(
     v, str) else "")
 def test_every_status_validates_against_the_crd_schema(name: str, status: dict[str, Any]) -> None:
-    crd = stagepool_crd() if name.startswith("pool") else omnipipeline_crd()
     # OpenAPI v3.0 schemas are draft-4 JSON Schema plus x- extensions, which validators ignore.
-    jsonschema.Draft4Validator(_status_schema(crd)).validate(status)
+    jsonschema.Draft4Validator(_strict(_status_schema(_crd_for(name)))).validate(status)
     if "phase" in status:
         assert status["phase"] in PHASES
 
@@ -270,6 +329,172 @@ def test_the_schema_check_is_not_vacuous() -> None:
     bad = {"phase": "Failed"}  # what the operator used to write, and the API server refused
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(_status_schema(omnipipeline_crd())).validate(bad)
+    typo = {"replicas": 1, "readyReplica": 1}  # pruned by the API server; refused here
+    jsonschema.Draft4Validator(_status_schema(stagepool_crd())).validate(typo)
+    with pytest.raises(jsonschema.ValidationError, match="readyReplica"):
+        jsonschema.Draft4Validator(_strict(_status_schema(stagepool_crd()))).validate(typo)
+
+
+def _schema_paths(node: dict[str, Any], path: str = "") -> set[str]:
+    """Every field path a schema allows: .a.b, [] for list items, {} for map values."""
+    out: set[str] = set()
+    for name, sub in node.get("properties", {}).items():
+        out |= {f"{path}.{name}"} | _schema_paths(sub, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        out |= _schema_paths(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        out |= _schema_paths(node["additionalProperties"], f"{path}{{}}")
+    return out
+
+
+def _type_paths(annotation: Any, path: str) -> set[str]:
+    """The field paths inside one annotation (models, lists and maps of them, optionals)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return _model_paths(annotation, path)
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is list:
+        return _type_paths(args[0], f"{path}[]")
+    if origin is dict:
+        return _type_paths(args[1], f"{path}{{}}")
+    if origin in (Union, UnionType):
+        return set().union(*(_type_paths(a, path) for a in args))
+    return set()
+
+
+def _model_paths(model: type[BaseModel], path: str = "") -> set[str]:
+    """Every field path of a model, by wire name."""
+    out: set[str] = set()
+    for name, field in model.model_fields.items():
+        here = f"{path}.{field.alias or name}"
+        out |= {here} | _type_paths(field.annotation, here)
+    return out
+
+
+def _written_paths(doc: Any, schema: dict[str, Any], path: str = "") -> set[str]:
+    """The field paths a status document uses, map keys read as {}."""
+    out: set[str] = set()
+    if isinstance(doc, dict) and "properties" in schema:
+        for key, value in doc.items():
+            out |= {f"{path}.{key}"} | _written_paths(
+                value, schema["properties"].get(key, {}), f"{path}.{key}")
+    elif isinstance(doc, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for value in doc.values():
+            out |= _written_paths(value, schema["additionalProperties"], f"{path}{{}}")
+    elif isinstance(doc, list):
+        for value in doc:
+            out |= _written_paths(value, schema.get("items", {}), f"{path}[]")
+    return out
+
+
+@pytest.mark.parametrize(("kind", "model", "crd"), [
+    ("pipeline", PipelineStatus, omnipipeline_crd), ("pool", PoolStatus, stagepool_crd)])
+def test_the_status_schema_the_model_and_what_the_operator_writes_have_the_same_fields(
+        kind: str, model: type[BaseModel], crd: Any) -> None:
+    """A field in the model but not the schema (or the reverse) fails, and so does one that
+    neither the operator writes (a dead field) nor the schema should carry."""
+    schema = _status_schema(crd())
+    assert _model_paths(model) == _schema_paths(schema)
+    assert status_model("OmniPipeline" if kind == "pipeline" else "StagePool") is model
+    written = set().union(*(_written_paths(st, schema) for name, st in every_status()
+                            if name.startswith(kind)))
+    assert written == _schema_paths(schema)
+
+
+def test_the_field_comparison_is_not_vacuous() -> None:
+    """A field added to a model alone is seen (the CRD is generated from the model, so only a
+    hand edit of the schema, or a model the CRD does not use, could get there)."""
+
+    class Wider(PoolStatus):
+        lost_replicas: int | None = None
+
+    schema = _status_schema(stagepool_crd())
+    assert _model_paths(Wider) - _schema_paths(schema) == {".lostReplicas"}
+    narrower = copy.deepcopy(schema)
+    del narrower["properties"]["conditions"]["items"]["properties"]["message"]
+    assert _model_paths(PoolStatus) - _schema_paths(narrower) == {".conditions[].message"}
+
+
+def test_a_stored_status_reads_back_and_writes_back_unchanged() -> None:
+    """What the API server returns parses into the model and serialises to the same document:
+    no field is added (None fields stay out), renamed or lost; unknown fields are ignored."""
+    for name, doc in every_status():
+        model = status_model("StagePool" if name.startswith("pool") else "OmniPipeline")
+        assert model.stored({"status": doc}).wire() == doc
+        assert model.stored({"status": {**doc, "fromANewerOperator": 1}}).wire() == doc
+    assert PoolStatus.stored({}).wire() == {} == PipelineStatus.stored({"status": None}).wire()
+    with pytest.raises(ValueError, match="no status model for kind 'Deployment'"):
+        status_model("Deployment")
+
+
+def test_docs_carry_the_generated_field_tables() -> None:
+    """docs/crds.md shows each status field with its type and the schema's description."""
+    text = DOCS.read_text(encoding="utf-8")
+    for model in (PipelineStatus, PoolStatus, StageStatus, Condition):
+        table = field_table(model)
+        assert table in text, (
+            f"docs/crds.md lacks the {model.__name__} table; paste field_table("
+            f"{model.__name__}) from omni_operator.status_models:\n{table}")
+
+
+# ---- the controller writes the wire form, only on change, one event per transition
+
+
+class _RecordingApi:
+    """Records status patches; answers each with the patched object."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+
+    async def patch(self, url: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        self.patches.append((url, body))
+        return body
+
+
+async def test_the_controller_writes_only_changes_and_one_event_per_transition() -> None:
+    """Kills: patch_status writing the model instead of its wire form, writing an unchanged
+    status (stored, or written against the same resourceVersion before the watch delivered
+    it), and an event for a write whose phase and Ready reason did not change."""
+    api = _RecordingApi()
+    ctl = Controller(api=api)  # type: ignore[arg-type]
+    events: list[tuple[str, ...]] = []
+    ctl._event = lambda obj, *event: events.append(event)  # type: ignore[method-assign]
+    url = "/apis/omnistage.io/v1alpha1/namespaces/ns/omnipipelines/p/status"
+    obj = pipeline()
+    obj["metadata"]["resourceVersion"] = "1"
+
+    def compute(o: dict[str, Any], pools: dict[str, Any], dep_: Any, now: str) -> PipelineStatus:
+        return typed.pipeline_status(o, ["a"], pools, dep_, 1, ENDPOINT, now)
+
+    pending = compute(obj, {"a": None}, None, NOW)
+    await ctl._pipeline_status(obj, pending)
+    assert api.patches == [(url, {"status": pending.wire()})]
+    assert events == [("Normal", "Pending", "stage a: pool not reconciled yet")]
+    await ctl._pipeline_status(obj, pending)  # the watch has not delivered our write yet
+    stored = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "2"},
+              "status": pending.wire()}
+    await ctl._pipeline_status(stored, compute(stored, {"a": None}, None, LATER))
+    assert len(api.patches) == 1 and len(events) == 1
+    # The pool appears, starting: a new Ready reason, one event.
+    starting = compute(stored, {"a": settle(pool(1), [pod(0, ready=False)])}, None, LATER)
+    await ctl._pipeline_status(stored, starting)
+    assert len(api.patches) == 2
+    assert events[1:] == [("Normal", "Pending", "stage a: 0/1 replicas ready (minimum 1)")]
+    # Scaled up while starting: a new message, the same phase and reason: a write, no event.
+    stored = {**stored, "status": starting.wire()}
+    moved = compute(stored, {"a": settle(pool(2), [pod(0, ready=False)])}, None, LATER)
+    await ctl._pipeline_status(stored, moved)
+    assert len(api.patches) == 3 and len(events) == 2
+    assert typed.transition_event(PipelineStatus.stored(stored), moved) is None
+    # Serving: one write, one event.
+    stored = {**stored, "status": moved.wire()}
+    serving = compute(stored, {"a": serving_pool()}, converged(1), LATER)
+    await ctl._pipeline_status(stored, serving)
+    assert api.patches[-1] == (url, {"status": serving.wire()}) and len(api.patches) == 4
+    assert events[2:] == [("Normal", "Ready", "pipeline is serving (1/1 stages)")]
+    # A pool's status: its wire form, no phase.
+    refused = typed.invalid_status(pool(1), [("spec.image", "bad")], NOW)
+    assert await ctl.patch_status(pool(1), refused)
+    assert api.patches[-1][1] == {"status": refused.wire()} and "phase" not in refused.wire()
 
 
 # ---------------------------------------------------------------------------- the full contract
@@ -720,8 +945,8 @@ def test_a_refused_pool_spec_keeps_the_pool_status_and_gets_no_phase() -> None:
     """A StagePool has no phase (its CRD has none); its counts and other conditions stay, since
     the replicas of the earlier generation keep running.
 
-    Kills: `"phase" in old` -> `not in` (a phase on a pool), the observedGeneration key, the
-    filter that drops the old Ready condition.
+    Kills: a phase on a pool (PoolStatus has none), the observedGeneration key, the filter
+    that drops the old Ready condition.
     """
     served = settle(pool(2), [pod(0), pod(1)])
     served["metadata"]["generation"] = 2

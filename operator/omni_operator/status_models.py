@@ -1,0 +1,196 @@
+"""The status of OmniPipelines and StagePools as pydantic models: what the operator writes and
+reads, and what the CRDs' status schemas are generated from (omni_operator.crd).
+
+Why here and not beside the spec models in omnistage.spec: the spec is what people write, and
+`omnistage serve` and `omnistage validate` parse it, so it belongs to the runtime. Status is the
+operator's view of the cluster: only the operator writes it, and only the operator and its CLI
+(`omnistage status`) read it (the orchestrator watches pods, never a pipeline's status). The
+runtime never imports the operator, so models that only the operator needs live in the operator.
+
+The wire form (`wire()`) is camelCase and leaves out every field that is None, so a status
+parsed from the API server and written back is the same document. Every field is optional, as
+in the CRD: a status written by an older operator may lack some. Unknown fields are ignored when
+parsing (the API server prunes them anyway; a newer CRD next to an older operator must not stop
+its reconciles).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal, Self, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+__all__ = [
+    "PHASES",
+    "Condition",
+    "ConditionStatus",
+    "Phase",
+    "PipelineStatus",
+    "PoolStatus",
+    "StageStatus",
+    "Status",
+    "field_table",
+    "status_model",
+]
+
+Obj = Mapping[str, Any]
+
+#: Every phase the operator writes, in the order docs/crds.md explains them.
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Terminating", "Invalid"]
+PHASES: tuple[str, ...] = get_args(Phase)
+ConditionStatus = Literal["True", "False", "Unknown"]
+#: Most conditions one object can carry (metav1.Condition lists, kept small for CEL costs).
+MAX_CONDITIONS = 16
+
+
+def _count(description: str) -> Any:
+    """A replica count: never negative, int32 as Kubernetes counts are."""
+    return Field(None, ge=0, description=description, json_schema_extra={"format": "int32"})
+
+
+def _generation(description: str) -> Any:
+    """A metadata.generation: int64, as Kubernetes writes it."""
+    return Field(None, ge=0, description=description, json_schema_extra={"format": "int64"})
+
+
+class _Model(BaseModel):
+    """Shared config: camelCase on the wire, immutable values, unknown stored fields ignored."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON document the API server stores: camelCase keys, None fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class Condition(_Model):
+    """One metav1.Condition, so `kubectl wait --for=condition=Ready` and generic tooling work."""
+
+    type: str = Field(max_length=316, description="Condition type, for example Ready.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str | None = Field(
+        None, max_length=1024,
+        description="Machine-readable CamelCase reason for the last transition.")
+    message: str | None = Field(None, max_length=32768, description="Human-readable details.")
+    last_transition_time: str | None = Field(
+        None, description="When the status last changed (RFC 3339).",
+        json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = _generation(
+        "metadata.generation this condition was computed from.")
+
+
+class _WithConditions(_Model):
+    """What both statuses share: the generation acted on and the conditions."""
+
+    observed_generation: int | None = _generation(
+        "The metadata.generation the operator last acted on.")
+    conditions: list[Condition] | None = Field(
+        None, max_length=MAX_CONDITIONS,
+        description="Current conditions (Kubernetes convention), one per type.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+    @classmethod
+    def stored(cls, obj: Obj | None) -> Self:
+        """The status stored on obj (an object as the API server returns it); empty if none."""
+        return cls.model_validate((obj or {}).get("status") or {})
+
+    def condition(self, ctype: str) -> Condition | None:
+        """The condition of type ctype, or None when there is none."""
+        return next((c for c in self.conditions or [] if c.type == ctype), None)
+
+
+class StageStatus(_Model):
+    """Replica counts of one stage."""
+
+    pool: str | None = Field(None, description="Name of the stage's StagePool.")
+    desired: int | None = _count("Desired replicas.")
+    ready: int | None = _count("Replicas that are ready and routable; never above desired.")
+
+
+class PipelineStatus(_WithConditions):
+    """Observed state of the pipeline, written by the operator."""
+
+    phase: Phase | None = Field(
+        None, description="Coarse summary of the conditions: " + ", ".join(PHASES[:-1])
+        + f" or {PHASES[-1]}; the Ready condition says why.")
+    endpoint: str | None = Field(
+        None, description="Orchestrator HTTP endpoint in the cluster "
+        "(http://<service>.<namespace>.svc:<port>).")
+    stages_ready: str | None = Field(
+        None, description='Stages with all desired replicas ready over stages, such as "2/2" '
+        "(column Stages).")
+    stages: dict[str, StageStatus] | None = Field(
+        None, description="Per-stage replica counts, keyed by stage name.")
+
+
+class PoolStatus(_WithConditions):
+    """Observed state of the pool, written by the operator."""
+
+    replicas: int | None = _count("Replica pods that exist (the scale subresource reads this).")
+    ready_replicas: int | None = _count("Replica pods that are ready and routable.")
+    updated_replicas: int | None = _count("Replica pods that run the current spec.")
+    draining_replicas: int | None = _count(
+        "Replica pods being retired: finishing in-flight work (column Draining).")
+    settled_replicas: int | None = _count(
+        "Replicas the pool last reached with every replica updated and ready; the stage's "
+        "minimum (Ready) is min(replicas, settledReplicas) - maxUnavailable, at least 1.")
+    ready: str | None = Field(
+        None, description='Ready over desired replicas, such as "2/3" (column Ready); never '
+        "above desired.")
+    selector: str | None = Field(
+        None, description="Label selector of the replica pods, in string form (for the scale "
+        "subresource and HorizontalPodAutoscalers).")
+
+
+Status = PipelineStatus | PoolStatus
+_BY_KIND: dict[str, type[PipelineStatus] | type[PoolStatus]] = {
+    "OmniPipeline": PipelineStatus, "StagePool": PoolStatus}
+
+
+def status_model(kind: str | None) -> type[PipelineStatus] | type[PoolStatus]:
+    """The status model of a kind the operator owns."""
+    try:
+        return _BY_KIND[str(kind)]
+    except KeyError:
+        raise ValueError(f"no status model for kind {kind!r} (expected one of "
+                         f"{', '.join(_BY_KIND)})") from None
+
+
+# ---------------------------------------------------------------------------- docs
+
+
+def _type_name(schema: dict[str, Any], defs: dict[str, Any]) -> str:
+    """A field's type in words, for the tables in docs/crds.md."""
+    if "$ref" in schema:
+        target = defs[schema["$ref"].rsplit("/", 1)[-1]]
+        return "{" + ", ".join(target["properties"]) + "}"
+    branches = [b for b in schema.get("anyOf", []) if b != {"type": "null"}]
+    if branches:
+        return _type_name(branches[0], defs)
+    if "enum" in schema:
+        return ", ".join(f"`{v}`" for v in schema["enum"])
+    kind = schema.get("type")
+    if kind == "array":
+        return f"list of {_type_name(schema['items'], defs)}"
+    if kind == "object":
+        return f"map of name to {_type_name(schema['additionalProperties'], defs)}"
+    return {"integer": "int", "string": "string"}.get(str(kind), json.dumps(kind))
+
+
+def field_table(model: type[BaseModel]) -> str:
+    """A markdown table of the model's fields (wire name, type, description), for docs/crds.md;
+    tests/unit/test_status.py checks that the doc carries it verbatim."""
+    schema = model.model_json_schema(by_alias=True, mode="validation")
+    defs = schema.get("$defs", {})
+    rows = ["| field | type | meaning |", "|---|---|---|"]
+    for name, prop in schema["properties"].items():
+        # "\<": markdown renderers would take <service> for an HTML tag and drop it.
+        text = prop["description"].replace("<", "\\<")
+        rows.append(f"| `{name}` | {_type_name(prop, defs)} | {text} |")
+    return "\n".join(rows)
