@@ -34,6 +34,8 @@ from typing import Any, NamedTuple, TypeVar
 import aiohttp
 import yaml
 
+from omnistage.backoff import Backoff
+
 log = logging.getLogger("omnistage.kubeapi")
 write_log = logging.getLogger("omnistage.kubeapi.writes")
 
@@ -457,7 +459,7 @@ class KubeApi:
         backoff. Bookmarks only move the resourceVersion and are not yielded.
         """
         rv = resource_version or ""
-        delay = backoff[0]
+        retries = Backoff(*backoff)
         while True:
             try:
                 if not rv:
@@ -472,17 +474,17 @@ class KubeApi:
                     if event.type != "BOOKMARK":
                         yield event
                 if events or time.monotonic() - started >= 1.0:
-                    delay = backoff[0]
+                    retries.reset()
                     continue  # the server ended the watch (timeoutSeconds): resume from rv
                 raise ConnectionError("watch ended at once without events")
             except WatchExpired:
                 log.info("watch of %s expired (410 Gone); listing again", url_path)
                 rv = ""
             except (ApiError, aiohttp.ClientError, OSError, ValueError) as exc:  # OSError: timeouts
+                delay = retries.failed()
                 log.warning("list/watch of %s failed (%s: %s); retrying in %.1fs",
                             url_path, type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, backoff[1])
 
     async def close(self) -> None:
         if self._session is not None:
