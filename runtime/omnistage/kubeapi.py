@@ -49,6 +49,8 @@ PATCH_TYPES = {
     "strategic": "application/strategic-merge-patch+json",
     "json": "application/json-patch+json",
 }
+#: Server-side apply: the body is YAML to the API server, and JSON is YAML.
+APPLY_PATCH = "application/apply-patch+yaml"
 
 
 class ConfigError(RuntimeError):
@@ -318,6 +320,13 @@ class Listed(NamedTuple):
     resource_version: str
 
 
+class Applied(NamedTuple):
+    """A server-side apply's answer: the object, and whether this apply created it (HTTP 201)."""
+
+    object: Obj
+    created: bool
+
+
 class KubeApi:
     """Async JSON client. Calls return the decoded object or raise ApiError; a status listed in
     ``ignore`` returns None instead (e.g. create with ignore=(409,): names are deterministic,
@@ -368,6 +377,15 @@ class KubeApi:
     ) -> Any:
         """One REST call. ``params`` become the query string (None values dropped); ``raw``
         returns a 2xx body as text (proxy, log and metrics endpoints)."""
+        return (await self._exchange(method, url_path, body, params=params,
+                                     content_type=content_type, timeout=timeout, raw=raw,
+                                     ignore=ignore))[1]
+
+    async def _exchange(
+        self, method: str, url_path: str, body: Any, *, params: dict[str, Any] | None,
+        content_type: str, timeout: float, raw: bool, ignore: tuple[int, ...],
+    ) -> tuple[int, Any]:
+        """`request`, with the HTTP status (an ignored status answers None as its body)."""
         if method != "GET":
             self.writes += 1
             self.writes_by_verb[method] = self.writes_by_verb.get(method, 0) + 1
@@ -380,7 +398,7 @@ class KubeApi:
         ) as resp:
             text = await resp.text(errors="replace")
             if resp.status < 300 and raw:
-                return text
+                return resp.status, text
             try:
                 payload = json.loads(text) if text else None
             except ValueError:
@@ -388,9 +406,9 @@ class KubeApi:
             if resp.status >= 300:
                 if resp.status in ignore:
                     log.debug("%s %s: HTTP %d, ignored", method, url_path, resp.status)
-                    return None
+                    return resp.status, None
                 raise ApiError(resp.status, payload, method, url_path)
-            return payload
+            return resp.status, payload
 
     async def get(self, url_path: str, *, ignore: tuple[int, ...] = (), **params: Any) -> Any:
         return await self.request("GET", url_path, params=params, ignore=ignore)
@@ -415,6 +433,17 @@ class KubeApi:
     async def delete(self, url_path: str, body: Obj | None = None, *,
                      ignore: tuple[int, ...] = (), **params: Any) -> Any:
         return await self.request("DELETE", url_path, body, params=params, ignore=ignore)
+
+    async def apply(self, url_path: str, obj: Obj, *, field_manager: str, force: bool = False,
+                    ignore: tuple[int, ...] = ()) -> Applied | None:
+        """Server-side apply of ``obj``, the whole intent of ``field_manager``, at the object's
+        path: it creates the object or updates it, and fields this manager applied before but
+        ``obj`` leaves out are removed (unless another manager owns them too). ``force`` takes
+        over fields another manager set (a 409 Conflict without it). A write, counted."""
+        status, answer = await self._exchange(
+            "PATCH", url_path, obj, params={"fieldManager": field_manager, "force": force or None},
+            content_type=APPLY_PATCH, timeout=60.0, raw=False, ignore=ignore)
+        return None if answer is None else Applied(answer, status == 201)
 
     async def watch(self, url_path: str, resource_version: str | None = None, *,
                     timeout_seconds: int = 300, **params: Any) -> AsyncIterator[WatchEvent]:
@@ -548,6 +577,9 @@ class SyncKubeApi:
 
     def delete(self, url_path: str, body: Obj | None = None, **params: Any) -> Any:
         return self.call(self.api.delete(url_path, body, **params))
+
+    def apply(self, url_path: str, obj: Obj, **kwargs: Any) -> Applied | None:
+        return self.call(self.api.apply(url_path, obj, **kwargs))
 
     def watch(self, url_path: str, stop: threading.Event, resource_version: str | None = None,
               **kwargs: Any) -> Iterator[WatchEvent]:
