@@ -63,6 +63,7 @@ class ApiError(RuntimeError):
     def __init__(self, status: int, body: Any, method: str, path: str) -> None:
         self.status = status
         self.body = body
+        self.method, self.path = method, path
         self.reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
         self.message = (
             str(body.get("message", body)) if isinstance(body, dict) else str(body)[:500]
