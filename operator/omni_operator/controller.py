@@ -210,10 +210,12 @@ RETRY_BASE, RETRY_CAP, RETRY_JITTER = 1.0, 300.0, 0.2
 
 class Controller:
     def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8,
-                 retry: Backoff | None = None) -> None:
+                 retry: Backoff | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.api = api
         self.retry = retry or Backoff(RETRY_BASE, RETRY_CAP, RETRY_JITTER)
-        # Keys whose object the API server refuses: (uid, generation, retry due at loop time).
+        self.clock = clock  # when a parked key may be tried again
+        # Keys whose object the API server refuses: (uid, generation, retry due on self.clock).
         self._parked: dict[Key, tuple[str, int, float]] = {}
         self.events = EventRecorder(api)
         self.resync_seconds = resync_seconds
@@ -521,7 +523,9 @@ class Controller:
             return
         stamp = (obj["metadata"].get("uid", ""), int(obj["metadata"].get("generation", 0)))
         again = self._parked.get(key, ("", -1, 0.0))[:2] == stamp
-        self._parked[key] = (*stamp, asyncio.get_running_loop().time() + RETRY_CAP)
+        # Due a little before the timer fires (a timer may run a hair early), and the resync
+        # lets it through after that even when an earlier timer took the key's slot.
+        self._parked[key] = (*stamp, self.clock() + 0.9 * RETRY_CAP)
         self.retry.reset(key)
         if again:
             log.warning("reconcile %s still refused: %s; next try in %.0fs", key, exc, RETRY_CAP)
@@ -543,7 +547,7 @@ class Controller:
                 or (meta.get("uid", ""), int(meta.get("generation", 0))) != parked[:2]):
             self._parked.pop(key, None)
             return False
-        return asyncio.get_running_loop().time() < parked[2]
+        return self.clock() < parked[2]
 
     async def _resync(self) -> None:
         while True:
