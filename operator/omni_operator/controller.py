@@ -10,8 +10,12 @@ DELETED event, so the view checks itself: entries no watch event has confirmed a
 once (404: dropped), and any write or read that answers 404 drops the entry it was about. Delayed
 re-enqueues are coalesced per key, so a key waiting on something never piles up timers.
 
+Children are server-side applied with one field manager; docs/architecture.md ("How the operator
+writes") says what is applied, created or patched, and why.
+
 An object whose spec is refused gets status InvalidSpec and one Warning event per generation,
-and is not retried until its generation changes.
+and is not retried until its generation changes; so does one whose built child the API server
+refuses (422), retried at most every RETRY_CAP. Other failures back off per key.
 """
 
 from __future__ import annotations
