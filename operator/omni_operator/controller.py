@@ -124,10 +124,6 @@ def applied_intent(desired: Obj) -> Obj:
     return {**desired, "metadata": {**meta, "annotations": annotations}}
 
 
-def _applied_digest(obj: Obj) -> str | None:
-    return ((obj.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_APPLIED)
-
-
 def _compared(intent: Obj) -> Obj:
     """The fields of an intent to compare with the live object (identity and server-set
     metadata aside)."""
@@ -618,8 +614,8 @@ class Controller:
         replicas, is left out of the intent instead; see _ensure_child).
         """
         intent = applied_intent(desired)
-        if current is not None and _applied_digest(current) == _applied_digest(intent) and subset(
-                _compared(intent), current):
+        # The intent carries its digest as an annotation: a changed intent differs here too.
+        if current is not None and subset(_compared(intent), current):
             return
         meta = desired["metadata"]
         kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
