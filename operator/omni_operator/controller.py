@@ -798,7 +798,7 @@ class Controller:
             self.enqueue_later(key, 1.0)
             return
         if owners(obj, ("metadata", "finalizers", f"v:{json.dumps(FINALIZER)}")) == {
-                (builders.FIELD_MANAGER, "Apply")}:
+                (builders.FIELD_MANAGER, "Apply", "")}:
             # Applying an intent without it releases our finalizer, and nobody else holds it:
             # the API server removes it, and leaves every other finalizer alone.
             await self._write("OmniPipeline", ns, name, self.api.apply(
