@@ -183,9 +183,10 @@ def _causes(exc: ApiError) -> list[Obj]:
 
 def namespace_terminating(exc: BaseException) -> bool:
     """The API server refused a write because the namespace is being deleted: told by the
-    Status's cause type (NamespaceLifecycle admission), not by its (translatable) message."""
+    Status's cause (NamespaceLifecycle admission; a StatusCause's type is sent as "reason"),
+    not by its message."""
     return (isinstance(exc, ApiError) and exc.status == 403
-            and any(c.get("type") == "NamespaceTerminating" for c in _causes(exc)))
+            and any(c.get("reason") == "NamespaceTerminating" for c in _causes(exc)))
 
 
 def permanent(exc: BaseException) -> PermanentError | None:

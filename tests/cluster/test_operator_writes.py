@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from omni_operator.controller import namespace_terminating
+from omnistage.kubeapi import ApiError, path, resource_path
 from tests.cluster.test_operator import KWOK, kwok_pipeline, stage, stage_pods, wait_ready
 from tests.harness.cluster import Cluster, temp_namespace
 from tests.harness.helm import render
@@ -259,3 +261,36 @@ def test_a_field_dropped_from_the_spec_is_removed_from_the_children(
     offset = operator.log_offset()
     _after_reconciles(operator, 3 * objects)
     assert operator.writes() == before, operator.write_lines(offset)
+
+
+def test_a_terminating_namespace_is_told_by_the_api_servers_status_cause(kube: Cluster) -> None:
+    """The real 403 of a create (and of an apply) in a namespace being deleted is recognised
+    from its structured Status, and a plain 403 is not.
+
+    Kills: matching a cause field the API server does not send (a StatusCause's type goes
+    on the wire as "reason"), which sent the operator into backoff retries of every pool in
+    a deleted namespace."""
+    k = kube.kube
+    ns = k.create(resource_path("v1", "namespaces"), {
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"generateName": "omnistage-term-"},
+    })["metadata"]["name"]
+    held = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "held", "finalizers": ["omnistage.io/test-hold"]}}
+    k.create(path("ConfigMap", ns), held)  # keeps the namespace Terminating until released
+    try:
+        k.delete(resource_path("v1", "namespaces", name=ns))
+        refused: list[ApiError] = []
+        new = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "new"}}
+        for write in (lambda: k.create(path("ConfigMap", ns), new),
+                      lambda: k.apply(path("ConfigMap", ns, "new"),
+                                      {**new, "metadata": {"name": "new", "namespace": ns}},
+                                      field_manager=FIELD_MANAGER, force=True)):
+            with pytest.raises(ApiError) as exc:
+                write()
+            refused.append(exc.value)
+        assert all(e.status == 403 and namespace_terminating(e) for e in refused), refused
+    finally:
+        k.patch(path("ConfigMap", ns, "held"), {"metadata": {"finalizers": None}})
+    assert not namespace_terminating(ApiError(403, {"reason": "Forbidden", "message": (
+        "unable to create new content in namespace x because it is being terminated")},
+        "POST", "/x"))

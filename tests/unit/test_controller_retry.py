@@ -23,12 +23,13 @@ KEY = ("OmniPipeline", "ns", "p")
 
 
 def _terminating_body(message: str) -> Obj:
-    """The NamespaceLifecycle admission's answer, as kube-apiserver sends it."""
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
-            "code": 403, "message": message,
-            "details": {"name": "p", "kind": "stagepools", "causes": [{
-                "reason": "NamespaceTerminating", "type": "NamespaceTerminating",
-                "message": "namespace ns is being terminated", "field": "metadata.namespace"}]}}
+    """The NamespaceLifecycle admission's answer, as kube-apiserver v1.36 sends it (a
+    StatusCause's type goes on the wire as "reason")."""
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": "Forbidden",
+            "details": {"name": "p-a-0", "kind": "pods", "causes": [{
+                "reason": "NamespaceTerminating", "message": "namespace ns is being terminated",
+                "field": "metadata.namespace"}]}, "code": 403}
 
 
 def test_terminating_namespace_is_read_from_the_status_cause_not_the_text() -> None:
