@@ -251,6 +251,9 @@ def test_a_field_dropped_from_the_spec_is_removed_from_the_children(
              "the dropped nodeSelector key gone from the pool and the Deployment",
              lambda: f"{selectors()}\n{operator.log_tail()}")
     assert selectors() == (KWOK["nodeSelector"], KWOK["nodeSelector"])
+    # Two applies of the pool kept its replicas: the operator still owns them (its view has
+    # the managedFields), so they stayed in the intent instead of being removed by the apply.
+    assert (get(kube, ns, "stagepool", "w1-a") or {})["spec"].get("replicas") == 2
     wait_ready(kube, ns, "w1", operator, timeout=180)
     wait_for(lambda: all("kubernetes.io/os" not in (p["spec"].get("nodeSelector") or {})
                          and not p["metadata"].get("deletionTimestamp")
