@@ -62,10 +62,6 @@ class Backoff:
         """Failures of `key` in a row (0 after a success)."""
         return self._failures.get(key, 0)
 
-    def at_cap(self, key: Hashable = None) -> bool:
-        """Whether the next wait of `key` is already the capped one."""
-        return delay(self.failures(key), self.base, self.cap) >= self.cap
-
     def reset(self, key: Hashable = None) -> None:
         """A success: the next failure of `key` waits `base` again."""
         self._failures.pop(key, None)
