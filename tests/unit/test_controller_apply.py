@@ -112,6 +112,11 @@ async def test_pool_replicas_follow_their_owner() -> None:
 
     await c._ensure_child(OWNER, _pool(2, 2))
     assert api.calls == []  # converged, replicas ours and equal
+    relabelled = _pool(2, 2)
+    relabelled["metadata"]["labels"] = {"new": "label"}
+    await c._ensure_child(OWNER, relabelled)  # another change: replicas stay in the intent
+    assert api.calls[-1][2]["spec"]["replicas"] == 2
+    api.calls.clear()
 
     scaled = _live(intent, _entry(MANAGER, "Apply", {"f:spec": {"f:stage": {}}}),
                    _entry("kubectl", "Update", {"f:spec": {"f:replicas": {}}}, "scale"))
