@@ -1,6 +1,8 @@
 """Pure builders: an OmniPipeline or StagePool in, the Kubernetes objects it wants out.
 
-No I/O here: reconcilers diff these against what exists and write only the difference.
+No I/O here: the reconcilers server-side apply these as the operator's whole intent for each
+object (docs/architecture.md, "How the operator writes"), so a field left out here is removed
+from the live object; they write only when the intent or the live object differs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from omnistage.worker.config import worker_args
 Obj = dict[str, Any]
 
 ANNOTATION_SEED_REPLICAS = "omnistage.io/seed-replicas"
+#: The one field manager of every operator write (server-side applies, creates, patches), so
+#: an object's metadata.managedFields says which fields the operator owns.
+FIELD_MANAGER = kube.MANAGED_BY
 PIPELINE_KEY = "pipeline.json"
 NONROOT_UID = 65532
 # The shared-memory opt-in (kube.ANNOTATION_SHARED_MEMORY): a directory on the node's tmpfs,
@@ -481,7 +486,6 @@ def pool_pdb(pool: Obj) -> Obj:
         # which fails until its discovery cache learns the CRD. minAvailable needs no lookup.
         "spec": {
             "minAvailable": max(0, desired_replicas(pool) - stage.max_unavailable),
-            "maxUnavailable": None,  # merge-patch away the form older operators wrote
             "selector": {"matchLabels": {kube.LABEL_POOL: meta["name"]}},
         },
     }

@@ -10,14 +10,19 @@ DELETED event, so the view checks itself: entries no watch event has confirmed a
 once (404: dropped), and any write or read that answers 404 drops the entry it was about. Delayed
 re-enqueues are coalesced per key, so a key waiting on something never piles up timers.
 
+Children are server-side applied with one field manager; docs/architecture.md ("How the operator
+writes") says what is applied, created or patched, and why.
+
 An object whose spec is refused gets status InvalidSpec and one Warning event per generation,
-and is not retried until its generation changes.
+and is not retried until its generation changes; so does one whose built child the API server
+refuses (422), retried at most every RETRY_CAP. Other failures back off per key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -39,6 +44,7 @@ from omni_operator.status import (
 )
 from omni_operator.status_models import PipelineStatus, Status
 from omnistage import kube
+from omnistage.backoff import Backoff
 from omnistage.kubeapi import RESOURCES, ApiError, KubeApi, Resource, path
 from omnistage.spec import OmniPipeline, SpecError, parse_pipeline, parse_stagepool
 
@@ -97,13 +103,122 @@ def subset(want: Any, have: Any) -> bool:
     )
 
 
+#: On every object the operator applies: the digest of the intent it applied last. An intent
+#: that changed, a field removed included, differs from it; a restarted operator reads it back.
+ANNOTATION_APPLIED = "omnistage.io/applied"
+
+
+def _intent_digest(desired: Obj) -> str:
+    """The digest of an intent, spec.replicas aside: whether a StagePool's intent carries
+    replicas follows who owns them (see Controller._ensure_child), and their value is compared
+    with the live object's anyway."""
+    spec = desired.get("spec")
+    if isinstance(spec, dict) and "replicas" in spec:
+        desired = {**desired, "spec": {k: v for k, v in spec.items() if k != "replicas"}}
+    return builders.digest(desired)
+
+
+def applied_intent(desired: Obj) -> Obj:
+    """What the operator server-side applies: `desired` with its digest as an annotation."""
+    meta = desired["metadata"]
+    annotations = {**(meta.get("annotations") or {}), ANNOTATION_APPLIED: _intent_digest(desired)}
+    return {**desired, "metadata": {**meta, "annotations": annotations}}
+
+
+def _compared(intent: Obj) -> Obj:
+    """The fields of an intent to compare with the live object (identity and server-set
+    metadata aside)."""
+    out = {k: v for k, v in intent.items() if k not in ("apiVersion", "kind", "metadata")}
+    meta = intent["metadata"]
+    out["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences")
+                       if k in meta}
+    return out
+
+
+def owners(obj: Obj, field: tuple[str, ...]) -> set[tuple[str, str, str]]:
+    """(manager, operation, subresource) of every metadata.managedFields entry that owns
+    `field`: field names, or fieldsV1 keys such as 'v:"x"' (an item of a set)."""
+    keys = [f if ":" in f else f"f:{f}" for f in field]
+    found = set()
+    for entry in (obj.get("metadata") or {}).get("managedFields") or []:
+        node: Any = entry.get("fieldsV1") or {}
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            found.add((str(entry.get("manager", "")), str(entry.get("operation", "")),
+                       str(entry.get("subresource", ""))))
+    return found
+
+
+def owns(obj: Obj, field: tuple[str, ...]) -> bool:
+    """Whether the operator's own server-side apply owns `field` of the object."""
+    return (builders.FIELD_MANAGER, "Apply", "") in owners(obj, field)
+
+
+def _finalizer_intent(obj: Obj, finalizers: list[str]) -> Obj:
+    """The operator's whole intent for an object it does not build: its finalizers."""
+    meta = {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]}
+    if finalizers:
+        meta["finalizers"] = finalizers
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": meta}
+
+
 def _meta_key(obj: Obj) -> tuple[str, str]:
     return obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
 
 
+class PermanentError(Exception):
+    """A reconcile that cannot succeed until its object changes (the API server refuses what
+    it builds). Reported on the object, as InvalidSpec, instead of retried in a loop.
+    `errors` as SpecError's: (path, message)."""
+
+    def __init__(self, errors: list[tuple[str, str]]) -> None:
+        self.errors = list(errors)
+        super().__init__("; ".join(f"{where}: {what}" for where, what in self.errors))
+
+
+def _causes(exc: ApiError) -> list[Obj]:
+    details = exc.body.get("details") if isinstance(exc.body, dict) else None
+    return [c for c in (details or {}).get("causes") or [] if isinstance(c, dict)]
+
+
+def namespace_terminating(exc: BaseException) -> bool:
+    """The API server refused a write because the namespace is being deleted: told by the
+    Status's cause (NamespaceLifecycle admission; a StatusCause's type is sent as "reason"),
+    not by its message."""
+    return (isinstance(exc, ApiError) and exc.status == 403
+            and any(c.get("reason") == "NamespaceTerminating" for c in _causes(exc)))
+
+
+def permanent(exc: BaseException) -> PermanentError | None:
+    """A failure that retrying cannot fix: a PermanentError, or the API server's 422 Invalid
+    (or 400 BadRequest) for an object the operator built from the spec."""
+    if isinstance(exc, PermanentError):
+        return exc
+    if not isinstance(exc, ApiError) or exc.status not in (400, 422):
+        return None
+    details = exc.body.get("details") if isinstance(exc.body, dict) else None
+    what = " ".join(str(v) for v in ((details or {}).get("kind"), (details or {}).get("name"))
+                    if v) or exc.path
+    errors = [(f"{what}: {c.get('field') or '?'}", str(c.get("message") or exc.reason))
+              for c in _causes(exc)]
+    return PermanentError(errors or [(what, f"{exc.reason or exc.status}: {exc.message}")])
+
+
+#: Retries of a failed reconcile, per key: 1 s doubling to 5 minutes, each stretched by up to
+#: 20% so keys that failed together do not retry together. A success resets the key.
+RETRY_BASE, RETRY_CAP, RETRY_JITTER = 1.0, 300.0, 0.2
+
+
 class Controller:
-    def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8) -> None:
+    def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8,
+                 retry: Backoff | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.api = api
+        self.retry = retry or Backoff(RETRY_BASE, RETRY_CAP, RETRY_JITTER)
+        self.clock = clock  # when a parked key may be tried again
+        # Keys whose object the API server refuses: (uid, generation, retry due on self.clock).
+        self._parked: dict[Key, tuple[str, int, float]] = {}
         self.events = EventRecorder(api)
         self.resync_seconds = resync_seconds
         self.pipelines: dict[tuple[str, str], Obj] = {}
@@ -357,18 +472,21 @@ class Controller:
         while True:
             key = await self._queue.get()
             self._queued.discard(key)
+            if self._is_parked(key):
+                await asyncio.sleep(0)
+                continue
             self._running.add(key)
             try:
                 await self.reconcile(key)
-            except ApiError as exc:
-                if exc.status == 403 and "being terminated" in str(exc):
-                    log.info("namespace of %s is terminating: not reconciling", key)
-                else:
-                    log.warning("reconcile %s failed: %s; retrying", key, exc)
-                    self.enqueue_later(key, 2.0)
             except Exception as exc:
-                log.warning("reconcile %s failed: %s; retrying", key, exc)
-                self.enqueue_later(key, 2.0)
+                try:
+                    await self._failed(key, exc)
+                except Exception:  # reporting must never end the worker
+                    log.exception("reporting the failure of %s failed", key)
+                    self.enqueue_later(key, RETRY_CAP)
+            else:
+                self.retry.reset(key)
+                self._parked.pop(key, None)
             finally:
                 self._running.discard(key)
                 if key in self._dirty:
@@ -379,6 +497,60 @@ class Controller:
             # the event loop for seconds (watches, /metrics and /healthz starved).
             await asyncio.sleep(0)
 
+    async def _failed(self, key: Key, exc: Exception) -> None:
+        """Back off, with the traceback logged once per run of failures; a terminating
+        namespace is not retried; a permanent error is reported on the object and parked."""
+        if namespace_terminating(exc):
+            log.info("namespace of %s is terminating: not reconciling", key)
+            self.retry.reset(key)
+            return
+        refused = permanent(exc)
+        if refused is not None:
+            await self._park(key, refused)
+            return
+        delay = self.retry.failed(key)
+        count = self.retry.failures(key)
+        if count == 1:
+            log.warning("reconcile %s failed; retrying in %.1fs", key, delay, exc_info=exc)
+        else:
+            log.warning("reconcile %s failed again (%d in a row): %s: %s; retrying in %.1fs",
+                        key, count, type(exc).__name__, exc, delay)
+        self.enqueue_later(key, delay)
+
+    async def _park(self, key: Key, exc: PermanentError) -> None:
+        """InvalidSpec on the object (one Warning event per generation), then no reconcile of
+        the key until its generation changes, or once per RETRY_CAP."""
+        obj = self.view(*key)
+        if obj is None:
+            return
+        stamp = (obj["metadata"].get("uid", ""), int(obj["metadata"].get("generation", 0)))
+        again = self._parked.get(key, ("", -1, 0.0))[:2] == stamp
+        # Due a little before the timer fires (a timer may run a hair early), and the resync
+        # lets it through after that even when an earlier timer took the key's slot.
+        self._parked[key] = (*stamp, self.clock() + 0.9 * RETRY_CAP)
+        self.retry.reset(key)
+        if again:
+            log.warning("reconcile %s still refused: %s; next try in %.0fs", key, exc, RETRY_CAP)
+        else:  # _refused logs the errors themselves
+            log.debug("reconcile %s refused; parked until its generation changes", key,
+                      exc_info=exc)
+        await self._refused(obj, SpecError(exc.errors))
+        self.enqueue_later(key, RETRY_CAP)
+
+    def _is_parked(self, key: Key) -> bool:
+        """A parked key stays parked while its object has the refused generation and is not
+        being deleted, until its retry is due."""
+        parked = self._parked.get(key)
+        if parked is None:
+            return False
+        obj = self.view(*key)
+        meta = (obj or {}).get("metadata") or {}
+        if (obj is None or meta.get("deletionTimestamp")
+                or (meta.get("uid", ""), int(meta.get("generation", 0))) != parked[:2]):
+            self._parked.pop(key, None)
+            return False
+        return self.clock() < parked[2]
+
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.resync_seconds)
@@ -386,10 +558,14 @@ class Controller:
                 await self.confirm_primed()
             except ApiError as exc:
                 log.warning("checking primed objects failed: %s", exc)
+            # A key backing off after a failure has its retry timer: a resync must not turn
+            # the backoff into a retry every resync period.
             for ns, name in list(self.pipelines):
-                self.enqueue(("OmniPipeline", ns, name))
+                if not self.retry.failures(("OmniPipeline", ns, name)):
+                    self.enqueue(("OmniPipeline", ns, name))
             for ns, name in list(self.pools):
-                self.enqueue(("StagePool", ns, name))
+                if not self.retry.failures(("StagePool", ns, name)):
+                    self.enqueue(("StagePool", ns, name))
 
     async def reconcile(self, key: Key) -> None:
         self.reconciles += 1
@@ -430,21 +606,25 @@ class Controller:
         current: Obj | None,
         on_create: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Create if missing, patch only the managed fields that differ, else do nothing."""
-        if current is None:
-            created = await self.api.create(
-                path(desired["kind"], desired["metadata"]["namespace"]), desired, ignore=(409,))
-            if created is not None and on_create is not None:
-                await on_create()
+        """Server-side apply `desired`, the operator's whole intent for the object, when the
+        object is missing, the intent differs from the one last applied (its digest is on the
+        object), or the live object differs from it in a field the intent sets; else nothing.
+
+        The apply removes whatever the operator applied before and the intent now leaves out,
+        so no field is ever nulled by hand. Conflicts are forced: every field in an intent is
+        the operator's (what another writer owns, like a `kubectl scale`d StagePool's
+        replicas, is left out of the intent instead; see _ensure_child).
+        """
+        intent = applied_intent(desired)
+        # The intent carries its digest as an annotation: a changed intent differs here too.
+        if current is not None and subset(_compared(intent), current):
             return
-        managed = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
         meta = desired["metadata"]
-        managed["metadata"] = {
-            k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta
-        }
-        if not subset(managed, current):
-            kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
-            await self._write(kind, ns, name, self.api.patch(path(kind, ns, name), managed))
+        kind, ns, name = desired["kind"], meta["namespace"], meta["name"]
+        applied = await self._write(kind, ns, name, self.api.apply(
+            path(kind, ns, name), intent, field_manager=builders.FIELD_MANAGER, force=True))
+        if applied is not None and applied.created and on_create is not None:
+            await on_create()
 
     async def patch_status(self, obj: Obj, typed: Status) -> bool:
         """Write status (its wire form) if it differs from the stored one; True when it wrote.
@@ -499,10 +679,11 @@ class Controller:
         self._invalid.pop(("OmniPipeline", ns, name), None)
         finalizers = list(obj["metadata"].get("finalizers") or [])
         if FINALIZER not in finalizers:
-            await self._write("OmniPipeline", ns, name, self.api.patch(
+            # Our finalizer only: finalizers are a set to server-side apply, so the others
+            # (and a concurrent writer's) stay; nobody else can own ours, so no force.
+            await self._write("OmniPipeline", ns, name, self.api.apply(
                 path("OmniPipeline", ns, name),
-                {"metadata": {"finalizers": [*finalizers, FINALIZER]}},
-            ))
+                _finalizer_intent(obj, [FINALIZER]), field_manager=builders.FIELD_MANAGER))
         for child in builders.pipeline_children(obj, pipeline):
             await self._ensure_child(obj, child)
         await self._prune_pools(pipeline, ns)
@@ -534,16 +715,19 @@ class Controller:
         if kind == "StagePool":
             current = self.pools.get(key)
             if current is not None:
-                child = _without_stale_engine(child, current)
                 seed = (current["metadata"].get("annotations") or {}).get(
                     builders.ANNOTATION_SEED_REPLICAS
                 )
                 if seed == str(child["spec"]["replicas"]):
-                    # The pipeline did not change this stage's replicas: keep `kubectl scale`.
-                    child = {
-                        **child,
-                        "spec": {k: v for k, v in child["spec"].items() if k != "replicas"},
-                    }
+                    # The pipeline did not change this stage's replicas. While the operator's
+                    # apply still owns them, they stay in the intent (left out, the apply would
+                    # remove them); once `kubectl scale` (or any other writer) took them over,
+                    # they are left out, so that manager keeps them.
+                    if not owns(current, ("spec", "replicas")):
+                        child = {
+                            **child,
+                            "spec": {k: v for k, v in child["spec"].items() if k != "replicas"},
+                        }
                 elif current["spec"].get("replicas") != child["spec"]["replicas"]:
                     self._event(
                         owner,
@@ -589,7 +773,8 @@ class Controller:
         dep = self.deployments.get((ns, oname))
         if dep is not None and dep["spec"].get("replicas", 0) != 0:
             await self._write("Deployment", ns, oname, self.api.patch(
-                path("Deployment", ns, oname), {"spec": {"replicas": 0}}))
+                path("Deployment", ns, oname), {"spec": {"replicas": 0}},
+                fieldManager=builders.FIELD_MANAGER))
         if self.pods.get((ns, oname)):
             await self.patch_status(obj, terminating_status(obj, "draining the orchestrator",
                                                             now_iso()))
@@ -610,9 +795,20 @@ class Controller:
                                                             now_iso()))
             self.enqueue_later(key, 1.0)
             return
-        remaining = [f for f in finalizers if f != FINALIZER]
-        await self._write("OmniPipeline", ns, name, self.api.patch(
-            path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}}))
+        if owners(obj, ("metadata", "finalizers", f"v:{json.dumps(FINALIZER)}")) == {
+                (builders.FIELD_MANAGER, "Apply", "")}:
+            # Applying an intent without it releases our finalizer, and nobody else holds it:
+            # the API server removes it, and leaves every other finalizer alone.
+            await self._write("OmniPipeline", ns, name, self.api.apply(
+                path("OmniPipeline", ns, name), _finalizer_intent(obj, []),
+                field_manager=builders.FIELD_MANAGER))
+        else:
+            # Added by an operator from before server-side apply (an update owns it): a release
+            # would leave it, so the list is written without it.
+            remaining = [f for f in finalizers if f != FINALIZER]
+            await self._write("OmniPipeline", ns, name, self.api.patch(
+                path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}},
+                fieldManager=builders.FIELD_MANAGER))
         log.info("pipeline %s/%s shut down in order", ns, name)
 
     # ---- StagePool -------------------------------------------------------------------------
@@ -644,7 +840,8 @@ class Controller:
         gates = [(pod["metadata"]["name"], gate_patch(pod, now))
                  for pod in ([] if deleting else pods.values())]
         await _all(self._write("Pod", ns, pname, self.api.patch(
-            path("Pod", ns, pname, "status"), patch, kind="strategic"))
+            path("Pod", ns, pname, "status"), patch, kind="strategic",
+            fieldManager=builders.FIELD_MANAGER))
             for pname, patch in gates if patch is not None)
         for pod in [] if deleting else pods.values():
             pname = pod["metadata"]["name"]
@@ -680,10 +877,13 @@ class Controller:
                 self.enqueue_later(key, drain.POLL_SECONDS)
 
         if not deleting and retirement.expired(pool):
-            # A scale-up freed the retired ordinals: forget them (one write, then none).
+            # A scale-up freed the retired ordinals: forget them (one write, then none). The
+            # annotation is `omnistage drain`'s (its own field manager), not in the operator's
+            # intent, so an apply cannot remove it: a merge patch does.
             await self._write("StagePool", ns, name, self.api.patch(
                 path("StagePool", ns, name),
-                {"metadata": {"annotations": {retirement.ANNOTATION_RETIRED: None}}}))
+                {"metadata": {"annotations": {retirement.ANNOTATION_RETIRED: None}}},
+                fieldManager=builders.FIELD_MANAGER))
 
         if not deleting:
             await self._converge_pods(pool, pods, template_hash, bool(retiring))
@@ -707,7 +907,8 @@ class Controller:
         # Create missing replicas (a lost replica returns under its name), all at once: each
         # create waits on the API server, and a pool's replicas do not depend on each other.
         missing = [builders.pool_pod(pool, o) for o in wanted if o not in by_ordinal]
-        results = await _all(self.api.create(path("Pod", ns), pod, ignore=(409,))
+        results = await _all(self.api.create(path("Pod", ns), pod, ignore=(409,),
+                                             fieldManager=builders.FIELD_MANAGER)
                              for pod in missing)
         created = [pod["metadata"]["name"]
                    for pod, result in zip(missing, results, strict=True) if result is not None]
@@ -779,18 +980,6 @@ def _evicted(pod: Obj) -> bool:
     cond = kube.condition(pod, "DisruptionTarget")
     return bool(cond and cond.get("status") == "True"
                 and cond.get("reason") == "EvictionByEvictionAPI")
-
-
-def _without_stale_engine(child: Obj, current: Obj) -> Obj:
-    """A pool patch that also removes engine options which do not apply to the stage's kind
-    (pools written by older operators stored every option)."""
-    stage = child["spec"]["stage"]
-    stored = ((current.get("spec") or {}).get("stage") or {}).get("engine") or {}
-    stale = {k: None for k in stored if k not in stage.get("engine", {})}
-    if not stale:
-        return child
-    return {**child, "spec": {**child["spec"],
-                              "stage": {**stage, "engine": {**stage.get("engine", {}), **stale}}}}
 
 
 def _timeless(status: Obj) -> Obj:

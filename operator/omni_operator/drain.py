@@ -17,6 +17,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
+from omni_operator import builders
 from omnistage import kube
 from omnistage.kubeapi import KubeApi, path
 from omnistage.spec import Stage
@@ -37,7 +38,7 @@ async def begin(api: KubeApi, pod: Obj) -> None:
             kube.ANNOTATION_DRAINING: "true",
             ANNOTATION_DRAINING_SINCE: _now().strftime("%Y-%m-%dT%H:%M:%SZ"),
         }}
-    }, ignore=(404,))
+    }, ignore=(404,), fieldManager=builders.FIELD_MANAGER)
 
 
 @dataclass(frozen=True)

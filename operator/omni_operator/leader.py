@@ -22,11 +22,11 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnistage import backoff
 from omnistage.kubeapi import ApiError, KubeApi, resource_path
 
 log = logging.getLogger("omnistage.operator.leader")
@@ -112,7 +112,9 @@ class LeaderElector:
         while True:
             if await self.try_acquire_or_renew():
                 break
-            await asyncio.sleep(self.retry_seconds * random.uniform(1.0, 1.2))
+            # A fixed period, as client-go's JitterUntil: retry_seconds stretched by up to 20%,
+            # so standbys started together do not ask in lockstep.
+            await asyncio.sleep(backoff.delay(0, self.retry_seconds, self.retry_seconds, 0.2))
         self.leading = True
         log.info("leading: holding the lease %s/%s as %s", self.namespace, self.name,
                  self.identity)

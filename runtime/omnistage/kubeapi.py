@@ -38,6 +38,7 @@ import aiohttp
 import yaml
 
 from omnistage import kube
+from omnistage.backoff import Backoff
 
 log = logging.getLogger("omnistage.kubeapi")
 write_log = logging.getLogger("omnistage.kubeapi.writes")
@@ -52,6 +53,8 @@ PATCH_TYPES = {
     "strategic": "application/strategic-merge-patch+json",
     "json": "application/json-patch+json",
 }
+#: Server-side apply: the body is YAML to the API server, and JSON is YAML.
+APPLY_PATCH = "application/apply-patch+yaml"
 
 
 class ConfigError(RuntimeError):
@@ -64,6 +67,7 @@ class ApiError(RuntimeError):
     def __init__(self, status: int, body: Any, method: str, path: str) -> None:
         self.status = status
         self.body = body
+        self.method, self.path = method, path
         self.reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
         self.message = (
             str(body.get("message", body)) if isinstance(body, dict) else str(body)[:500]
@@ -502,6 +506,13 @@ class Listed(NamedTuple):
     resource_version: str
 
 
+class Applied(NamedTuple):
+    """A server-side apply's answer: the object, and whether this apply created it (HTTP 201)."""
+
+    object: Obj
+    created: bool
+
+
 class KubeApi:
     """Async JSON client. Calls return the decoded object or raise ApiError; a status listed in
     ``ignore`` returns None instead (e.g. create with ignore=(409,): names are deterministic,
@@ -568,6 +579,15 @@ class KubeApi:
     ) -> Any:
         """One REST call. ``params`` become the query string (None values dropped); ``raw``
         returns a 2xx body as text (proxy, log and metrics endpoints)."""
+        return (await self._exchange(method, url_path, body, params=params,
+                                     content_type=content_type, timeout=timeout, raw=raw,
+                                     ignore=ignore))[1]
+
+    async def _exchange(
+        self, method: str, url_path: str, body: Any, *, params: dict[str, Any] | None,
+        content_type: str, timeout: float, raw: bool, ignore: tuple[int, ...],
+    ) -> tuple[int, Any]:
+        """`request`, with the HTTP status (an ignored status answers None as its body)."""
         if method != "GET":
             self.writes += 1
             self.writes_by_verb[method] = self.writes_by_verb.get(method, 0) + 1
@@ -579,7 +599,7 @@ class KubeApi:
         ) as resp:
             text = await resp.text(errors="replace")
             if resp.status < 300 and raw:
-                return text
+                return resp.status, text
             try:
                 payload = json.loads(text) if text else None
             except ValueError:
@@ -587,9 +607,9 @@ class KubeApi:
             if resp.status >= 300:
                 if resp.status in ignore:
                     log.debug("%s %s: HTTP %d, ignored", method, url_path, resp.status)
-                    return None
+                    return resp.status, None
                 raise ApiError(resp.status, payload, method, url_path)
-            return payload
+            return resp.status, payload
 
     async def get(self, url_path: str, *, ignore: tuple[int, ...] = (), **params: Any) -> Any:
         return await self.request("GET", url_path, params=params, ignore=ignore)
@@ -614,6 +634,17 @@ class KubeApi:
     async def delete(self, url_path: str, body: Obj | None = None, *,
                      ignore: tuple[int, ...] = (), **params: Any) -> Any:
         return await self.request("DELETE", url_path, body, params=params, ignore=ignore)
+
+    async def apply(self, url_path: str, obj: Obj, *, field_manager: str, force: bool = False,
+                    ignore: tuple[int, ...] = ()) -> Applied | None:
+        """Server-side apply of ``obj``, the whole intent of ``field_manager``, at the object's
+        path: it creates the object or updates it, and fields this manager applied before but
+        ``obj`` leaves out are removed (unless another manager owns them too). ``force`` takes
+        over fields another manager set (a 409 Conflict without it). A write, counted."""
+        status, answer = await self._exchange(
+            "PATCH", url_path, obj, params={"fieldManager": field_manager, "force": force or None},
+            content_type=APPLY_PATCH, timeout=60.0, raw=False, ignore=ignore)
+        return None if answer is None else Applied(answer, status == 201)
 
     async def watch(self, url_path: str, resource_version: str | None = None, *,
                     timeout_seconds: int = 300, **params: Any) -> AsyncIterator[WatchEvent]:
@@ -657,7 +688,7 @@ class KubeApi:
         backoff. Bookmarks only move the resourceVersion and are not yielded.
         """
         rv = resource_version or ""
-        delay = backoff[0]
+        retries = Backoff(*backoff)
         while True:
             try:
                 if not rv:
@@ -672,7 +703,7 @@ class KubeApi:
                     if event.type != "BOOKMARK":
                         yield event
                 if events or time.monotonic() - started >= 1.0:
-                    delay = backoff[0]
+                    retries.reset()
                     continue  # the server ended the watch (timeoutSeconds): resume from rv
                 raise ConnectionError("watch ended at once without events")
             except WatchExpired:
@@ -680,10 +711,10 @@ class KubeApi:
                 rv = ""
             except (ApiError, ConfigError, aiohttp.ClientError, OSError,  # OSError: timeouts
                     ValueError) as exc:  # ConfigError: an exec plugin failed for now
+                delay = retries.failed()
                 log.warning("list/watch of %s failed (%s: %s); retrying in %.1fs",
                             url_path, type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, backoff[1])
 
     async def close(self) -> None:
         if self._session is not None:
@@ -748,6 +779,9 @@ class SyncKubeApi:
 
     def delete(self, url_path: str, body: Obj | None = None, **params: Any) -> Any:
         return self.call(self.api.delete(url_path, body, **params))
+
+    def apply(self, url_path: str, obj: Obj, **kwargs: Any) -> Applied | None:
+        return self.call(self.api.apply(url_path, obj, **kwargs))
 
     def watch(self, url_path: str, stop: threading.Event, resource_version: str | None = None,
               **kwargs: Any) -> Iterator[WatchEvent]:

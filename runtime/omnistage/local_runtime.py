@@ -33,6 +33,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from omnistage import backoff
 from omnistage.metrics import family
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
 from omnistage.procs import StartupError, WorkerProcess, spawn_worker, wait_all_ready
@@ -116,7 +117,7 @@ class RestartPolicy:
 
     def delay(self, crashes: int) -> float:
         """The wait before the restart that follows the `crashes`-th crash in a row."""
-        return min(self.cap, self.base * 2 ** max(0, crashes - 1))
+        return backoff.delay(crashes - 1, self.base, self.cap)
 
 
 CRASH_LOOP_AFTER = 2

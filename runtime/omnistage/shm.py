@@ -39,14 +39,14 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from omnistage import kube
+from omnistage import backoff, kube
 from omnistage import protocol as p
 
 log = logging.getLogger("omnistage.shm")
@@ -751,19 +751,12 @@ def _reap(directory: Path, session: str, grace: float, parent: int) -> int:
         sweep(directory, session)
         return 0
     deadline = time.monotonic() + grace
-    for delay in _backoff():
+    for delay in backoff.delays(0.05, 1.0):
         sweep(directory, session)
         if not session_segments(directory, session) or time.monotonic() > deadline:
             break
         time.sleep(delay)
     return 0
-
-
-def _backoff() -> Iterator[float]:
-    delay = 0.05
-    while True:
-        yield delay
-        delay = min(1.0, delay * 2)
 
 
 if __name__ == "__main__":

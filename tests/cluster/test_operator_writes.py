@@ -10,14 +10,18 @@ windows: a slow machine only makes the tests take longer.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.cluster.test_operator import kwok_pipeline, stage, stage_pods, wait_ready
+from omni_operator.controller import namespace_terminating
+from omnistage.kubeapi import ApiError, path, resource_path
+from tests.cluster.test_operator import KWOK, kwok_pipeline, stage, stage_pods, wait_ready
 from tests.harness.cluster import Cluster, temp_namespace
 from tests.harness.helm import render
 from tests.harness.operator import Operator, apply, get, wait_for
@@ -165,3 +169,131 @@ def test_teardown_writes_no_pool_or_pod_status(kube: Cluster, operator: Operator
     assert len(pipeline_status) <= 2, pipeline_status  # one per shutdown step at most
     assert not [line for line in lines if "/w1" in line], lines  # the other pipeline: quiet
     assert not _denied(operator), _denied(operator)[:5]
+
+
+FIELD_MANAGER = "omnistage-operator"
+CHILDREN = (("configmap", "w1-pipeline"), ("serviceaccount", "w1-orchestrator"),
+            ("role", "w1-orchestrator"), ("rolebinding", "w1-orchestrator"),
+            ("service", "w1-orchestrator"), ("deployment", "w1-orchestrator"),
+            ("stagepool", "w1-a"), ("stagepool", "w1-b"), ("poddisruptionbudget", "w1-a"))
+
+
+def _managed_fields(kube: Cluster, ns: str, kind: str, name: str) -> list[dict[str, Any]]:
+    out = kube.kubectl("get", "-n", ns, kind, name, "-o", "json", "--show-managed-fields").stdout
+    return list(json.loads(out)["metadata"].get("managedFields") or [])
+
+
+def _entries(fields: list[dict[str, Any]], manager: str) -> list[tuple[str, str]]:
+    return [(e["operation"], e.get("subresource", "")) for e in fields if e["manager"] == manager]
+
+
+def test_children_are_server_side_applied_by_the_one_field_manager(
+        kube: Cluster, operator: Operator, fleet: tuple[str, int]) -> None:
+    """Every child is written by an apply of the manager `omnistage-operator`, never by an
+    update of the main resource (a create or a merge patch); pods are created by the same
+    manager; the pipeline's finalizer is owned by that apply alone.
+
+    Kills: a child created or patched instead of applied, an apply without the field manager
+    (the API server refuses it) or under another name, and a StagePool applied without its
+    replicas while nobody else owns them."""
+    ns, _ = fleet
+    for kind, name in CHILDREN:
+        fields = _managed_fields(kube, ns, kind, name)
+        ours = _entries(fields, FIELD_MANAGER)
+        assert ("Apply", "") in ours and ("Update", "") not in ours, (kind, name, ours)
+        [applied] = [e for e in fields if e["manager"] == FIELD_MANAGER
+                     and e["operation"] == "Apply"]
+        assert "f:ownerReferences" in applied["fieldsV1"]["f:metadata"], (kind, name)
+        if kind == "stagepool":
+            assert "f:replicas" in applied["fieldsV1"]["f:spec"]  # nobody scaled it
+    for pod in stage_pods(kube, ns, "w1"):
+        fields = _managed_fields(kube, ns, "pod", pod["metadata"]["name"])
+        assert ("Update", "") in _entries(fields, FIELD_MANAGER)  # created, never applied
+    finalizer = 'v:"omnistage.io/ordered-shutdown"'
+    owners = [(e["manager"], e["operation"]) for e in _managed_fields(kube, ns, "omnipipe", "w1")
+              if finalizer in e["fieldsV1"].get("f:metadata", {}).get("f:finalizers", {})]
+    assert owners == [(FIELD_MANAGER, "Apply")]
+
+
+def _w1(extra: dict[str, str]) -> dict[str, Any]:
+    """Fleet pipeline w1, with `extra` added to stage a's and the orchestrator's nodeSelector."""
+    placement = {**KWOK, "nodeSelector": {**KWOK["nodeSelector"], **extra}}
+    doc = kwok_pipeline("w1", [stage("a", placement=placement),
+                               stage("b", inputs=("a",), final=True)])
+    doc["spec"]["orchestrator"] = placement
+    return doc
+
+
+def test_a_field_dropped_from_the_spec_is_removed_from_the_children(
+        kube: Cluster, operator: Operator, fleet: tuple[str, int]) -> None:
+    """The class of bug server-side apply removes: a nodeSelector key the pipeline no longer
+    asks for must leave the StagePool, the orchestrator's Deployment and, by the rollout, the
+    pods. A patch of the desired fields kept such a key forever (the desired object was a
+    subset of the live one, so nothing was written). Then the fleet is quiet again.
+
+    Kills: ensure() without the applied digest (a removal is never written), and an apply
+    that leaves the digest out of the intent (every resync would write)."""
+    ns, objects = fleet
+    extra = {"kubernetes.io/os": "linux"}  # every kwok node has it: pods still schedule
+
+    def selectors() -> tuple[dict[str, str], dict[str, str]]:
+        pool = get(kube, ns, "stagepool", "w1-a") or {}
+        dep = get(kube, ns, "deployment", "w1-orchestrator") or {}
+        return (pool["spec"]["stage"]["placement"]["nodeSelector"],
+                dep["spec"]["template"]["spec"]["nodeSelector"])
+
+    apply(kube, ns, _w1(extra))
+    wait_for(lambda: all("kubernetes.io/os" in s for s in selectors()), 120,
+             "the extra nodeSelector key on the pool and the Deployment", operator.log_tail)
+    wait_ready(kube, ns, "w1", operator, timeout=180)
+    apply(kube, ns, _w1({}))
+    wait_for(lambda: not any("kubernetes.io/os" in s for s in selectors()), 120,
+             "the dropped nodeSelector key gone from the pool and the Deployment",
+             lambda: f"{selectors()}\n{operator.log_tail()}")
+    assert selectors() == (KWOK["nodeSelector"], KWOK["nodeSelector"])
+    # Two applies of the pool kept its replicas: the operator still owns them (its view has
+    # the managedFields), so they stayed in the intent instead of being removed by the apply.
+    assert (get(kube, ns, "stagepool", "w1-a") or {})["spec"].get("replicas") == 2
+    wait_ready(kube, ns, "w1", operator, timeout=180)
+    wait_for(lambda: all("kubernetes.io/os" not in (p["spec"].get("nodeSelector") or {})
+                         and not p["metadata"].get("deletionTimestamp")
+                         for p in stage_pods(kube, ns, "w1")), 180,
+             "w1's pods rolled back to the selector without the key", operator.log_tail)
+    _settled(operator, objects)
+    before = operator.writes()
+    offset = operator.log_offset()
+    _after_reconciles(operator, 3 * objects)
+    assert operator.writes() == before, operator.write_lines(offset)
+
+
+def test_a_terminating_namespace_is_told_by_the_api_servers_status_cause(kube: Cluster) -> None:
+    """The real 403 of a create (and of an apply) in a namespace being deleted is recognised
+    from its structured Status, and a plain 403 is not.
+
+    Kills: matching a cause field the API server does not send (a StatusCause's type goes
+    on the wire as "reason"), which sent the operator into backoff retries of every pool in
+    a deleted namespace."""
+    k = kube.kube
+    ns = k.create(resource_path("v1", "namespaces"), {
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"generateName": "omnistage-term-"},
+    })["metadata"]["name"]
+    held = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "held", "finalizers": ["omnistage.io/test-hold"]}}
+    k.create(path("ConfigMap", ns), held)  # keeps the namespace Terminating until released
+    try:
+        k.delete(resource_path("v1", "namespaces", name=ns))
+        refused: list[ApiError] = []
+        new = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "new"}}
+        for write in (lambda: k.create(path("ConfigMap", ns), new),
+                      lambda: k.apply(path("ConfigMap", ns, "new"),
+                                      {**new, "metadata": {"name": "new", "namespace": ns}},
+                                      field_manager=FIELD_MANAGER, force=True)):
+            with pytest.raises(ApiError) as exc:
+                write()
+            refused.append(exc.value)
+        assert all(e.status == 403 and namespace_terminating(e) for e in refused), refused
+    finally:
+        k.patch(path("ConfigMap", ns, "held"), {"metadata": {"finalizers": None}})
+    assert not namespace_terminating(ApiError(403, {"reason": "Forbidden", "message": (
+        "unable to create new content in namespace x because it is being terminated")},
+        "POST", "/x"))

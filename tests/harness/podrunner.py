@@ -61,6 +61,7 @@ from pathlib import Path
 
 import yaml
 
+from omnistage import backoff
 from omnistage.kube import condition_status
 from omnistage.kubeapi import ApiError, Listed, Obj, resource_path
 from tests.harness.images import (
@@ -644,7 +645,8 @@ class PodWorker(threading.Thread):
 
     def _schedule_restart(self, c: Container) -> None:
         c.restart_count += 1
-        delay = min(10.0, 0.5 * 2 ** min(c.restart_count, 5))
+        # The kubelet's CrashLoopBackOff, scaled down: 1 s after the first exit, up to 10 s.
+        delay = backoff.delay(c.restart_count, 0.5, 10.0)
         c.backoff_until = time.monotonic() + delay
         c.terminated = None
 

@@ -154,9 +154,12 @@ async def test_a_replica_that_is_not_running_is_finished(state, kw: Obj) -> None
 class _RecordingApi:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Obj, tuple[int, ...]]] = []
+        self.params: list[dict[str, str]] = []
 
-    async def patch(self, url: str, body: Obj, ignore: tuple[int, ...] = ()) -> Obj:
+    async def patch(self, url: str, body: Obj, ignore: tuple[int, ...] = (),
+                    **params: str) -> Obj:
         self.calls.append((url, body, ignore))
+        self.params.append(params)
         return body
 
 
@@ -175,6 +178,7 @@ async def test_begin_marks_the_pod_draining_with_a_since_stamp() -> None:
                                  "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
     assert before <= since <= now()
     assert 404 in ignore
+    assert api.params == [{"fieldManager": "omnistage-operator"}]  # the operator's one manager
     # The marked pod is no longer routable, and the gate patch says Draining.
     marked = {**pod(), "metadata": {**pod()["metadata"], "annotations": annotations}}
     marked["status"]["conditions"] = [

@@ -391,6 +391,31 @@ async def test_a_refused_token_is_renewed_once(server: Server, tmp_path: Path) -
         await api.close()
 
 
+async def test_apply_is_a_counted_server_side_apply_patch(server: Server) -> None:
+    """PATCH with the apply content type, the field manager and force in the query, the JSON
+    body as is; 201 means the apply created the object, 200 that it updated it."""
+    cm = path("ConfigMap", "ns", "c")
+    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"k": "v"}}
+    api = KubeApi(KubeConfig(server=server.url))  # type: ignore[attr-defined]
+    try:
+        server.routes[("PATCH", cm)] = (201, {**obj, "metadata": {"name": "c", "uid": "u"}})
+        made = await api.apply(cm, obj, field_manager="omnistage-operator", force=True)
+        server.routes[("PATCH", cm)] = (200, obj)
+        again = await api.apply(cm, obj, field_manager="omnistage-operator")
+        server.routes[("PATCH", cm)] = (404, {"kind": "Status", "code": 404})
+        assert await api.apply(cm, obj, field_manager="m", ignore=(404,)) is None
+    finally:
+        await api.close()
+    assert made is not None and made.created and made.object["metadata"]["uid"] == "u"
+    assert again is not None and not again.created
+    assert api.writes == 3 and api.writes_by_verb == {"PATCH": 3}
+    (method, _, query, headers, body), (_, _, query2, _, _) = server.requests[:2]
+    assert method == "PATCH" and body == obj
+    assert headers["Content-Type"] == "application/apply-patch+yaml"
+    assert query == {"fieldManager": "omnistage-operator", "force": "true"}
+    assert query2 == {"fieldManager": "omnistage-operator"}  # no force unless asked
+
+
 async def test_watch_streams_typed_events_and_raises_expired(server: Server) -> None:
     pods = path("Pod", "ns")
     big = {"metadata": {"name": "big", "resourceVersion": "5"}, "data": "x" * 300_000}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from omnistage import kube
+from omnistage.backoff import Backoff
 from omnistage.kubeapi import KubeApi, KubeConfig, Listed, default_namespace, path
 from omnistage.orchestrator.membership import Membership, OnChange, ReplicaInfo
 
@@ -199,7 +200,7 @@ class KubernetesMembership(Membership):
 
     async def _initial_list(self) -> str:
         assert self._api is not None
-        delay, deadline = self.backoff[0], time.monotonic() + self.start_timeout
+        retries, deadline = Backoff(*self.backoff), time.monotonic() + self.start_timeout
         while True:
             try:
                 listing = await self._api.get(self._path, labelSelector=self.selector)
@@ -207,10 +208,10 @@ class KubernetesMembership(Membership):
             except Exception as exc:  # any failure is retried, then raised
                 if time.monotonic() >= deadline:
                     raise
+                delay = retries.failed()
                 log.warning("listing pods (%s) failed: %s; retrying in %.1fs",
                             self.selector, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, self.backoff[1])
         rv = str((listing.get("metadata") or {}).get("resourceVersion") or "")
         self._listed(Listed(list(listing.get("items") or []), rv))
         return rv

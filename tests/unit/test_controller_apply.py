@@ -1,0 +1,167 @@
+"""The controller's server-side apply path against a recording fake API: when it applies (only
+on a changed intent or a drifted field), what the intent holds (its digest; a StagePool's
+replicas only while the operator owns them), and how the finalizer is released. The real API
+server's side is tests/cluster/test_operator_writes.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from omni_operator import builders
+from omni_operator import controller as ctl
+from omni_operator.controller import ANNOTATION_APPLIED, Controller, applied_intent, owners, owns
+from omnistage.kubeapi import Applied
+
+Obj = dict[str, Any]
+MANAGER = "omnistage-operator"
+
+
+class RecordingApi:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any, dict[str, Any]]] = []
+
+    async def apply(self, url: str, obj: Obj, **kwargs: Any) -> Applied:
+        self.calls.append(("apply", url, obj, kwargs))
+        return Applied(obj, created=True)
+
+    async def patch(self, url: str, body: Obj, kind: str = "merge", **kwargs: Any) -> Obj:
+        self.calls.append(("patch", url, body, kwargs))
+        return body
+
+    async def close(self) -> None:
+        pass
+
+
+def _entry(manager: str, operation: str, fields: Obj, subresource: str = "") -> Obj:
+    entry = {"manager": manager, "operation": operation, "fieldsType": "FieldsV1",
+             "fieldsV1": fields}
+    if subresource:
+        entry["subresource"] = subresource
+    return entry
+
+
+def _live(intent: Obj, *entries: Obj) -> Obj:
+    """The object as the API server would return it after the apply."""
+    live = copy.deepcopy(intent)
+    live["metadata"].update(uid="u", resourceVersion="7", managedFields=list(entries))
+    return live
+
+
+CONFIGMAP = {"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": "p-pipeline", "namespace": "ns", "labels": {"a": "1"}},
+             "data": {"pipeline.json": "{}", "old": "x"}}
+
+
+async def test_ensure_applies_on_a_changed_intent_or_drift_and_never_otherwise() -> None:
+    """Kills: patching instead of applying, no force or another manager, writing a converged
+    object, and missing a field the intent dropped (the live object is still a superset)."""
+    api = RecordingApi()
+    c = Controller(api=api)  # type: ignore[arg-type]
+    created: list[bool] = []
+
+    async def on_create() -> None:
+        created.append(True)
+
+    await c.ensure(CONFIGMAP, None, on_create)
+    [(verb, url, intent, kwargs)] = api.calls
+    assert (verb, url) == ("apply", "/api/v1/namespaces/ns/configmaps/p-pipeline")
+    assert kwargs == {"field_manager": MANAGER, "force": True} and created == [True]
+    assert intent["metadata"]["annotations"][ANNOTATION_APPLIED]
+    live = _live(intent, _entry(MANAGER, "Apply", {"f:data": {}}))
+
+    await c.ensure(CONFIGMAP, live)  # converged (a restarted operator sees the same)
+    assert len(api.calls) == 1
+
+    dropped = copy.deepcopy(CONFIGMAP)
+    del dropped["data"]["old"]
+    await c.ensure(dropped, live)  # the live object still has "old": only the digest tells
+    assert len(api.calls) == 2 and "old" not in api.calls[-1][2]["data"]
+
+    drifted = copy.deepcopy(live)
+    drifted["data"]["pipeline.json"] = "edited by hand"
+    await c.ensure(CONFIGMAP, drifted)
+    assert len(api.calls) == 3 and api.calls[-1][2]["data"]["pipeline.json"] == "{}"
+    assert created == [True]  # applies that did not create report nothing
+
+
+def _pool(replicas: int, seed: int) -> Obj:
+    return {"apiVersion": "omnistage.io/v1alpha1", "kind": "StagePool",
+            "metadata": {"name": "p-a", "namespace": "ns",
+                         "annotations": {builders.ANNOTATION_SEED_REPLICAS: str(seed)}},
+            "spec": {"pipeline": "p", "replicas": replicas, "stage": {"name": "a"}}}
+
+
+OWNER = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+         "metadata": {"name": "p", "namespace": "ns", "uid": "u0"}}
+
+
+async def test_pool_replicas_follow_their_owner() -> None:
+    """Kills: leaving replicas out while the operator's apply owns them (the apply would
+    remove them), keeping them in after `kubectl scale` took them (the scale would be undone),
+    a digest that changes with that choice (a write after every scale), and ignoring a change
+    of the stage's replicas in the pipeline."""
+    api = RecordingApi()
+    c = Controller(api=api)  # type: ignore[arg-type]
+    c._event = lambda *a: None  # type: ignore[method-assign,assignment]
+    intent = applied_intent(_pool(2, 2))
+    ours = _entry(MANAGER, "Apply", {"f:spec": {"f:replicas": {}, "f:stage": {}}})
+    c.pools[("ns", "p-a")] = _live(intent, ours)
+    assert owns(c.pools[("ns", "p-a")], ("spec", "replicas"))
+
+    await c._ensure_child(OWNER, _pool(2, 2))
+    assert api.calls == []  # converged, replicas ours and equal
+    relabelled = _pool(2, 2)
+    relabelled["metadata"]["labels"] = {"new": "label"}
+    await c._ensure_child(OWNER, relabelled)  # another change: replicas stay in the intent
+    assert api.calls[-1][2]["spec"]["replicas"] == 2
+    api.calls.clear()
+
+    scaled = _live(intent, _entry(MANAGER, "Apply", {"f:spec": {"f:stage": {}}}),
+                   _entry("kubectl", "Update", {"f:spec": {"f:replicas": {}}}, "scale"))
+    scaled["spec"]["replicas"] = 5
+    c.pools[("ns", "p-a")] = scaled
+    assert not owns(scaled, ("spec", "replicas"))
+    assert owners(scaled, ("spec", "replicas")) == {("kubectl", "Update", "scale")}
+    await c._ensure_child(OWNER, _pool(2, 2))
+    assert api.calls == []  # scaled by hand: nothing to write, and 5 stays
+
+    scaled["metadata"]["labels"] = {"drift": "x"}  # any other write still leaves replicas out
+    changed = _pool(2, 2)
+    changed["metadata"]["labels"] = {"new": "label"}
+    await c._ensure_child(OWNER, changed)
+    assert "replicas" not in api.calls[-1][2]["spec"]
+
+    await c._ensure_child(OWNER, _pool(3, 3))  # the pipeline changed the stage's replicas
+    assert api.calls[-1][2]["spec"]["replicas"] == 3 and api.calls[-1][3]["force"] is True
+
+
+def _deleting(entries: list[Obj]) -> Obj:
+    return {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u0", "generation": 2,
+                         "deletionTimestamp": "2026-01-01T00:00:00Z",
+                         "finalizers": ["other.io/keep", ctl.FINALIZER],
+                         "managedFields": entries},
+            "spec": {"stages": []}}
+
+
+async def test_the_finalizer_is_released_by_apply_or_by_a_patch_when_an_old_operator_added_it(
+) -> None:
+    """Kills: a release that rewrites the whole list (racing other controllers) although the
+    operator's apply owns the finalizer, and a release by apply of a finalizer an update owns
+    (the API server would keep it and the pipeline would never go)."""
+    item = {"f:metadata": {"f:finalizers": {json.dumps(ctl.FINALIZER).join(["v:", ""]): {}}}}
+    api = RecordingApi()
+    c = Controller(api=api)  # type: ignore[arg-type]
+    await c.shutdown_pipeline(_deleting([_entry(MANAGER, "Apply", item),
+                                         _entry("other", "Update", {"f:metadata": {}})]))
+    [(verb, _, intent, kwargs)] = api.calls
+    assert verb == "apply" and "finalizers" not in intent["metadata"]
+    assert intent["metadata"]["name"] == "p" and kwargs == {"field_manager": MANAGER}
+
+    api.calls.clear()
+    await c.shutdown_pipeline(_deleting([_entry(MANAGER, "Update", item)]))
+    [(verb, _, body, kwargs)] = api.calls
+    assert verb == "patch" and body == {"metadata": {"finalizers": ["other.io/keep"]}}
+    assert kwargs == {"fieldManager": MANAGER}
