@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omnistage.modelref import BUILTIN_MODELS as BUILTINS
+from omnistage.executors.kinds import builtin_models
 from omnistage.modelref import ModelRef, parse_model_ref
 from omnistage.spec import Stage
 
@@ -208,9 +208,9 @@ def resolve(model: str, stage_kind: str) -> Path:
     """
     ref = parse_model_ref(model)
     if ref.kind == "builtin":
-        if BUILTINS[ref.source] != stage_kind:
-            raise ValueError(f"built-in model {ref.source!r} is a {BUILTINS[ref.source]} "
-                             f"model, not {stage_kind}")
+        if (serves := builtin_models()[ref.source]) != stage_kind:
+            raise ValueError(f"built-in model {ref.source!r} is a {serves} model, "
+                             f"not {stage_kind}")
         path = cache_dir() / "models" / f"{ref.source}-{BUILTIN_VERSION}"
         if not path.exists():
             save_builtin(ref.source, path)
@@ -237,7 +237,7 @@ def pull(models: list[str], *, offline_only: bool = False) -> Path:
         if ref.kind == "hub":
             fetch(ref, download=not offline_only and not offline())
         elif ref.kind == "builtin":
-            resolve(model, BUILTINS[model])
+            resolve(model, builtin_models()[model])
         else:
             raise ModelUnavailable(model, "a local path is not pulled",
                                    "pass hub ids (org/name[@revision]) or built-ins")
