@@ -286,16 +286,17 @@ def torch_dtype(name: str, device: Any) -> Any:
                          ) from None
 
 
-def load_causal_lm(model: str, device: Any, dtype: str) -> tuple[Any, Any]:
+def load_causal_lm(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer, for a stage of kind (which its built-in must serve)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve(model, "ar")
+    path = resolve(model, kind)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, device))
     return model.to(device).eval(), tokenizer
 
 
-def load_diffusion(model: str, device: Any, dtype: str) -> tuple[Any, Any, Any]:
+def load_diffusion(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, Any, Any]:
     """UNet, VAE and scheduler of a diffusers pipeline directory (unet/, vae/, scheduler/).
 
     The scheduler's class is the one the pipeline's model_index.json names (a hub pipeline
@@ -304,7 +305,7 @@ def load_diffusion(model: str, device: Any, dtype: str) -> tuple[Any, Any, Any]:
     import diffusers
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
-    path = resolve(model, "diffusion")
+    path = resolve(model, kind)
     dt = torch_dtype(dtype, device)
     unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=dt)
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dt)

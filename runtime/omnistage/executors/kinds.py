@@ -37,6 +37,7 @@ __all__ = [
     "get",
     "image_kinds",
     "kinds",
+    "markdown_table",
     "names",
     "on_register",
     "register",
@@ -257,3 +258,23 @@ def chat_kinds() -> tuple[str, ...]:
 def image_kinds() -> tuple[str, ...]:
     """Kinds whose stage output answers /v1/images/generations."""
     return tuple(k.name for k in kinds() if k.serves_images)
+
+
+def markdown_table() -> str:
+    """The table as docs/pipeline-spec.md shows it (a unit test keeps the two equal)."""
+    from pydantic.alias_generators import to_camel
+
+    def cell(items: Iterable[str]) -> str:
+        return ", ".join(f"`{i}`" for i in items) or "—"
+
+    lines = ["| kind | what | needs a model | built-in models | engine options | consumes | "
+             "emits | serves |", "|---|---|---|---|---|---|---|---|"]
+    for k in kinds():
+        serves = [s for s, ok in (("chat", k.serves_chat), ("images", k.serves_images)) if ok]
+        order = list(Payload)
+        lines.append(
+            f"| `{k.name}` | {k.summary or '—'} | {'yes' if k.needs_model else 'no'} | "
+            f"{cell(k.builtin_models)} | {cell(to_camel(o) for o in k.engine_options)} | "
+            f"{cell(sorted(k.consumes, key=order.index))} | "
+            f"{cell(sorted(k.emits, key=order.index))} | {', '.join(serves) or '—'} |")
+    return "\n".join(lines)
