@@ -132,7 +132,7 @@ _BUILTIN: tuple[StageKind, ...] = (
     StageKind(
         name="diffusion",
         executor="omnistage.executors.diffusion:DiffusionExecutor",
-        summary="",
+        summary="image generation",
         needs_model=True,
         engine_options=("dtype", "height", "width", "num_inference_steps", "guidance_scale",
                         "seed", "max_batch_size"),
