@@ -61,7 +61,7 @@ class Payload(StrEnum):
     TEXT = "text"  # a prompt in, generated text out (streamed as text deltas)
     TOKENS = "tokens"  # token ids and usage counts (what the chat API reports)
     HIDDEN_STATES = "hidden_states"  # last-layer hidden states, a conditioning tensor
-    LATENTS = "latents"
+    LATENTS = "latents"  # latent tensors (no built-in kind emits them yet)
     IMAGE = "image"
 
 
