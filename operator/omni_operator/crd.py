@@ -25,10 +25,10 @@ from typing import Any
 
 import yaml
 
+import omnistage.executors.kinds as stage_kinds
 from omni_operator.models import GROUP, VERSION, StagePoolSpec
 from omni_operator.status_models import PHASES, PipelineStatus, PoolStatus
 from omnistage.spec import (
-    BUILTIN_MODELS,
     DEFAULT_IMAGE,
     DNS1035_LABEL_PATTERN,
     DNS_LABEL_PATTERN,
@@ -43,14 +43,14 @@ from omnistage.spec import (
     MAX_STAGES,
     MODEL_CACHE_ONE_OF,
     MODEL_CACHE_READ_ONLY,
-    MODEL_KINDS,
     PIPELINE_IMMUTABLE,
     PIPELINE_NAME_MAX,
     POD_NAME_MAX,
     POOL_NAME_MAX,
     QUANTITY_PATTERN,
-    STAGE_KINDS,
     PipelineSpec,
+    chat_stage_rule,
+    join_words,
 )
 
 __all__ = [
@@ -199,38 +199,41 @@ def _cel_map(mapping: dict[str, str]) -> str:
 
 # ---------------------------------------------------------------------------- stage rules
 
-_MODEL_KINDS = sorted(set(BUILTIN_MODELS.values()))  # kinds that need a model
-_BUILTINS = _cel_map(BUILTIN_MODELS)  # model -> kind
-_BUILTINS_FOR = _cel_map(
-    {k: ", ".join(m for m, mk in BUILTIN_MODELS.items() if mk == k) or "none" for k in STAGE_KINDS}
-)
 _NO_MODEL = "(!has(self.model) || self.model.trim().lowerAscii() in ['', 'none'])"
 _LOCAL_PATH = f"{_cel_list(LOCAL_PATH_PREFIXES)}.exists(p, self.model.startsWith(p))"
-_NEEDS_MODEL = f"self.kind in {_cel_list(_MODEL_KINDS)}"
 
 
 def _stage_rules(stage: Schema) -> None:
     """Rules one stage can check on its own; they hold in OmniPipeline and StagePool.
 
-    The messages are Stage._check_model's, word for word.
+    The messages are Stage._check_model's, word for word. What a kind needs comes from the kind
+    table (omnistage.executors.kinds), read when the CRD is generated.
     """
     # Sets hold at most one entry per stage; the bound also keeps CEL cost estimates small.
     for path in ("inputs", "placement.colocateWith"):
         _at(stage, path).setdefault("maxItems", MAX_STAGES)
-    builtins_for = f"{_BUILTINS_FOR}[self.kind]"
+    rows = stage_kinds.kinds()
+    model_kinds = [k.name for k in rows if k.needs_model]
+    free_kinds = [k.name for k in rows if not k.needs_model]
+    builtins = _cel_map(stage_kinds.builtin_models())  # model -> kind
+    builtins_for = _cel_map({k.name: ", ".join(k.builtin_models) or "none" for k in rows}) + \
+        "[self.kind]"
+    needs_model = f"self.kind in {_cel_list(model_kinds)}"
+    if free_kinds:
+        _add_rules(stage, _rule(
+            f"!(self.kind in {_cel_list(free_kinds)}) || {_NO_MODEL}",
+            f"{join_words(free_kinds)} stages take no model; omit it or set it to none",
+            message_expression=_fmt(
+                "%s stages take no model; omit it or set it to none (got '%s')", "self.kind",
+                "self.model"
+            ),
+            field_path=".model",
+        ))
     _add_rules(
         stage,
         _rule(
-            f"self.kind != 'echo' || {_NO_MODEL}",
-            "echo stages take no model; omit it or set it to none",
-            message_expression=_fmt(
-                "echo stages take no model; omit it or set it to none (got '%s')", "self.model"
-            ),
-            field_path=".model",
-        ),
-        _rule(
-            f"!({_NEEDS_MODEL}) || !{_NO_MODEL}",
-            "a model is required for kind ar and diffusion",
+            f"!({needs_model}) || !{_NO_MODEL}",
+            f"a model is required for kind {join_words(model_kinds)}",
             message_expression=_fmt(
                 f"a model is required for kind '%s' (built-ins: %s, {HUB_ID_GRAMMAR}, or a "
                 "local path starting with / or ./)",
@@ -241,7 +244,7 @@ def _stage_rules(stage: Schema) -> None:
             reason="FieldValueRequired",
         ),
         _rule(
-            f"!({_NEEDS_MODEL}) || {_NO_MODEL} || {_LOCAL_PATH} || self.model in {_BUILTINS} || "
+            f"!({needs_model}) || {_NO_MODEL} || {_LOCAL_PATH} || self.model in {builtins} || "
             f"self.model.matches('{HUB_ID_PATTERN}')",
             f"the model is not a built-in, {HUB_ID_GRAMMAR}, or a local path",
             message_expression=_fmt(
@@ -254,13 +257,13 @@ def _stage_rules(stage: Schema) -> None:
             field_path=".model",
         ),
         _rule(
-            f"!({_NEEDS_MODEL}) || {_NO_MODEL} || !(self.model in {_BUILTINS}) || "
-            f"{_BUILTINS}[self.model] == self.kind",
+            f"!({needs_model}) || {_NO_MODEL} || !(self.model in {builtins}) || "
+            f"{builtins}[self.model] == self.kind",
             "the built-in model serves another kind",
             message_expression=_fmt(
                 "built-in model '%s' is a '%s' model, not '%s' (built-ins for '%s': %s)",
                 "self.model",
-                f"{_BUILTINS}[self.model]",
+                f"{builtins}[self.model]",
                 "self.kind",
                 "self.kind",
                 builtins_for,
@@ -271,9 +274,10 @@ def _stage_rules(stage: Schema) -> None:
     _add_rules(
         stage,
         _rule(
-            f"!(self.kind in {_cel_list(MODEL_KINDS)}) || !has(self.resources) || "
+            f"!({needs_model}) || !has(self.resources) || "
             "!has(self.resources.gpus) || self.resources.gpus <= 1",
-            "a replica of an ar or diffusion stage loads its model onto one GPU",
+            f"a replica of a stage of kind {join_words(model_kinds, 'or')} loads its model onto "
+            "one GPU",
             message_expression=_fmt(GPUS_PER_MODEL_REPLICA.replace("{kind}", "%s").replace(
                 "{gpus}", "%d"), "self.kind", "self.resources.gpus"),
             field_path=".resources.gpus",
@@ -385,6 +389,7 @@ def _pipeline_rules(spec: Schema) -> None:
     )
     chat = "self.orchestrator.chatStage"
     chat_kind = f"self.stages.filter(s, s.name == {chat})[0].kind"
+    chat_kinds = list(stage_kinds.chat_kinds())
     _add_rules(
         spec,
         _rule(inputs_rule, "spec.stages[].inputs must name existing stages",
@@ -410,14 +415,14 @@ def _pipeline_rules(spec: Schema) -> None:
         ),
         _rule(
             f"!has(self.orchestrator) || !has({chat}) || "
-            f"self.stages.exists(s, s.name == {chat} && s.kind == 'ar')",
-            "spec.orchestrator.chatStage must name an existing stage of kind ar",
+            f"self.stages.exists(s, s.name == {chat} && s.kind in {_cel_list(chat_kinds)})",
+            "spec.orchestrator.chatStage must name an existing stage of kind "
+            f"{join_words(chat_kinds, 'or')}",
             message_expression=(
                 f"!self.stages.exists(s, s.name == {chat}) ? "
                 + _fmt("unknown stage '%s'", chat)
                 + " : "
-                + _fmt("stage '%s' has kind '%s'; the chat stage must be an 'ar' stage", chat,
-                       chat_kind)
+                + _fmt(f"stage '%s' has kind '%s'; {chat_stage_rule()}", chat, chat_kind)
             ),
             field_path=".orchestrator.chatStage",
         ),

@@ -58,10 +58,11 @@ def _add_models(sub: Any) -> None:
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    from omnistage.models import BUILTINS, ModelUnavailable, pull, save_builtin
+    from omnistage.executors.kinds import builtin_models
+    from omnistage.models import ModelUnavailable, pull, save_builtin
 
     if args.models_cmd == "list":
-        for name, kind in sorted(BUILTINS.items()):
+        for name, kind in sorted(builtin_models().items()):
             print(f"{name}\t{kind}")
         return 0
     if args.models_cmd == "pull":

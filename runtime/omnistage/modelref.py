@@ -5,7 +5,7 @@ This is the grammar only (pure, no I/O), shared by the spec validator, the CRD's
 (omnistage.models), so every mode reads a reference the same way:
 
 - a local path starts with one of LOCAL_PATH_PREFIXES (`/`, `./`, `../`, `~`);
-- a built-in is one of BUILTIN_MODELS;
+- a built-in is one the kind table lists (omnistage.executors.kinds, `builtin_models()`);
 - anything else must be a hub id `org/name`, optionally `@revision` (a branch, tag or commit).
 
 Hub names follow the hub's rules, slightly tightened so one regular expression (Python's and
@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-#: Built-in tiny models and the stage kind each one serves.
-BUILTIN_MODELS: dict[str, str] = {"tiny-llama": "ar", "tiny-unet": "diffusion"}
+from omnistage.executors.kinds import builtin_models
+
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 
 _HUB_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_]|[.-][A-Za-z0-9_]){0,95}"
@@ -55,7 +55,7 @@ def reference_error(value: str, stage_kind: str) -> str | None:
     """Why value is not a model reference for a stage of stage_kind, or None when it is one."""
     if is_local_path(value):
         return None
-    builtin_kind = BUILTIN_MODELS.get(value)
+    builtin_kind = builtin_models().get(value)
     if builtin_kind is not None:
         if builtin_kind != stage_kind:
             return (f"built-in model {value!r} is a {builtin_kind!r} model, not {stage_kind!r} "
@@ -72,7 +72,7 @@ def parse_model_ref(value: str) -> ModelRef:
     """Classify a reference the validator accepted (no kind check here: that is the spec's)."""
     if is_local_path(value):
         return ModelRef("path", value)
-    if value in BUILTIN_MODELS:
+    if value in builtin_models():
         return ModelRef("builtin", value)
     if not re.fullmatch(HUB_ID_PATTERN, value):
         raise ValueError(f"model {value!r} is not a built-in, {HUB_ID_GRAMMAR}, or a local path")
@@ -81,5 +81,5 @@ def parse_model_ref(value: str) -> ModelRef:
 
 
 def builtins_for(kind: str) -> str:
-    names = [name for name, k in BUILTIN_MODELS.items() if k == kind]
+    names = [name for name, k in builtin_models().items() if k == kind]
     return ", ".join(names) or "none"

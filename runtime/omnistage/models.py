@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omnistage.modelref import BUILTIN_MODELS as BUILTINS
+from omnistage.executors.kinds import builtin_models
 from omnistage.modelref import ModelRef, parse_model_ref
 from omnistage.spec import Stage
 
@@ -211,9 +211,9 @@ def resolve(model: str, stage_kind: str) -> Path:
     """
     ref = parse_model_ref(model)
     if ref.kind == "builtin":
-        if BUILTINS[ref.source] != stage_kind:
-            raise ValueError(f"built-in model {ref.source!r} is a {BUILTINS[ref.source]} "
-                             f"model, not {stage_kind}")
+        if (serves := builtin_models()[ref.source]) != stage_kind:
+            raise ValueError(f"built-in model {ref.source!r} is a {serves} model, "
+                             f"not {stage_kind}")
         path = cache_dir() / "models" / f"{ref.source}-{BUILTIN_VERSION}"
         if not path.exists():
             save_builtin(ref.source, path)
@@ -240,7 +240,7 @@ def pull(models: list[str], *, offline_only: bool = False) -> Path:
         if ref.kind == "hub":
             fetch(ref, download=not offline_only and not offline())
         elif ref.kind == "builtin":
-            resolve(model, BUILTINS[model])
+            resolve(model, builtin_models()[model])
         else:
             raise ModelUnavailable(model, "a local path is not pulled",
                                    "pass hub ids (org/name[@revision]) or built-ins")
@@ -289,16 +289,17 @@ def torch_dtype(name: str, device: Any) -> Any:
                          ) from None
 
 
-def load_causal_lm(model: str, device: Any, dtype: str) -> tuple[Any, Any]:
+def load_causal_lm(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer, for a stage of kind (which its built-in must serve)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve(model, "ar")
+    path = resolve(model, kind)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype, device))
     return model.to(device).eval(), tokenizer
 
 
-def load_diffusion(model: str, device: Any, dtype: str) -> tuple[Any, Any, Any]:
+def load_diffusion(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, Any, Any]:
     """UNet, VAE and scheduler of a diffusers pipeline directory (unet/, vae/, scheduler/).
 
     The scheduler's class is the one the pipeline's model_index.json names (a hub pipeline
@@ -307,7 +308,7 @@ def load_diffusion(model: str, device: Any, dtype: str) -> tuple[Any, Any, Any]:
     import diffusers
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
-    path = resolve(model, "diffusion")
+    path = resolve(model, kind)
     dt = torch_dtype(dtype, device)
     unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=dt)
     vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=dt)

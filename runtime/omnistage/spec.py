@@ -38,10 +38,10 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+import omnistage.executors.kinds as stage_kinds
 from omnistage import __version__
 from omnistage.kube import ANNOTATION_SHARED_MEMORY, API_VERSION
 from omnistage.modelref import (
-    BUILTIN_MODELS,
     HUB_ID_GRAMMAR,
     HUB_ID_PATTERN,
     LOCAL_PATH_PREFIXES,
@@ -53,7 +53,6 @@ from omnistage.modelref import (
 
 __all__ = [
     "API_VERSION",
-    "BUILTIN_MODELS",
     "DEFAULT_IMAGE",
     "HUB_ID_GRAMMAR",
     "HUB_ID_PATTERN",
@@ -61,7 +60,6 @@ __all__ = [
     "LOCAL_PATH_PREFIXES",
     "MAX_REPLICAS",
     "MAX_STAGES",
-    "STAGE_KINDS",
     "AdmissionOptions",
     "EngineOptions",
     "Metadata",
@@ -97,8 +95,6 @@ DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
 MAX_STAGES = 16
 MAX_REPLICAS = 64
 
-StageKind = Literal["ar", "diffusion", "echo"]
-STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
 ApiSurface = Literal["chat", "images", "generic"]
 
 # A stage name becomes part of pod names (<pipeline>-<stage>-<ordinal>), hence the short limits.
@@ -223,14 +219,14 @@ ImageRef = Annotated[str, Field(max_length=IMAGE_MAX), AfterValidator(_check_ima
 
 @dataclasses.dataclass(frozen=True)
 class PerRequest:
-    """Marks an EngineOptions field that a request may override for the given stage kinds.
+    """Marks an EngineOptions field that a request may override, in the stage kinds whose row
+    of the kind table (omnistage.executors.kinds) lists it among their engine options.
 
     `key` is the request parameter's name when it differs from the field's. Executors and the
     HTTP API derive their request models from these marks (omnistage.params), so a knob's bounds
     are written once, here.
     """
 
-    kinds: tuple[StageKind, ...]
     key: str | None = None
 
 
@@ -247,39 +243,39 @@ class EngineOptions(_Model):
         description="Weight and activation dtype; auto is bfloat16 on a GPU and float32 on "
         "the CPU.",
     )
-    max_tokens: Annotated[int, PerRequest(("ar",))] = Field(
+    max_tokens: Annotated[int, PerRequest()] = Field(
         16,
         ge=0,
         le=2**20,
         description="ar: number of new tokens when a request omits it; the worker also refuses "
         "prompt + max_tokens beyond its model's context.",
     )
-    temperature: Annotated[float, PerRequest(("ar",))] = Field(
+    temperature: Annotated[float, PerRequest()] = Field(
         0.0, ge=0.0, le=2.0, description="ar: sampling temperature; 0 is greedy."
     )
-    return_hidden_states: Annotated[bool, PerRequest(("ar",))] = Field(
+    return_hidden_states: Annotated[bool, PerRequest()] = Field(
         False,
         description="ar: also emit last-layer hidden states so downstream stages can condition "
         "on them (an AR encoder feeding a diffusion stage).",
     )
-    height: Annotated[int, PerRequest(("diffusion",))] = Field(
+    height: Annotated[int, PerRequest()] = Field(
         32,
         ge=8,
         le=2048,
         multiple_of=8,
         description="diffusion: image height in pixels; the model may need a larger multiple.",
     )
-    width: Annotated[int, PerRequest(("diffusion",))] = Field(
+    width: Annotated[int, PerRequest()] = Field(
         32,
         ge=8,
         le=2048,
         multiple_of=8,
         description="diffusion: image width in pixels; the model may need a larger multiple.",
     )
-    num_inference_steps: Annotated[int, PerRequest(("diffusion",))] = Field(
+    num_inference_steps: Annotated[int, PerRequest()] = Field(
         4, ge=1, le=1000, description="diffusion: number of denoising steps."
     )
-    guidance_scale: Annotated[float, PerRequest(("diffusion",))] = Field(
+    guidance_scale: Annotated[float, PerRequest()] = Field(
         1.0,
         ge=0.0,
         le=100.0,
@@ -288,14 +284,14 @@ class EngineOptions(_Model):
     )
     # 2^53 - 1: the largest integer every JSON parser keeps exact. The API server stores
     # schema bounds as float64 and refuses an integer maximum that does not convert back.
-    seed: Annotated[int, PerRequest(("ar", "diffusion"))] = Field(
+    seed: Annotated[int, PerRequest()] = Field(
         0,
         ge=0,
         le=2**53 - 1,
         description="Random seed, so tiny models are reproducible; sample i of a request with "
         "n > 1 uses seed + i.",
     )
-    echo_delay_ms: Annotated[int, PerRequest(("echo",), key="delay_ms")] = Field(
+    echo_delay_ms: Annotated[int, PerRequest(key="delay_ms")] = Field(
         0, ge=0, le=60_000, description="echo: artificial latency added to every request."
     )
     max_batch_size: int = Field(
@@ -315,22 +311,24 @@ class EngineOptions(_Model):
     )
 
 
-# Engine fields without a PerRequest mark that still apply to some kinds only.
-_ENGINE_KINDS: dict[str, tuple[StageKind, ...]] = {
-    "dtype": ("ar", "diffusion"),
-    "max_batch_size": ("ar", "diffusion"),
-    "max_batch_tokens": ("ar",),
-}
+def _check_engine_options(kind: stage_kinds.StageKind) -> None:
+    """A kind table row may only name EngineOptions fields (where their bounds live)."""
+    unknown = [o for o in kind.engine_options if o not in EngineOptions.model_fields]
+    if unknown:
+        raise stage_kinds.KindError(
+            f"stage kind {kind.name!r}: engine option(s) {unknown} are not EngineOptions fields "
+            f"(known: {', '.join(EngineOptions.model_fields)})")
+
+
+stage_kinds.on_register(_check_engine_options)
 
 
 def engine_kinds(field: str) -> tuple[str, ...]:
-    """The stage kinds an EngineOptions field applies to: its PerRequest mark, else the table
-    above, else every kind."""
-    info = EngineOptions.model_fields[field]
-    mark = next((m for m in info.metadata if isinstance(m, PerRequest)), None)
-    if mark is not None:
-        return mark.kinds
-    return _ENGINE_KINDS.get(field, STAGE_KINDS)
+    """The stage kinds an EngineOptions field applies to: those whose row of the kind table
+    lists it."""
+    if field not in EngineOptions.model_fields:
+        raise KeyError(f"{field!r} is not an EngineOptions field")
+    return tuple(k.name for k in stage_kinds.kinds() if field in k.engine_options)
 
 
 def engine_for_kind(engine: EngineOptions, kind: str) -> dict[str, Any]:
@@ -342,6 +340,55 @@ def engine_for_kind(engine: EngineOptions, kind: str) -> dict[str, Any]:
         for name, info in EngineOptions.model_fields.items()
         if kind in engine_kinds(name) and (info.alias or name) in dumped
     }
+
+
+def join_words(items: list[str], last: str = "and") -> str:
+    """'a', 'a and b', 'a, b, and c': how descriptions and messages list kinds."""
+    if len(items) <= 2:
+        return f" {last} ".join(items)
+    return ", ".join(items[:-1]) + f", {last} " + items[-1]
+
+
+def chat_stage_rule() -> str:
+    """Why a stage cannot be the chat stage; the CRD's CEL rule words it the same way."""
+    chat = [f"'{k}'" for k in stage_kinds.chat_kinds()]
+    if len(chat) == 1:
+        return f"the chat stage must be an {chat[0]} stage"
+    return f"the chat stage must be a stage of kind {join_words(chat, 'or')}"
+
+
+def _kind_schema(schema: dict[str, Any]) -> None:
+    """Stage.kind's JSON schema (and so the CRD's): the enum and the description come from
+    the kind table when the schema is generated."""
+    rows = stage_kinds.kinds()
+    listed = [f"{k.name} ({k.summary})" if k.summary else k.name for k in rows]
+    schema["description"] = f"Executor kind: {join_words(listed, 'or')}. Immutable once created."
+    schema["enum"] = [k.name for k in rows]
+
+
+def _model_schema(schema: dict[str, Any]) -> None:
+    """Stage.model's description, naming each kind's built-ins and which kinds need a model."""
+    rows = stage_kinds.kinds()
+    builtins = "; ".join(f"{k.name}: {', '.join(k.builtin_models)}" for k in rows
+                         if k.builtin_models)
+    needs = join_words([k.name for k in rows if k.needs_model])
+    free = join_words([k.name for k in rows if not k.needs_model])
+    schema["description"] = (
+        f"{HUB_ID_GRAMMAR[0].upper()}{HUB_ID_GRAMMAR[1:]} (a branch, tag or commit), a local "
+        "path starting with /, ./, ../ or ~ (relative paths are relative to the pipeline file; "
+        f"on a cluster, a path inside the image), or a built-in ({builtins}). Required for "
+        f"{needs}" + (f"; omit (or 'none') for {free}." if free else "."))
+
+
+def __getattr__(name: str) -> Any:
+    """Views of the kind table, computed when read so registered kinds are included."""
+    if name == "STAGE_KINDS":
+        return stage_kinds.names()
+    if name == "BUILTIN_MODELS":
+        return stage_kinds.builtin_models()
+    if name == "MODEL_KINDS":
+        return tuple(k.name for k in stage_kinds.kinds() if k.needs_model)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class StageResources(_Model):
@@ -454,9 +501,10 @@ class Stage(_Model):
         description="Stage name, unique in the pipeline; a DNS-1123 label of at most "
         f"{STAGE_NAME_MAX} characters because it becomes part of pod names."
     )
-    kind: StageKind = Field(
-        description="Executor kind: ar (autoregressive LLM), diffusion, or echo (no model; "
-        "for tests and benchmarks). Immutable once created."
+    kind: str = Field(
+        description="Executor kind (the kind table, omnistage.executors.kinds). Immutable once "
+        "created.",
+        json_schema_extra=lambda schema: _kind_schema(schema),
     )
     model: str | None = Field(
         None,
@@ -464,8 +512,9 @@ class Stage(_Model):
         validate_default=True,
         description="A Hugging Face id org/name[@revision] (a branch, tag or commit), a local "
         "path starting with /, ./, ../ or ~ (relative paths are relative to the pipeline file; "
-        "on a cluster, a path inside the image), or a built-in (ar: tiny-llama; diffusion: "
-        "tiny-unet). Required for ar and diffusion; omit (or 'none') for echo.",
+        "on a cluster, a path inside the image), or a built-in of the kind. Required or "
+        "refused by kind.",
+        json_schema_extra=lambda schema: _model_schema(schema),
     )
     engine: EngineOptions = Field(
         default_factory=EngineOptions, description="Executor options for this stage."
@@ -504,6 +553,17 @@ class Stage(_Model):
         "rollouts); the pool's PodDisruptionBudget gets minAvailable = replicas - maxUnavailable.",
     )
 
+    @field_validator("kind")
+    @classmethod
+    def _check_kind(cls, value: str) -> str:
+        """Only kinds in the table (omnistage.executors.kinds); worded as an enum's error."""
+        known = stage_kinds.names()
+        if value not in known:
+            expected = " or ".join(
+                filter(None, [", ".join(repr(k) for k in known[:-1]), repr(known[-1])]))
+            raise _field_error(f"invalid value {_short(value)} (expected {expected})")
+        return value
+
     @field_validator("model")
     @classmethod
     def _check_model(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -511,11 +571,11 @@ class Stage(_Model):
         kind = info.data.get("kind")
         if kind is None:  # the kind itself was invalid and is reported on its own
             return value
-        if kind == "echo":
+        if not stage_kinds.get(kind).needs_model:
             if value is None or value.strip().lower() in ("", "none"):
                 return None
             raise _field_error(
-                f"echo stages take no model; omit it or set it to none (got {value!r})"
+                f"{kind} stages take no model; omit it or set it to none (got {value!r})"
             )
         if value is None or value.strip().lower() in ("", "none"):
             raise _field_error(
@@ -531,13 +591,13 @@ class Stage(_Model):
     def _one_gpu_per_model(self) -> Stage:
         """A replica loads its model onto one device: spreading one model over several GPUs
         (device_map) is not supported, so asking for it is refused rather than half-used."""
-        if self.kind in MODEL_KINDS and self.resources.gpus > 1:
+        if stage_kinds.get(self.kind).needs_model and self.resources.gpus > 1:
             raise _path_errors([("resources.gpus", GPUS_PER_MODEL_REPLICA.format(
                 kind=self.kind, gpus=self.resources.gpus))])
         return self
 
     def model_ref(self) -> ModelRef | None:
-        """The parsed model reference (omnistage.modelref), None for an echo stage."""
+        """The parsed model reference (omnistage.modelref), None for a stage without one."""
         return None if self.model is None else parse_model_ref(self.model)
 
     def model_path(self, base_dir: Path | None = None) -> Path | None:
@@ -624,7 +684,6 @@ class OrchestratorSpec(_Model):
         return value
 
 
-MODEL_KINDS = ("ar", "diffusion")
 GPUS_PER_MODEL_REPLICA = (
     "replicas of kind '{kind}' load their model onto one GPU (got {gpus}); spreading a model "
     "over several GPUs is not supported: request 1 and scale with replicas"
@@ -787,11 +846,11 @@ class PipelineSpec(_Model):
         return [s.name for s in self.stages if s.final_output]
 
     def chat_stage(self) -> str | None:
-        """The ar stage behind /v1/chat/completions, or None if the pipeline has no ar stage."""
+        """The stage behind /v1/chat/completions, or None if no stage's kind serves chat."""
         if self.orchestrator.chat_stage is not None:
             return self.orchestrator.chat_stage
         for name in self.topo_order():
-            if self.stage(name).kind == "ar":
+            if stage_kinds.get(self.stage(name).kind).serves_chat:
                 return name
         return None
 
@@ -859,11 +918,11 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
     if chat is not None:
         if chat not in index:
             errors.append(("orchestrator.chatStage", f"unknown stage {chat!r}"))
-        elif (kind := spec.stages[index[chat]].kind) != "ar":
+        elif not stage_kinds.get(kind := spec.stages[index[chat]].kind).serves_chat:
             errors.append(
                 (
                     "orchestrator.chatStage",
-                    f"stage {chat!r} has kind {kind!r}; the chat stage must be an 'ar' stage",
+                    f"stage {chat!r} has kind {kind!r}; {chat_stage_rule()}",
                 )
             )
     return errors

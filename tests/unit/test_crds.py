@@ -244,7 +244,7 @@ def test_cel_rules_carry_the_stage_model_toleration_and_image_checks(crd: dict[s
         spec["properties"]["stage"])
     model_rules = [r for r in _rules(stage) if r.get("fieldPath") == ".model"]
     expressions = " | ".join(r["messageExpression"] for r in model_rules)
-    for words in ("echo stages take no model", "a model is required for kind",
+    for words in ("stages take no model", "a model is required for kind",
                   "is not a built-in for kind", "model, not"):
         assert words in expressions
     toleration = stage["properties"]["placement"]["properties"]["tolerations"]["items"]

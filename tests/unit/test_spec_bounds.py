@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from omnistage import spec as spec_module
+import omnistage.executors.kinds as stage_kinds
 from omnistage.spec import (
     DEFAULT_IMAGE,
     MAX_REPLICAS,
-    STAGE_KINDS,
     AdmissionOptions,
     EngineOptions,
     ModelCache,
@@ -351,8 +350,7 @@ ECHO = {"echoDelayMs": 0}
 def test_engine_for_kind_is_exactly_the_options_of_the_kind() -> None:
     """Kills: engine_for_kind's by_alias=True -> False (or dropped), exclude_none=True -> False
     (maxBatchTokens: None would appear), `kind in engine_kinds(name)` -> `not in`, `and` -> `or`,
-    `info.alias or name` -> `and`; engine_kinds' `mark is not None` -> `is None`, its
-    `_ENGINE_KINDS.get(field, ...)` -> `get(None, ...)`, and next(..., None) -> next(...)."""
+    `info.alias or name` -> `and`, and engine_kinds `field in` -> `not in`."""
     engine = EngineOptions()
     assert engine_for_kind(engine, "ar") == AR
     assert engine_for_kind(engine, "diffusion") == DIFFUSION
@@ -364,8 +362,7 @@ def test_engine_for_kind_is_exactly_the_options_of_the_kind() -> None:
 
 
 def test_engine_kinds_of_every_field() -> None:
-    """Kills: engine_kinds' `mark is not None` -> `is None`, `mark = None`, next(...) without its
-    None default (StopIteration for an unmarked field), and a changed _ENGINE_KINDS entry."""
+    """Kills: a changed engine_options entry in the kind table (omnistage.executors.kinds)."""
     assert {name: engine_kinds(name) for name in EngineOptions.model_fields} == {
         "dtype": ("ar", "diffusion"), "max_tokens": ("ar",), "temperature": ("ar",),
         "return_hidden_states": ("ar",), "height": ("diffusion",), "width": ("diffusion",),
@@ -375,11 +372,17 @@ def test_engine_kinds_of_every_field() -> None:
     }
 
 
-def test_a_field_without_a_mark_or_a_table_entry_applies_to_every_kind(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The documented fallback ("else every kind"), so a new unmarked knob is never dropped from
-    a pool. Kills: `_ENGINE_KINDS.get(field, STAGE_KINDS)` -> `get(field, None)` / `get(field)`."""
-    monkeypatch.delitem(spec_module._ENGINE_KINDS, "max_batch_size")
-    assert engine_kinds("max_batch_size") == STAGE_KINDS
-    assert engine_for_kind(EngineOptions(), "echo") == {"echoDelayMs": 0, "maxBatchSize": 16}
+def test_engine_kinds_follow_the_kind_table() -> None:
+    """A kind's engine options are its row's (omnistage.executors.kinds): a registered kind that
+    lists maxBatchSize gets it in its pool, and every EngineOptions field is read by some kind,
+    so a new knob is never silently dropped from every pool. Kills: engine_kinds reading anything
+    but the table, and a field missing from every row."""
+    probe = stage_kinds.StageKind(name="probe", executor="tests.unit.nowhere:Probe", summary="",
+                                  needs_model=False, engine_options=("max_batch_size",))
+    with stage_kinds.registered(probe):
+        assert engine_kinds("max_batch_size") == ("ar", "diffusion", "probe")
+        assert engine_for_kind(EngineOptions(), "probe") == {"maxBatchSize": 16}
+    assert engine_kinds("max_batch_size") == ("ar", "diffusion")
+    assert all(engine_kinds(name) for name in EngineOptions.model_fields)
+    with pytest.raises(KeyError, match="'nope' is not an EngineOptions field"):
+        engine_kinds("nope")

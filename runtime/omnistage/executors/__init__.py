@@ -1,32 +1,46 @@
-"""Stage executors: what a stage worker runs behind admission control."""
+"""Stage executors: what a stage worker runs behind admission control.
+
+Which executor runs which kind is the kind table's (omnistage.executors.kinds). This package
+imports its members lazily: the spec imports the table, and the table must stay importable
+without the executors' base (which imports the spec back) and without torch.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omnistage.executors.base import BadRequest, BatchExecutor, Executor, Outcome
-from omnistage.spec import Stage
+from omnistage.executors import kinds as stage_kinds
+
+if TYPE_CHECKING:
+    from omnistage.executors.base import BadRequest, BatchExecutor, Executor, Outcome
+    from omnistage.spec import Stage
 
 __all__ = ["BadRequest", "BatchExecutor", "Executor", "Outcome", "create_executor",
            "executor_class"]
 
+_BASE = frozenset({"BadRequest", "BatchExecutor", "Executor", "Outcome"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BASE:
+        from omnistage.executors import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def executor_class(kind: str) -> type[Executor]:
-    """The executor class of a stage kind. Importing one never imports torch or the model
-    libraries (they load in `Executor.load`), so a worker can ask this before it loads."""
-    if kind == "echo":
-        from omnistage.executors.echo import EchoExecutor
+    """The executor class of a stage kind, from the kind table. Importing one never imports
+    torch or the model libraries (they load in `Executor.load`), so a worker can ask this
+    before it loads."""
+    from omnistage.executors.base import Executor
 
-        return EchoExecutor
-    if kind == "ar":
-        from omnistage.executors.ar import ARExecutor
-
-        return ARExecutor
-    if kind == "diffusion":
-        from omnistage.executors.diffusion import DiffusionExecutor
-
-        return DiffusionExecutor
-    raise ValueError(f"unknown stage kind {kind!r}; expected one of: ar, diffusion, echo")
+    row = stage_kinds.get(kind)
+    cls = row.executor_class()
+    if not (isinstance(cls, type) and issubclass(cls, Executor)):
+        raise stage_kinds.KindError(f"stage kind {kind!r}: {row.executor} is not an Executor "
+                                    "subclass")
+    return cls
 
 
 def create_executor(stage: Stage, device: Any) -> Executor:

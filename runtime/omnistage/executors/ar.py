@@ -69,7 +69,8 @@ class ARExecutor(BatchExecutor):
 
     def load(self) -> None:
         model = self.model_source or "tiny-llama"
-        self.model, self.tokenizer = load_causal_lm(model, self.device, self.engine.dtype)
+        self.model, self.tokenizer = load_causal_lm(model, self.device, self.engine.dtype,
+                                                    self.kind)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values to cache; support both spellings.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"

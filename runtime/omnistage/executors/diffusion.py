@@ -48,7 +48,7 @@ class DiffusionExecutor(BatchExecutor):
         model = self.model_source or "tiny-unet"
         self.dtype = torch_dtype(self.engine.dtype, self.device)
         self.unet, self.vae, self.scheduler_template = load_diffusion(
-            model, self.device, self.engine.dtype
+            model, self.device, self.engine.dtype, self.kind
         )
         self.cross_dim = int(self.unet.config.cross_attention_dim)
         self.scale = 2 ** (len(self.vae.config.block_out_channels) - 1)

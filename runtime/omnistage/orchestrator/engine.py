@@ -33,6 +33,8 @@ import zmq.asyncio
 
 from omnistage import protocol as p
 from omnistage.client import ChannelClosed, ReplicaChannel
+from omnistage.executors.kinds import Payload, StageKind
+from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import new_registry
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
 from omnistage.orchestrator.metrics import OrchestratorCollector
@@ -149,6 +151,8 @@ class Orchestrator:
         self.name = pipeline.metadata.name
         self.membership = membership
         self.kinds = {s.name: s.kind for s in self.spec.stages}
+        # What each stage consumes and emits (the kind table): routing reads these, not names.
+        self.rows: dict[str, StageKind] = {s.name: get_kind(s.kind) for s in self.spec.stages}
         self.default_deadlines = {
             s.name: float(s.admission.default_deadline_seconds) for s in self.spec.stages}
         self.inputs = {s.name: list(s.inputs) for s in self.spec.stages}
@@ -462,11 +466,15 @@ class Orchestrator:
                 return RequestError("no_replica", f"stage {stage!r} has no live replica", stage)
         if req.negative_prompt is not None:
             request.companions = {
-                s for s in request.order
-                if self.kinds[s] == "ar"
-                and any(self.kinds[d] == "diffusion" and s in self.inputs[d] for d in needed)
-            }
+                s for s in request.order if self._feeds_hidden_states(s, needed)}
         return None
+
+    def _feeds_hidden_states(self, stage: str, among: Sequence[str] | frozenset[str]) -> bool:
+        """Whether stage emits hidden states that a stage among `among` consumes: it must then
+        return them, and run the negative prompt too when there is one."""
+        return Payload.HIDDEN_STATES in self.rows[stage].emits and any(
+            Payload.HIDDEN_STATES in self.rows[d].consumes and stage in self.inputs[d]
+            for d in among)
 
     def _stage_plan(self, finals: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[str]]:
         """The stages that finals need, in topological order, and as a set. Computed once
@@ -555,21 +563,21 @@ class Orchestrator:
         params = req.stage_params(task.stage)
         if req.n > 1:
             params["seed"] = int(params.get("seed", 0)) + child.index
-        kind = self.kinds[task.stage]
+        row = self.rows[task.stage]
         ins = self.inputs[task.stage]
+        takes_text = Payload.TEXT in row.consumes
         if task.companion:
             params["prompt"] = req.negative_prompt
-        elif ins and kind != "diffusion":
+        elif ins and takes_text:
             upstream = child.done[ins[0]].header.text
             params["prompt"] = req.prompt if upstream is None else upstream
-        elif kind != "diffusion":
+        elif takes_text:
             params["prompt"] = req.prompt
-        if kind == "ar" and any(
-            self.kinds[d] == "diffusion" and task.stage in self.inputs[d] for d in request.order
-        ):
-            params["return_hidden_states"] = True  # a diffusion stage of this request needs them
+        if self._feeds_hidden_states(task.stage, request.order):
+            params["return_hidden_states"] = True  # a stage of this request conditions on them
         final = task.stage in request.finals and not task.companion
-        params["stream"] = req.stream and final and kind != "diffusion"
+        # Streamed deltas are text: only a stage that emits text streams.
+        params["stream"] = req.stream and final and Payload.TEXT in row.emits
         return params
 
     def _tensors(self, task: _Task) -> dict[str, Any]:
@@ -578,17 +586,18 @@ class Orchestrator:
         if task.companion:
             return {}
         ins = self.inputs[task.stage]
-        diffusion = self.kinds[task.stage] == "diffusion"
+        # A stage that consumes hidden states gets them as its conditioning.
+        conditioned = Payload.HIDDEN_STATES in self.rows[task.stage].consumes
         tensors: dict[str, Any] = {}
         for i, upstream in enumerate(ins):
             for name, wt in child.done[upstream].tensors.items():
-                if diffusion and name == "hidden_states":
+                if conditioned and name == "hidden_states":
                     name = "encoder_hidden_states" if i == 0 else f"{upstream}.{name}"
                 elif i:
                     name = f"{upstream}.{name}"
                 tensors[name] = wt
             neg = child.companion_done.get(upstream)
-            if neg is not None and "hidden_states" in neg.tensors and diffusion:
+            if neg is not None and "hidden_states" in neg.tensors and conditioned:
                 tensors["negative_encoder_hidden_states"] = neg.tensors["hidden_states"]
         return tensors
 

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 
 from omnistage.client import ControlError
+from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import (
@@ -265,14 +266,14 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
 
 
 def image_stages(pipeline: OmniPipeline) -> list[str]:
-    """The diffusion stages whose images answer /v1/images/generations: the diffusion final
-    stages, else the last diffusion stage in topological order."""
+    """The stages whose images answer /v1/images/generations (their kind emits images, as
+    diffusion does): the final ones, else the last one in topological order."""
     spec = pipeline.spec
-    finals = [s for s in spec.final_stages() if spec.stage(s).kind == "diffusion"]
+    finals = [s for s in spec.final_stages() if get_kind(spec.stage(s).kind).serves_images]
     if finals:
         return finals
-    diffusion = [s for s in spec.topo_order() if spec.stage(s).kind == "diffusion"]
-    return diffusion[-1:]
+    imaging = [s for s in spec.topo_order() if get_kind(spec.stage(s).kind).serves_images]
+    return imaging[-1:]
 
 
 def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline,

@@ -49,6 +49,7 @@ from omnistage.executors import (
     create_executor,
     executor_class,
 )
+from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import new_registry
 from omnistage.shm import SegmentManager, ShmConfig, WaitCancelled, start_segment_manager
 from omnistage.sideport import start_side_port
@@ -192,7 +193,8 @@ class StageWorker:
         """Import, load and warm up off the event loop, so /livez answers meanwhile."""
         if self.executor is None:
             device = None
-            if self.cfg.stage.kind != "echo":  # echo never imports torch: it starts in ms
+            # A kind without a model (echo) never imports torch: it starts in ms.
+            if get_kind(self.cfg.stage.kind).needs_model:
                 from omnistage.devices import configure_threads, select_device
 
                 configure_threads()
