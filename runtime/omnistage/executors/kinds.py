@@ -62,7 +62,9 @@ class Payload(StrEnum):
     TOKENS = "tokens"  # token ids and usage counts (what the chat API reports)
     HIDDEN_STATES = "hidden_states"  # last-layer hidden states, a conditioning tensor
     LATENTS = "latents"  # latent tensors (no built-in kind emits them yet)
-    IMAGE = "image"
+    IMAGE = "image"  # emitted: a generated image; consumed: the request's input images
+    AUDIO = "audio"  # emitted: PCM audio (tensor "audio", field sample_rate); consumed: input audio
+    CODEC_CODES = "codec_codes"  # a speech codec's codes, frame by frame (talker -> vocoder)
 
 
 @dataclass(frozen=True)
