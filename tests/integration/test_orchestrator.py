@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 
 from omnistage import protocol as p
 from omnistage.client import ControlError
+from omnistage.executors.echo import HOLD_FILE_ENV
 from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
@@ -43,6 +45,12 @@ def echo(name: str, inputs: tuple[str, ...] = (), final: bool = False) -> dict[s
 
 
 Launch = Callable[..., Any]
+
+
+def held(release: Path) -> dict[str, Any]:
+    """start_worker options for an echo replica whose requests wait until `release` exists
+    (abortable, under their deadline): work that ends on the test's signal, not a clock."""
+    return {"env": {HOLD_FILE_ENV: str(release)}}
 
 
 @pytest.fixture
@@ -241,11 +249,14 @@ async def test_abort_after_one_final_stage_finished_keeps_its_output(launch) -> 
     assert orch.counters["late_messages"] == 0
 
 
-async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launch) -> None:
+async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(
+        launch, tmp_path: Path) -> None:
     pipe = pipeline("par", [echo("a", final=True)])
-    orch, _, _ = await launch(pipe, {"a": [{}, {}]})
-    # The aborts, not the clock, end these samples; waits are on the engine's own state.
-    handle = orch.submit(PipelineRequest(prompt="p", n=3, params={"a": {"delay_ms": 60000}}))
+    release = tmp_path / "release"
+    orch, _, _ = await launch(pipe, {"a": [held(release), held(release)]})
+    # The aborts and the release, not the clock, end these samples; waits are on the engine's
+    # own state.
+    handle = orch.submit(PipelineRequest(prompt="p", n=3))
     children = handle._request.children
     await _until(lambda: all(c.running for c in children), "all three samples running")
     handle.abort(child=1)
@@ -256,11 +267,12 @@ async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launc
     out = await handle.outcome()
     assert out.status == "abort"
     assert [c.status for c in out.children] == ["abort"] * 3
-    # Sample 1 must finish by itself: 5 s of work leaves the abort of sample 0 (sent as soon as
-    # it runs) a margin no load on the machine eats.
-    mixed = orch.submit(PipelineRequest(prompt="q", n=2, params={"a": {"delay_ms": 5000}}))
+    # Sample 1 must finish by itself: both are held until sample 0's abort has ended it.
+    mixed = orch.submit(PipelineRequest(prompt="q", n=2))
     await _until(lambda: bool(mixed._request.children[0].running), "sample 0 running")
     mixed.abort(child=0)
+    await _until(lambda: mixed._request.children[0].outcome is not None, "sample 0 aborted")
+    release.touch()
     out = await mixed.outcome()
     assert out.status == "ok" and [c.status for c in out.children] == ["abort", "ok"]
 
@@ -268,20 +280,27 @@ async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launc
 # ---- failure isolation -------------------------------------------------------------------
 
 
-async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
+async def test_kill_9_one_replica_fails_only_its_bound_requests(launch, tmp_path: Path) -> None:
     pipe = pipeline("iso", [echo("a", final=True)])
-    orch, procs, _ = await launch(pipe, {"a": [{}, {}]}, heartbeat_interval=0.5,
-                                  heartbeat_timeout=3.0)
-    # A worker runs echo requests one at a time: 3 each of 4 s of work stay within the stage's
-    # 60 s default deadline, and none can finish between the snapshot of `bound` and the kill.
-    handles = [orch.submit(PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 4000}}))
-               for i in range(6)]
+    release = tmp_path / "release"
+    # The socket monitor notices the kill; heartbeats a minute apart cannot drop the live
+    # replica however loaded the machine is.
+    orch, procs, _ = await launch(pipe, {"a": [held(release), held(release)]},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    # Every request is held until the release: none can finish between the snapshot of
+    # `bound` and the kill.
+    handles = [orch.submit(PipelineRequest(prompt=str(i))) for i in range(6)]
     victim = orch.pools["a"].replicas["iso-a-0"]
     await _until(lambda: len(orch.tasks) == 6, "all 6 requests sent")
     bound = {t.child.request.id for t in victim.bound}
-    assert bound
+    assert bound and len(bound) < 6
     procs["a"][0].proc.send_signal(signal.SIGKILL)
-    outcomes = {h.id: [ev async for ev in h.events()] for h in handles}
+    outcomes = {h.id: [ev async for ev in h.events()] for h in handles if h.id in bound}
+    # The victim's requests failed while the others were still held on the live replica.
+    assert all(c.outcome is None for h in handles if h.id not in bound
+               for c in h._request.children)
+    release.touch()
+    outcomes.update({h.id: [ev async for ev in h.events()] for h in handles if h.id not in bound})
     for rid, events in outcomes.items():
         terminal = [e for e in events if isinstance(e, Outcome)]
         assert len(terminal) == 1  # exactly one terminal outcome each
@@ -290,15 +309,19 @@ async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
             assert terminal[0].error.code == "replica_lost"
         else:
             assert terminal[0].status == "ok", terminal[0]
-    await _until(lambda: "iso-a-0" not in orch.pools["a"].replicas, "iso-a-0 dropped")
+    # Not routed to until a new process at its address answers a hello (the heartbeat, a
+    # minute away here, would drop it from the pool later).
+    assert victim.incarnation is None
     _, after = await collect(orch, PipelineRequest(prompt="after"))
     assert after.status == "ok" and after.children[0].outputs["a"].replica == "iso-a-1"
 
 
 async def test_dead_downstream_stage(launch) -> None:
     pipe = pipeline("down", [echo("a"), echo("b", ("a",), final=True)])
+    # The socket monitor notices the kill; a minute's heartbeat timeout keeps a loaded machine
+    # from dropping the live stage a.
     orch, procs, _ = await launch(pipe, {"a": [{}], "b": [{}]},
-                                  heartbeat_interval=0.5, heartbeat_timeout=3.0)
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
     handle = orch.submit(PipelineRequest(prompt="x", params={"b": {"delay_ms": 30000}}))
     await _until(lambda: ("b", False) in handle._request.children[0].running, "b running")
     procs["b"][0].proc.send_signal(signal.SIGKILL)
@@ -324,13 +347,15 @@ async def test_unencodable_value_is_a_request_error_and_loop_keeps_running(launc
     assert ok.status == "ok"
 
 
-async def test_terminal_state_is_monotonic(launch) -> None:
+async def test_terminal_state_is_monotonic(launch, tmp_path: Path) -> None:
     pipe = pipeline("mono", [echo("src"), echo("f1", ("src",), final=True),
                              echo("f2", ("src",), final=True)])
-    orch, _, _ = await launch(pipe, {"src": [{}], "f1": [{}], "f2": [{}]})
-    # f1 fails at once; f2 is still running when the request becomes terminal.
+    never = held(tmp_path / "never-created")  # f1 and f2 hold work until aborted or late
+    orch, _, _ = await launch(pipe, {"src": [{}], "f1": [never], "f2": [never]})
+    # f1 fails at once (a bad parameter); f2 is still running when the request becomes
+    # terminal.
     handle = orch.submit(PipelineRequest(prompt="x", stream=True, params={
-        "f1": {"delay_ms": -1}, "f2": {"delay_ms": 800}}))
+        "f1": {"delay_ms": -1}}))
     events = [ev async for ev in handle.events()]
     assert len(events) == 1 and events[0].status == "request_error"
     assert events[0].error.code == "bad_request" and events[0].error.stage == "f1"
@@ -343,8 +368,7 @@ async def test_terminal_state_is_monotonic(launch) -> None:
     assert orch.counters["late_messages"] >= 1
     assert handle._request.queue.empty()
     # A deadline is a request-scoped terminal outcome (504), also exactly once.
-    late = orch.submit(PipelineRequest(prompt="y", timeout_s=0.3, params={
-        "f1": {"delay_ms": 2000}}))
+    late = orch.submit(PipelineRequest(prompt="y", timeout_s=0.3))
     events = [ev async for ev in late.events()]
     assert len(events) == 1 and events[0].status == "request_error"
     assert events[0].error.code == "deadline" and events[0].error.http_status == 504
@@ -389,8 +413,10 @@ async def test_control_fan_out_and_error_propagation(launch) -> None:
 
 async def test_stalled_replica_is_dropped_then_readmitted(launch) -> None:
     pipe = pipeline("stall", [echo("a", final=True)])
+    # The drop takes the heartbeat timeout; 10 s (not the 3 s default) is a far guard against
+    # a loaded machine silencing the live stall-a-1 for that long too.
     orch, procs, _ = await launch(pipe, {"a": [{}, {}]}, heartbeat_interval=0.5,
-                                  heartbeat_timeout=3.0)
+                                  heartbeat_timeout=10.0)
     victim = procs["a"][0]
     victim.proc.send_signal(signal.SIGSTOP)  # alive but silent: heartbeats stop
     try:
