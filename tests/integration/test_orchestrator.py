@@ -578,7 +578,7 @@ async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work(
 # ---- contract gaps: per-child failures, the stage's default deadline -----------------------
 
 
-async def test_generic_route_reports_failures_per_child(launch) -> None:
+async def test_generic_route_reports_failures_per_child(launch, tmp_path: Path) -> None:
     """One failed sample does not fail the request on the generic route (docs/http-api.md);
     only a request whose every sample failed answers with an HTTP error."""
     import aiohttp
@@ -587,14 +587,19 @@ async def test_generic_route_reports_failures_per_child(launch) -> None:
 
     stage = {**echo("a", final=True), "admission": {"maxRequests": 1}}
     pipe = pipeline("per", [stage])
-    orch, _, _ = await launch(pipe, {"a": [{}]})
+    release = tmp_path / "release"
+    orch, _, _ = await launch(pipe, {"a": [held(release)]})
     runner, url = await serve_http(orch, "127.0.0.1", 0)
     route = f"{url}/v1/pipelines/per/requests"
     try:
         async with aiohttp.ClientSession() as http:
-            # Two samples on a replica that admits one request: the second is refused.
-            body = {"prompt": "x", "n": 2, "params": {"a": {"delay_ms": 2000}}}
-            async with http.post(route, json=body) as resp:
+            # Two samples on a replica that admits one request: the second is refused while
+            # the first is held, which is released once the refusal is in.
+            post = asyncio.ensure_future(http.post(route, json={"prompt": "x", "n": 2}))
+            await _until(lambda: any(c.outcome is not None for r in orch.requests.values()
+                                     for c in r.children), "one sample refused")
+            release.touch()
+            async with await post as resp:
                 assert resp.status == 200, await resp.text()
                 got = await resp.json()
             assert got["status"] == "ok"
@@ -603,9 +608,10 @@ async def test_generic_route_reports_failures_per_child(launch) -> None:
             assert got["children"][1]["error"]["code"] == "overloaded"
             assert got["children"][1]["error"]["stage"] == "a"
             # A request whose only sample fails is a request-level error, with its status.
-            # 5 s of work: the second request arrives while the first is held, however slow
-            # the machine.
-            one = {"prompt": "y", "params": {"a": {"delay_ms": 5000}}}
+            # The first admitted is held until the other's refusal is in, however slow the
+            # machine.
+            release.unlink()
+            one = {"prompt": "y"}
             statuses = []
             for coro in asyncio.as_completed([http.post(route, json=one) for _ in range(2)]):
                 async with await coro as resp:
@@ -613,7 +619,8 @@ async def test_generic_route_reports_failures_per_child(launch) -> None:
                     if resp.status == 429:
                         assert resp.headers["Retry-After"] == "1"
                         assert (await resp.json())["error"]["code"] == "overloaded"
-            assert sorted(statuses) == [200, 429]
+                release.touch()
+            assert statuses == [429, 200]
     finally:
         await runner.cleanup()
 

@@ -457,14 +457,17 @@ async def test_sigterm_drains_inflight_then_exits_zero(start_worker, channels,
     assert await asyncio.to_thread(w.proc.wait, 15) == 0
 
 
-async def test_drain_rpc(start_worker, channels) -> None:
-    w = start_worker("echo")
+async def test_drain_rpc(start_worker, channels, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    w = start_worker("echo", env={HOLD_FILE_ENV: str(release)})
     ch = channels(w)
-    q = ch.submit("r", {"prompt": "x", "delay_ms": 3000})  # still in flight for the checks
+    q = ch.submit("r", {"prompt": "x"})  # held in flight until the checks are done
     await _wait_inflight(w, 1)
     assert (await ch.control("drain"))["draining"] is True
     assert (await ch.control("drain"))["draining"] is True  # repeated drain is harmless
     status, reason = await asyncio.to_thread(_get, w.http + "/readyz")
     assert status == 503 and reason == "draining"
+    assert w.proc.poll() is None  # the held request keeps it alive
+    release.touch()
     assert (await q.get()).type == "final"
     assert await asyncio.to_thread(w.proc.wait, 15) == 0
