@@ -122,6 +122,43 @@ class Operator:
     def writes(self) -> int:
         return int(self.metrics()["omnistage_operator_api_writes_total"])
 
+    def reconciles(self) -> int:
+        return int(self.metrics()["omnistage_operator_reconciles_total"])
+
+    def after_reconciles(self, passes: int, timeout: float = 300) -> None:
+        """Wait until the operator has made `passes` more reconcile passes."""
+        mark = self.reconciles() + passes
+        wait_for(lambda: self.reconciles() >= mark, timeout, f"{passes} reconcile passes",
+                 self.log_tail)
+
+    def after_resyncs(self, rounds: int, objects: int | None = None) -> None:
+        """Wait for `rounds` resync rounds' worth of reconcile passes: a resync enqueues every
+        pipeline and pool once, so `rounds` x `objects` (default: all pipelines and pools in
+        the cluster, as this operator watches every namespace).
+
+        "Resyncs change nothing" waits on this, not on a multiple of the resync period: the
+        passes surely happened, however loaded the machine."""
+        if objects is None:
+            objects = len(self.cluster.kubectl("get", "omnipipelines,stagepools", "-A", "-o",
+                                               "name").stdout.split())
+        self.after_reconciles(rounds * max(objects, 1))
+
+    def settled(self, objects: int | None = None) -> int:
+        """Wait until a whole resync round (every object reconciled twice) writes nothing;
+        return the write count then."""
+        quiet_at: list[int] = []
+
+        def quiet() -> bool:
+            before = self.writes()
+            self.after_resyncs(2, objects)
+            if self.writes() != before:
+                return False
+            quiet_at.append(before)
+            return True
+
+        wait_for(quiet, 400, "the operator to stop writing", self.log_tail, interval=0)
+        return quiet_at[-1]
+
     def log_offset(self) -> int:
         try:
             return self.log_path.stat().st_size
