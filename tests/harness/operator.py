@@ -132,16 +132,19 @@ class Operator:
                  self.log_tail)
 
     def after_resyncs(self, rounds: int, objects: int | None = None) -> None:
-        """Wait for `rounds` resync rounds' worth of reconcile passes: a resync enqueues every
-        pipeline and pool once, so `rounds` x `objects` (default: all pipelines and pools in
-        the cluster, as this operator watches every namespace).
+        """Wait for `rounds` resync rounds: `rounds` x `objects` more reconcile passes (a resync
+        enqueues every pipeline and pool once; default: all of them in the cluster, as this
+        operator watches every namespace), and at least `rounds` resync periods.
 
-        "Resyncs change nothing" waits on this, not on a multiple of the resync period: the
-        passes surely happened, however loaded the machine."""
+        "Resyncs change nothing" waits on this, not on a bare multiple of the resync period:
+        the passes surely happened, however loaded the machine. The period is a lower bound
+        (passes that events caused do not stand in for the operator's resync timer)."""
+        started = time.monotonic()
         if objects is None:
             objects = len(self.cluster.kubectl("get", "omnipipelines,stagepools", "-A", "-o",
                                                "name").stdout.split())
         self.after_reconciles(rounds * max(objects, 1))
+        time.sleep(max(0.0, started + rounds * self.resync - time.monotonic()))
 
     def settled(self, objects: int | None = None) -> int:
         """Wait until a whole resync round (every object reconciled twice) writes nothing;

@@ -361,11 +361,8 @@ async def test_terminal_state_is_monotonic(launch, tmp_path: Path) -> None:
     assert events[0].error.code == "bad_request" and events[0].error.stage == "f1"
     handle.abort()  # an abort after the terminal outcome is dropped and counted
     assert orch.counters["late_aborts"] == 1
-    for _ in range(100):  # f2's own reply (to the abort we sent it) is dropped and counted
-        if orch.counters["late_messages"] >= 1:
-            break
-        await asyncio.sleep(0.05)
-    assert orch.counters["late_messages"] >= 1
+    # f2's own reply (to the abort we sent it) is dropped and counted
+    await _until(lambda: orch.counters["late_messages"] >= 1, "f2's late reply counted")
     assert handle._request.queue.empty()
     # A deadline is a request-scoped terminal outcome (504), also exactly once.
     late = orch.submit(PipelineRequest(prompt="y", timeout_s=0.3))
@@ -453,10 +450,8 @@ async def test_replicas_are_routed_only_after_a_handshake_of_our_version(launch,
     try:
         for name, fake in (("newer", newer), ("older", older)):
             membership.publish(ReplicaInfo("a", name, fake.endpoint))
-        for _ in range(100):
-            if all(orch.pools["a"].replicas[n].refused for n in ("newer", "older")):
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: all(orch.pools["a"].replicas[n].refused for n in ("newer", "older")),
+                     "both handshakes refused")
         status = {r["name"]: r for r in orch.status()["a"]}
         assert f"speaks protocol version {p.PROTOCOL_VERSION + 1}" in status["newer"]["refused"]
         assert "refused the handshake" in status["older"]["refused"]
@@ -504,11 +499,9 @@ async def test_a_restart_at_the_same_address_fails_the_old_work_at_once(
     again = await asyncio.to_thread(start_worker, pipe.spec.stage("a"), port=port,
                                     name="inc-a-0")
     second = (await asyncio.to_thread(_state, again))["incarnation"]
-    for _ in range(200):  # routable again once the new process answered the hello
-        if replica.incarnation == second:
-            break
-        await asyncio.sleep(0.05)
-    assert replica.incarnation == second != first
+    # routable again once the new process answered the hello
+    await _until(lambda: replica.incarnation == second, "the new process's hello")
+    assert second != first
     _, out = await collect(orch, PipelineRequest(prompt="after"))
     assert out.status == "ok" and out.children[0].outputs["a"].replica == "inc-a-0"
     state = await asyncio.to_thread(_state, again)
@@ -550,11 +543,8 @@ async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work(
         out = await asyncio.wait_for(held.outcome(), 5)
         assert out.error is not None and out.error.code == "replica_lost"
         assert f"restarted: incarnation {first} -> second" in out.error.message
-        for _ in range(100):  # a hello went out, and its reply made the replica routable
-            if replica.incarnation == "second":
-                break
-            await asyncio.sleep(0.05)
-        assert replica.incarnation == "second"
+        # a hello went out, and its reply made the replica routable
+        await _until(lambda: replica.incarnation == "second", "the second hello's reply")
         # The submit named the process it was for; nothing more was sent for the lost work
         # (no abort: the old process is gone).
         [submit] = [m for m in fake.received if m["t"] in ("submit", "abort")]
@@ -565,11 +555,8 @@ async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work(
         out = await asyncio.wait_for(orch.submit(PipelineRequest(prompt="refuse")).outcome(), 5)
         assert out.error is not None and out.error.code == "replica_lost"
         assert stale == ["second"]
-        for _ in range(100):
-            if replica.incarnation == "third":
-                break
-            await asyncio.sleep(0.05)
-        assert replica.incarnation == "third" and orch.counters["replica_restarts"] == 2
+        await _until(lambda: replica.incarnation == "third", "the third hello's reply")
+        assert orch.counters["replica_restarts"] == 2
     finally:
         await orch.stop(drain_timeout=1)
         await fake.close()

@@ -286,10 +286,7 @@ async def test_a_restart_at_the_same_address_refuses_work_for_the_old_process(
     _, ok = await ch.request("before", {"prompt": "x"}, incarnation=first)
     assert ok.type == "final"
     w1.kill()
-    for _ in range(500):  # the socket monitor reports the closed connection
-        if ch.disconnects:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: ch.disconnects, "the socket monitor reporting the closed connection")
     assert ch.disconnects == 1
     # Sent while nobody listens: ZMQ queues it and delivers it to the next process there.
     stale = ch.submit("stale", {"prompt": "x"}, incarnation=first)
@@ -300,11 +297,9 @@ async def test_a_restart_at_the_same_address_refuses_work_for_the_old_process(
     assert isinstance(reply.header, p.Error) and reply.header.code == "stale_incarnation"
     assert first in reply.header.message
     second = (await _state(w2))["incarnation"]
-    for _ in range(500):  # the channel handshook again with the new process
-        if ch.peer is not None and ch.peer.incarnation == second:
-            break
-        await asyncio.sleep(0.01)
-    assert ch.peer is not None and ch.peer.incarnation == second != first
+    await until(lambda: ch.peer is not None and ch.peer.incarnation == second,
+                "the channel's handshake with the new process")
+    assert second != first
     # An abort for the old process never reaches the request of the same id on the new one:
     # "live" is held (the hold file is missing) until the worker has counted the stale abort.
     live = ch.submit("live", {"prompt": "y"}, incarnation=second)
