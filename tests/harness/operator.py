@@ -131,6 +131,11 @@ class Operator:
         wait_for(lambda: self.reconciles() >= mark, timeout, f"{passes} reconcile passes",
                  self.log_tail)
 
+    def objects(self) -> int:
+        """Pipelines and pools in the cluster: what one resync round reconciles."""
+        return len(self.cluster.kubectl("get", "omnipipelines,stagepools", "-A", "-o",
+                                        "name").stdout.split())
+
     def after_resyncs(self, rounds: int, objects: int | None = None) -> None:
         """Wait for `rounds` resync rounds: `rounds` x `objects` more reconcile passes (a resync
         enqueues every pipeline and pool once; default: all of them in the cluster, as this
@@ -141,19 +146,20 @@ class Operator:
         (passes that events caused do not stand in for the operator's resync timer)."""
         started = time.monotonic()
         if objects is None:
-            objects = len(self.cluster.kubectl("get", "omnipipelines,stagepools", "-A", "-o",
-                                               "name").stdout.split())
+            objects = self.objects()
         self.after_reconciles(rounds * max(objects, 1))
         time.sleep(max(0.0, started + rounds * self.resync - time.monotonic()))
 
     def settled(self, objects: int | None = None) -> int:
-        """Wait until a whole resync round (every object reconciled twice) writes nothing;
-        return the write count then."""
+        """Wait until a whole resync round (every object reconciled twice: passes only, no
+        lower bound in time) writes nothing; return the write count then."""
+        if objects is None:
+            objects = self.objects()
         quiet_at: list[int] = []
 
         def quiet() -> bool:
             before = self.writes()
-            self.after_resyncs(2, objects)
+            self.after_reconciles(2 * max(objects, 1))
             if self.writes() != before:
                 return False
             quiet_at.append(before)
