@@ -6,10 +6,12 @@ fresh control plane, whose etcd has not compacted yet: tests/unit covers it.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -24,6 +26,7 @@ from omnistage.kubeapi import (
     path,
 )
 from tests.harness.cluster import Cluster
+from tests.harness.waiting import HANG_GUARD, until
 
 
 def _configmap(name: str, **data: str) -> dict:
@@ -63,22 +66,44 @@ async def test_list_watch_resumes_when_the_server_ends_the_watch(
     resourceVersion, so a change made between two watches arrives, with no second list."""
     api = KubeApi(KubeConfig.from_kubeconfig(kube.kubeconfig))
     cms = path("ConfigMap", namespace)
+    watches = 0
+    watch = api.watch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal watches
+        watches += 1
+        return watch(*args, **kwargs)
+
+    api.watch = counted  # type: ignore[method-assign]
+    items: asyncio.Queue[Listed | WatchEvent] = asyncio.Queue()
+    stream = api.list_watch(cms, timeout_seconds=1)
+
+    async def consume() -> None:  # the stream runs on while the test waits
+        async for item in stream:
+            await items.put(item)
+
+    consumer: asyncio.Task[None] | None = None
     try:
         await api.create(cms, _configmap("before"))
-        stream = api.list_watch(cms, timeout_seconds=1)
-        async with asyncio.timeout(30):
-            first = await anext(stream)
+        consumer = asyncio.create_task(consume())
+        async with asyncio.timeout(HANG_GUARD):
+            first = await items.get()
             assert isinstance(first, Listed)
             assert "before" in [c["metadata"]["name"] for c in first.items]
-            await asyncio.sleep(2.5)  # the first watch has ended by now
+            await until(lambda: watches >= 2, "the first watch to end and a second to begin")
             await api.create(cms, _configmap("after"))
-            async for item in stream:
+            while True:
+                item = await items.get()
                 assert isinstance(item, WatchEvent), "resuming needs no relist"
                 if item.object["metadata"]["name"] == "after":
                     assert item.type == "ADDED"
                     break
-        await stream.aclose()
     finally:
+        if consumer is not None:
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+        await stream.aclose()
         await api.close()
     assert api.writes == 2
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from omni_operator.leader import LeaderElector, LeadershipLost
 from omnistage.kubeapi import KubeApi, KubeConfig
 from tests.harness.cluster import Cluster
+from tests.harness.waiting import HANG_GUARD, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +35,10 @@ async def _close(*electors: LeaderElector) -> None:
 async def test_one_of_many_candidates_leads_and_a_release_hands_over_at_once(
     kube: Cluster, namespace: str
 ) -> None:
-    electors = [_elector(kube, namespace, f"op-{i}") for i in range(3)]
+    # A minute's lease: a standby that took over by waiting it out (not by the release) would
+    # miss the far guard below, and no load on the machine makes a held lease look free.
+    timing = {"lease_seconds": 60.0, "renew_deadline": 30.0}
+    electors = [_elector(kube, namespace, f"op-{i}", **timing) for i in range(3)]
     try:
         # Simultaneous attempts: the resourceVersion compare-and-swap lets exactly one win.
         wins = await asyncio.gather(*(e.try_acquire_or_renew() for e in electors))
@@ -43,17 +48,21 @@ async def test_one_of_many_candidates_leads_and_a_release_hands_over_at_once(
         assert not any([await e.try_acquire_or_renew() for e in others])
         assert await leader.try_acquire_or_renew()  # the holder renews
         leader.leading = True
+        refused = {e.identity: 0 for e in others}
+        for e in others:
+            e.try_acquire_or_renew = _counting(e, refused)  # type: ignore[method-assign]
         waiting = [asyncio.create_task(e.acquire()) for e in others]
-        await asyncio.sleep(1.0)
-        assert not any(t.done() for t in waiting)  # standbys wait while it renews
         renewing = asyncio.create_task(leader.hold())
-        await asyncio.sleep(1.0)
+        await until(lambda: min(refused.values()) >= 3, "each standby refused three times")
+        assert not any(t.done() for t in waiting)  # standbys wait while it renews
         renewing.cancel()
         started = time.monotonic()
         await leader.release()
-        done, pending = await asyncio.wait(waiting, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        done, pending = await asyncio.wait(waiting, timeout=HANG_GUARD,
+                                           return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1, "exactly one standby takes over"
-        assert time.monotonic() - started < 2.0  # no lease period to wait out after a release
+        # No lease period to wait out after a release (a far guard: half the lease).
+        assert time.monotonic() - started < leader.lease_seconds / 2
         for t in pending:
             t.cancel()
         lease = await leader.api.get(leader.path)
@@ -62,6 +71,18 @@ async def test_one_of_many_candidates_leads_and_a_release_hands_over_at_once(
         assert lease["spec"]["leaseTransitions"] == 1
     finally:
         await _close(*electors)
+
+
+def _counting(e: LeaderElector, refused: dict[str, int]) -> Callable[[], Awaitable[bool]]:
+    """e's attempts, counting the refused ones in refused[e.identity]."""
+    attempt = e.try_acquire_or_renew
+
+    async def counted() -> bool:
+        won = await attempt()
+        refused[e.identity] += not won
+        return won
+
+    return counted
 
 
 async def test_a_silent_leader_is_replaced_after_the_lease_and_stops_leading(

@@ -332,7 +332,7 @@ def test_named_drain_replace_and_retire_under_load(
                                              pods(kube.kube, namespace)}, 120,
                  f"{pool}-2 retired by the restarted operator", operator.log_tail)
         done = time.monotonic()
-        time.sleep(3 * operator.resync)  # resyncs must not bring it back
+        operator.after_resyncs(3)  # resyncs must not bring it back
         load.wait_for(load.count() + 20)
         results = load.snapshot()
     figures = _report("omnistage drain --retire of a middle replica, operator killed",
@@ -369,10 +369,9 @@ def test_named_drain_replace_and_retire_under_load(
     assert ANNOTATION_RETIRED not in annotations
 
     # Idle: a resync of the settled world writes nothing.
-    time.sleep(2)
-    before = operator.writes()
-    time.sleep(3 * operator.resync)
-    assert operator.writes() == before
+    before = operator.settled()
+    operator.after_resyncs(2)
+    assert operator.writes() == before, operator.log_tail()
 
 
 def test_drain_timeout_is_reported_and_cut_requests_end(
@@ -392,7 +391,7 @@ def test_drain_timeout_is_reported_and_cut_requests_end(
         assert out.returncode == 0, out.stderr
         events = wait_for(lambda: _events(kube, namespace, "DrainTimeout"), 60,
                           "a DrainTimeout event")
-        time.sleep(20)  # every request that was on the cut replica has ended by now
+        load.stop()  # returns once every request in flight, the cut ones too, has ended
         results = load.snapshot()
     figures = _report("drain timeout", results, drain_s=round(gone - begun, 3))
     [event] = events
@@ -427,7 +426,7 @@ def test_an_unschedulable_spec_then_fixed_converges(
                        for p in _replicas(kube, namespace, name))
 
         wait_for(pending, 120, "an unschedulable replica", operator.log_tail)
-        time.sleep(2 * operator.resync)  # stuck: the other replica keeps serving
+        operator.after_resyncs(2)  # stuck: the other replica keeps serving
         fixed = time.monotonic()
         patch = [{"op": "replace", "path": "/spec/stages/0/resources/gpus", "value": 0}]
         kube.kubectl("patch", "omnipipe", name, "-n", namespace, "--type=json", "-p",

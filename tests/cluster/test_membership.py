@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import pytest
 
 from omnistage import kube as names
+from omnistage.executors.echo import HOLD_FILE_ENV
 from omnistage.kubeapi import ApiError, KubeApi, KubeConfig, resource_path
 from omnistage.orchestrator.k8s_membership import KubernetesMembership
 from omnistage.orchestrator.membership import ReplicaInfo
@@ -36,6 +37,7 @@ from omnistage.spec import Stage
 from tests.harness.cluster import Cluster
 from tests.harness.kubeclient import Kube, wait_until
 from tests.harness.local import free_port
+from tests.harness.waiting import HANG_GUARD
 
 PIPELINE = "mp"
 NOWHERE = "omnistage-test-nowhere"  # no such node: nothing runs or finalizes these pods
@@ -202,6 +204,7 @@ class CuttableProxy:
         self.target = (host, port)
         self.down = False
         self.accepted = 0
+        self.sent = 0  # bytes passed on to the API server
         self._writers: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
@@ -226,6 +229,8 @@ class CuttableProxy:
                 while data := await src.read(65536):
                     dst.write(data)
                     await dst.drain()
+                    if dst is up_writer:
+                        self.sent += len(data)
             dst.close()
 
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
@@ -269,10 +274,11 @@ async def test_membership_loses_no_update_while_the_api_server_is_unreachable(
         for name, ip in (("mp-a-0", "127.0.30.1"), ("mp-a-2", "127.0.30.3")):
             k.create(pods_path, _pod(name, "a"))
             _set_status(k, ns, name, ip, ready=True)
-        await m.start(rec)
+        await m.start(rec)  # returns after the list, before the watch task has run
+        listed = proxy.sent
         assert sorted((i.name, i.state) for i in rec.seen) == [
             ("mp-a-0", "ready"), ("mp-a-2", "ready")]
-        await asyncio.sleep(0.3)  # the watch is established
+        await rec.wait(lambda: proxy.sent > listed, "the watch request on its way")
         proxy.cut()
         k.create(pods_path, _pod("mp-a-1", "a"))
         _set_status(k, ns, "mp-a-1", "127.0.30.2", ready=True)
@@ -280,8 +286,8 @@ async def test_membership_loses_no_update_while_the_api_server_is_unreachable(
         k.patch(resource_path("v1", "pods", ns, "mp-a-2"),
                 {"metadata": {"annotations": {names.ANNOTATION_DRAINING: "true"}}})
         accepted = proxy.accepted
-        await asyncio.sleep(1.0)
-        assert proxy.accepted > accepted, "the client retried while the server was unreachable"
+        await rec.wait(lambda: proxy.accepted > accepted,
+                       "the client retrying while the server is unreachable")
         assert len(rec.seen) == 2, "nothing can be learned while the server is unreachable"
         proxy.restore()
         await rec.wait(
@@ -297,11 +303,12 @@ async def test_membership_loses_no_update_while_the_api_server_is_unreachable(
             _force_delete(k, ns, name)
 
 
-def _http(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+def _http(url: str, body: dict[str, Any] | None = None,
+          timeout: float = 10) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
             is_json = "json" in resp.headers.get("Content-Type", "")
             return resp.status, json.loads(raw) if is_json else raw.decode(errors="replace")
@@ -319,8 +326,11 @@ def test_orchestrator_process_routes_by_pod_membership(
     SIGTERM (twice) drains and exits 0."""
     k, ns = kube.kube, namespace
     zmq_port, api_port = free_port(), free_port()
+    # The echo worker holds each request while the release file is missing (see the drain).
+    release = tmp_path / "release"
+    release.touch()
     worker = spawn_worker("mp-a-0", Stage(name="a", kind="echo"), port=zmq_port,
-                          log_dir=tmp_path)
+                          log_dir=tmp_path, env={HOLD_FILE_ENV: str(release)})
     manifest = {
         "apiVersion": "omnistage.io/v1alpha1",
         "kind": "OmniPipeline",
@@ -393,20 +403,27 @@ def test_orchestrator_process_routes_by_pod_membership(
         )
         wait_until(lambda: _http(url + "/readyz")[0] == 200, 10, "ready again after the mark",
                    on_timeout=log_tail)
-        # SIGTERM with a request in flight: it is drained, a second SIGTERM changes nothing.
+        # SIGTERM with a request in flight (held in stage a until the release): it is
+        # drained, a second SIGTERM changes nothing.
+        release.unlink()
         reply: list[tuple[int, Any]] = []
-        slow = {"prompt": "drain me", "params": {"a": {"delay_ms": 1500}}}
+        slow = {"prompt": "drain me"}
         t = threading.Thread(target=lambda: reply.append(
-            _http(f"{url}/v1/pipelines/{PIPELINE}/requests", slow)))
+            _http(f"{url}/v1/pipelines/{PIPELINE}/requests", slow, timeout=HANG_GUARD)))
         t.start()
-        time.sleep(0.5)  # the request is inside stage a now
+        wait_until(lambda: _http(worker.http + "/state")[1]["in_flight"] == 1, HANG_GUARD,
+                   "the request inside stage a", on_timeout=log_tail)
         proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: "SIGTERM received" in log_tail(), 5, "SIGTERM noticed",
+        wait_until(lambda: "SIGTERM received" in log_tail(), HANG_GUARD, "SIGTERM noticed",
                    on_timeout=log_tail)
         proc.send_signal(signal.SIGTERM)
-        t.join(15)
+        wait_until(lambda: "SIGTERM ignored" in log_tail(), HANG_GUARD, "the second SIGTERM",
+                   on_timeout=log_tail)
+        assert not reply and proc.poll() is None  # still draining the held request
+        release.touch()
+        t.join(HANG_GUARD)
         assert reply and reply[0][0] == 200 and reply[0][1]["status"] == "ok", reply
-        assert proc.wait(15) == 0, log_tail()
+        assert proc.wait(HANG_GUARD) == 0, log_tail()
         assert "already shutting down; SIGTERM ignored" in log_tail()
     finally:
         if proc is not None and proc.poll() is None:

@@ -197,7 +197,7 @@ def test_kubectl_scale_stagepool_both_ways(
         names,
     )
     # The pipeline's own replicas (2) did not fight the scale: it stays at 1.
-    time.sleep(operator.resync * 2)
+    operator.after_resyncs(2)
     assert get(kube, namespace, "sp", "sc-a")["spec"]["replicas"] == 1
     assert [p["metadata"]["name"] for p in stage_pods(kube, namespace, "sc")] == ["sc-a-0"]
     assert events(kube, namespace, "ScalingDown")
@@ -239,7 +239,6 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     apply(kube, namespace, kwok_pipeline("kr", stages))
     wait_for(lambda: len(stage_pods(kube, namespace, "kr")) >= 2, 60, "first pods")
     operator.kill()
-    time.sleep(1)
     operator.start()
     wait_ready(kube, namespace, "kr", operator, timeout=120)
     names = sorted(p["metadata"]["name"] for p in stage_pods(kube, namespace, "kr"))
@@ -269,17 +268,9 @@ def test_resync_of_unchanged_world_makes_no_writes(
         return "Terminating" not in out
 
     wait_for(quiet, 180, "no terminating namespaces")
-    time.sleep(2)  # let the last status writes land and echo back
-    before = operator.metrics()
-    time.sleep(operator.resync * 3 + 1)
-    after = operator.metrics()
-    assert (
-        after["omnistage_operator_reconciles_total"] > before["omnistage_operator_reconciles_total"]
-    )  # it did resync
-    assert (
-        after["omnistage_operator_api_writes_total"]
-        == before["omnistage_operator_api_writes_total"]
-    ), operator.log_tail()
+    before = operator.settled()  # the last status writes have landed and echoed back
+    operator.after_resyncs(2)  # it did resync, every object twice
+    assert operator.writes() == before, operator.log_tail()
 
 
 def test_spec_update_rolls_replicas_one_at_a_time(

@@ -83,25 +83,15 @@ def _denied(op: Operator) -> list[str]:
             if re.search(r"\bHTTP 403\b|[Ff]orbidden", line)]
 
 
-def _reconciles(op: Operator) -> int:
-    return int(op.metrics()["omnistage_operator_reconciles_total"])
-
-
 def _after_reconciles(op: Operator, passes: int) -> None:
     """Wait until the operator has made `passes` more reconcile passes (its resyncs enqueue
     every pipeline and pool, so this spans whole resync rounds)."""
-    mark = _reconciles(op) + passes
-    wait_for(lambda: _reconciles(op) >= mark, 300, f"{passes} reconcile passes", op.log_tail)
+    op.after_reconciles(passes)
 
 
 def _settled(op: Operator, objects: int) -> None:
     """Wait until a whole resync round (every object reconciled twice) writes nothing."""
-    def quiet() -> bool:
-        before = op.writes()
-        _after_reconciles(op, 2 * objects)
-        return op.writes() == before
-
-    wait_for(quiet, 400, "the fleet to stop writing", op.log_tail, interval=0)
+    op.settled(objects)
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,9 @@ def test_kill_9_of_a_replica_under_serve(serve: Proc, tmp_path: Path) -> None:
     # at once with replica_lost. Nothing hangs, nothing is refused or reset.
     failed = [r for r in results if r.kind == "failed"]
     assert all(r.code == "replica_lost" for r in failed), failed[:3]
-    assert all(r.sent + r.seconds - killed < 2.0 for r in failed), failed[:3]
+    # Far inside the stage's 60 s default deadline a lost request would otherwise wait out
+    # (a far guard; tests/integration/test_orchestrator.py pins the socket monitor's speed).
+    assert all(r.sent + r.seconds - killed < 30 for r in failed), failed[:3]
     assert figures["refused"] == figures["reset"] == figures["hung"] == 0, figures
     assert figures["unreachable"] == 0, figures
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +48,7 @@ class Recorder:
     kube: Cluster
     namespace: str
     seen: list[Snapshot] = field(default_factory=list)
+    deleted: set[tuple[str, str]] = field(default_factory=set)  # (kind, name) of DELETED events
     stop: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -68,6 +68,8 @@ class Recorder:
                 self.seen.append(Snapshot(obj["kind"], meta["name"], meta.get("generation", 0),
                                           bool(meta.get("deletionTimestamp")),
                                           dict(obj.get("status") or {})))
+                if etype == "DELETED":
+                    self.deleted.add((obj["kind"], meta["name"]))
 
     def mark(self) -> int:
         return len(self.seen)
@@ -183,7 +185,8 @@ def _run(kube: Cluster, ns: str, operator: Operator, rec: Recorder) -> None:
     mark = rec.mark()
     kube.kubectl("delete", "omnipipe", "-n", ns, NAME, "--wait=false")
     wait_for(lambda: get(kube, ns, "omnipipe", NAME) is None, 180, "deleted", diag)
-    time.sleep(0.5)  # let the watch deliver the last versions
+    # The watch delivers the deletion last: every version before it is recorded.
+    wait_for(lambda: ("OmniPipeline", NAME) in rec.deleted, 60, "the watched deletion", diag)
     deleting = [s for s in rec.pipeline(mark) if s.deleting]
     written = [s for s in deleting if s.status.get("phase") == "Terminating"]
     assert written, [s.status.get("phase") for s in deleting]

@@ -123,6 +123,52 @@ class Operator:
     def writes(self) -> int:
         return int(self.metrics()["omnistage_operator_api_writes_total"])
 
+    def reconciles(self) -> int:
+        return int(self.metrics()["omnistage_operator_reconciles_total"])
+
+    def after_reconciles(self, passes: int, timeout: float = 300) -> None:
+        """Wait until the operator has made `passes` more reconcile passes."""
+        mark = self.reconciles() + passes
+        wait_for(lambda: self.reconciles() >= mark, timeout, f"{passes} reconcile passes",
+                 self.log_tail)
+
+    def objects(self) -> int:
+        """Pipelines and pools in the cluster: what one resync round reconciles."""
+        return len(self.cluster.kubectl("get", "omnipipelines,stagepools", "-A", "-o",
+                                        "name").stdout.split())
+
+    def after_resyncs(self, rounds: int, objects: int | None = None) -> None:
+        """Wait for `rounds` resync rounds: `rounds` x `objects` more reconcile passes (a resync
+        enqueues every pipeline and pool once; default: all of them in the cluster, as this
+        operator watches every namespace), and at least `rounds` resync periods.
+
+        "Resyncs change nothing" waits on this, not on a bare multiple of the resync period:
+        the passes surely happened, however loaded the machine. The period is a lower bound
+        (passes that events caused do not stand in for the operator's resync timer)."""
+        started = time.monotonic()
+        if objects is None:
+            objects = self.objects()
+        self.after_reconciles(rounds * max(objects, 1))
+        time.sleep(max(0.0, started + rounds * self.resync - time.monotonic()))
+
+    def settled(self, objects: int | None = None) -> int:
+        """Wait until a whole resync round (every object reconciled twice: passes only, no
+        lower bound in time) writes nothing; return the write count then."""
+        if objects is None:
+            objects = self.objects()
+        quiet_at: list[int] = []
+
+        def quiet() -> bool:
+            before = self.writes()
+            self.after_reconciles(2 * max(objects, 1))
+            if self.writes() != before:
+                return False
+            quiet_at.append(before)
+            return True
+
+        wait_for(quiet, 400, "the operator to stop writing", self.log_tail, interval=0)
+        return quiet_at[-1]
+
     def log_offset(self) -> int:
         try:
             return self.log_path.stat().st_size

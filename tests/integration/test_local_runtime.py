@@ -249,14 +249,18 @@ async def test_stage_settings_reach_the_worker(runtimes, tmp_path) -> None:
         await ch.close()
 
 
-async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(runtimes,
-                                                                        tmp_path) -> None:
+async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(
+        runtimes, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kills: failing every request when one replica dies, or none (the lost one hanging)."""
+    from omnistage.executors.echo import HOLD_FILE_ENV
     from omnistage.orchestrator.engine import Orchestrator
     from omnistage.orchestrator.requests import PipelineRequest
 
-    # 10 s of echo: the victim's request is surely still running when it is killed.
-    p = pipeline(echo("a", 2, engine={"echoDelayMs": 10_000}, finalOutput=True))
+    # The replicas (they inherit the variable) hold each request until the release file
+    # exists: the victim's request is surely still running when it is killed.
+    release = tmp_path / "release"
+    monkeypatch.setenv(HOLD_FILE_ENV, str(release))
+    p = pipeline(echo("a", 2, finalOutput=True))
     rt = make(runtimes, p, tmp_path, restart=RestartPolicy(base=60))  # stays down meanwhile
     rt.start()
     orch = Orchestrator(p, rt.membership)
@@ -267,10 +271,15 @@ async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(runtimes
         assert sorted(busy.values()) == [1, 1], busy  # least in-flight spread them out
         victim = sorted(busy)[0]
         os.kill(rt.pids[victim], signal.SIGKILL)
-        outcomes = await asyncio.wait_for(asyncio.gather(*(h.outcome() for h in handles)), 90)
+        waits = [asyncio.ensure_future(h.outcome()) for h in handles]
+        done, held = await asyncio.wait(waits, timeout=90, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == len(held) == 1  # the other is still held on the live replica
+        release.touch()
+        outcomes = await asyncio.wait_for(asyncio.gather(*waits), 90)
         statuses = sorted((o.status, o.error.code if o.error else None) for o in outcomes)
         assert statuses == [("fatal", "replica_lost"), ("ok", None)]
-        assert [r["name"] for r in orch.status()["a"]] == [n for n in busy if n != victim]
+        await until(lambda: [r["name"] for r in orch.status()["a"]]
+                    == [n for n in busy if n != victim], "the dead replica's membership gone")
     finally:
         await orch.stop(5)
 

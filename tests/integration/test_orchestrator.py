@@ -10,6 +10,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 
 from omnistage import protocol as p
 from omnistage.client import ControlError
+from omnistage.executors.echo import HOLD_FILE_ENV
 from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
@@ -43,6 +45,12 @@ def echo(name: str, inputs: tuple[str, ...] = (), final: bool = False) -> dict[s
 
 
 Launch = Callable[..., Any]
+
+
+def held(release: Path) -> dict[str, Any]:
+    """start_worker options for an echo replica whose requests wait until `release` exists
+    (abortable, under their deadline): work that ends on the test's signal, not a clock."""
+    return {"env": {HOLD_FILE_ENV: str(release)}}
 
 
 @pytest.fixture
@@ -241,11 +249,14 @@ async def test_abort_after_one_final_stage_finished_keeps_its_output(launch) -> 
     assert orch.counters["late_messages"] == 0
 
 
-async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launch) -> None:
+async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(
+        launch, tmp_path: Path) -> None:
     pipe = pipeline("par", [echo("a", final=True)])
-    orch, _, _ = await launch(pipe, {"a": [{}, {}]})
-    # The aborts, not the clock, end these samples; waits are on the engine's own state.
-    handle = orch.submit(PipelineRequest(prompt="p", n=3, params={"a": {"delay_ms": 60000}}))
+    release = tmp_path / "release"
+    orch, _, _ = await launch(pipe, {"a": [held(release), held(release)]})
+    # The aborts and the release, not the clock, end these samples; waits are on the engine's
+    # own state.
+    handle = orch.submit(PipelineRequest(prompt="p", n=3))
     children = handle._request.children
     await _until(lambda: all(c.running for c in children), "all three samples running")
     handle.abort(child=1)
@@ -256,11 +267,12 @@ async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launc
     out = await handle.outcome()
     assert out.status == "abort"
     assert [c.status for c in out.children] == ["abort"] * 3
-    # Sample 1 must finish by itself: 5 s of work leaves the abort of sample 0 (sent as soon as
-    # it runs) a margin no load on the machine eats.
-    mixed = orch.submit(PipelineRequest(prompt="q", n=2, params={"a": {"delay_ms": 5000}}))
+    # Sample 1 must finish by itself: both are held until sample 0's abort has ended it.
+    mixed = orch.submit(PipelineRequest(prompt="q", n=2))
     await _until(lambda: bool(mixed._request.children[0].running), "sample 0 running")
     mixed.abort(child=0)
+    await _until(lambda: mixed._request.children[0].outcome is not None, "sample 0 aborted")
+    release.touch()
     out = await mixed.outcome()
     assert out.status == "ok" and [c.status for c in out.children] == ["abort", "ok"]
 
@@ -268,20 +280,27 @@ async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(launc
 # ---- failure isolation -------------------------------------------------------------------
 
 
-async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
+async def test_kill_9_one_replica_fails_only_its_bound_requests(launch, tmp_path: Path) -> None:
     pipe = pipeline("iso", [echo("a", final=True)])
-    orch, procs, _ = await launch(pipe, {"a": [{}, {}]}, heartbeat_interval=0.5,
-                                  heartbeat_timeout=3.0)
-    # A worker runs echo requests one at a time: 3 each of 4 s of work stay within the stage's
-    # 60 s default deadline, and none can finish between the snapshot of `bound` and the kill.
-    handles = [orch.submit(PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 4000}}))
-               for i in range(6)]
+    release = tmp_path / "release"
+    # The socket monitor notices the kill; heartbeats a minute apart cannot drop the live
+    # replica however loaded the machine is.
+    orch, procs, _ = await launch(pipe, {"a": [held(release), held(release)]},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    # Every request is held until the release: none can finish between the snapshot of
+    # `bound` and the kill.
+    handles = [orch.submit(PipelineRequest(prompt=str(i))) for i in range(6)]
     victim = orch.pools["a"].replicas["iso-a-0"]
     await _until(lambda: len(orch.tasks) == 6, "all 6 requests sent")
     bound = {t.child.request.id for t in victim.bound}
-    assert bound
+    assert bound and len(bound) < 6
     procs["a"][0].proc.send_signal(signal.SIGKILL)
-    outcomes = {h.id: [ev async for ev in h.events()] for h in handles}
+    outcomes = {h.id: [ev async for ev in h.events()] for h in handles if h.id in bound}
+    # The victim's requests failed while the others were still held on the live replica.
+    assert all(c.outcome is None for h in handles if h.id not in bound
+               for c in h._request.children)
+    release.touch()
+    outcomes.update({h.id: [ev async for ev in h.events()] for h in handles if h.id not in bound})
     for rid, events in outcomes.items():
         terminal = [e for e in events if isinstance(e, Outcome)]
         assert len(terminal) == 1  # exactly one terminal outcome each
@@ -290,15 +309,19 @@ async def test_kill_9_one_replica_fails_only_its_bound_requests(launch) -> None:
             assert terminal[0].error.code == "replica_lost"
         else:
             assert terminal[0].status == "ok", terminal[0]
-    await _until(lambda: "iso-a-0" not in orch.pools["a"].replicas, "iso-a-0 dropped")
+    # Not routed to until a new process at its address answers a hello (the heartbeat, a
+    # minute away here, would drop it from the pool later).
+    assert victim.incarnation is None
     _, after = await collect(orch, PipelineRequest(prompt="after"))
     assert after.status == "ok" and after.children[0].outputs["a"].replica == "iso-a-1"
 
 
 async def test_dead_downstream_stage(launch) -> None:
     pipe = pipeline("down", [echo("a"), echo("b", ("a",), final=True)])
+    # The socket monitor notices the kill; a minute's heartbeat timeout keeps a loaded machine
+    # from dropping the live stage a.
     orch, procs, _ = await launch(pipe, {"a": [{}], "b": [{}]},
-                                  heartbeat_interval=0.5, heartbeat_timeout=3.0)
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
     handle = orch.submit(PipelineRequest(prompt="x", params={"b": {"delay_ms": 30000}}))
     await _until(lambda: ("b", False) in handle._request.children[0].running, "b running")
     procs["b"][0].proc.send_signal(signal.SIGKILL)
@@ -324,27 +347,25 @@ async def test_unencodable_value_is_a_request_error_and_loop_keeps_running(launc
     assert ok.status == "ok"
 
 
-async def test_terminal_state_is_monotonic(launch) -> None:
+async def test_terminal_state_is_monotonic(launch, tmp_path: Path) -> None:
     pipe = pipeline("mono", [echo("src"), echo("f1", ("src",), final=True),
                              echo("f2", ("src",), final=True)])
-    orch, _, _ = await launch(pipe, {"src": [{}], "f1": [{}], "f2": [{}]})
-    # f1 fails at once; f2 is still running when the request becomes terminal.
+    never = held(tmp_path / "never-created")  # f1 and f2 hold work until aborted or late
+    orch, _, _ = await launch(pipe, {"src": [{}], "f1": [never], "f2": [never]})
+    # f1 fails at once (a bad parameter); f2 is still running when the request becomes
+    # terminal.
     handle = orch.submit(PipelineRequest(prompt="x", stream=True, params={
-        "f1": {"delay_ms": -1}, "f2": {"delay_ms": 800}}))
+        "f1": {"delay_ms": -1}}))
     events = [ev async for ev in handle.events()]
     assert len(events) == 1 and events[0].status == "request_error"
     assert events[0].error.code == "bad_request" and events[0].error.stage == "f1"
     handle.abort()  # an abort after the terminal outcome is dropped and counted
     assert orch.counters["late_aborts"] == 1
-    for _ in range(100):  # f2's own reply (to the abort we sent it) is dropped and counted
-        if orch.counters["late_messages"] >= 1:
-            break
-        await asyncio.sleep(0.05)
-    assert orch.counters["late_messages"] >= 1
+    # f2's own reply (to the abort we sent it) is dropped and counted
+    await _until(lambda: orch.counters["late_messages"] >= 1, "f2's late reply counted")
     assert handle._request.queue.empty()
     # A deadline is a request-scoped terminal outcome (504), also exactly once.
-    late = orch.submit(PipelineRequest(prompt="y", timeout_s=0.3, params={
-        "f1": {"delay_ms": 2000}}))
+    late = orch.submit(PipelineRequest(prompt="y", timeout_s=0.3))
     events = [ev async for ev in late.events()]
     assert len(events) == 1 and events[0].status == "request_error"
     assert events[0].error.code == "deadline" and events[0].error.http_status == 504
@@ -389,8 +410,10 @@ async def test_control_fan_out_and_error_propagation(launch) -> None:
 
 async def test_stalled_replica_is_dropped_then_readmitted(launch) -> None:
     pipe = pipeline("stall", [echo("a", final=True)])
+    # The drop takes the heartbeat timeout; 10 s (not the 3 s default) is a far guard against
+    # a loaded machine silencing the live stall-a-1 for that long too.
     orch, procs, _ = await launch(pipe, {"a": [{}, {}]}, heartbeat_interval=0.5,
-                                  heartbeat_timeout=3.0)
+                                  heartbeat_timeout=10.0)
     victim = procs["a"][0]
     victim.proc.send_signal(signal.SIGSTOP)  # alive but silent: heartbeats stop
     try:
@@ -427,10 +450,8 @@ async def test_replicas_are_routed_only_after_a_handshake_of_our_version(launch,
     try:
         for name, fake in (("newer", newer), ("older", older)):
             membership.publish(ReplicaInfo("a", name, fake.endpoint))
-        for _ in range(100):
-            if all(orch.pools["a"].replicas[n].refused for n in ("newer", "older")):
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: all(orch.pools["a"].replicas[n].refused for n in ("newer", "older")),
+                     "both handshakes refused")
         status = {r["name"]: r for r in orch.status()["a"]}
         assert f"speaks protocol version {p.PROTOCOL_VERSION + 1}" in status["newer"]["refused"]
         assert "refused the handshake" in status["older"]["refused"]
@@ -478,11 +499,9 @@ async def test_a_restart_at_the_same_address_fails_the_old_work_at_once(
     again = await asyncio.to_thread(start_worker, pipe.spec.stage("a"), port=port,
                                     name="inc-a-0")
     second = (await asyncio.to_thread(_state, again))["incarnation"]
-    for _ in range(200):  # routable again once the new process answered the hello
-        if replica.incarnation == second:
-            break
-        await asyncio.sleep(0.05)
-    assert replica.incarnation == second != first
+    # routable again once the new process answered the hello
+    await _until(lambda: replica.incarnation == second, "the new process's hello")
+    assert second != first
     _, out = await collect(orch, PipelineRequest(prompt="after"))
     assert out.status == "ok" and out.children[0].outputs["a"].replica == "inc-a-0"
     state = await asyncio.to_thread(_state, again)
@@ -524,11 +543,8 @@ async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work(
         out = await asyncio.wait_for(held.outcome(), 5)
         assert out.error is not None and out.error.code == "replica_lost"
         assert f"restarted: incarnation {first} -> second" in out.error.message
-        for _ in range(100):  # a hello went out, and its reply made the replica routable
-            if replica.incarnation == "second":
-                break
-            await asyncio.sleep(0.05)
-        assert replica.incarnation == "second"
+        # a hello went out, and its reply made the replica routable
+        await _until(lambda: replica.incarnation == "second", "the second hello's reply")
         # The submit named the process it was for; nothing more was sent for the lost work
         # (no abort: the old process is gone).
         [submit] = [m for m in fake.received if m["t"] in ("submit", "abort")]
@@ -539,11 +555,8 @@ async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work(
         out = await asyncio.wait_for(orch.submit(PipelineRequest(prompt="refuse")).outcome(), 5)
         assert out.error is not None and out.error.code == "replica_lost"
         assert stale == ["second"]
-        for _ in range(100):
-            if replica.incarnation == "third":
-                break
-            await asyncio.sleep(0.05)
-        assert replica.incarnation == "third" and orch.counters["replica_restarts"] == 2
+        await _until(lambda: replica.incarnation == "third", "the third hello's reply")
+        assert orch.counters["replica_restarts"] == 2
     finally:
         await orch.stop(drain_timeout=1)
         await fake.close()
@@ -552,7 +565,7 @@ async def test_a_new_incarnation_seen_in_a_pong_or_a_refusal_fails_the_old_work(
 # ---- contract gaps: per-child failures, the stage's default deadline -----------------------
 
 
-async def test_generic_route_reports_failures_per_child(launch) -> None:
+async def test_generic_route_reports_failures_per_child(launch, tmp_path: Path) -> None:
     """One failed sample does not fail the request on the generic route (docs/http-api.md);
     only a request whose every sample failed answers with an HTTP error."""
     import aiohttp
@@ -561,14 +574,19 @@ async def test_generic_route_reports_failures_per_child(launch) -> None:
 
     stage = {**echo("a", final=True), "admission": {"maxRequests": 1}}
     pipe = pipeline("per", [stage])
-    orch, _, _ = await launch(pipe, {"a": [{}]})
+    release = tmp_path / "release"
+    orch, _, _ = await launch(pipe, {"a": [held(release)]})
     runner, url = await serve_http(orch, "127.0.0.1", 0)
     route = f"{url}/v1/pipelines/per/requests"
     try:
         async with aiohttp.ClientSession() as http:
-            # Two samples on a replica that admits one request: the second is refused.
-            body = {"prompt": "x", "n": 2, "params": {"a": {"delay_ms": 2000}}}
-            async with http.post(route, json=body) as resp:
+            # Two samples on a replica that admits one request: the second is refused while
+            # the first is held, which is released once the refusal is in.
+            post = asyncio.ensure_future(http.post(route, json={"prompt": "x", "n": 2}))
+            await _until(lambda: any(c.outcome is not None for r in orch.requests.values()
+                                     for c in r.children), "one sample refused")
+            release.touch()
+            async with await post as resp:
                 assert resp.status == 200, await resp.text()
                 got = await resp.json()
             assert got["status"] == "ok"
@@ -577,9 +595,10 @@ async def test_generic_route_reports_failures_per_child(launch) -> None:
             assert got["children"][1]["error"]["code"] == "overloaded"
             assert got["children"][1]["error"]["stage"] == "a"
             # A request whose only sample fails is a request-level error, with its status.
-            # 5 s of work: the second request arrives while the first is held, however slow
-            # the machine.
-            one = {"prompt": "y", "params": {"a": {"delay_ms": 5000}}}
+            # The first admitted is held until the other's refusal is in, however slow the
+            # machine.
+            release.unlink()
+            one = {"prompt": "y"}
             statuses = []
             for coro in asyncio.as_completed([http.post(route, json=one) for _ in range(2)]):
                 async with await coro as resp:
@@ -587,7 +606,8 @@ async def test_generic_route_reports_failures_per_child(launch) -> None:
                     if resp.status == 429:
                         assert resp.headers["Retry-After"] == "1"
                         assert (await resp.json())["error"]["code"] == "overloaded"
-            assert sorted(statuses) == [200, 429]
+                release.touch()
+            assert statuses == [429, 200]
     finally:
         await runner.cleanup()
 

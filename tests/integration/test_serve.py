@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from omnistage.executors.echo import HOLD_FILE_ENV
 from tests.harness.local import alive, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -46,12 +47,14 @@ def wait_dead(pids: list[int], timeout: float = 60.0) -> list[int]:
 class Serve:
     """One `omnistage serve` process; its stdout is collected by a thread."""
 
-    def __init__(self, file: Path, log_dir: Path, cwd: Path, port: int | None = None) -> None:
+    def __init__(self, file: Path, log_dir: Path, cwd: Path, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omnistage.cli", "serve", str(file), "--port",
              str(port or free_port()), "--log-dir", str(log_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+            env={**os.environ, **(env or {})},  # the replicas inherit it
         )
         self.lines: list[str] = []
         self._eof = False
@@ -110,8 +113,9 @@ def serve(tmp_path: Path) -> Iterator[Any]:
     """Start `omnistage serve`; every server and worker is killed at teardown."""
     started: list[Serve] = []
 
-    def start(file: Path, cwd: Path | None = None, port: int | None = None) -> Serve:
-        s = Serve(file, tmp_path / f"logs-{len(started)}", cwd or tmp_path, port)
+    def start(file: Path, cwd: Path | None = None, port: int | None = None,
+              env: dict[str, str] | None = None) -> Serve:
+        s = Serve(file, tmp_path / f"logs-{len(started)}", cwd or tmp_path, port, env)
         started.append(s)
         return s
 
@@ -134,14 +138,6 @@ def post(url: str, body: dict[str, Any], timeout: float = 30) -> tuple[int, dict
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
-
-
-def slow_echo(tmp_path: Path, delay_ms: int) -> Path:
-    doc = yaml.safe_load((EXAMPLES / "echo.yaml").read_text())
-    doc["spec"]["stages"][0]["engine"]["echoDelayMs"] = delay_ms
-    path = tmp_path / "slow-echo.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def test_invalid_spec_exits_2_with_field_paths(tmp_path: Path) -> None:
@@ -173,7 +169,10 @@ def test_signals_drain_orchestrator_first_then_replicas(serve, tmp_path: Path) -
 
     Kills: replicas stopped before (or while) the orchestrator drains (the request fails), and
     a shutdown that does not wait for in-flight requests (no reply, or an error)."""
-    s = serve(slow_echo(tmp_path, 10_000))  # long enough to be in flight when SIGINT lands
+    # The echo replicas hold the request until the test creates the release file: it is in
+    # flight when SIGINT lands, however slow the machine.
+    release = tmp_path / "release"
+    s = serve(EXAMPLES / "echo.yaml", env={HOLD_FILE_ENV: str(release)})
     url = s.url()
     pids = s.worker_pids()
     assert len(pids) == 2 and all(alive(pid) for pid in pids)
@@ -194,6 +193,9 @@ def test_signals_drain_orchestrator_first_then_replicas(serve, tmp_path: Path) -
     assert "reply" not in result  # still in flight when the shutdown began: it is drained
     s.proc.send_signal(signal.SIGINT)  # a second Ctrl-C is harmless
     s.proc.send_signal(signal.SIGTERM)
+    s.wait_for(re.compile("ignored"), 60)
+    assert "reply" not in result and s.proc.poll() is None  # the orchestrator still drains
+    release.touch()
     t.join(120)
     # The orchestrator drained the in-flight request before the replicas were stopped.
     status, body = result["reply"]

@@ -17,8 +17,10 @@ import pytest
 
 from omnistage import protocol as p
 from omnistage.client import ControlError, ReplicaChannel
+from omnistage.executors.echo import HOLD_FILE_ENV
 from tests.harness.local import free_port
 from tests.harness.metrics import sample
+from tests.harness.waiting import until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -276,7 +278,7 @@ async def test_handshake_names_the_replica_and_its_incarnation(start_worker, cha
 
 
 async def test_a_restart_at_the_same_address_refuses_work_for_the_old_process(
-        start_worker, channels) -> None:
+        start_worker, channels, tmp_path: Path) -> None:
     port = free_port()
     w1 = start_worker("echo", name="same", port=port)
     ch = channels(w1)
@@ -284,31 +286,32 @@ async def test_a_restart_at_the_same_address_refuses_work_for_the_old_process(
     _, ok = await ch.request("before", {"prompt": "x"}, incarnation=first)
     assert ok.type == "final"
     w1.kill()
-    for _ in range(500):  # the socket monitor reports the closed connection
-        if ch.disconnects:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: ch.disconnects, "the socket monitor reporting the closed connection")
     assert ch.disconnects == 1
     # Sent while nobody listens: ZMQ queues it and delivers it to the next process there.
     stale = ch.submit("stale", {"prompt": "x"}, incarnation=first)
-    w2 = await asyncio.to_thread(start_worker, "echo", name="same", port=port)
+    release = tmp_path / "release"
+    w2 = await asyncio.to_thread(start_worker, "echo", name="same", port=port,
+                                 env={HOLD_FILE_ENV: str(release)})
     reply = await asyncio.wait_for(stale.get(), 10)
     assert isinstance(reply.header, p.Error) and reply.header.code == "stale_incarnation"
     assert first in reply.header.message
     second = (await _state(w2))["incarnation"]
-    for _ in range(500):  # the channel handshook again with the new process
-        if ch.peer is not None and ch.peer.incarnation == second:
-            break
-        await asyncio.sleep(0.01)
-    assert ch.peer is not None and ch.peer.incarnation == second != first
-    # An abort for the old process never reaches the request of the same id on the new one.
-    # Long enough that the stale abort lands while it runs, however slow the machine.
-    live = ch.submit("live", {"prompt": "y", "delay_ms": 3000}, incarnation=second)
+    await until(lambda: ch.peer is not None and ch.peer.incarnation == second,
+                "the channel's handshake with the new process")
+    assert second != first
+    # An abort for the old process never reaches the request of the same id on the new one:
+    # "live" is held (the hold file is missing) until the worker has counted the stale abort.
+    live = ch.submit("live", {"prompt": "y"}, incarnation=second)
     await _wait_inflight(w2, 1)
     ch.abort("live", incarnation=first)
+    labels = {"stage": "echo", "replica": "same"}
+    await until(lambda: sample(_get(w2.http + "/metrics")[1],
+                               "omnistage_worker_stale_messages_total", **labels) == 2,
+                "the stale abort counted", interval=0.05)
+    release.touch()
     assert (await asyncio.wait_for(live.get(), 10)).type == "final"
     _, text = await asyncio.to_thread(_get, w2.http + "/metrics")
-    labels = {"stage": "echo", "replica": "same"}
     assert sample(text, "omnistage_worker_stale_messages_total", **labels) == 2
     assert sample(text, "omnistage_worker_admitted_total", **labels) == 1  # only "live" ran
 
@@ -424,12 +427,14 @@ async def test_http_side_port(start_worker, channels) -> None:
 # ---- draining -----------------------------------------------------------------------------
 
 
-async def test_sigterm_drains_inflight_then_exits_zero(start_worker, channels) -> None:
-    w = start_worker("echo")
+async def test_sigterm_drains_inflight_then_exits_zero(start_worker, channels,
+                                                      tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    w = start_worker("echo", env={HOLD_FILE_ENV: str(release)})
     ch = channels(w)
-    # One at a time, 2 s each: the worker is still draining when `late` arrives, however slow
-    # the machine (it exits once the five are done).
-    queues = [ch.submit(f"r{i}", {"prompt": f"p{i}", "delay_ms": 2000}) for i in range(5)]
+    # Held until the test creates the hold file: the worker is still draining when `late`
+    # arrives, however slow the machine (it exits once the five are done).
+    queues = [ch.submit(f"r{i}", {"prompt": f"p{i}"}) for i in range(5)]
     await _wait_inflight(w, 5)
     w.proc.send_signal(signal.SIGTERM)
     for _ in range(100_000):  # until it says so; pytest's timeout bounds a hang
@@ -439,20 +444,25 @@ async def test_sigterm_drains_inflight_then_exits_zero(start_worker, channels) -
     _, late = await ch.request("late", {"prompt": "late"})
     assert isinstance(late.header, p.Draining)
     w.proc.send_signal(signal.SIGTERM)  # a second SIGTERM is harmless
+    assert w.proc.poll() is None  # the held five keep it alive
+    release.touch()
     results = [await asyncio.wait_for(q.get(), 60) for q in queues]
     assert [r.type for r in results] == ["final"] * 5
     assert [r.header.text for r in results] == [f"p{i}" for i in range(5)]
     assert await asyncio.to_thread(w.proc.wait, 15) == 0
 
 
-async def test_drain_rpc(start_worker, channels) -> None:
-    w = start_worker("echo")
+async def test_drain_rpc(start_worker, channels, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    w = start_worker("echo", env={HOLD_FILE_ENV: str(release)})
     ch = channels(w)
-    q = ch.submit("r", {"prompt": "x", "delay_ms": 3000})  # still in flight for the checks
+    q = ch.submit("r", {"prompt": "x"})  # held in flight until the checks are done
     await _wait_inflight(w, 1)
     assert (await ch.control("drain"))["draining"] is True
     assert (await ch.control("drain"))["draining"] is True  # repeated drain is harmless
     status, reason = await asyncio.to_thread(_get, w.http + "/readyz")
     assert status == 503 and reason == "draining"
+    assert w.proc.poll() is None  # the held request keeps it alive
+    release.touch()
     assert (await q.get()).type == "final"
     assert await asyncio.to_thread(w.proc.wait, 15) == 0

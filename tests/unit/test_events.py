@@ -6,13 +6,13 @@ InvalidSpec event to 2 on one object; test_operator sees ReplicaLost for a delet
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from omni_operator.controller import Controller
 from omni_operator.events import EventRecorder, event_name
 from omnistage import kube
 from omnistage.kubeapi import ApiError
+from tests.harness.waiting import until
 
 POOL = {"apiVersion": "omnistage.io/v1alpha1", "kind": "StagePool",
         "metadata": {"name": "p-a", "namespace": "ns", "uid": "u1"},
@@ -147,8 +147,7 @@ async def test_delayed_reenqueues_are_coalesced_per_key() -> None:
     c.enqueue_later(key, 0.01)  # an earlier one replaces it
     c.enqueue_later(("StagePool", "ns", "p-a"), 5.0)
     assert c.pending_timers() == 2
-    await asyncio.sleep(0.05)
-    assert c.pending_timers() == 1
+    await until(lambda: c.pending_timers() == 1, "the 0.01 s timer to fire")
     await c.stop()
     assert c.pending_timers() == 0
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omnistage.admission import ExecutionContext
@@ -20,6 +22,11 @@ class _EchoRequest(StageParams):
 
 EchoParams = stage_params("echo", _EchoRequest)
 
+HOLD_FILE_ENV = "OMNISTAGE_ECHO_HOLD_FILE"
+"""Test-only knob: with this set to a path, every request first waits (abortable, under its
+deadline) until that file exists. Tests release held work by creating the file, so work that
+must be in flight while they act ends on their signal instead of a fixed `delay_ms`."""
+
 
 @dataclass
 class EchoJob:
@@ -31,10 +38,13 @@ class EchoJob:
 
 class EchoExecutor(Executor):
     kind = "echo"
+    hold_file: Path | None = None  # see HOLD_FILE_ENV; set by load()
 
     def load(self) -> None:
         if self.model_source not in (None, "", "none"):
             raise ValueError(f"echo stages take no model, got {self.model_source!r}")
+        hold = os.environ.get(HOLD_FILE_ENV)
+        self.hold_file = Path(hold) if hold else None
 
     def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> EchoJob:
         req = self.parse(EchoParams, params)
@@ -45,6 +55,11 @@ class EchoExecutor(Executor):
         return 1
 
     def execute(self, job: EchoJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
+        while self.hold_file is not None and not self.hold_file.exists():
+            if ctx.token.cancelled:
+                return Outcome({"text": "", "finish_reason": "abort"}, aborted=True)
+            ctx.check()
+            time.sleep(0.01)
         end = time.monotonic() + job.delay_s
         while (left := end - time.monotonic()) > 0:
             if ctx.token.cancelled:
