@@ -87,6 +87,9 @@ print("  " + " ".join(f"{n}=={v}" for n, v in sorted(shown.items(), key=lambda i
 if wrong:
     sys.exit("lowest-deps: floors that are not what gets tested:\n  " + "\n  ".join(wrong))
 EOF
+say "ruff check . with ruff's floor"
+"$venv/bin/ruff" check --quiet .
+
 say "pytest tests/unit tests/integration -m 'not cluster' on $("$venv/bin/python" -V)"
 set +e
 "$venv/bin/python" -m pytest -p no:cacheprovider tests/unit tests/integration -m "not cluster" "$@"

@@ -16,6 +16,9 @@ python3 -m pip install --quiet --disable-pip-version-check -e '.[runtime,operato
 phase "ruff"
 python3 -m ruff check .
 
+phase "the lowest declared dependency versions: unit and integration suites (hack/lowest-deps.sh)"
+hack/lowest-deps.sh
+
 if [[ "${OMNISTAGE_SKIP_CLUSTER:-0}" != "1" ]]; then
   phase "building (or reusing) the local Kubernetes control plane binaries"
   hack/build-k8s.sh
