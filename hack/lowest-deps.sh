@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 started=$SECONDS
 say() { echo "lowest-deps: $* (at $((SECONDS - started))s)"; }
+trap 'say "FAILED: the command at line $LINENO (see above)" >&2' ERR
 
 cache=${OMNISTAGE_CACHE:-$HOME/.cache/omnistage}
 export UV_CACHE_DIR=${UV_CACHE_DIR:-$cache/uv}
@@ -91,6 +92,7 @@ say "ruff check . with ruff's floor"
 "$venv/bin/ruff" check --quiet .
 
 say "pytest tests/unit tests/integration -m 'not cluster' on $("$venv/bin/python" -V)"
+trap - ERR
 set +e
 "$venv/bin/python" -m pytest -p no:cacheprovider tests/unit tests/integration -m "not cluster" "$@"
 rc=$?
