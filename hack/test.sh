@@ -102,3 +102,9 @@ if [[ "$cluster" == true ]]; then
 else
   echo "==> OMNISTAGE_SKIP_CLUSTER=1: not running tests/cluster and tests/e2e"
 fi
+
+# The lowest declared versions of every direct dependency (uv --resolution lowest-direct, in a
+# venv of its own): the unit and integration suites again. Last, since it repeats suites that
+# already passed on the main environment's versions.
+phase "the lowest declared dependency versions: unit and integration suites (hack/lowest-deps.sh)"
+hack/lowest-deps.sh

@@ -137,6 +137,7 @@ def validating_only() -> None:
         await asyncio.Event().wait()
 
     idle.omnistage_idle = True  # type: ignore[attr-defined]
+    # Private kopf API (kopf has no switch for it), kept while test_validate.py guards it.
     admission.mutating_configuration_manager = idle  # type: ignore[assignment]
 
 
