@@ -43,17 +43,28 @@ async def begin(api: KubeApi, pod: Obj) -> None:
     }, ignore=(404,))
 
 
+def work_left(state: Any) -> int:
+    """The requests a replica still has to answer, from its /state (protocol.WorkerState).
+
+    `in_flight` counts every admitted request not yet answered, queued ones included; `queued`
+    is the part of them not dispatched yet, so adding it would count those twice. A field the
+    replica does not report counts as zero. ValueError when the state cannot be read."""
+    if not isinstance(state, dict):
+        raise ValueError(f"worker state is not an object: {state!r}")
+    return int(state.get("in_flight", 0))
+
+
 def _inflight(url: str) -> int | None:
-    """In-flight plus queued work on the replica; None when it cannot be asked."""
+    """Work left on the replica (work_left); None when it cannot be asked."""
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             state = json.loads(resp.read())
-        return int(state.get("in_flight", 0)) + int(state.get("queued", 0))
+        return work_left(state)
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, ConnectionRefusedError):
             return 0  # nothing listens: nothing can be in flight
         return None
-    except (OSError, ValueError):
+    except (OSError, TypeError, ValueError):
         return None
 
 

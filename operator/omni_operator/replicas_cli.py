@@ -215,8 +215,11 @@ def render_status(pipeline: Obj, pools: list[Obj], pods: list[Obj],
 
 
 def _inflight(api: Any, pod: Obj) -> int | None:
-    """In-flight plus queued work from the worker's /state: through the API server's pod proxy,
-    else straight from the pod IP (the proxy refuses loopback pod IPs)."""
+    """Requests in flight (queued ones included; drain.work_left) from the worker's /state:
+    through the API server's pod proxy, else straight from the pod IP (the proxy refuses
+    loopback pod IPs)."""
+    from omni_operator.drain import work_left
+
     meta, ip = pod["metadata"], (pod.get("status") or {}).get("podIP")
     if (pod.get("status") or {}).get("phase") != "Running":
         return None
@@ -233,9 +236,10 @@ def _inflight(api: Any, pod: Obj) -> int | None:
                     state = json.loads(resp.read())
             except (urllib.error.URLError, OSError, ValueError):
                 return None
-    if not isinstance(state, dict):
+    try:
+        return work_left(state)
+    except (TypeError, ValueError):
         return None
-    return int(state.get("in_flight", 0)) + int(state.get("queued", 0))
 
 
 def run_status(args: argparse.Namespace) -> int:

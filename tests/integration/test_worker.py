@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from omni_operator.drain import work_left
 from omnistage import protocol as p
 from omnistage.client import ControlError, ReplicaChannel
 from tests.harness.local import free_port
@@ -367,7 +368,11 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
     assert (await ch.control("pause"))["paused"] is True
     held = ch.submit("held", {"prompt": "h"})
     await _wait_inflight(w, 1, key="queued")  # paused: admitted but not dispatched ...
-    assert held.empty() and (await _state(w))["queued"] == 1  # ... and it stays queued
+    state = await _state(w)
+    assert held.empty() and state["queued"] == 1  # ... and it stays queued
+    # in_flight counts the queued request too: readers must not add `queued` again
+    # (omni_operator.drain.work_left, which `omnistage status` and the drain wait use).
+    assert state["in_flight"] == 1 and work_left(state) == 1
     assert (await ch.control("resume"))["paused"] is False
     assert (await asyncio.wait_for(held.get(), 5)).type == "final"
 
