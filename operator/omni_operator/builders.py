@@ -143,14 +143,21 @@ def _http_probe(path: str, port: int, period: int, failures: int) -> Obj:
 #: kind, model, inputs, finalOutput, drainTimeoutSeconds and admission.defaultDeadlineSeconds.
 STAGE_RUNTIME_ONLY = ("engine", "replicas", "resources", "placement", "maxUnavailable")
 ADMISSION_ORCHESTRATOR_READS = ("defaultDeadlineSeconds",)
+#: Orchestrator fields no orchestrator process reads: how many of them run is the Deployment's
+#: spec.replicas. Left out of the manifest (and so of the template's hash), scaling the front
+#: door adds or removes pods and restarts none.
+ORCHESTRATOR_DEPLOYMENT_ONLY = ("replicas",)
 
 
 def pipeline_manifest(pipeline: OmniPipeline) -> Obj:
     """The pipeline as the orchestrator runs it: identity and spec, without the stage fields
-    only the stage runtime reads (see STAGE_RUNTIME_ONLY) and no server state."""
+    only the stage runtime reads (see STAGE_RUNTIME_ONLY), the orchestrator's replica count
+    (ORCHESTRATOR_DEPLOYMENT_ONLY) and no server state."""
     man = pipeline.to_manifest()
     man.pop("status", None)
     man["metadata"] = {"name": pipeline.metadata.name}
+    for key in ORCHESTRATOR_DEPLOYMENT_ONLY:
+        man["spec"].get("orchestrator", {}).pop(key, None)
     for stage in man["spec"]["stages"]:
         for key in STAGE_RUNTIME_ONLY:
             stage.pop(key, None)
