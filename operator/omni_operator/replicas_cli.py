@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 import urllib.error
@@ -32,6 +33,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--namespace", default=None,
                    help="namespace (default: the kubeconfig context's, else default)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the libraries' INFO log lines (the API calls made)")
+
+
+def _quiet_logs(args: argparse.Namespace) -> None:
+    """These commands answer a person: their own lines go to stdout, and the libraries' INFO
+    lines (the API client's one per write) would come before them on the terminal. The CLI
+    configured logging for the servers it also runs (INFO); here only warnings and errors
+    show, unless -v."""
+    if not getattr(args, "verbose", False):
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
 
 
 def register_drain(sub: Any) -> None:
@@ -82,6 +94,7 @@ def _fail(message: str) -> int:
 def run_drain(args: argparse.Namespace) -> int:
     from omnistage.kubeapi import ApiError, ConfigError, path
 
+    _quiet_logs(args)
     try:
         api, ns = _api(args)
     except ConfigError as exc:
@@ -245,6 +258,7 @@ def _inflight(api: Any, pod: Obj) -> int | None:
 def run_status(args: argparse.Namespace) -> int:
     from omnistage.kubeapi import ApiError, ConfigError, path
 
+    _quiet_logs(args)
     try:
         api, ns = _api(args)
     except ConfigError as exc:
