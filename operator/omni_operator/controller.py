@@ -119,7 +119,8 @@ class Controller:
         self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
-        self._warned: set[str] = set()  # reported: unschedulable (uid), model (uid/model)
+        # reported: unschedulable (uid), model (uid/model), deletion (pipeline uid/terminating)
+        self._warned: set[str] = set()
         self._intended: set[str] = set()  # pod uids deleted on purpose (retired, evicted)
         self._invalid: dict[Key, tuple[str, int]] = {}  # InvalidSpec reported: (uid, generation)
         # The last status written per object, with the resourceVersion it was written against.
@@ -588,6 +589,7 @@ class Controller:
         if FINALIZER not in finalizers:
             return
         key: Key = ("OmniPipeline", ns, name)
+        self._announce_terminating(obj)
         oname = builders.orchestrator_name(name)
         dep = self.deployments.get((ns, oname))
         if dep is not None and dep["spec"].get("replicas", 0) != 0:
@@ -616,7 +618,20 @@ class Controller:
         remaining = [f for f in finalizers if f != FINALIZER]
         await self._write("OmniPipeline", ns, name, self.api.patch(
             path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}}))
+        self._warned.discard(f"{obj['metadata'].get('uid', '')}/terminating")
         log.info("pipeline %s/%s shut down in order", ns, name)
+
+    def _announce_terminating(self, obj: Obj) -> None:
+        """One Normal `Terminating` event when a pipeline's deletion starts (docs/crds.md):
+        not per reconcile (remembered by uid), and not again after an operator restart once
+        the status says Terminating."""
+        mark = f"{obj['metadata'].get('uid', '')}/terminating"
+        if mark in self._warned or (obj.get("status") or {}).get("phase") == "Terminating":
+            return
+        self._warned.add(mark)
+        self._event(obj, "Normal", "Terminating",
+                    "pipeline is being deleted: the orchestrator drains first, then the stage "
+                    "pools stop, then the finalizer is released")
 
     # ---- StagePool -------------------------------------------------------------------------
 

@@ -358,6 +358,11 @@ def test_delete_is_ordered_and_children_are_not_recreated(
     # No replica was created while the owner was being deleted.
     assert not [e for e in log if e[1] == "stage" and e[0] == "ADDED"], log
     assert {e[2] for e in log if e[1] == "stage"} <= before
+    # The deletion was announced once, as Normal (docs/crds.md), however many reconciles the
+    # ordered shutdown took.
+    announced = [e for e in events(kube, namespace, "Terminating")
+                 if e["involvedObject"]["kind"] == "OmniPipeline"]
+    assert [(e["type"], e.get("count", 1)) for e in announced] == [("Normal", 1)], announced
 
 
 def test_shared_memory_opt_in_reaches_every_pod_and_can_be_turned_off(
