@@ -713,7 +713,7 @@ class Controller:
                     self._event(pool, "Warning", "DrainTimeout",
                                 f"{pname}: drain timed out with {cut} request(s) in flight; "
                                 "stopping it: what is still running after its SIGTERM drain "
-                                "is aborted (each gets a terminal abort or error)")
+                                "is cut (each gets a terminal drain_timeout error)")
                 self._intended.add(pod["metadata"].get("uid", ""))
                 await self._delete("Pod", ns, pname)
             else:

@@ -259,7 +259,7 @@ class Draining(_Wire, tag="draining"):
 
 
 ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch",
-                    "stale_incarnation"]
+                    "stale_incarnation", "drain_timeout"]
 
 
 class Error(_Wire, tag="error"):
