@@ -3,6 +3,7 @@ real API server in tests/cluster)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 from omni_operator import builders as b
 from omnistage import kube
+from omnistage.orchestrator.engine import Orchestrator
 from omnistage.shm import ENV_CAP, ENV_DIR, ENV_SESSION, ShmConfig
 from omnistage.spec import SpecError, parse_pipeline
 
@@ -111,3 +113,19 @@ def test_scaling_the_orchestrator_restarts_none_of_its_pods() -> None:
     hash_of = lambda d: d["spec"]["template"]["metadata"]["annotations"][  # noqa: E731
         kube.ANNOTATION_SPEC_HASH]
     assert hash_of(slower) != hash_of(one)
+
+
+def test_a_hung_worker_leaves_ready_within_the_orchestrator_s_heartbeat_bound() -> None:
+    """The kubelet probes one at a time: a worker that never answers is NotReady after
+    failureThreshold x max(timeoutSeconds, periodSeconds), plus up to one period before the
+    first failing probe. That must stay within a few seconds of the orchestrator's 3 s
+    heartbeat timeout (it declared a SIGSTOPped replica lost at 3.4 s while the pod stayed
+    Ready for 15 s: timeoutSeconds 5). Kills: going back to the 5 s timeout, or a threshold
+    that stretches it. The behaviour itself is tested with a SIGSTOPped worker in
+    tests/cluster/test_lifecycle_operator.py."""
+    heartbeat = inspect.signature(Orchestrator).parameters["heartbeat_timeout"].default
+    probe = pods(pipeline())[1]["containers"][0]["readinessProbe"]
+    worst = probe["failureThreshold"] * max(probe["timeoutSeconds"], probe["periodSeconds"]) \
+        + probe["periodSeconds"]
+    assert worst <= heartbeat + 1, probe
+    assert probe["failureThreshold"] >= 2  # one slow answer alone never takes it out
