@@ -210,7 +210,7 @@ class StageWorker:
         self.draining = True
         log.info("draining (%s): %d in flight", reason, len(self.requests))
         if self.asleep:  # no model to finish queued work with: cut it now
-            self._cut_all("it was asleep when its drain began, with no model to run them")
+            self._cut_all("it was asleep when its drain began, with no model to run it")
         self.scheduler.resume()  # admitted work finishes even if the replica was paused
         self._drain_task = asyncio.ensure_future(self._drain())
 
