@@ -62,6 +62,10 @@ class EventRecorder:
                 count = await self._repeat(obj, name, etype, reason, message, count + 1)
             self._remember(name, count)
         except ApiError as exc:
+            if _namespace_terminating(exc):  # nothing can be written there any more
+                log.debug("event %s on %s/%s dropped: its namespace is terminating", reason, ns,
+                          meta["name"])
+                return
             log.warning("event %s on %s/%s not recorded: %s", reason, ns, meta["name"], exc)
 
     async def _create(self, obj: Obj, name: str, etype: str, reason: str, message: str) -> int:
@@ -109,3 +113,13 @@ class EventRecorder:
             self._counts.pop(name, None)
             return await self._create(obj, name, etype, reason, message)
         return count
+
+
+def _namespace_terminating(exc: ApiError) -> bool:
+    """The API server refused a write because the namespace is being deleted: the structured
+    Status cause (NamespaceLifecycle admission), not the message's English."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    details = body.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    return exc.status == 403 and any(
+        isinstance(c, dict) and c.get("type") == "NamespaceTerminating" for c in causes or [])

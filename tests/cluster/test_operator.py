@@ -419,9 +419,19 @@ def test_delete_is_ordered_and_children_are_not_recreated(
     assert {e[2] for e in log if e[1] == "stage"} <= before
     # The deletion was announced once, as Normal (docs/crds.md), however many reconciles the
     # ordered shutdown took.
-    announced = [e for e in events(kube, namespace, "Terminating")
-                 if e["involvedObject"]["kind"] == "OmniPipeline"]
-    assert [(e["type"], e.get("count", 1)) for e in announced] == [("Normal", 1)], announced
+    def announced() -> list[dict[str, Any]]:
+        return [e for e in events(kube, namespace, "Terminating")
+                if e["involvedObject"]["kind"] == "OmniPipeline"]
+
+    def everything() -> str:
+        import json
+
+        return json.dumps([(e["reason"], e["involvedObject"]["kind"], e.get("count"))
+                           for e in json.loads(kube.kubectl("get", "events", "-n", namespace,
+                                                            "-o", "json").stdout)["items"]])
+
+    said = wait_for(announced, 30, "a Terminating event", everything)
+    assert [(e["type"], e.get("count", 1)) for e in said] == [("Normal", 1)], said
 
 
 def test_shared_memory_opt_in_reaches_every_pod_and_can_be_turned_off(
