@@ -117,9 +117,10 @@ class EventRecorder:
 
 def _namespace_terminating(exc: ApiError) -> bool:
     """The API server refused a write because the namespace is being deleted: the structured
-    Status cause (NamespaceLifecycle admission), not the message's English."""
+    Status cause (NamespaceLifecycle admission; a StatusCause's type travels as `reason`),
+    not the message's English."""
     body = exc.body if isinstance(exc.body, dict) else {}
     details = body.get("details")
     causes = details.get("causes") if isinstance(details, dict) else None
     return exc.status == 403 and any(
-        isinstance(c, dict) and c.get("type") == "NamespaceTerminating" for c in causes or [])
+        isinstance(c, dict) and c.get("reason") == "NamespaceTerminating" for c in causes or [])

@@ -170,11 +170,13 @@ async def test_an_event_for_a_terminating_namespace_is_dropped_quietly(caplog) -
     written there: dropped without a warning (an operator log full of 403s hides real RBAC
     gaps). Any other refusal still warns. Known by the Status cause, not the message."""
 
-    terminating = {"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
-                   "message": "unable to create new content in namespace ns because it is "
-                              "being terminated",
+    # As kube-apiserver 1.36 answers (captured from the local control plane).
+    terminating = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                   "message": 'events "x" is forbidden: unable to create new content in '
+                              "namespace ns because it is being terminated",
+                   "reason": "Forbidden", "code": 403,
                    "details": {"name": "x", "kind": "events", "causes": [
-                       {"type": "NamespaceTerminating", "message": "namespace ns is being "
+                       {"reason": "NamespaceTerminating", "message": "namespace ns is being "
                         "terminated", "field": "metadata.namespace"}]}}
     rbac = {"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
             "message": "events is forbidden: User cannot create resource"}
