@@ -130,13 +130,27 @@ def _quantity_bytes(quantity: str) -> int:
     return int(float(quantity))
 
 
-def _http_probe(path: str, port: int, period: int, failures: int) -> Obj:
+def _http_probe(path: str, port: int, period: int, failures: int, timeout: int = 5) -> Obj:
     return {
         "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
         "failureThreshold": failures,
-        "timeoutSeconds": 5,  # a busy CPU replica must not flap out of routing
+        "timeoutSeconds": timeout,  # by default generous: a busy CPU pod must not flap
     }
+
+
+# A stage pod's readiness: how soon a hung worker (SIGSTOPped, or its event loop stuck) leaves
+# Ready. The kubelet probes one at a time, so a worker that never answers is NotReady after
+# FAILURES x (TIMEOUT, or PERIOD when longer) seconds, plus up to one PERIOD before the first
+# failing probe: 3 x 1 + 1 = 4 s at most. With the former 5 s timeout that was 15-16 s, while
+# the orchestrator had declared the replica lost at its 3 s heartbeat timeout (engine.py
+# heartbeat_timeout; 3.4 s measured). A busy worker does not flap: /readyz and the
+# heartbeats are answered by its event loop while the model runs on its own thread, in
+# milliseconds; a loop that misses three 1 s answers in a row misses the heartbeats too, and
+# the orchestrator has already stopped routing to it.
+WORKER_READINESS_PERIOD_SECONDS = 1
+WORKER_READINESS_TIMEOUT_SECONDS = 1
+WORKER_READINESS_FAILURES = 3
 
 
 # ---- OmniPipeline -> children ------------------------------------------------------------------
@@ -148,14 +162,21 @@ def _http_probe(path: str, port: int, period: int, failures: int) -> Obj:
 #: kind, model, inputs, finalOutput, drainTimeoutSeconds and admission.defaultDeadlineSeconds.
 STAGE_RUNTIME_ONLY = ("engine", "replicas", "resources", "placement", "maxUnavailable")
 ADMISSION_ORCHESTRATOR_READS = ("defaultDeadlineSeconds",)
+#: Orchestrator fields no orchestrator process reads: how many of them run is the Deployment's
+#: spec.replicas. Left out of the manifest (and so of the template's hash), scaling the front
+#: door adds or removes pods and restarts none.
+ORCHESTRATOR_DEPLOYMENT_ONLY = ("replicas",)
 
 
 def pipeline_manifest(pipeline: OmniPipeline) -> Obj:
     """The pipeline as the orchestrator runs it: identity and spec, without the stage fields
-    only the stage runtime reads (see STAGE_RUNTIME_ONLY) and no server state."""
+    only the stage runtime reads (see STAGE_RUNTIME_ONLY), the orchestrator's replica count
+    (ORCHESTRATOR_DEPLOYMENT_ONLY) and no server state."""
     man = pipeline.to_manifest()
     man.pop("status", None)
     man["metadata"] = {"name": pipeline.metadata.name}
+    for key in ORCHESTRATOR_DEPLOYMENT_ONLY:
+        man["spec"].get("orchestrator", {}).pop(key, None)
     for stage in man["spec"]["stages"]:
         for key in STAGE_RUNTIME_ONLY:
             stage.pop(key, None)
@@ -428,7 +449,9 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
                 # about 1 s after its worker is (each rollout step waits for that).
                 "startupProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 1, 1800),
                 "livenessProbe": _http_probe("/livez", kube.WORKER_HTTP_PORT, 10, 3),
-                "readinessProbe": _http_probe("/readyz", kube.WORKER_HTTP_PORT, 1, 3),
+                "readinessProbe": _http_probe(
+                    "/readyz", kube.WORKER_HTTP_PORT, WORKER_READINESS_PERIOD_SECONDS,
+                    WORKER_READINESS_FAILURES, WORKER_READINESS_TIMEOUT_SECONDS),
                 "resources": {"requests": requests, "limits": limits},
                 "securityContext": _container_security(),
                 # A load failure's last log line (the worker exits MODEL_FAILED_EXIT) becomes

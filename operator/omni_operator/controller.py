@@ -45,7 +45,7 @@ from omni_operator.status import (
 from omni_operator.status_models import PipelineStatus, Status
 from omnistage import kube
 from omnistage.backoff import Backoff
-from omnistage.kubeapi import RESOURCES, ApiError, KubeApi, Resource, path
+from omnistage.kubeapi import RESOURCES, ApiError, KubeApi, Resource, namespace_terminating, path
 from omnistage.spec import OmniPipeline, SpecError, parse_pipeline, parse_stagepool
 
 log = logging.getLogger("omnistage.operator")
@@ -182,14 +182,6 @@ def _causes(exc: ApiError) -> list[Obj]:
     return [c for c in (details or {}).get("causes") or [] if isinstance(c, dict)]
 
 
-def namespace_terminating(exc: BaseException) -> bool:
-    """The API server refused a write because the namespace is being deleted: told by the
-    Status's cause (NamespaceLifecycle admission; a StatusCause's type is sent as "reason"),
-    not by its message."""
-    return (isinstance(exc, ApiError) and exc.status == 403
-            and any(c.get("reason") == "NamespaceTerminating" for c in _causes(exc)))
-
-
 def permanent(exc: BaseException) -> PermanentError | None:
     """A failure that retrying cannot fix: a PermanentError, or the API server's 422 Invalid
     (or 400 BadRequest) for an object the operator built from the spec."""
@@ -235,8 +227,12 @@ class Controller:
         self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
-        self._warned: set[str] = set()  # reported: unschedulable (uid), model (uid/model)
-        self._intended: set[str] = set()  # pod uids deleted on purpose (retired, evicted)
+        # reported: unschedulable (uid), model (uid/model), deletion (pipeline uid/terminating)
+        self._warned: set[str] = set()
+        self._intended: set[str] = set()  # pod uids the operator deleted itself (retired, stale)
+        self._evictions: set[str] = set()  # pod uids evicted through the Eviction API
+        # (ns, pool) -> ordinals of replicas gone unasked, until they are back under their name
+        self._returning: dict[tuple[str, str], set[int]] = {}
         self._invalid: dict[Key, tuple[str, int]] = {}  # InvalidSpec reported: (uid, generation)
         # The last status written per object, with the resourceVersion it was written against.
         self._status_written: dict[Key, tuple[str, Obj]] = {}
@@ -318,7 +314,7 @@ class Controller:
             return
         pods = self.pods.setdefault((ns, group), {})
         if _evicted(pod):
-            self._intended.add(meta.get("uid", ""))
+            self._evictions.add(meta.get("uid", ""))
         if gone:
             pods.pop(meta["name"], None)
             if lbls.get(kube.LABEL_POOL):
@@ -331,38 +327,57 @@ class Controller:
             self.enqueue(("OmniPipeline", ns, lbls.get(kube.LABEL_PIPELINE, "")))
 
     def _replica_gone(self, pod: Obj) -> None:
-        """A replica pod disappeared: a Warning only when nobody meant it to.
+        """A replica pod disappeared: say what happened, a Warning only when nobody meant it.
 
-        Retirements (scale-down, rollout, named retirement) carry the drain mark; evictions
-        (`kubectl drain`) carry the DisruptionTarget condition; a pool or pipeline being
-        deleted takes its pods along. Anything else is a lost replica.
+        Retirements (scale-down, rollout, named retirement) carry the drain mark and were
+        announced when they began; so were the operator's own deletions of out-of-date replicas
+        that serve nothing (RollingUpdate): neither says more here. Evictions (`kubectl drain`)
+        carry the DisruptionTarget condition (a Normal ReplicaEvicted); a pool or pipeline
+        being deleted takes its pods along. Anything else is a lost replica (a Warning). A
+        replica gone without retirement comes back under its name (stable identity, like a
+        StatefulSet's): its ordinal is remembered until it is back (see _present).
         """
         meta = pod["metadata"]
         uid = meta.get("uid", "")
         intended = uid in self._intended
+        evicted = uid in self._evictions or _evicted(pod)
         self._intended.discard(uid)
+        self._evictions.discard(uid)
         self._warned.discard(uid)
         self._warned.discard(f"{uid}/model")
-        pool = self.pools.get((meta["namespace"], meta["labels"][kube.LABEL_POOL]))
+        ns, pool_name = meta["namespace"], meta["labels"][kube.LABEL_POOL]
+        pool = self.pools.get((ns, pool_name))
         if pool is None or pool["metadata"].get("deletionTimestamp"):
+            self._returning.pop((ns, pool_name), None)
             return
         owner = self.pipelines.get((meta["namespace"], pool["spec"].get("pipeline", "")))
         if owner is not None and owner["metadata"].get("deletionTimestamp"):
             return
         retired = kube.marked_draining(pod)
-        present = {retirement.ordinal_of(p): p
-                   for p in self.pods.get((meta["namespace"], pool["metadata"]["name"]), {})
-                   .values()}
-        if retired or retirement.ordinal_of(pod) not in retirement.wanted_ordinals(
-                pool, _staying(present)):
+        if retired:
+            return
+        ordinal = retirement.ordinal_of(pod)
+        returning = self._returning.setdefault((ns, pool_name), set())
+        returning.add(ordinal)
+        present = {retirement.ordinal_of(p): p for p in self.pods.get((ns, pool_name), {}).values()}
+        if ordinal not in retirement.wanted_ordinals(pool, self._present(pool, present)):
+            returning.discard(ordinal)  # a scale-down took its place: it does not come back
             return
         name = meta["name"]
-        if intended:
+        if evicted:
             self._event(pool, "Normal", "ReplicaEvicted",
                         f"replica {name} was evicted; replacing it under the same name")
-        else:
+        elif not intended:
             self._event(pool, "Warning", "ReplicaLost",
                         f"replica {name} disappeared; replacing it under the same name")
+
+    def _present(self, pool: Obj, by_ordinal: dict[int, Obj]) -> list[int]:
+        """The ordinals that keep their place in the pool: replicas not retiring (_staying)
+        and replicas gone unasked that have not come back yet, so a lost or evicted replica
+        returns under its own name even when a lower ordinal is free."""
+        meta = pool["metadata"]
+        return sorted({*_staying(by_ordinal),
+                       *self._returning.get((meta["namespace"], meta["name"]), ())})
 
     @staticmethod
     def _store(
@@ -769,6 +784,7 @@ class Controller:
         if FINALIZER not in finalizers:
             return
         key: Key = ("OmniPipeline", ns, name)
+        self._announce_terminating(obj)
         oname = builders.orchestrator_name(name)
         dep = self.deployments.get((ns, oname))
         if dep is not None and dep["spec"].get("replicas", 0) != 0:
@@ -809,7 +825,20 @@ class Controller:
             await self._write("OmniPipeline", ns, name, self.api.patch(
                 path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}},
                 fieldManager=builders.FIELD_MANAGER))
+        self._warned.discard(f"{obj['metadata'].get('uid', '')}/terminating")
         log.info("pipeline %s/%s shut down in order", ns, name)
+
+    def _announce_terminating(self, obj: Obj) -> None:
+        """One Normal `Terminating` event when a pipeline's deletion starts (docs/crds.md):
+        not per reconcile (remembered by uid), and not again after an operator restart once
+        the status says Terminating."""
+        mark = f"{obj['metadata'].get('uid', '')}/terminating"
+        if mark in self._warned or (obj.get("status") or {}).get("phase") == "Terminating":
+            return
+        self._warned.add(mark)
+        self._event(obj, "Normal", "Terminating",
+                    "pipeline is being deleted: the orchestrator drains first, then the stage "
+                    "pools stop, then the finalizer is released")
 
     # ---- StagePool -------------------------------------------------------------------------
 
@@ -870,7 +899,7 @@ class Controller:
                     self._event(pool, "Warning", "DrainTimeout",
                                 f"{pname}: drain timed out with {cut} request(s) in flight; "
                                 "stopping it: what is still running after its SIGTERM drain "
-                                "is aborted (each gets a terminal abort or error)")
+                                "is cut (each gets a terminal drain_timeout error)")
                 self._intended.add(pod["metadata"].get("uid", ""))
                 await self._delete("Pod", ns, pname)
             else:
@@ -903,7 +932,11 @@ class Controller:
         one out-of-date replica while all are Ready."""
         ns = pool["metadata"]["namespace"]
         by_ordinal = {retirement.ordinal_of(p): p for p in pods.values()}
-        wanted = retirement.wanted_ordinals(pool, _staying(by_ordinal))
+        wanted = retirement.wanted_ordinals(pool, self._present(pool, by_ordinal))
+        returning = self._returning.get((ns, pool["metadata"]["name"]))
+        if returning:  # back (or no longer wanted): nothing left to remember
+            returning.difference_update({o for o in returning
+                                         if o in by_ordinal or o not in wanted})
         # Create missing replicas (a lost replica returns under its name), all at once: each
         # create waits on the API server, and a pool's replicas do not depend on each other.
         missing = [builders.pool_pod(pool, o) for o in wanted if o not in by_ordinal]
@@ -967,8 +1000,11 @@ async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
 
 
 def _staying(by_ordinal: dict[int, Obj]) -> list[int]:
-    """Ordinals of replicas that are not on their way out (draining or terminating)."""
-    return [o for o, p in by_ordinal.items() if not is_draining(p)]
+    """Ordinals of replicas that are not retiring (the drain mark). A replica terminating
+    without it (evicted, deleted by hand, or replaced by the operator while it served nothing)
+    keeps its ordinal: its replacement takes its name once it is gone."""
+    return [o for o, p in by_ordinal.items()
+            if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_DRAINING) != "true"]
 
 
 def _spec_hash(pod: Obj) -> str | None:

@@ -6,8 +6,8 @@
 3. Delete it; the worker drains again on SIGTERM within terminationGracePeriodSeconds.
 
 A drain that times out with work still in flight is reported (a Warning event with the count);
-the worker aborts what is left when its own SIGTERM drain times out, so each cut request gets a
-terminal error.
+the worker cuts what is left when its own SIGTERM drain times out, so each cut request gets a
+terminal `drain_timeout` error (HTTP 503), never a client-style abort.
 """
 
 from __future__ import annotations

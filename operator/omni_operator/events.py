@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from omnistage import kube
-from omnistage.kubeapi import ApiError, KubeApi, path
+from omnistage.kubeapi import ApiError, KubeApi, namespace_terminating, path
 
 log = logging.getLogger("omnistage.operator")
 Obj = dict[str, Any]
@@ -62,6 +62,10 @@ class EventRecorder:
                 count = await self._repeat(obj, name, etype, reason, message, count + 1)
             self._remember(name, count)
         except ApiError as exc:
+            if namespace_terminating(exc):  # nothing can be written there any more
+                log.debug("event %s on %s/%s dropped: its namespace is terminating", reason, ns,
+                          meta["name"])
+                return
             log.warning("event %s on %s/%s not recorded: %s", reason, ns, meta["name"], exc)
 
     async def _create(self, obj: Obj, name: str, etype: str, reason: str, message: str) -> int:
@@ -109,3 +113,5 @@ class EventRecorder:
             self._counts.pop(name, None)
             return await self._create(obj, name, etype, reason, message)
         return count
+
+

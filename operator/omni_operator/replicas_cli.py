@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +42,17 @@ def add_cluster_flags(p: argparse.ArgumentParser | Any) -> None:
                         "~/.kube/config; in a pod its service account)")
     p.add_argument("--context", default=None,
                    help="kubeconfig context to use (default: the current-context)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the libraries' INFO log lines (the API calls made)")
+
+
+def _quiet_logs(args: argparse.Namespace) -> None:
+    """These commands answer a person: their own lines go to stdout, and the libraries' INFO
+    lines (the API client's one per write) would come before them on the terminal. The CLI
+    configured logging for the servers it also runs (INFO); here only warnings and errors
+    show, unless -v."""
+    if not getattr(args, "verbose", False):
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
 
 
 def register_drain(sub: Any) -> None:
@@ -101,6 +113,7 @@ def _fail(message: str) -> int:
 def run_drain(args: argparse.Namespace) -> int:
     from omnistage.kubeapi import ApiError, ConfigError, path
 
+    _quiet_logs(args)
     try:
         api, ns = _api(args)
     except ConfigError as exc:
@@ -236,8 +249,10 @@ def render_status(pipeline: Obj, pools: list[Obj], pods: list[Obj],
 
 
 def _inflight(api: Any, pod: Obj) -> int | None:
-    """In-flight plus queued work from the worker's /state: through the API server's pod proxy,
-    else straight from the pod IP (the proxy refuses loopback pod IPs)."""
+    """Requests in flight (queued ones included; drain.work_left) from the worker's /state:
+    through the API server's pod proxy, else straight from the pod IP (the proxy refuses
+    loopback pod IPs)."""
+
     meta, ip = pod["metadata"], (pod.get("status") or {}).get("podIP")
     if (pod.get("status") or {}).get("phase") != "Running":
         return None
@@ -252,6 +267,7 @@ def _inflight(api: Any, pod: Obj) -> int | None:
 def run_status(args: argparse.Namespace) -> int:
     from omnistage.kubeapi import ConfigError, path
 
+    _quiet_logs(args)
     try:
         api, ns = _api(args)
     except ConfigError as exc:

@@ -94,11 +94,14 @@ def is_draining(pod: Mapping[str, Any]) -> bool:
 
 
 def work_left(state: Any) -> int | None:
-    """In-flight plus queued requests from a worker's /state body; None when it is not one."""
+    """The requests a replica still has to answer, from its /state body (protocol.WorkerState);
+    None when it is not one. `in_flight` counts every admitted request not yet answered, queued
+    ones included; `queued` is the part of them not dispatched yet, so adding it would count
+    those twice."""
     if not isinstance(state, Mapping):
         return None
     try:
-        return int(state.get("in_flight", 0)) + int(state.get("queued", 0))
+        return int(state.get("in_flight", 0))
     except (TypeError, ValueError):
         return None
 

@@ -75,6 +75,18 @@ class ApiError(RuntimeError):
         super().__init__(f"{method} {path}: HTTP {status} {self.reason}: {self.message}")
 
 
+def namespace_terminating(exc: BaseException) -> bool:
+    """The API server refused a write because the namespace is being deleted: told by the
+    Status's cause (NamespaceLifecycle admission; a StatusCause's type travels as `reason`),
+    not by the message's English."""
+    if not isinstance(exc, ApiError) or exc.status != 403 or not isinstance(exc.body, dict):
+        return False
+    details = exc.body.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    return any(isinstance(c, dict) and c.get("reason") == "NamespaceTerminating"
+               for c in causes or [])
+
+
 class WatchExpired(ApiError):
     """410 Gone: the watch's resourceVersion is older than the server keeps; list again."""
 

@@ -175,8 +175,8 @@ class WorkerState(msgspec.Struct, kw_only=True, gc=False):
     draining: bool
     paused: bool
     asleep: bool
-    in_flight: int
-    queued: int
+    in_flight: int  # admitted and not yet answered, queued ones included
+    queued: int  # of those, not dispatched yet (so never more than in_flight)
     pid: int
 
 
@@ -259,7 +259,7 @@ class Draining(_Wire, tag="draining"):
 
 
 ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch",
-                    "stale_incarnation"]
+                    "stale_incarnation", "drain_timeout"]
 
 
 class Error(_Wire, tag="error"):

@@ -228,6 +228,65 @@ def test_deleted_pod_comes_back_with_same_name(
     wait_ready(kube, namespace, "rp", operator)
 
 
+def test_an_evicted_replica_keeps_its_name_when_a_lower_one_is_free(
+    kube: Cluster, namespace: str, operator: Operator
+) -> None:
+    """Stable replica identity (DESIGN.md) through an eviction: a pool whose ordinals have a
+    gap (0 and 2, after two `--retire`s and a scale-up) has replica 2 evicted; it comes back
+    as gap-a-2, never in the gap as gap-a-1, and a Normal ReplicaEvicted names it. Kills: the
+    terminating replica's ordinal given away at once (the issue's node drain: gap-a-1 came
+    back, no event)."""
+    from omni_operator import retirement
+    from omnistage.kubeapi import ApiError, path
+
+    apply(kube, namespace, kwok_pipeline("gap", [stage("a", final=True, replicas=3,
+                                                       drainTimeoutSeconds=0)]))
+    wait_ready(kube, namespace, "gap", operator)
+
+    def names() -> list[str]:
+        return sorted(p["metadata"]["name"] for p in stage_pods(kube, namespace, "gap")
+                      if not p["metadata"].get("deletionTimestamp"))
+
+    for victim in ("gap-a-0", "gap-a-1"):  # what `omnistage drain --retire` writes
+        wait_for(lambda v=victim: get(kube, namespace, "pod", v), 60, victim)
+        pool = get(kube, namespace, "sp", "gap-a")
+        kube.kube.patch(path("StagePool", namespace, "gap-a"), retirement.drain_patch(
+            pool, get(kube, namespace, "pod", victim), "retire"))
+        wait_for(lambda v=victim: v not in names(), 60, f"{victim} retired", names)
+    kube.kubectl("scale", "-n", namespace, "sp/gap-a", "--replicas=2")
+    wait_for(lambda: names() == ["gap-a-0", "gap-a-2"], 60, "a pool with a gap", names)
+    wait_for(lambda: get(kube, namespace, "sp", "gap-a")["status"].get("ready") == "2/2", 60,
+             "both Ready", operator.log_tail)
+    old = get(kube, namespace, "pod", "gap-a-2")["metadata"]["uid"]
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction",
+                "metadata": {"name": "gap-a-2", "namespace": namespace}}
+
+    def evicted() -> bool:
+        try:
+            kube.kube.create(path("Pod", namespace, "gap-a-2") + "/eviction", eviction)
+            return True
+        except ApiError as exc:  # 429 until the disruption controller has counted the pods
+            if exc.status != 429:
+                raise
+            return False
+
+    wait_for(evicted, 60, "the eviction allowed by the PDB")
+    seen: set[str] = set()
+
+    def back() -> bool:
+        now = {p["metadata"]["name"]: p["metadata"]["uid"]
+               for p in stage_pods(kube, namespace, "gap")}
+        seen.update(now)
+        return sorted(now) == ["gap-a-0", "gap-a-2"] and now["gap-a-2"] != old
+
+    wait_for(back, 120, "gap-a-2 back under its name", operator.log_tail, interval=0.1)
+    assert "gap-a-1" not in seen, seen
+    said = wait_for(lambda: events(kube, namespace, "ReplicaEvicted"), 30, "ReplicaEvicted")
+    assert [(e["type"], e["message"]) for e in said] == [
+        ("Normal", "replica gap-a-2 was evicted; replacing it under the same name")], said
+    assert not events(kube, namespace, "ReplicaLost")
+
+
 def test_operator_killed_mid_reconcile_converges_without_duplicates(
     kube: Cluster, namespace: str, operator: Operator
 ) -> None:
@@ -349,6 +408,21 @@ def test_delete_is_ordered_and_children_are_not_recreated(
     # No replica was created while the owner was being deleted.
     assert not [e for e in log if e[1] == "stage" and e[0] == "ADDED"], log
     assert {e[2] for e in log if e[1] == "stage"} <= before
+    # The deletion was announced once, as Normal (docs/crds.md), however many reconciles the
+    # ordered shutdown took.
+    def announced() -> list[dict[str, Any]]:
+        return [e for e in events(kube, namespace, "Terminating")
+                if e["involvedObject"]["kind"] == "OmniPipeline"]
+
+    def everything() -> str:
+        import json
+
+        return json.dumps([(e["reason"], e["involvedObject"]["kind"], e.get("count"))
+                           for e in json.loads(kube.kubectl("get", "events", "-n", namespace,
+                                                            "-o", "json").stdout)["items"]])
+
+    said = wait_for(announced, 30, "a Terminating event", everything)
+    assert [(e["type"], e.get("count", 1)) for e in said] == [("Normal", 1)], said
 
 
 def test_shared_memory_opt_in_reaches_every_pod_and_can_be_turned_off(

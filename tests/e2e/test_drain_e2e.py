@@ -172,7 +172,7 @@ def _worker_metric(podrunner: PodRunner, pod: dict[str, Any], name: str, **label
 
 def _inflight(podrunner: PodRunner, pod: dict[str, Any]) -> int:
     state = json.loads(podrunner.http_get(pod, k.WORKER_HTTP_PORT, "/state")[1])
-    return int(state["in_flight"]) + int(state["queued"])
+    return int(state["in_flight"])  # queued requests included (drain.work_left)
 
 
 def _stamp(text: str) -> float:

@@ -7,8 +7,8 @@ client, so connections are reused exactly as a keep-alive client would).
 
 A request ends as exactly one of:
 - ok: 200;
-- aborted: 200 whose body says `"status": "abort"` (the pipeline route's terminal abort, for
-  example a request cut by a replica's drain timeout);
+- aborted: 200 whose body says `"status": "abort"` (the pipeline route's terminal abort; a
+  request cut by a replica's drain timeout is not one: it fails with 503 `drain_timeout`);
 - refused: 503 with a code that says it was never admitted (`shutting_down`, `no_replica`,
   `draining`, `not_ready`), so the client may retry it anywhere;
 - failed: any other status (for example 502 `replica_lost`);

@@ -713,6 +713,40 @@ async def test_a_draining_reply_is_retried_on_another_replica(launch) -> None:
     assert (await held.outcome()).status == "abort"
 
 
+async def test_a_request_cut_by_a_drain_timeout_says_so_over_http(launch) -> None:
+    """A real worker retiring with a request that outlasts its drainTimeoutSeconds cuts it;
+    the engine and the HTTP API answer 503 `drain_timeout` (docs/http-api.md), not 200
+    `status: abort` with empty text, which is what a client's own abort gets.
+
+    Kills: the worker answering the cut as `aborted`, and the engine mapping its
+    `error/drain_timeout` to another code (stage_failed, 502)."""
+    import aiohttp
+
+    from omnistage.orchestrator.http_api import serve_http
+
+    pipe = pipeline("cut", [{**echo("a", final=True), "drainTimeoutSeconds": 1}])
+    orch, procs, _ = await launch(pipe, {"a": [{}]})
+    proc = procs["a"][0]
+    runner, url = await serve_http(orch, "127.0.0.1", 0)
+    route = f"{url}/v1/pipelines/cut/requests"
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": "x", "params": {"a": {"delay_ms": 60000}}, "timeout_s": 120}
+            post = asyncio.ensure_future(http.post(route, json=body))
+            await _until(lambda: _state_or_none(proc).get("in_flight") == 1,
+                         "the request held by the worker")
+            proc.proc.send_signal(signal.SIGTERM)
+            async with await asyncio.wait_for(post, 60) as resp:  # far less than its 60 s
+                got = await resp.json()
+                assert resp.status == 503, got
+            assert got["error"]["code"] == "drain_timeout", got
+            assert got["error"]["type"] == "service_unavailable_error"
+            assert "cut the request while draining" in got["error"]["message"], got
+            assert "(stage a)" in got["error"]["message"], got
+    finally:
+        await runner.cleanup()
+
+
 def _state_or_none(w: WorkerProcess) -> dict[str, Any]:
     try:
         return _state(w)

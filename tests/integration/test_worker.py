@@ -18,6 +18,7 @@ import pytest
 from omnistage import protocol as p
 from omnistage.client import ControlError, ReplicaChannel
 from omnistage.executors.echo import HOLD_FILE_ENV
+from omnistage.kube import work_left
 from tests.harness.local import free_port
 from tests.harness.metrics import sample
 from tests.harness.waiting import until
@@ -370,7 +371,11 @@ async def test_control_rpcs_and_error_propagation(start_worker, channels) -> Non
     assert (await ch.control("pause"))["paused"] is True
     held = ch.submit("held", {"prompt": "h"})
     await _wait_inflight(w, 1, key="queued")  # paused: admitted but not dispatched ...
-    assert held.empty() and (await _state(w))["queued"] == 1  # ... and it stays queued
+    state = await _state(w)
+    assert held.empty() and state["queued"] == 1  # ... and it stays queued
+    # in_flight counts the queued request too: readers must not add `queued` again
+    # (omnistage.kube.work_left, which `omnistage status` and the drain wait use).
+    assert state["in_flight"] == 1 and work_left(state) == 1
     assert (await ch.control("resume"))["paused"] is False
     assert (await asyncio.wait_for(held.get(), 5)).type == "final"
 
@@ -450,6 +455,43 @@ async def test_sigterm_drains_inflight_then_exits_zero(start_worker, channels,
     assert [r.type for r in results] == ["final"] * 5
     assert [r.header.text for r in results] == [f"p{i}" for i in range(5)]
     assert await asyncio.to_thread(w.proc.wait, 15) == 0
+
+
+async def test_a_request_cut_by_the_drain_timeout_is_told_from_a_client_abort(
+        start_worker, channels) -> None:
+    """The replica cutting a request on its way out (drainTimeoutSeconds passed) answers
+    `error/drain_timeout`, naming the timeout; the client's own abort still answers `aborted`.
+    Kills: the cut answered as `aborted` (the HTTP API then said 200 `status: abort` with
+    empty text, exactly as for a client's abort), and a client abort reported as a cut."""
+    w = start_worker("echo", drainTimeoutSeconds=1)
+    ch = channels(w)
+    mine = ch.submit("mine", {"prompt": "m", "delay_ms": 60_000}, timeout_s=120)
+    cut = ch.submit("cut", {"prompt": "c", "delay_ms": 60_000}, timeout_s=120)
+    await _wait_inflight(w, 2)
+    ch.abort("mine")
+    assert (await asyncio.wait_for(mine.get(), 30)).type == "aborted"
+    w.proc.send_signal(signal.SIGTERM)
+    reply = await asyncio.wait_for(cut.get(), 30)  # far less than the request's 60 s
+    assert isinstance(reply.header, p.Error), reply.header
+    assert reply.header.code == "drain_timeout" and reply.header.id == "cut"
+    assert "drain timeout (1s) passed" in reply.header.message, reply.header.message
+    assert await asyncio.to_thread(w.proc.wait, 30) == 0
+
+
+async def test_a_drain_while_asleep_cuts_the_queued_work_as_the_server_s(
+        start_worker, channels) -> None:
+    """Asleep, a replica has no model to finish queued work with: its drain cuts it at once,
+    and says so the same way. Kills: that path still answering `aborted`."""
+    w = start_worker("echo")
+    ch = channels(w)
+    assert (await ch.control("sleep"))["asleep"] is True  # sleeping pauses the queue
+    queued = ch.submit("queued", {"prompt": "q"}, timeout_s=120)
+    await _wait_inflight(w, 1, key="queued")
+    await ch.control("drain")
+    reply = await asyncio.wait_for(queued.get(), 30)
+    assert isinstance(reply.header, p.Error) and reply.header.code == "drain_timeout", reply
+    assert "asleep" in reply.header.message
+    assert await asyncio.to_thread(w.proc.wait, 30) == 0
 
 
 async def test_drain_rpc(start_worker, channels, tmp_path: Path) -> None:

@@ -3,6 +3,8 @@ real API server in tests/cluster)."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
 from typing import Any
 
@@ -10,6 +12,7 @@ import pytest
 
 from omni_operator import builders as b
 from omnistage import kube
+from omnistage.orchestrator.engine import Orchestrator
 from omnistage.shm import ENV_CAP, ENV_DIR, ENV_SESSION, ShmConfig
 from omnistage.spec import SpecError, parse_pipeline
 
@@ -77,3 +80,52 @@ def test_a_misspelt_switch_is_refused() -> None:
 ])
 def test_memory_quantities(quantity: str, expected: int) -> None:
     assert b._quantity_bytes(quantity) == expected
+
+
+def _orchestrator(orchestrator: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the orchestrator Deployment, its ConfigMap) for a pipeline with this orchestrator."""
+    pipe = parse_pipeline({
+        "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+        "metadata": {"name": "p"},
+        "spec": {"orchestrator": orchestrator,
+                 "stages": [{"name": "a", "kind": "echo", "finalOutput": True}]},
+    })
+    children = b.pipeline_children(OWNER, pipe)
+    [deployment] = [c for c in children if c["kind"] == "Deployment"]
+    [config] = [c for c in children if c["kind"] == "ConfigMap"]
+    return deployment, config
+
+
+def test_scaling_the_orchestrator_restarts_none_of_its_pods() -> None:
+    """Only spec.replicas changes: the pod template, its hash annotation and the pipeline the
+    orchestrator reads are the same, so the Deployment adds or removes pods and rolls none.
+    Kills: the replica count inside the orchestrator's manifest (every orchestrator pod was
+    rolled on a scale)."""
+    one, one_config = _orchestrator({"replicas": 1})
+    three, three_config = _orchestrator({"replicas": 3})
+    assert (one["spec"]["replicas"], three["spec"]["replicas"]) == (1, 3)
+    assert one["spec"]["template"] == three["spec"]["template"]
+    assert one_config["data"] == three_config["data"]
+    assert "replicas" not in json.loads(one_config["data"][b.PIPELINE_KEY])["spec"].get(
+        "orchestrator", {})
+    # The hash is not inert: a field the orchestrator reads still rolls it.
+    slower, _ = _orchestrator({"replicas": 1, "requestTimeoutSeconds": 123})
+    hash_of = lambda d: d["spec"]["template"]["metadata"]["annotations"][  # noqa: E731
+        kube.ANNOTATION_SPEC_HASH]
+    assert hash_of(slower) != hash_of(one)
+
+
+def test_a_hung_worker_leaves_ready_within_the_orchestrator_s_heartbeat_bound() -> None:
+    """The kubelet probes one at a time: a worker that never answers is NotReady after
+    failureThreshold x max(timeoutSeconds, periodSeconds), plus up to one period before the
+    first failing probe. That must stay within a few seconds of the orchestrator's 3 s
+    heartbeat timeout (it declared a SIGSTOPped replica lost at 3.4 s while the pod stayed
+    Ready for 15 s: timeoutSeconds 5). Kills: going back to the 5 s timeout, or a threshold
+    that stretches it. The behaviour itself is tested with a SIGSTOPped worker in
+    tests/cluster/test_lifecycle_operator.py."""
+    heartbeat = inspect.signature(Orchestrator).parameters["heartbeat_timeout"].default
+    probe = pods(pipeline())[1]["containers"][0]["readinessProbe"]
+    worst = probe["failureThreshold"] * max(probe["timeoutSeconds"], probe["periodSeconds"]) \
+        + probe["periodSeconds"]
+    assert worst <= heartbeat + 1, probe
+    assert probe["failureThreshold"] >= 2  # one slow answer alone never takes it out

@@ -92,18 +92,46 @@ def now() -> dt.datetime:
 
 async def test_busy_replica_is_not_finished_until_its_work_reaches_zero(state) -> None:
     """Kills: `finished` returning True without asking the replica (immediate deletes), and
-    counting only in_flight or only queued work."""
+    ignoring in_flight."""
     state.answer({"in_flight": 1, "queued": 0})
     assert (await drain.finished(pod(since=now()), pool())).done is False
-    state.answer({"in_flight": 0, "queued": 2})  # queued work is work too
-    assert (await drain.finished(pod(since=now()), pool())).done is False
-    state.answer({"in_flight": 2, "queued": 2})  # a sum, not a difference
+    state.answer({"in_flight": 2, "queued": 2})  # both queued: still work
     assert (await drain.finished(pod(since=now()), pool())).done is False
     state.answer({"in_flight": 0, "queued": 0})
     assert (await drain.finished(pod(since=now()), pool())).done is True
     state.answer({})  # fields it does not report count as zero
     assert (await drain.finished(pod(since=now()), pool())).done is True
-    assert state.hits == 5
+    assert state.hits == 4
+
+
+@pytest.mark.parametrize(("reported", "left"), [
+    ({"in_flight": 1, "queued": 1}, 1),  # the issue's case: 1 cut was reported as 2 (3 as 6)
+    ({"in_flight": 3, "queued": 0}, 3),
+    ({"in_flight": 6, "queued": 3}, 6),
+    ({"in_flight": 2}, 2),
+])
+def test_queued_work_is_counted_once(reported: Obj, left: int) -> None:
+    """A worker's in_flight already counts its queued requests (protocol.WorkerState; pinned
+    against a real worker in tests/integration/test_worker.py), so the work left is in_flight
+    alone. Kills: adding `queued` again (a DrainTimeout event said 3 when 1 was cut, and
+    `omnistage status` showed 9 in flight with 6 clients)."""
+    assert drain.work_left(reported) == left
+
+
+@pytest.mark.parametrize("bad", [[1], "3", None, {"in_flight": "many"}, {"in_flight": None}])
+def test_work_left_refuses_a_state_it_cannot_read(bad: Any) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        drain.work_left(bad)
+
+
+async def test_a_timed_out_drain_reports_each_cut_request_once(state) -> None:
+    """The DrainTimeout event's count (Progress.cut) for one request running and one queued
+    behind it: two, and one running with nothing queued: one."""
+    started = now() - dt.timedelta(seconds=100)
+    state.answer({"in_flight": 2, "queued": 1})
+    assert (await drain.finished(pod(since=started), pool(timeout=30))).cut == 2
+    state.answer({"in_flight": 1, "queued": 1})  # queued, none running (a paused replica)
+    assert (await drain.finished(pod(since=started), pool(timeout=30))).cut == 1
 
 
 async def test_drain_timeout_ends_the_wait_even_while_busy(state) -> None:
@@ -189,3 +217,25 @@ async def test_begin_marks_the_pod_draining_with_a_since_stamp() -> None:
     assert patch is not None
     [cond] = patch["status"]["conditions"]
     assert (cond["status"], cond["reason"]) == ("False", "Draining")
+
+
+def test_status_counts_queued_work_once() -> None:
+    """`omnistage status` reads the same /state through the API server's pod proxy: one
+    request running and one queued is 2 in flight, not 3. Kills: replicas_cli adding `queued`
+    again, or answering a figure for a state it cannot read."""
+    from omni_operator import replicas_cli
+
+    class Proxy:  # what SyncKubeApi.request(..., raw=True) answers through the pod proxy
+        def __init__(self, body: bytes) -> None:
+            self.body = body
+
+        def request(self, method: str, url: str, **_: Any) -> bytes:
+            assert method == "GET" and url.endswith(f":{kube.WORKER_HTTP_PORT}/proxy/state")
+            return self.body
+
+    replica = pod()
+    replica["metadata"].pop("annotations")
+    got = replicas_cli._inflight(Proxy(b'{"in_flight": 2, "queued": 1}'), replica)
+    assert got == 2
+    assert replicas_cli._inflight(Proxy(b'{"in_flight": "many"}'), replica) is None
+    assert replicas_cli._inflight(Proxy(b'[]'), replica) is None

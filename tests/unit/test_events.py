@@ -6,6 +6,7 @@ InvalidSpec event to 2 on one object; test_operator sees ReplicaLost for a delet
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from omni_operator.controller import Controller
@@ -161,3 +162,40 @@ def test_forget_drops_a_stale_entry_as_a_deletion_would() -> None:
     c.forget("StagePool", "ns", "p-a")
     assert c.view("Pod", "ns", "p-a-0") is None and c.view("StagePool", "ns", "p-a") is None
     assert not c._unconfirmed
+
+
+async def test_an_event_for_a_terminating_namespace_is_dropped_quietly(caplog) -> None:
+    """Deleting a namespace deletes its pipelines, whose Terminating event can no longer be
+    written there: dropped without a warning (an operator log full of 403s hides real RBAC
+    gaps). Any other refusal still warns. Known by the Status cause, not the message."""
+
+    # As kube-apiserver 1.36 answers (captured from the local control plane).
+    terminating = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                   "message": 'events "x" is forbidden: unable to create new content in '
+                              "namespace ns because it is being terminated",
+                   "reason": "Forbidden", "code": 403,
+                   "details": {"name": "x", "kind": "events", "causes": [
+                       {"reason": "NamespaceTerminating", "message": "namespace ns is being "
+                        "terminated", "field": "metadata.namespace"}]}}
+    rbac = {"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+            "message": "events is forbidden: User cannot create resource"}
+
+    class Refusing:
+        def __init__(self, body: dict[str, Any]) -> None:
+            self.body = body
+
+        async def create(self, url: str, body: dict[str, Any], **_: Any) -> Any:
+            raise ApiError(403, self.body, "POST", url)
+
+    obj = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+           "metadata": {"name": "p", "namespace": "ns", "uid": "u"}}
+    with caplog.at_level(logging.DEBUG, logger="omnistage.operator"):
+        await EventRecorder(Refusing(terminating)).record(  # type: ignore[arg-type]
+            obj, "Normal", "Terminating", "going")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "namespace is terminating" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="omnistage.operator"):
+        await EventRecorder(Refusing(rbac)).record(  # type: ignore[arg-type]
+            obj, "Normal", "Terminating", "going")
+    assert [r for r in caplog.records if r.levelno == logging.WARNING], caplog.text

@@ -388,7 +388,8 @@ def test_parse_control() -> None:
 
 def test_error_mapping_follows_the_engine_table() -> None:
     cases = {"bad_request": 400, "overloaded": 429, "deadline": 504, "no_replica": 503,
-             "replica_lost": 502, "stage_failed": 502, "internal": 500, "shutting_down": 503}
+             "replica_lost": 502, "stage_failed": 502, "internal": 500, "shutting_down": 503,
+             "drain_timeout": 503}
     for code, status in cases.items():
         err = error_from_request_error(rq.RequestError(code, "m"))
         assert (err.status, err.code) == (status, code)

@@ -676,6 +676,15 @@ class Orchestrator:
             case p.Deadline(message=message):
                 self._fail_child(child, RequestError(
                     "deadline", f"stage {stage}: {message}", stage))
+            case p.Error(code="drain_timeout", message=message):
+                # The replica cut it on its way out, not the client: say so (503), unless the
+                # client had asked for the abort meanwhile.
+                if child.abort_requested:
+                    child.aborted = True
+                    self._settle(child)
+                else:
+                    self._fail_child(child, RequestError(
+                        "drain_timeout", f"stage {stage}: {message}", stage))
             case p.Error(code=code, message=message):
                 kind = "bad_request" if code == "bad_request" else "stage_failed"
                 self._fail_child(child, RequestError(kind, f"stage {stage}: {message}", stage))

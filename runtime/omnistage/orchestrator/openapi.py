@@ -92,8 +92,9 @@ _ERRORS: dict[int, str] = {
          "when to retry.",
     500: "Internal error; for control, a worker-side exception (`exception_type`, `replica`).",
     502: "A stage failed or its replica was lost (`stage_failed`, `replica_lost`).",
-    503: "No live replica for a stage (`no_replica`), not ready, draining, shutting down, or "
-         "the request was aborted (`aborted`). Retry-After when the server suggests a delay.",
+    503: "No live replica for a stage (`no_replica`), not ready, draining, shutting down, "
+         "the request was aborted (`aborted`), or a retiring replica cut it when its drain "
+         "timeout passed (`drain_timeout`). Retry-After when the server suggests a delay.",
     504: "The request's deadline passed (`deadline`).",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",

@@ -28,12 +28,13 @@ HTTP_STATUS: dict[str, int] = {
     "stage_failed": 502,
     "internal": 500,
     "shutting_down": 503,
+    "drain_timeout": 503,  # a retiring replica cut it (its drainTimeoutSeconds passed)
 }
 
 # Codes that mean a stage failed rather than something about this request.
 FATAL_CODES = frozenset(
     {"no_replica", "replica_lost", "stage_failed", "internal", "draining", "shutting_down",
-     "not_ready"}
+     "not_ready", "drain_timeout"}
 )
 
 

@@ -66,6 +66,7 @@ class _Request:
     rid: str
     ctx: ExecutionContext
     borrower: str | None = None  # the client's segment: outputs may be lent to it
+    cut: str | None = None  # why the replica itself cancelled it (a drain), if it did
 
 
 class StageWorker:
@@ -210,9 +211,8 @@ class StageWorker:
             return
         self.draining = True
         log.info("draining (%s): %d in flight", reason, len(self.requests))
-        if self.asleep:  # no model to finish queued work with: abort it now
-            for req in list(self.requests.values()):
-                req.ctx.cancel()
+        if self.asleep:  # no model to finish queued work with: cut it now
+            self._cut_all("it was asleep when its drain began, with no model to run it")
         self.scheduler.resume()  # admitted work finishes even if the replica was paused
         self._drain_task = asyncio.ensure_future(self._drain())
 
@@ -220,16 +220,30 @@ class StageWorker:
         try:
             await asyncio.wait_for(self._wait_idle(), self.drain_timeout)
         except TimeoutError:
-            log.warning("drain timeout %.1fs: aborting %d requests", self.drain_timeout,
+            log.warning("drain timeout %.1fs: cutting %d requests", self.drain_timeout,
                         len(self.requests))
-            for req in list(self.requests.values()):
-                req.ctx.cancel()
+            self._cut_all(f"its drain timeout ({self.drain_timeout:g}s) passed")
             self.scheduler.resume()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wait_idle(), 10)
         # Let the final replies leave the socket before it closes.
         await asyncio.sleep(0.05)
         self._exit.set()
+
+    def _cut_all(self, why: str) -> None:
+        """Cancel every request in flight because this replica is going away: each ends with
+        `error/drain_timeout` (not `aborted`, which answers the client's own abort), so the
+        client can tell that the server cut it. A request its client already aborted stays
+        an abort."""
+        for req in list(self.requests.values()):
+            if not req.ctx.token.cancelled:
+                req.cut = why
+            req.ctx.cancel()
+
+    def _cut_reply(self, req: _Request) -> p.Error:
+        replica = self.cfg.replica_id
+        return p.Error(code="drain_timeout", id=req.rid, replica=replica,
+                       message=f"replica {replica} cut the request while draining: {req.cut}")
 
     async def _wait_idle(self) -> None:
         while self.requests or self._tasks:
@@ -389,6 +403,9 @@ class StageWorker:
                 self._reply(req.ident, p.Error(code="internal", id=rid, replica=replica,
                                                message=f"{type(exc).__name__}: {exc}"))
                 return self._finish(req)
+            if outcome.aborted and req.cut is not None:
+                self._reply(req.ident, self._cut_reply(req))
+                return self._finish(req)
             result = p.Aborted if outcome.aborted else p.Final
             tensors: dict[str, Any] = outcome.tensors
             try:
@@ -400,8 +417,9 @@ class StageWorker:
                 self._reply(req.ident, p.Deadline(id=rid, replica=replica, message=str(exc)))
                 return self._finish(req)
             except WaitCancelled:
-                self._reply(req.ident, p.Aborted(id=rid, replica=replica, seq=seq + 1,
-                                                 finish_reason="abort"))
+                self._reply(req.ident, self._cut_reply(req) if req.cut is not None else
+                            p.Aborted(id=rid, replica=replica, seq=seq + 1,
+                                      finish_reason="abort"))
                 return self._finish(req)
             except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
                 self._take_back(tensors)
