@@ -1004,7 +1004,7 @@ def _staying(by_ordinal: dict[int, Obj]) -> list[int]:
     without it (evicted, deleted by hand, or replaced by the operator while it served nothing)
     keeps its ordinal: its replacement takes its name once it is gone."""
     return [o for o, p in by_ordinal.items()
-            if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_DRAINING) != "true"]
+            if not kube.marked_draining(p)]
 
 
 def _spec_hash(pod: Obj) -> str | None:

@@ -10,6 +10,7 @@ from omni_operator import builders
 from omni_operator.controller import FINALIZER, Controller
 from omni_operator.models import API_VERSION
 from omnistage import kube
+from omnistage.kubeapi import Applied
 from omnistage.spec import parse_pipeline
 
 Obj = dict[str, Any]
@@ -38,6 +39,10 @@ class RecordingApi:
     async def delete(self, url: str, body: Any = None, **_: Any) -> Obj:
         self.writes.append(("delete", url))
         return {}
+
+    async def apply(self, url: str, body: Obj, **_: Any) -> Applied:
+        self.writes.append(("apply", url))
+        return Applied(body, True)
 
     async def get(self, url: str, **_: Any) -> None:
         return None

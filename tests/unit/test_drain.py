@@ -115,13 +115,12 @@ def test_queued_work_is_counted_once(reported: Obj, left: int) -> None:
     against a real worker in tests/integration/test_worker.py), so the work left is in_flight
     alone. Kills: adding `queued` again (a DrainTimeout event said 3 when 1 was cut, and
     `omnistage status` showed 9 in flight with 6 clients)."""
-    assert drain.work_left(reported) == left
+    assert kube.work_left(reported) == left
 
 
 @pytest.mark.parametrize("bad", [[1], "3", None, {"in_flight": "many"}, {"in_flight": None}])
 def test_work_left_refuses_a_state_it_cannot_read(bad: Any) -> None:
-    with pytest.raises((TypeError, ValueError)):
-        drain.work_left(bad)
+    assert kube.work_left(bad) is None
 
 
 async def test_a_timed_out_drain_reports_each_cut_request_once(state) -> None:
