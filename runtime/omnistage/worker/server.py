@@ -353,7 +353,8 @@ class StageWorker:
             return self._reply_error_once(req, f"feed: request {feed.id!r} was not submitted "
                                                "with fed=true")
         if req.io.feed(InputChunk(feed.seq, feed.text, tensors), feed.last):
-            self.counters["chunks_fed"] += 1
+            if feed.text is not None or tensors:  # not a bare end of input
+                self.counters["chunks_fed"] += 1
         else:
             self.counters["late_feeds"] += 1
 
