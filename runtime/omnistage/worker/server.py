@@ -350,7 +350,7 @@ class StageWorker:
         if req is None:
             return
         if not req.io.fed:
-            return self._reply_error_once(req, f"feed: request {feed.id!r} was not submitted "
+            return self._misused(req, f"feed: request {feed.id!r} was not submitted "
                                                "with fed=true")
         if req.io.feed(InputChunk(feed.seq, feed.text, tensors), feed.last):
             if feed.text is not None or tensors:  # not a bare end of input
@@ -358,7 +358,7 @@ class StageWorker:
         else:
             self.counters["late_feeds"] += 1
 
-    def _reply_error_once(self, req: _Request, message: str) -> None:
+    def _misused(self, req: _Request, message: str) -> None:
         """A protocol misuse on a running request: log it and cancel the request (its one
         terminal reply says aborted); a stray message never crashes the worker."""
         log.warning("request %s: %s", req.rid, message)
