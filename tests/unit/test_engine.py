@@ -2015,7 +2015,7 @@ async def test_the_log_says_what_happened_to_each_replica(
         "replica a-0 lost (replica left the membership): failing 0 bound tasks",
         "orchestrator stopping: 0 requests in flight",
     ], lines
-    assert v == 3
+    assert v == 4
 
 
 async def test_a_replica_gone_while_its_probe_pings_is_not_readmitted(make: Make) -> None:
