@@ -77,3 +77,20 @@ def test_a_misspelt_switch_is_refused() -> None:
 ])
 def test_memory_quantities(quantity: str, expected: int) -> None:
     assert b._quantity_bytes(quantity) == expected
+
+
+def test_streaming_is_the_orchestrator_s_alone() -> None:
+    """Turning streaming between stages off changes the orchestrator's copy of the pipeline
+    and not the pools' (so it rolls no stage replica)."""
+    def doc(enabled: bool) -> Any:
+        return parse_pipeline({
+            "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+            "metadata": {"name": "p"},
+            "spec": {"stages": [{"name": "a", "kind": "echo",
+                                 "streaming": {"enabled": enabled, "window": 3}}]}})
+
+    on, off = doc(True), doc(False)
+    assert b.pool_stage(on.spec.stages[0]) == b.pool_stage(off.spec.stages[0])
+    assert "streaming" not in b.pool_stage(off.spec.stages[0])
+    assert b.pipeline_manifest(off)["spec"]["stages"][0]["streaming"] == {
+        "enabled": False, "window": 3}
