@@ -86,7 +86,7 @@ def test_streaming_is_the_orchestrator_s_alone() -> None:
         return parse_pipeline({
             "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
             "metadata": {"name": "p"},
-            "spec": {"stages": [{"name": "a", "kind": "echo",
+            "spec": {"stages": [{"name": "a", "kind": "echo", "finalOutput": True,
                                  "streaming": {"enabled": enabled, "window": 3}}]}})
 
     on, off = doc(True), doc(False)
