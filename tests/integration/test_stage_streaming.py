@@ -12,8 +12,11 @@ import signal
 import time
 from typing import Any
 
+import msgspec
+import numpy as np
 import pytest
 
+from omnistage import protocol as p
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
 from tests.integration.test_orchestrator import _until, collect, pipeline
 from tests.integration.test_orchestrator import launch as launch  # the fixture
@@ -184,3 +187,56 @@ async def test_a_slow_downstream_holds_the_upstream_within_its_window(launch) ->
     done = chunks(a)
     assert done["sent"] == 25 and done["outstanding_peak"] == 3, done
     assert done["window_waits"] >= 10, done  # back-pressure held it, again and again
+
+
+# ---- the worker's side of the wire, without an orchestrator ---------------------------------
+
+
+async def test_the_worker_speaks_chunk_feed_and_credit(start_worker, channels) -> None:
+    """A producer holds at its window until credited; a fed consumer credits each chunk it
+    takes; stray or malformed streaming messages are refused and the worker keeps serving."""
+    w = start_worker("echo")
+    ch = channels(w)
+    await ch.handshake(10)
+
+    async def next_reply() -> p.Message[Any]:
+        return await asyncio.wait_for(ch.unsolicited.get(), 10)
+
+    ch.send(p.Submit(id="up", params={"prompt": "abcdef", "chunk_chars": 2}, chunk_window=1))
+    first = await next_reply()
+    assert isinstance(first.header, p.Chunk) and (first.header.seq, first.header.text) == (1, "ab")
+    assert bytes(first.tensors["chunk"].numpy()) == b"ab"
+    await _until(lambda: chunks(w)["window_waits"] == 1, "the producer waits for credit")
+    assert ch.unsolicited.empty() and chunks(w)["outstanding"] == 1
+    texts = ["ab"]
+    for seq in (1, 2):
+        ch.send(p.Credit(id="up", seq=seq))
+        msg = await next_reply()
+        assert isinstance(msg.header, p.Chunk) and msg.header.seq == seq + 1
+        texts.append(msg.header.text)
+    final = await next_reply()
+    assert isinstance(final.header, p.Final) and final.header.text == "".join(texts) == "abcdef"
+
+    ch.send(p.Submit(id="down", fed=True))
+    ch.send(p.Feed(id="down", seq=1, text="xy"), {"chunk": np.frombuffer(b"xy", np.uint8)})
+    credit = await next_reply()
+    assert isinstance(credit.header, p.Credit) and (credit.header.id, credit.header.seq) == (
+        "down", 1)
+    ch.send(p.Feed(id="down", seq=1, text="again"))  # a repeat: dropped
+    ch.send(p.Feed(id="down", seq=2, last=True))
+    final = await next_reply()
+    assert isinstance(final.header, p.Final) and final.header.text == "xy"
+
+    ch.send(p.Feed(id="gone", seq=1, text="x"))  # no such request: counted, no reply
+    ch.send(p.Credit(id="gone", seq=1))
+    await _until(lambda: chunks(w)["late_feeds"] == 3, "stray messages counted")
+    ch.send_raw([msgspec.msgpack.encode({"t": "feed", "id": "bad", "seq": 0})])
+    bad = await next_reply()
+    assert isinstance(bad.header, p.Error) and bad.header.code == "malformed"
+    assert bad.header.id == "bad" and "`$.seq`" in bad.header.message
+    ch.send(p.Submit(id="plain", params={"delay_ms": 30_000}))
+    ch.send(p.Feed(id="plain", seq=1, text="x"))  # not submitted fed: the misuse cancels it
+    aborted = await next_reply()
+    assert isinstance(aborted.header, p.Aborted) and aborted.header.id == "plain"
+    assert (await ch.ping(5)).state.ready and ch.unsolicited.empty()
+    assert worker_state(w)["in_flight"] == 0
