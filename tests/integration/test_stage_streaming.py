@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 
 from omnistage import protocol as p
+from omnistage.executors import kinds as stage_kinds
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
 from tests.integration.test_orchestrator import _until, collect, pipeline
 from tests.integration.test_orchestrator import launch as launch  # the fixture
 from tests.integration.test_shm import config, segments, worker_state
 from tests.integration.test_shm import shm_dir as shm_dir  # the fixture
+from tests.integration.test_stage_kinds import ENTRY, _pythonpath
+from tests.integration.test_stage_kinds import reverse as reverse  # the fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -240,3 +243,24 @@ async def test_the_worker_speaks_chunk_feed_and_credit(start_worker, channels) -
     assert isinstance(aborted.header, p.Aborted) and aborted.header.id == "plain"
     assert (await ch.ping(5)).state.ready and ch.unsolicited.empty()
     assert worker_state(w)["in_flight"] == 0
+
+
+async def test_only_edges_whose_kinds_stream_do(reverse, launch, start_worker, channels) -> None:
+    """A kind whose row says neither (the test-only `reverse`) hands over whole outputs to a
+    streaming kind, and its worker refuses chunk_window and fed naming the field."""
+    env = {"env": {stage_kinds.ENV_VAR: ENTRY, "PYTHONPATH": _pythonpath()}}
+    pipe = pipeline("rev", [{"name": "rev", "kind": "reverse"}, echo("out", ("rev",), final=True)])
+    orch, procs, _ = await launch(pipe, {"rev": [env], "out": [{}]})
+    _, out = await collect(orch, PipelineRequest(prompt="abc"))
+    assert out.status == "ok" and out.children[0].outputs["out"].fields["text"] == "cba"
+    assert chunks(procs["out"][0])["fed"] == 0  # out got the whole text in its submit
+    ch = channels(procs["rev"][0])
+    await ch.handshake(10)
+    for submit, error in ((p.Submit(id="w", chunk_window=2),
+                           "chunk_window: stage kind 'reverse' does not emit chunks"),
+                          (p.Submit(id="f", fed=True),
+                           "fed: stage kind 'reverse' does not consume chunks")):
+        ch.send(submit)
+        reply = await asyncio.wait_for(ch.unsolicited.get(), 10)
+        assert isinstance(reply.header, p.Error) and reply.header.code == "bad_request"
+        assert reply.header.message == error
