@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from typing import Any
 
 import msgspec
@@ -161,16 +160,15 @@ async def test_kill_9_downstream_mid_stream_fails_only_its_requests_once(launch)
 async def test_deadline_mid_stream_is_one_terminal_outcome(launch) -> None:
     pipe = two_stage("late", echoChunkChars=1, echoChunkDelayMs=100)  # 2.5 s of work
     orch, procs, _ = await launch(pipe, {"a": [{}], "b": [{}]})
-    started = time.monotonic()
     handle = orch.submit(PipelineRequest(prompt=TEXT, timeout_s=1.0))
     events = [ev async for ev in handle.events()]
-    assert time.monotonic() - started < 2.4  # ended by the deadline, not by the work
     terminal = [e for e in events if isinstance(e, Outcome)]
     assert len(terminal) == 1 and terminal[0].error is not None
     assert terminal[0].error.code == "deadline", terminal[0]
     assert chunks(procs["b"][0])["fed"] >= 1  # it was mid-stream
     for w in (procs["a"][0], procs["b"][0]):
         await _until(lambda w=w: worker_state(w)["in_flight"] == 0, "stage stopped")
+    assert chunks(procs["a"][0])["sent"] < 25  # ended by the deadline, not by the work
     assert not orch.requests
 
 
