@@ -159,7 +159,8 @@ WORKER_READINESS_FAILURES = 3
 #: Stage fields only the stage runtime reads (engine, pool size, resources, scheduling,
 #: budgets). The orchestrator's copy of the pipeline leaves them out, so changing one of them
 #: rolls the stage's replicas and never the orchestrator. The orchestrator reads a stage's name,
-#: kind, model, inputs, finalOutput, drainTimeoutSeconds and admission.defaultDeadlineSeconds.
+#: kind, model, inputs, finalOutput, drainTimeoutSeconds, admission.defaultDeadlineSeconds and
+#: streaming (which only the orchestrator reads: pool_stage leaves it out).
 STAGE_RUNTIME_ONLY = ("engine", "replicas", "resources", "placement", "maxUnavailable")
 ADMISSION_ORCHESTRATOR_READS = ("defaultDeadlineSeconds",)
 #: Orchestrator fields no orchestrator process reads: how many of them run is the Deployment's
@@ -189,9 +190,11 @@ def pipeline_manifest(pipeline: OmniPipeline) -> Obj:
 
 
 def pool_stage(stage: Stage) -> Obj:
-    """The stage as a pool stores it: only the engine options its kind reads."""
+    """The stage as a pool stores it: only the engine options its kind reads, and no
+    streaming options (the orchestrator's alone: turning streaming off rolls no replica)."""
     doc = stage.model_dump(by_alias=True, exclude_none=True, mode="json")
     doc["engine"] = engine_for_kind(stage.engine, stage.kind)
+    doc.pop("streaming", None)
     return doc
 
 

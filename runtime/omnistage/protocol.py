@@ -23,12 +23,16 @@ import numpy as np
 # Version 2: typed messages and the hello handshake. Version 3: tensor descriptors are a tagged
 # union (frame | shm), the shared-memory handshake fields and the release message. Bump it on
 # any change an older peer would misread; hello, hello_reply and error keep their fields so any
-# two versions can tell each other apart.
-PROTOCOL_VERSION = 3
+# two versions can tell each other apart. Version 4: streaming between stages (submit's
+# chunk_window and fed, the feed and credit requests, the chunk and credit replies).
+PROTOCOL_VERSION = 4
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_ID_LEN = 256
 MAX_TENSOR_DIMS = 8
+# The most chunks a stage may send ahead of its downstream's consumption (Submit.chunk_window);
+# a worker also refuses more fed chunks than this waiting at once.
+MAX_CHUNK_WINDOW = 1024
 
 # ---- control operations --------------------------------------------------------------------
 
@@ -136,6 +140,36 @@ class Submit(_Wire, tag="submit"):
     # The process (hello_reply.incarnation) the request is for. Another process, a restart at
     # the same address, refuses it with error/stale_incarnation instead of running it.
     incarnation: str | None = None
+    # Streaming between stages (docs/architecture.md). chunk_window: send the output in chunks
+    # as it is made, at most this many ahead of the credits received. fed: the input arrives
+    # in feed messages after this submit (the last one has last=true), not in this message.
+    chunk_window: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_WINDOW)] | None = None
+    fed: bool = False
+
+
+class Feed(_Wire, tag="feed"):
+    """One chunk of a fed request's input (an upstream stage's chunk, routed by the
+    orchestrator), in seq order; `last` marks the end of the input and may carry no data."""
+
+    id: Id
+    seq: Annotated[int, msgspec.Meta(ge=1)]
+    text: str | None = None
+    tensors: list[TensorDesc] = []
+    last: bool = False
+    incarnation: str | None = None  # as in submit: another process drops it
+
+
+class Credit(_Wire, tag="credit"):
+    """Cumulative credit on one streamed edge: the consumer has taken every chunk up to `seq`.
+
+    A worker whose executor took a fed chunk sends it (a reply naming its own request); the
+    orchestrator passes it on to the upstream's request (a request), whose window it opens.
+    Repeats and older values change nothing, so a resent stream may credit again.
+    """
+
+    id: Id
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    incarnation: str | None = None
 
 
 class Abort(_Wire, tag="abort"):
@@ -158,7 +192,7 @@ class Release(_Wire, tag="release"):
     leases: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=4096)]
 
 
-Request = Hello | Submit | Abort | Control | Ping | Release
+Request = Hello | Submit | Feed | Credit | Abort | Control | Ping | Release
 
 # Replies (worker -> client). Each terminal reply type is distinct so callers never parse text.
 
@@ -198,6 +232,16 @@ class Delta(_Wire, tag="delta"):
     seq: int
     text: str = ""
     token_ids: list[int] = []
+
+
+class Chunk(_Wire, tag="chunk"):
+    """One chunk of a streamed output (Submit.chunk_window), in seq order; not terminal. The
+    final reply still follows and carries the whole result (what a final stage returns)."""
+
+    id: Id
+    seq: Annotated[int, msgspec.Meta(ge=1)]
+    text: str | None = None
+    tensors: list[TensorDesc] = []
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -294,8 +338,8 @@ class Pong(_Wire, tag="pong"):
 
 
 Reply = (
-    HelloReply | Delta | Final | Aborted | Overloaded | Deadline | Draining | Error
-    | ControlReply | Pong
+    HelloReply | Delta | Chunk | Credit | Final | Aborted | Overloaded | Deadline | Draining
+    | Error | ControlReply | Pong
 )
 TERMINAL_REPLIES = (Final, Aborted, Overloaded, Deadline, Draining, Error)
 
@@ -439,14 +483,15 @@ def encode(
 ) -> list[Any]:
     """Frames for one message: header first, then one frame per `frame` tensor in header order.
 
-    Tensors fill the header's `tensors` list (only submit, final and aborted carry any). With
+    Tensors fill the header's `tensors` list (only submit, feed, chunk, final and aborted carry
+    any). With
     `shm` (the peer shares this machine's segments) a tensor that lies in shared memory goes as
     its handle; otherwise its bytes go as a frame. A shared-memory block is copied into that
     frame: the frame may leave after the block went back to its owner.
     """
     frames: list[Any] = []
     if tensors:
-        if not isinstance(header, Submit | _Result):
+        if not isinstance(header, Submit | Feed | Chunk | _Result):
             raise TypeError(f"a {tag(header)} message carries no tensors")
         descs: list[TensorDesc] = []
         for name, value in tensors.items():

@@ -76,6 +76,7 @@ __all__ = [
     "StagePool",
     "StagePoolSpec",
     "StageResources",
+    "StreamingOptions",
     "Toleration",
     "image_error",
     "load_manifests",
@@ -294,6 +295,16 @@ class EngineOptions(_Model):
     echo_delay_ms: Annotated[int, PerRequest(key="delay_ms")] = Field(
         0, ge=0, le=60_000, description="echo: artificial latency added to every request."
     )
+    echo_chunk_chars: Annotated[int, PerRequest(key="chunk_chars")] = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="echo: split the text into pieces of this many characters (0: one piece), "
+        "each a chunk for a downstream stage that streams and a delta for a streaming client.",
+    )
+    echo_chunk_delay_ms: Annotated[int, PerRequest(key="chunk_delay_ms")] = Field(
+        0, ge=0, le=60_000, description="echo: artificial latency before every piece."
+    )
     max_batch_size: int = Field(
         16,
         ge=1,
@@ -494,6 +505,25 @@ class AdmissionOptions(_Model):
     )
 
 
+class StreamingOptions(_Model):
+    """Streaming between stages (docs/architecture.md): a downstream stage starts on the first
+    chunk of this stage's output instead of waiting for its end."""
+
+    enabled: bool = Field(
+        True,
+        description="Stream between this stage and its neighbours where both kinds can (the kind "
+        "table's chunked output and input); false: every edge of this stage hands over whole "
+        "outputs.",
+    )
+    window: int = Field(
+        8,
+        ge=1,
+        le=1024,  # protocol.MAX_CHUNK_WINDOW
+        description="Chunks this stage may send ahead of its downstream stage's consumption; a "
+        "slower downstream holds it back there (back-pressure).",
+    )
+
+
 class Stage(_Model):
     """One logical stage: a model, its engine options and its pool of replicas."""
 
@@ -538,6 +568,9 @@ class Stage(_Model):
     )
     admission: AdmissionOptions = Field(
         default_factory=AdmissionOptions, description="Admission budgets of each replica."
+    )
+    streaming: StreamingOptions = Field(
+        default_factory=StreamingOptions, description="Streaming between stages."
     )
     drain_timeout_seconds: int = Field(
         30,

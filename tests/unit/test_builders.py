@@ -129,3 +129,20 @@ def test_a_hung_worker_leaves_ready_within_the_orchestrator_s_heartbeat_bound() 
         + probe["periodSeconds"]
     assert worst <= heartbeat + 1, probe
     assert probe["failureThreshold"] >= 2  # one slow answer alone never takes it out
+
+
+def test_streaming_is_the_orchestrator_s_alone() -> None:
+    """Turning streaming between stages off changes the orchestrator's copy of the pipeline
+    and not the pools' (so it rolls no stage replica)."""
+    def doc(enabled: bool) -> Any:
+        return parse_pipeline({
+            "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+            "metadata": {"name": "p"},
+            "spec": {"stages": [{"name": "a", "kind": "echo", "finalOutput": True,
+                                 "streaming": {"enabled": enabled, "window": 3}}]}})
+
+    on, off = doc(True), doc(False)
+    assert b.pool_stage(on.spec.stages[0]) == b.pool_stage(off.spec.stages[0])
+    assert "streaming" not in b.pool_stage(off.spec.stages[0])
+    assert b.pipeline_manifest(off)["spec"]["stages"][0]["streaming"] == {
+        "enabled": False, "window": 3}

@@ -43,7 +43,8 @@ def test_every_kind_has_its_knobs() -> None:
     assert per_request("diffusion") == {"height": "height", "width": "width",
                                         "num_inference_steps": "num_inference_steps",
                                         "guidance_scale": "guidance_scale", "seed": "seed"}
-    assert per_request("echo") == {"delay_ms": "echo_delay_ms"}
+    assert per_request("echo") == {"delay_ms": "echo_delay_ms", "chunk_chars": "echo_chunk_chars",
+                                   "chunk_delay_ms": "echo_chunk_delay_ms"}
     assert set(STAGE_KINDS) == {"ar", "diffusion", "echo"}
 
 

@@ -26,8 +26,47 @@ def roundtrip_request(header: msgspec.Struct, tensors: dict[str, Any] | None = N
 
 def test_every_request_type_roundtrips() -> None:
     for header in (p.Hello(version=2), p.Submit(id="r", params={"prompt": "x"}, timeout_s=1.5),
+                   p.Submit(id="r", chunk_window=4, fed=True),
+                   p.Feed(id="r", seq=1, text="x"), p.Feed(id="r", seq=2, last=True,
+                                                           incarnation="i"),
+                   p.Credit(id="r", seq=3, incarnation="i"),
                    p.Abort(id="r"), p.Control(cid="c", op="pause"), p.Ping(cid="c")):
         assert roundtrip_request(header).header == header
+
+
+def test_chunks_and_feeds_carry_tensors_and_credit_goes_both_ways() -> None:
+    """Streaming between stages: a chunk reply and a feed request carry text and tensors;
+    credit is both a reply (from the consumer) and a request (to the producer)."""
+    x = np.arange(6, dtype=np.int64)
+    chunk = p.decode_reply(p.encode(p.Chunk(id="r", seq=1, text="ab"), {"chunk": x}))
+    assert (chunk.header.id, chunk.header.seq, chunk.header.text) == ("r", 1, "ab")
+    np.testing.assert_array_equal(chunk.tensors["chunk"].numpy(), x)
+    feed = roundtrip_request(p.Feed(id="d", seq=1, text="ab"), {"chunk": x})
+    assert not feed.header.last
+    np.testing.assert_array_equal(feed.tensors["chunk"].numpy(), x)
+    assert p.decode_reply(p.encode(p.Credit(id="d", seq=1))).header == p.Credit(id="d", seq=1)
+    assert roundtrip_request(p.Credit(id="r", seq=1)).header == p.Credit(id="r", seq=1)
+    assert "credit" in p.REQUEST_TYPES and "credit" in p.REPLY_TYPES
+    assert p.Chunk not in p.TERMINAL_REPLIES and p.Credit not in p.TERMINAL_REPLIES
+    with pytest.raises(TypeError, match="a credit message carries no tensors"):
+        p.encode(p.Credit(id="r", seq=1), {"x": x})
+    with pytest.raises(p.ProtocolError, match=r"'chunk' - at `\$.t`"):
+        p.decode_request(p.encode(p.Chunk(id="r", seq=1)))  # a reply type, sent to a worker
+    with pytest.raises(p.ProtocolError, match=r"'feed' - at `\$.t`"):
+        p.decode_reply(p.encode(p.Feed(id="r", seq=1)))  # a request type, sent to a client
+
+
+@pytest.mark.parametrize(("header", "error"), [
+    ({"t": "chunk", "id": "r", "seq": 0}, ">= 1 - at `$.seq`"),
+    ({"t": "chunk", "seq": 1}, "missing required field `id`"),
+    ({"t": "chunk", "id": "r", "seq": 1, "text": 5}, "`$.text`"),
+    ({"t": "credit", "id": "r", "seq": -1}, ">= 0 - at `$.seq`"),
+])
+def test_malformed_streaming_replies_name_what_is_wrong(header: dict[str, Any],
+                                                        error: str) -> None:
+    with pytest.raises(p.ProtocolError) as exc:
+        p.decode_reply([enc(header)])
+    assert error in str(exc.value)
 
 
 def test_every_reply_type_roundtrips() -> None:
@@ -104,6 +143,18 @@ def test_tensors_only_on_messages_that_carry_them() -> None:
     ([enc({"t": "submit", "id": "r", "timeout_s": True})], "`$.timeout_s`"),
     ([enc({"t": "control", "cid": "c", "op": "self_destruct"})], "`$.op`"),
     ([enc({"t": "hello"})], "missing required field `version`"),
+    ([enc({"t": "submit", "id": "r", "chunk_window": 0})], ">= 1 - at `$.chunk_window`"),
+    ([enc({"t": "submit", "id": "r", "chunk_window": p.MAX_CHUNK_WINDOW + 1})],
+     "<= 1024 - at `$.chunk_window`"),
+    ([enc({"t": "submit", "id": "r", "fed": "yes"})], "`$.fed`"),
+    ([enc({"t": "feed", "id": "r"})], "missing required field `seq`"),
+    ([enc({"t": "feed", "id": "r", "seq": 0})], ">= 1 - at `$.seq`"),
+    ([enc({"t": "feed", "id": "r", "seq": 1, "last": 1})], "`$.last`"),
+    ([enc({"t": "feed", "id": "r", "seq": 1, "tensors": [{"in": "frame", "name": "a",
+                                                         "dtype": "uint8", "shape": [2]}]}),
+      b"1"], "tensors[0] (a) declares 2 bytes (uint8[2]) but its frame has 1"),
+    ([enc({"t": "credit", "id": "r", "seq": -1})], ">= 0 - at `$.seq`"),
+    ([enc({"t": "credit", "seq": 1})], "missing required field `id`"),
     ([enc({"t": "submit", "id": "r", "tensors": [{"in": "frame", "name": "a", "dtype": "complex",
                                                   "shape": [1]}]}), b"1"],
      "'complex' - at `$.tensors[0].dtype`"),

@@ -247,7 +247,8 @@ def test_engine_defaults() -> None:
     assert EngineOptions().model_dump() == {
         "dtype": "auto", "max_tokens": 16, "temperature": 0.0, "return_hidden_states": False,
         "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 0,
-        "echo_delay_ms": 0, "max_batch_size": 16, "max_batch_tokens": None,
+        "echo_delay_ms": 0, "echo_chunk_chars": 0, "echo_chunk_delay_ms": 0,
+        "max_batch_size": 16, "max_batch_tokens": None,
     }
 
 
@@ -344,7 +345,7 @@ AR = {"dtype": "auto", "maxTokens": 16, "temperature": 0.0, "returnHiddenStates"
       "seed": 0, "maxBatchSize": 16}
 DIFFUSION = {"dtype": "auto", "height": 32, "width": 32, "numInferenceSteps": 4,
              "guidanceScale": 1.0, "seed": 0, "maxBatchSize": 16}
-ECHO = {"echoDelayMs": 0}
+ECHO = {"echoDelayMs": 0, "echoChunkChars": 0, "echoChunkDelayMs": 0}
 
 
 def test_engine_for_kind_is_exactly_the_options_of_the_kind() -> None:
@@ -358,7 +359,7 @@ def test_engine_for_kind_is_exactly_the_options_of_the_kind() -> None:
     tuned = EngineOptions(max_batch_tokens=4096, echo_delay_ms=5, height=64)
     assert engine_for_kind(tuned, "ar") == {**AR, "maxBatchTokens": 4096}
     assert engine_for_kind(tuned, "diffusion") == {**DIFFUSION, "height": 64}
-    assert engine_for_kind(tuned, "echo") == {"echoDelayMs": 5}
+    assert engine_for_kind(tuned, "echo") == {**ECHO, "echoDelayMs": 5}
 
 
 def test_engine_kinds_of_every_field() -> None:
@@ -368,6 +369,7 @@ def test_engine_kinds_of_every_field() -> None:
         "return_hidden_states": ("ar",), "height": ("diffusion",), "width": ("diffusion",),
         "num_inference_steps": ("diffusion",), "guidance_scale": ("diffusion",),
         "seed": ("ar", "diffusion"), "echo_delay_ms": ("echo",),
+        "echo_chunk_chars": ("echo",), "echo_chunk_delay_ms": ("echo",),
         "max_batch_size": ("ar", "diffusion"), "max_batch_tokens": ("ar",),
     }
 

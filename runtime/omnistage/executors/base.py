@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -29,6 +31,147 @@ class Outcome:
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, Any] = field(default_factory=dict)
     aborted: bool = False
+
+
+@dataclass
+class InputChunk:
+    """One chunk of a fed request's input: what the upstream stage emitted as one chunk."""
+
+    seq: int
+    text: str | None = None
+    tensors: dict[str, WireTensor] = field(default_factory=dict)
+
+
+# How often a thread waiting on the stream looks at the request's cancellation and deadline.
+_POLL_S = 0.02
+
+
+class StageIO:
+    """What a running request talks to: the `emit` an executor's `execute` receives.
+
+    Streaming between stages (docs/architecture.md) in three calls, all on the executor's
+    thread:
+
+    - `emit(fields)`: a text delta for the client, as before (a plain Emit callable).
+    - `emit_chunk(text=..., tensors=...)`: hand one chunk of the output to the downstream stage
+      as soon as it is made. When the request's output is not streamed (`streams_output` is
+      false: no downstream consumes chunks, or streaming is off) it does nothing, so an
+      executor calls it unconditionally; the outcome must carry the whole result either way.
+      It blocks while `window` chunks are out that the downstream has not taken yet
+      (back-pressure), and raises ExecutionCancelled or DeadlineExceeded when the request
+      ends meanwhile.
+    - `inputs()`: when `fed`, the request's input arrives in chunks: iterate them in order as
+      they come (it ends after the upstream's last chunk; taking one credits the upstream).
+      The iterator raises ExecutionCancelled or DeadlineExceeded, and BadRequest when the
+      sender overran the window. An executor keeps the left context its model needs itself
+      (the chunks taken so far). Not fed: the input is the prepared job, as before.
+
+    The worker builds one per request and feeds it (`feed`, `credit`) from its event loop.
+    Tensors of a fed chunk may be views of another process's shared memory, valid until the
+    request ends: copy what must outlive it.
+    """
+
+    def __init__(
+        self,
+        ctx: ExecutionContext | None = None,
+        delta: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        send_chunk: Callable[[int, str | None, dict[str, Any]], None] | None = None,
+        window: int = 0,
+        fed: bool = False,
+        consumed: Callable[[int], None] | None = None,
+        max_waiting: int = 1024,
+    ) -> None:
+        self.ctx = ctx or ExecutionContext()
+        self._delta = delta
+        self._send_chunk = send_chunk
+        self.window = window
+        self.fed = fed
+        self._consumed = consumed
+        self._max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[InputChunk] = collections.deque()
+        self._ended = False
+        self._overrun = False
+        self._last_fed = 0
+        self.deltas = 0  # text deltas sent (the final reply's seq follows them)
+        self.sent = 0  # chunks sent
+        self.acked = 0  # chunks the downstream took (the highest credit)
+        self.peak_outstanding = 0  # the most chunks out at once: never above window
+        self.window_waits = 0  # emit_chunk calls that waited for credit
+
+    @classmethod
+    def of(cls, emit: Callable[[dict[str, Any]], None] | StageIO) -> StageIO:
+        """emit as a StageIO: itself, or a plain delta callable (warm-up, tests) wrapped."""
+        return emit if isinstance(emit, StageIO) else cls(delta=emit)
+
+    @property
+    def streams_output(self) -> bool:
+        return self._send_chunk is not None and self.window > 0
+
+    def __call__(self, fields: dict[str, Any]) -> None:
+        self.deltas += 1
+        if self._delta is not None:
+            self._delta(fields)
+
+    def emit_chunk(self, text: str | None = None, tensors: Mapping[str, Any] | None = None,
+                   ) -> None:
+        if self._send_chunk is None or self.window <= 0:
+            return
+        with self._cond:
+            if self.sent - self.acked >= self.window:
+                self.window_waits += 1
+            while self.sent - self.acked >= self.window:
+                self.ctx.check()
+                self._cond.wait(_POLL_S)
+            self.ctx.check()
+            self.sent += 1
+            seq = self.sent
+            self.peak_outstanding = max(self.peak_outstanding, self.sent - self.acked)
+        self._send_chunk(seq, text, dict(tensors or {}))
+
+    def inputs(self) -> Iterator[InputChunk]:
+        if not self.fed:
+            return
+        while True:
+            with self._cond:
+                while not self._waiting and not self._ended and not self._overrun:
+                    self.ctx.check()
+                    self._cond.wait(_POLL_S)
+                if self._overrun:
+                    raise BadRequest(f"feed: more than {self._max_waiting} chunks waiting; the "
+                                     "sender ignored its credits")
+                self.ctx.check()
+                if not self._waiting:
+                    return
+                chunk = self._waiting.popleft()
+            if self._consumed is not None:
+                self._consumed(chunk.seq)
+            yield chunk
+
+    # ---- the worker's side (its event loop) --------------------------------------------
+
+    def feed(self, chunk: InputChunk, last: bool) -> bool:
+        """Queue one fed chunk; False when it is out of order or after the last (dropped)."""
+        with self._cond:
+            if self._ended or chunk.seq <= self._last_fed:
+                return False
+            self._last_fed = chunk.seq
+            if chunk.text is not None or chunk.tensors:
+                if len(self._waiting) >= self._max_waiting:
+                    self._overrun = True
+                else:
+                    self._waiting.append(chunk)
+            self._ended = last
+            self._cond.notify_all()
+        return True
+
+    def credit(self, seq: int) -> None:
+        """The downstream took every chunk up to seq."""
+        with self._cond:
+            if seq > self.acked:
+                self.acked = min(seq, self.sent)
+                self._cond.notify_all()
 
 
 class Executor(ABC):
@@ -66,7 +209,11 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, job: Any, ctx: ExecutionContext, emit: Emit) -> Outcome:
-        """Run on a worker thread. Check ctx between steps; stop early when cancelled."""
+        """Run on a worker thread. Check ctx between steps; stop early when cancelled.
+
+        emit is a StageIO (StageIO.of(emit) also takes a plain callable): text deltas, and for
+        a kind whose row says so, output chunks (emit_chunk) and fed input chunks (inputs()).
+        """
 
     def aborted_before_start(self, job: Any) -> Outcome:
         """The reply for a request aborted while it was still queued."""

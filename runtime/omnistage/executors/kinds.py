@@ -86,6 +86,12 @@ class StageKind:
     builtin_models: tuple[str, ...] = ()
     consumes: frozenset[Payload] = frozenset()
     emits: frozenset[Payload] = frozenset()
+    #: Streaming between stages (executors.base.StageIO): the executor hands its output on in
+    #: chunks as it makes them (emit_chunk), and/or starts on the first chunk of its input
+    #: (inputs()). The engine streams an edge only when the upstream's row says
+    #: chunked_output and the downstream's says chunked_input.
+    chunked_output: bool = False
+    chunked_input: bool = False
 
     def __post_init__(self) -> None:
         if not re.fullmatch(_NAME_PATTERN, self.name):
@@ -147,9 +153,11 @@ _BUILTIN: tuple[StageKind, ...] = (
         executor="omnistage.executors.echo:EchoExecutor",
         summary="no model; for tests and benchmarks",
         needs_model=False,
-        engine_options=("echo_delay_ms",),
+        engine_options=("echo_delay_ms", "echo_chunk_chars", "echo_chunk_delay_ms"),
         consumes=frozenset({_P.TEXT}),
         emits=frozenset({_P.TEXT}),
+        chunked_output=True,
+        chunked_input=True,
     ),
 )
 

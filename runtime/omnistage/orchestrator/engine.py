@@ -8,6 +8,12 @@ needs no locks; replies from workers arrive through ReplicaChannel callbacks.
 Terminal state is monotonic: once a child or request is terminal its tasks are detached, and any
 late reply, delta or abort for them is dropped and counted, never forwarded.
 
+Streaming between stages: where an upstream's kind emits chunks and its one downstream's kind
+consumes them (the kind table), the upstream runs with a chunk window; its first chunk starts
+the downstream (fed), and each chunk is fed on to the replica the downstream is bound to. The
+downstream's credits go back to the upstream. Chunks of a terminal child are dropped like any
+late reply. See docs/architecture.md, "Streaming between stages".
+
 With shared memory, a stage's output tensors arrive as handles to blocks the worker lent; they
 go on to the next stage as the same handles (the orchestrator never touches the bytes). The
 request keeps every reply it used until its outcome: then final outputs are copied out and all
@@ -64,6 +70,18 @@ Result = p.Message[p.Final]  # a stage's successful output, kept for the stages 
 
 
 @dataclass(eq=False)
+class _Stream:
+    """One streamed edge of one child: the upstream's chunks, fed on to the downstream."""
+
+    upstream: str
+    downstream: str
+    window: int
+    chunks: list[Reply] = field(default_factory=list)  # kept to feed a resent downstream
+    acked: int = 0  # the downstream took every chunk up to this seq
+    ended: bool = False  # the upstream's final arrived (its last feed went out)
+
+
+@dataclass(eq=False)
 class _Task:
     """One stage of one child, bound to one replica at a time."""
 
@@ -74,6 +92,7 @@ class _Task:
     replica: Replica | None = None
     incarnation: str | None = None  # the replica's process it was sent to
     tried: set[str] = field(default_factory=set)
+    fed: _Stream | None = None  # its input arrives in chunks from this stream
 
 
 @dataclass(eq=False)
@@ -85,6 +104,7 @@ class _Child:
     done: dict[str, Result] = field(default_factory=dict)
     companion_done: dict[str, Result] = field(default_factory=dict)
     outputs: dict[str, StageOutput] = field(default_factory=dict)
+    streams: dict[str, _Stream] = field(default_factory=dict)  # by upstream stage
     abort_requested: bool = False
     aborted: bool = False
     outcome: ChildOutcome | None = None
@@ -98,6 +118,7 @@ class _Request:
     order: list[str]  # needed stages in topological order
     companions: set[str]  # AR stages that also run the negative prompt
     deadline: float
+    streamed: dict[str, str] = field(default_factory=dict)  # upstream -> downstream
     started: float = field(default_factory=time.monotonic)
     children: list[_Child] = field(default_factory=list)
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
@@ -156,6 +177,7 @@ class Orchestrator:
         self.default_deadlines = {
             s.name: float(s.admission.default_deadline_seconds) for s in self.spec.stages}
         self.inputs = {s.name: list(s.inputs) for s in self.spec.stages}
+        self.streaming = {s.name: s.streaming for s in self.spec.stages}
         self.topo = self.spec.topo_order()
         self.final_stages = tuple(self.spec.final_stages())
         self._plans: dict[tuple[str, ...], tuple[tuple[str, ...], frozenset[str]]] = {}
@@ -441,6 +463,9 @@ class Orchestrator:
         request.timer = asyncio.get_running_loop().call_later(timeout, self._on_deadline, request)
         request.children = [_Child(request, i) for i in range(req.n)]
         for child in request.children:
+            child.streams = {
+                up: _Stream(up, down, self.streaming[up].window)
+                for up, down in request.streamed.items()}
             self._advance(child)
         return handle
 
@@ -467,7 +492,27 @@ class Orchestrator:
         if req.negative_prompt is not None:
             request.companions = {
                 s for s in request.order if self._feeds_hidden_states(s, needed)}
+        request.streamed = self._streamed_edges(request)
         return None
+
+    def _streamed_edges(self, request: _Request) -> dict[str, str]:
+        """The edges of this request that stream (upstream -> downstream): the upstream's row
+        emits chunks, the downstream's consumes them, neither stage turned streaming off, the
+        downstream has that one input, the upstream feeds no other stage of the request, and
+        no negative-prompt companion runs on either."""
+        edges: dict[str, str] = {}
+        for down in request.order:
+            ins = self.inputs[down]
+            if len(ins) != 1:
+                continue
+            up = ins[0]
+            consumers = [d for d in request.order if up in self.inputs[d]]
+            if (consumers == [down] and self.rows[up].chunked_output
+                    and self.rows[down].chunked_input and self.streaming[up].enabled
+                    and self.streaming[down].enabled
+                    and not {up, down} & request.companions):
+                edges[up] = down
+        return edges
 
     def _feeds_hidden_states(self, stage: str, among: Sequence[str] | frozenset[str]) -> bool:
         """Whether stage emits hidden states that a stage among `among` consumes: it must then
@@ -512,11 +557,13 @@ class Orchestrator:
                             return
         self._settle(child)
 
-    def _start(self, child: _Child, stage: str, companion: bool) -> None:
+    def _start(self, child: _Child, stage: str, companion: bool,
+               fed: _Stream | None = None) -> None:
         request = child.request
         child.started.add((stage, companion))
         suffix = "/neg" if companion else ""
-        task = _Task(f"{request.id}/{child.index}/{stage}{suffix}", child, stage, companion)
+        task = _Task(f"{request.id}/{child.index}/{stage}{suffix}", child, stage, companion,
+                     fed=fed)
         self._send(task)
 
     def _send(self, task: _Task) -> None:
@@ -536,10 +583,21 @@ class Orchestrator:
             # No deadline of the client's own: the stage's default applies to this stage, within
             # the orchestrator's bound on the whole request.
             remaining = min(remaining, self.default_deadlines[task.stage])
-        submit = p.Submit(id=task.wire_id, params=self._params(task), timeout_s=remaining,
-                          incarnation=replica.incarnation, shm=replica.channel.borrower)
+        out = None if task.companion else child.streams.get(task.stage)
+        params = self._params(task)
+        if task.fed is not None:
+            params.pop("prompt", None)  # the fed chunks bring the input
+        submit = p.Submit(id=task.wire_id, params=params, timeout_s=remaining,
+                          incarnation=replica.incarnation, shm=replica.channel.borrower,
+                          chunk_window=out.window if out is not None else None,
+                          fed=task.fed is not None)
         try:
-            replica.channel.send(submit, self._tensors(task))
+            replica.channel.send(submit, {} if task.fed is not None else self._tensors(task))
+            if task.fed is not None:  # a resent downstream gets every chunk so far again
+                for chunk in task.fed.chunks:
+                    self._feed(task, chunk, replica)
+                if task.fed.ended:
+                    self._feed(task, None, replica)
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
             self._fail_child(child, RequestError(
                 "bad_request", f"request could not be encoded for stage {task.stage}: {exc}",
@@ -569,7 +627,7 @@ class Orchestrator:
         if task.companion:
             params["prompt"] = req.negative_prompt
         elif ins and takes_text:
-            upstream = child.done[ins[0]].header.text
+            upstream = child.done[ins[0]].header.text if ins[0] in child.done else None
             params["prompt"] = req.prompt if upstream is None else upstream
         elif takes_text:
             params["prompt"] = req.prompt
@@ -618,6 +676,10 @@ class Orchestrator:
             return
         if isinstance(h, p.Delta):
             self._on_delta(task, h)
+        elif isinstance(h, p.Chunk):
+            self._on_chunk(task, msg)
+        elif isinstance(h, p.Credit):
+            self._on_credit(task, h)
         elif isinstance(h, p.TERMINAL_REPLIES):
             self._on_terminal(task, msg)
         else:
@@ -630,6 +692,71 @@ class Orchestrator:
             self.counters["late_messages"] += 1
             return
         child.request.queue.put_nowait(Delta(child.index, task.stage, h.text, h.token_ids))
+
+    # ---- streaming between stages ----------------------------------------------------------
+
+    def _on_chunk(self, task: _Task, msg: Reply) -> None:
+        """An upstream's chunk: the first one starts its downstream (fed); each is fed to the
+        replica the downstream is bound to. Never to a terminal or aborting child."""
+        child = task.child
+        stream = None if task.companion else child.streams.get(task.stage)
+        if child.outcome is not None or child.abort_requested or stream is None or stream.ended:
+            self.counters["late_messages"] += 1
+            self._release(msg)
+            return
+        if msg.tensors:
+            child.request.held.append(msg)  # its blocks go back when the request ends
+        stream.chunks.append(msg)
+        if (stream.downstream, False) not in child.started:
+            self._start(child, stream.downstream, False, fed=stream)  # feeds what came so far
+            return
+        down = child.running.get((stream.downstream, False))
+        if down is not None and down.replica is not None:
+            self._feed(down, msg, down.replica)
+
+    def _feed(self, task: _Task, chunk: Reply | None, replica: Replica) -> None:
+        """Send one chunk (None: the end of the input) to a fed task's replica."""
+        assert task.fed is not None
+        if chunk is None:
+            header = p.Feed(id=task.wire_id, seq=len(task.fed.chunks) + 1, last=True,
+                            incarnation=replica.incarnation)
+            replica.channel.send(header)
+            return
+        h = chunk.header
+        assert isinstance(h, p.Chunk)
+        replica.channel.send(p.Feed(id=task.wire_id, seq=h.seq, text=h.text,
+                                    incarnation=replica.incarnation), chunk.tensors)
+
+    def _end_stream(self, child: _Child, upstream: str) -> None:
+        """The upstream finished: its fed downstream (if it started) gets the end of input.
+        If no chunk came, the downstream has not started: _advance starts it whole."""
+        stream = child.streams.get(upstream)
+        if stream is None:
+            return
+        stream.ended = True
+        down = child.running.get((stream.downstream, False))
+        if down is not None and down.fed is stream and down.replica is not None:
+            try:
+                self._feed(down, None, down.replica)
+            except Exception as exc:
+                self._fail_child(child, RequestError(
+                    "stage_failed", f"could not send to {down.replica.name}: {exc}",
+                    down.stage))
+
+    def _on_credit(self, task: _Task, h: p.Credit) -> None:
+        """A fed downstream took chunks: open the upstream's window by as many."""
+        stream = task.fed
+        if stream is None or task.child.outcome is not None:
+            self.counters["late_messages"] += 1
+            return
+        if h.seq <= stream.acked:
+            return
+        stream.acked = h.seq
+        up = task.child.running.get((stream.upstream, False))
+        if up is not None and up.replica is not None:
+            with contextlib.suppress(Exception):  # a lost upstream fails the child anyway
+                up.replica.channel.send(p.Credit(id=up.wire_id, seq=h.seq,
+                                                 incarnation=up.incarnation))
 
     def _on_terminal(self, task: _Task, msg: Reply) -> None:
         replica = task.replica
@@ -649,6 +776,7 @@ class Orchestrator:
                     child.done[stage] = msg  # type: ignore[assignment]
                     if stage in child.request.finals:
                         child.outputs[stage] = self._output(task, msg, replica)
+                    self._end_stream(child, stage)
                 self._advance(child)
             case p.Aborted(text=text):
                 child.aborted = True

@@ -21,7 +21,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from omnistage.executors import (
     create_executor,
     executor_class,
 )
+from omnistage.executors.base import InputChunk, StageIO
 from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import new_registry
 from omnistage.shm import SegmentManager, ShmConfig, WaitCancelled, start_segment_manager
@@ -67,6 +68,11 @@ class _Request:
     ctx: ExecutionContext
     borrower: str | None = None  # the client's segment: outputs may be lent to it
     cut: str | None = None  # why the replica itself cancelled it (a drain), if it did
+    io: StageIO = field(default_factory=StageIO)
+    # Streamed output: chunks wait here (in order) to be lent and sent by one task per request.
+    outbox: asyncio.Queue[tuple[int, str | None, dict[str, Any]] | None] | None = None
+    sender: asyncio.Task[None] | None = None
+    chunk_error: BaseException | None = None  # why a chunk could not be sent
 
 
 class StageWorker:
@@ -98,6 +104,11 @@ class StageWorker:
             "malformed": 0,
             "late_aborts": 0,
             "stale_messages": 0,
+            "late_feeds": 0,  # feeds and credits for a request no longer (or never) here
+            "chunks_sent": 0,
+            "chunks_fed": 0,
+            "window_waits": 0,  # emit_chunk calls that waited for credit (back-pressure)
+            "chunks_outstanding_peak": 0,  # the most chunks of one request out at once
         }
         self.outcomes: dict[str, int] = {}
         self.registry = new_registry(WorkerCollector(
@@ -300,6 +311,12 @@ class StageWorker:
                     self.counters["late_aborts"] += 1
                 else:
                     req.ctx.cancel()
+            case p.Feed() as feed:
+                self._feed(ident, feed, msg.tensors)
+            case p.Credit(id=rid, seq=seq, incarnation=incarnation):
+                req = self._streamed(ident, rid, incarnation)
+                if req is not None:
+                    req.io.credit(seq)
             case p.Ping(cid=cid):
                 self._send(ident, p.Pong(cid=cid, state=self.snapshot()))
             case p.Control(cid=cid, op=op):
@@ -330,6 +347,38 @@ class StageWorker:
                                        incarnation=self.incarnation,
                                        shm=self.shm.probe() if shared else None))  # type: ignore[union-attr]
 
+    def _streamed(self, ident: bytes, rid: str, incarnation: str | None) -> _Request | None:
+        """The request a feed or credit is for, or None (counted) when it is not here: it
+        ended, was refused, or was meant for a previous process."""
+        if incarnation is not None and incarnation != self.incarnation:
+            self.counters["stale_messages"] += 1
+            return None
+        req = self.requests.get((ident, rid))
+        if req is None:
+            self.counters["late_feeds"] += 1
+        return req
+
+    def _feed(self, ident: bytes, feed: p.Feed, tensors: dict[str, p.WireTensor]) -> None:
+        """One chunk of a fed request's input, queued for its executor's inputs()."""
+        req = self._streamed(ident, feed.id, feed.incarnation)
+        if req is None:
+            return
+        if not req.io.fed:
+            return self._misused(req, f"feed: request {feed.id!r} was not submitted "
+                                               "with fed=true")
+        if req.io.feed(InputChunk(feed.seq, feed.text, tensors), feed.last):
+            if feed.text is not None or tensors:  # not a bare end of input
+                self.counters["chunks_fed"] += 1
+        else:
+            self.counters["late_feeds"] += 1
+
+    def _misused(self, req: _Request, message: str) -> None:
+        """A protocol misuse on a running request: log it and cancel the request (its one
+        terminal reply says aborted); a stray message never crashes the worker."""
+        log.warning("request %s: %s", req.rid, message)
+        self.counters["malformed"] += 1
+        req.ctx.cancel()
+
     def _submit(self, ident: bytes, msg: p.Submit, tensors: dict[str, p.WireTensor]) -> None:
         rid, replica = msg.id, self.cfg.replica_id
         if msg.incarnation is not None and msg.incarnation != self.incarnation:
@@ -350,6 +399,15 @@ class StageWorker:
         if (ident, rid) in self.requests:
             return self._reply(ident, p.Error(code="bad_request", id=rid, replica=replica,
                                               message=f"id: request {rid!r} is already in flight"))
+        row = get_kind(self.cfg.stage.kind)
+        unsupported = ("chunk_window" if msg.chunk_window is not None and not row.chunked_output
+                       else "fed" if msg.fed and not row.chunked_input else None)
+        if unsupported is not None:
+            what = "emit" if unsupported == "chunk_window" else "consume"
+            return self._reply(ident, p.Error(
+                code="bad_request", id=rid, replica=replica,
+                message=f"{unsupported}: stage kind {self.cfg.stage.kind!r} does not {what} "
+                        "chunks"))
         try:
             job = self.executor.prepare(msg.params, tensors)
             cost = self.executor.cost(job)
@@ -366,26 +424,88 @@ class StageWorker:
         ctx = ExecutionContext.with_timeout(timeout, permits=[permit])
         borrower = msg.shm if self.shm is not None and msg.shm in self.shm.peers else None
         req = _Request(ident, rid, ctx, borrower)
+        req.io = StageIO(
+            ctx, partial(self._delta, req), fed=msg.fed, window=msg.chunk_window or 0,
+            send_chunk=partial(self._chunk, req) if msg.chunk_window else None,
+            consumed=partial(self._consumed, req), max_waiting=p.MAX_CHUNK_WINDOW)
+        if msg.chunk_window:
+            req.outbox = asyncio.Queue()
+            req.sender = asyncio.ensure_future(self._send_chunks(req))
         self.requests[(ident, rid)] = req
         self._spawn(self._run(req, job))
 
+    # ---- streaming between stages (the executor's StageIO calls these on its thread) -----
+
+    def _delta(self, req: _Request, fields: dict[str, Any]) -> None:
+        delta = p.Delta(id=req.rid, seq=req.io.deltas, **fields)
+        self._loop.call_soon_threadsafe(self._send, req.ident, delta)
+
+    def _chunk(self, req: _Request, seq: int, text: str | None, tensors: dict[str, Any]) -> None:
+        assert req.outbox is not None
+        self._loop.call_soon_threadsafe(req.outbox.put_nowait, (seq, text, tensors))
+
+    def _consumed(self, req: _Request, seq: int) -> None:
+        """The executor took fed chunk seq: credit the upstream (through the orchestrator)."""
+        self._loop.call_soon_threadsafe(self._send, req.ident, p.Credit(id=req.rid, seq=seq))
+
+    async def _send_chunks(self, req: _Request) -> None:
+        """Send a request's chunks in order, large tensors lent as for a final reply. After a
+        failure the rest are dropped (and their blocks taken back): the request then ends with
+        the error (_run reads chunk_error)."""
+        assert req.outbox is not None
+        while (item := await req.outbox.get()) is not None:
+            seq, text, tensors = item
+            if req.chunk_error is not None:
+                self._take_back(tensors)
+                continue
+            try:
+                if req.borrower is not None and tensors:
+                    tensors = await self._lend(req, tensors)
+                frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text), tensors,
+                                  shm=req.borrower is not None)
+            except Exception as exc:  # TimeoutError, WaitCancelled, an unencodable chunk
+                self._take_back(tensors)
+                req.chunk_error = exc
+                req.ctx.cancel()  # the executor stops at its next look at the context
+                continue
+            self.counters["chunks_sent"] += 1
+            self._send_frames(req.ident, frames, on_fail=partial(self._take_back, tensors))
+
+    async def _flush_chunks(self, req: _Request) -> None:
+        """Every chunk of the request on its way before its terminal reply."""
+        if req.sender is None or req.outbox is None:
+            return
+        req.outbox.put_nowait(None)
+        await req.sender
+        io = req.io
+        self.counters["window_waits"] += io.window_waits
+        self.counters["chunks_outstanding_peak"] = max(
+            self.counters["chunks_outstanding_peak"], io.peak_outstanding)
+
+    async def _execute_streamed(self, req: _Request, job: Any) -> Outcome:
+        """Execute, then see every chunk sent; a chunk that could not be sent is what the
+        request ends with (its deadline, its abort, or an internal error)."""
+        try:
+            outcome = await self._execute(req.ctx, job, req.io)
+        except BaseException:
+            await self._flush_chunks(req)
+            if req.chunk_error is not None:
+                raise req.chunk_error from None
+            raise
+        await self._flush_chunks(req)
+        if req.chunk_error is not None:
+            raise req.chunk_error
+        return outcome
+
     async def _run(self, req: _Request, job: Any) -> None:
         rid, replica = req.rid, self.cfg.replica_id
-        seq = 0
-
-        def emit(fields: dict[str, Any]) -> None:  # called on the worker thread
-            nonlocal seq
-            seq += 1
-            delta = p.Delta(id=rid, seq=seq, **fields)
-            self._loop.call_soon_threadsafe(self._send, req.ident, delta)
-
         assert self.executor is not None
         with req.ctx.hold():
             try:
-                outcome: Outcome = await self._execute(req.ctx, job, emit)
-            except ExecutionCancelled:
+                outcome: Outcome = await self._execute_streamed(req, job)
+            except (ExecutionCancelled, WaitCancelled):
                 outcome = self.executor.aborted_before_start(job)
-            except DeadlineExceeded as exc:
+            except (DeadlineExceeded, TimeoutError) as exc:
                 self._reply(req.ident, p.Deadline(id=rid, replica=replica,
                                                   message=str(exc) or "deadline exceeded"))
                 return self._finish(req)
@@ -407,6 +527,7 @@ class StageWorker:
                 self._reply(req.ident, self._cut_reply(req))
                 return self._finish(req)
             result = p.Aborted if outcome.aborted else p.Final
+            seq = req.io.deltas
             tensors: dict[str, Any] = outcome.tensors
             try:
                 if req.borrower is not None and tensors:
@@ -574,6 +695,15 @@ class StageWorker:
         """The same state as plain builtins, for the HTTP side port's /state (plus the
         shared-memory segment's figures when there is one)."""
         state = msgspec.structs.asdict(self.snapshot())
+        c = self.counters
+        live = [r.io for r in self.requests.values()]
+        state["chunks"] = {
+            "sent": c["chunks_sent"], "fed": c["chunks_fed"], "late_feeds": c["late_feeds"],
+            "window_waits": c["window_waits"] + sum(io.window_waits for io in live),
+            "outstanding_peak": max([c["chunks_outstanding_peak"],
+                                     *(io.peak_outstanding for io in live)]),
+            "outstanding": sum(io.sent - io.acked for io in live),
+        }
         if self.shm is not None:
             state["shm"] = {"segment": self.shm.name, **self.shm.stats()}
         return state
