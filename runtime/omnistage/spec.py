@@ -30,6 +30,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -102,6 +103,8 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # The pipeline name prefixes Service names, which must be DNS-1035 labels (leading letter).
 DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
+#: A voice (speaker) name, as OpenAI's `voice` field and Qwen-Omni's speaker names spell them.
+VOICE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 # Names of Secrets and PersistentVolumeClaims.
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 PIPELINE_NAME_MAX = 40
@@ -293,6 +296,19 @@ class EngineOptions(_Model):
     )
     echo_delay_ms: Annotated[int, PerRequest(key="delay_ms")] = Field(
         0, ge=0, le=60_000, description="echo: artificial latency added to every request."
+    )
+    voices: list[Annotated[str, StringConstraints(pattern=VOICE_PATTERN)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="speech stages: the voices this stage offers (speaker names of its model); "
+        "unset: every voice the model knows. /v1/models lists them.",
+    )
+    voice: Annotated[str | None, PerRequest()] = Field(
+        None,
+        pattern=VOICE_PATTERN,
+        description="speech stages: the voice of a request that names none; unset: the first "
+        "of voices (or the model's first).",
     )
     max_batch_size: int = Field(
         16,

@@ -247,7 +247,8 @@ def test_engine_defaults() -> None:
     assert EngineOptions().model_dump() == {
         "dtype": "auto", "max_tokens": 16, "temperature": 0.0, "return_hidden_states": False,
         "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 0,
-        "echo_delay_ms": 0, "max_batch_size": 16, "max_batch_tokens": None,
+        "echo_delay_ms": 0, "voices": None, "voice": None, "max_batch_size": 16,
+        "max_batch_tokens": None,
     }
 
 
@@ -368,6 +369,7 @@ def test_engine_kinds_of_every_field() -> None:
         "return_hidden_states": ("ar",), "height": ("diffusion",), "width": ("diffusion",),
         "num_inference_steps": ("diffusion",), "guidance_scale": ("diffusion",),
         "seed": ("ar", "diffusion"), "echo_delay_ms": ("echo",),
+        "voices": ("talker",), "voice": ("talker",),
         "max_batch_size": ("ar", "diffusion"), "max_batch_tokens": ("ar",),
     }
 
