@@ -83,6 +83,7 @@ __all__ = [
     "load_pipeline",
     "parse_pipeline",
     "parse_stagepool",
+    "stage_voices",
     "validate_manifest",
 ]
 
@@ -310,6 +311,13 @@ class EngineOptions(_Model):
         description="speech stages: the voice of a request that names none; unset: the first "
         "of voices (or the model's first).",
     )
+    max_frames: Annotated[int, PerRequest()] = Field(
+        256,
+        ge=1,
+        le=65_536,
+        description="talker: most codec frames a request may generate (Qwen3-Omni makes 12.5 "
+        "frames a second of speech); the talker also stops at its codec's end code.",
+    )
     max_batch_size: int = Field(
         16,
         ge=1,
@@ -356,6 +364,24 @@ def engine_for_kind(engine: EngineOptions, kind: str) -> dict[str, Any]:
         for name, info in EngineOptions.model_fields.items()
         if kind in engine_kinds(name) and (info.alias or name) in dumped
     }
+
+
+#: The voices a speech stage offers when engine.voices is unset: the built-in tiny talker's one
+#: speaker. A hub model's speakers are listed in engine.voices (the spec cannot open its files).
+DEFAULT_VOICES: tuple[str, ...] = ("default",)
+
+
+def stage_voices(stage: Stage) -> list[str]:
+    """The voices a stage offers, first = the default one when a request names none (after
+    engine.voice): engine.voices if set, else DEFAULT_VOICES. [] for a stage whose kind reads no
+    voices (it makes no speech). The HTTP API's /v1/models and its voice checks read this."""
+    if "voices" not in stage_kinds.get(stage.kind).engine_options:
+        return []
+    voices = list(stage.engine.voices or DEFAULT_VOICES)
+    if stage.engine.voice is not None and stage.engine.voice in voices:
+        voices.remove(stage.engine.voice)
+        voices.insert(0, stage.engine.voice)
+    return voices
 
 
 def join_words(items: list[str], last: str = "and") -> str:
