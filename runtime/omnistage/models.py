@@ -232,7 +232,14 @@ def _save_tiny_omni_talker(path: Path) -> None:
         codec_think_eos_id=special + 5, accept_hidden_layer=2, spatial_merge_size=2,
         speaker_id={v: special + 6 + i for i, v in enumerate(TINY_VOICES)},
     )
-    Qwen3OmniMoeTalkerForConditionalGeneration(cfg).save_pretrained(path)
+    talker = Qwen3OmniMoeTalkerForConditionalGeneration(cfg)
+    # transformers 5.24 leaves the talker's fused expert weights uninitialised (torch.empty):
+    # give them the init every other weight gets, so the tiny model computes finite numbers.
+    with torch.no_grad():
+        for name, param in talker.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, cfg.initializer_range)
+    talker.save_pretrained(path)
     tok.save_pretrained(path)
     save_file({"weight": table}, str(path / TEXT_EMBEDDINGS))
 
