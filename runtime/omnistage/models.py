@@ -495,10 +495,6 @@ def load_diffusion(model: str, device: Any, dtype: str, kind: str) -> tuple[Any,
 # which each stage loads only its part: the part's config, and its weights with the part's
 # prefix mapped away, through the same from_pretrained.
 
-_PART_PREFIX = {"thinker_config": "thinker", "talker_config": "talker",
-                "code2wav_config": "code2wav"}
-
-
 def _omni_part(cls: Any, path: Path, part: str, dtype: Any) -> Any:
     from transformers import AutoConfig
 
@@ -508,7 +504,7 @@ def _omni_part(cls: Any, path: Path, part: str, dtype: Any) -> Any:
         combined = None  # from_pretrained below says what is missing
     if combined == "qwen3_omni_moe":
         config = AutoConfig.from_pretrained(path)
-        prefix = _PART_PREFIX[part]
+        prefix = part.removesuffix("_config")  # thinker_config's weights are thinker.*
         model = cls.from_pretrained(path, config=getattr(config, part), dtype=dtype,
                                     key_mapping={rf"^{prefix}\.": ""})
         model.omni_config = config  # the whole model's config (token ids, the talker's layer)

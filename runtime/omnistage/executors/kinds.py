@@ -159,6 +159,15 @@ _BUILTIN: tuple[StageKind, ...] = (
         emits=frozenset({_P.IMAGE}),
     ),
     StageKind(
+        name="echo",
+        executor="omnistage.executors.echo:EchoExecutor",
+        summary="no model; for tests and benchmarks",
+        needs_model=False,
+        engine_options=("echo_delay_ms",),
+        consumes=frozenset({_P.TEXT}),
+        emits=frozenset({_P.TEXT}),
+    ),
+    StageKind(
         name="thinker",
         executor="omnistage.executors.ar:ThinkerExecutor",
         summary="multimodal LLM (Qwen3-Omni thinker): text, image and audio in",
@@ -187,15 +196,6 @@ _BUILTIN: tuple[StageKind, ...] = (
         builtin_models=("tiny-omni-vocoder",),
         consumes=frozenset({_P.CODEC_CODES}),
         emits=frozenset({_P.AUDIO}),
-    ),
-    StageKind(
-        name="echo",
-        executor="omnistage.executors.echo:EchoExecutor",
-        summary="no model; for tests and benchmarks",
-        needs_model=False,
-        engine_options=("echo_delay_ms",),
-        consumes=frozenset({_P.TEXT}),
-        emits=frozenset({_P.TEXT}),
     ),
 )
 
