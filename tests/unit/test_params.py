@@ -44,7 +44,10 @@ def test_every_kind_has_its_knobs() -> None:
                                         "num_inference_steps": "num_inference_steps",
                                         "guidance_scale": "guidance_scale", "seed": "seed"}
     assert per_request("echo") == {"delay_ms": "echo_delay_ms"}
-    assert set(STAGE_KINDS) == {"ar", "diffusion", "echo"}
+    assert per_request("thinker") == per_request("ar")
+    assert per_request("talker") == {"voice": "voice", "max_frames": "max_frames", "seed": "seed"}
+    assert per_request("vocoder") == {}
+    assert set(STAGE_KINDS) == {"ar", "diffusion", "echo", "thinker", "talker", "vocoder"}
 
 
 @pytest.mark.parametrize(("model", "kind"), [(ARParams, "ar"), (DiffusionParams, "diffusion"),
