@@ -86,7 +86,7 @@ async def test_omni_speech_example_answers_in_audio_and_reads_media(serve) -> No
         result = out.children[0].outputs["thinker"]
         return result.fields["prompt_tokens"], result.tensors["hidden_states"].numpy()
 
-    plain, plain_h = await thinker()
+    plain, _ = await thinker()
     img_a, img_b = (rng.integers(0, 256, (40, 50, 3), dtype=np.uint8) for _ in range(2))
     with_a, a_h = await thinker(**{"input_image.0": img_a})
     with_b, b_h = await thinker(**{"input_image.0": img_b})

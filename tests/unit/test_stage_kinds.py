@@ -54,8 +54,8 @@ def test_every_row_builds_its_executor_and_its_builtins(name: str) -> None:
 
 def test_unknown_kinds_and_bad_rows_are_refused_naming_the_value() -> None:
     with pytest.raises(stage_kinds.KindError,
-                       match="unknown stage kind 'tts'; expected one of: ar, diffusion, echo, thinker, "
-                             "talker, vocoder"):
+                       match="unknown stage kind 'tts'; expected one of: ar, diffusion, "
+                             "echo, thinker, talker, vocoder"):
         stage_kinds.get("tts")
     with pytest.raises(stage_kinds.KindError, match="'Bad Name' must be 1-32 lowercase"):
         StageKind(name="Bad Name", executor="m:C", summary="", needs_model=False)
