@@ -505,11 +505,27 @@ def _omni_part(cls: Any, path: Path, part: str, dtype: Any) -> Any:
     if combined == "qwen3_omni_moe":
         config = AutoConfig.from_pretrained(path)
         prefix = part.removesuffix("_config")  # thinker_config's weights are thinker.*
+        _fuse_experts_like_the_whole(cls, config)
         model = cls.from_pretrained(path, config=getattr(config, part), dtype=dtype,
                                     key_mapping={rf"^{prefix}\.": ""})
         model.omni_config = config  # the whole model's config (token ids, the talker's layer)
         return model
     return cls.from_pretrained(path, dtype=dtype)
+
+
+def _fuse_experts_like_the_whole(cls: Any, config: Any) -> None:
+    """The combined checkpoint stores MoE experts one by one; transformers fuses them on load by
+    the model type's conversion mapping, which the whole model has and the talker alone lacks.
+    Give the part the whole model's mapping (it matches only expert weights)."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    name = cls.__name__
+    whole = get_checkpoint_conversion_mapping(config.model_type)
+    if whole and get_checkpoint_conversion_mapping(name) is None:
+        register_checkpoint_conversion_mapping(name, whole)
 
 
 def load_thinker(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, Any, Any, Any]:
