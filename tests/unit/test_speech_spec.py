@@ -20,7 +20,7 @@ def test_speech_examples_validate(name: str, kinds: list[str], voices: list[str]
     pipe = load_pipeline(EXAMPLES / f"{name}.yaml", check_paths=True)
     spec = pipe.spec
     assert [s.kind for s in spec.stages] == kinds
-    assert [s.name for s in spec.final_stages()] == ["vocoder"]
+    assert list(spec.final_stages()) == ["vocoder"]
     talker = next(s for s in spec.stages if s.kind == "talker")
     assert stage_voices(talker) == voices
     assert all(stage_voices(s) == [] for s in spec.stages if s is not talker)
