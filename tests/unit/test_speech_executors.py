@@ -192,3 +192,13 @@ def test_stage_voices_come_from_the_spec() -> None:
     assert stage_voices(named) == ["Chelsie", "Ethan"]  # the default voice first
     chat = Stage.model_validate({"name": "c", "kind": "ar", "model": "tiny-llama"})
     assert stage_voices(chat) == []
+
+
+def test_media_go_into_the_last_user_turn_of_a_chat_prompt(thinker, monkeypatch) -> None:
+    """Qwen's chat template renders `<|im_start|>user\\n...`; media start that turn's content.
+    (The tiny tokenizer has no template, so the turn markers are stood in for.)"""
+    user = thinker.model.config.user_token_id
+    monkeypatch.setattr(thinker.tokenizer, "convert_tokens_to_ids", lambda _t: 7)
+    turns = [7, 9, 10, 5, 7, user, 10, 6, 7, user, 10, 4, 7, 11, 10]
+    assert thinker._media_position(turns) == 11
+    assert thinker._media_position([3, 4, 5]) == 0

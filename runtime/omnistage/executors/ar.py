@@ -259,9 +259,10 @@ class ThinkerExecutor(ARExecutor):
     and audio run through the model's own image processor and audio feature extractor.
 
     Media come as tensors `input_image.<i>` and `input_audio.<i>` (omnistage.executors.kinds,
-    Payload) and go before the prompt's text, each as its placeholder tokens in the form the
-    model was trained on (<|vision_start|> <|image_pad|>... <|vision_end|>, likewise for audio),
-    as many as its encoder makes. Requests run one at a time: the model keeps the multimodal
+    Payload) and go before the prompt's text (at the start of the last user turn of a
+    chat-templated one), each as its placeholder tokens in the form the model was trained on
+    (<|vision_start|> <|image_pad|>... <|vision_end|>, likewise for audio), as many as its
+    encoder makes. Requests run one at a time: the model keeps the multimodal
     RoPE offset of the running sequence on itself.
 
     For a talker, its hidden states are those of the layer Qwen's talker reads (the combined
@@ -290,13 +291,24 @@ class ThinkerExecutor(ARExecutor):
         job = super().prepare(params, {})
         if not images and not audio:
             return job
-        prefix, job.prefill_inputs = self._encode_media(images, audio)
-        job.prompt_ids = prefix + job.prompt_ids
+        media, job.prefill_inputs = self._encode_media(images, audio)
+        at = self._media_position(job.prompt_ids)
+        job.prompt_ids = job.prompt_ids[:at] + media + job.prompt_ids[at:]
         if len(job.prompt_ids) + job.max_tokens > self.context_len:
             raise BadRequest(f"params.prompt: the prompt with its media ({len(job.prompt_ids)} "
                              f"tokens) + max_tokens ({job.max_tokens}) exceeds the model "
                              f"context of {self.context_len}")
         return job
+
+    def _media_position(self, ids: list[int]) -> int:
+        """Where media go: at the start of the last user turn's content when the prompt was
+        rendered with Qwen's chat template (<|im_start|> user \\n ...), else first."""
+        start = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        user = getattr(self.model.config, "user_token_id", None)
+        for i in range(len(ids) - 2, -1, -1):
+            if ids[i] == start and ids[i + 1] == user:
+                return i + 3
+        return 0
 
     def _media(self, tensors: Mapping[str, WireTensor]) -> tuple[list[Any], list[Any]]:
         """The request's images (uint8 [H, W, 3]) and audio clips (float32 [samples] in
