@@ -346,6 +346,7 @@ class ThinkerExecutor(ARExecutor):
 
     def _encode_media(self, images: list[Any], audio: list[Any]) -> tuple[list[int], dict]:
         """Placeholder token ids for the media, and the forward pass's inputs for them."""
+        import torch
         from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
             _get_feat_extract_output_lengths,
         )
@@ -354,15 +355,31 @@ class ThinkerExecutor(ARExecutor):
 
         tok, ids, inputs = self.tokenizer, [], {}
         if images:
-            out = self.image_processor(images=images, return_tensors="pt")
+            pixels, grids = [], []
+            for i, image in enumerate(images):
+                try:
+                    out = self.image_processor(images=[image], return_tensors="pt",
+                                               input_data_format="channels_last")
+                except ValueError as exc:  # e.g. an aspect ratio the model cannot patch
+                    raise BadRequest(f"tensors.input_image.{i}: the model's image processor "
+                                     f"refused it: {exc}") from None
+                pixels.append(out["pixel_values"])
+                grids.append(out["image_grid_thw"])
             merge = int(self.image_processor.merge_size) ** 2
-            for grid in out["image_grid_thw"]:
+            for grid in torch.cat(grids):
                 ids += [tok.vision_bos_token_id,
                         *[tok.image_token_id] * (int(grid.prod()) // merge),
                         tok.vision_eos_token_id]
-            inputs["pixel_values"] = out["pixel_values"].to(self.device, self.model.dtype)
-            inputs["image_grid_thw"] = out["image_grid_thw"].to(self.device)
+            inputs["pixel_values"] = torch.cat(pixels).to(self.device, self.model.dtype)
+            inputs["image_grid_thw"] = torch.cat(grids).to(self.device)
         if audio:
+            # The log-mel STFT reflects half a window at each end: a clip must be longer.
+            shortest = int(getattr(self.feature_extractor, "n_fft", 0)) // 2 + 1
+            for i, clip in enumerate(audio):
+                if clip.shape[0] < shortest:
+                    raise BadRequest(f"tensors.input_audio.{i}: at least {shortest} samples "
+                                     f"({shortest / INPUT_AUDIO_SAMPLE_RATE * 1000:.0f} ms at "
+                                     f"{INPUT_AUDIO_SAMPLE_RATE} Hz), got {clip.shape[0]}")
             out = self.feature_extractor(audio, sampling_rate=INPUT_AUDIO_SAMPLE_RATE,
                                          return_attention_mask=True, padding=True,
                                          return_tensors="pt")
