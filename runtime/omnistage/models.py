@@ -22,13 +22,13 @@ from typing import Any
 
 from omnistage.executors.kinds import builtin_models
 from omnistage.modelref import ModelRef, parse_model_ref
-from omnistage.spec import Stage
+from omnistage.spec import DEFAULT_VOICES, Stage
 
 BUILTIN_VERSION = "v1"
 TINY_HIDDEN = 64  # shared width: the tiny UNet cross-attends to the tiny LLM's hidden states
 #: The built-in ar models' context (max_position_embeddings): known without their files, so the
 #: orchestrator can state the max_tokens bound of a pipeline serving one (params.max_tokens_bound).
-BUILTIN_CONTEXT = {"tiny-llama": 1024}
+BUILTIN_CONTEXT = {"tiny-llama": 1024, "tiny-omni-thinker": 1024}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 
 
@@ -105,7 +105,170 @@ def _save_tiny_unet(path: Path) -> None:
     DDIMScheduler(num_train_timesteps=1000).save_pretrained(path / "scheduler")
 
 
-_SAVERS = {"tiny-llama": _save_tiny_llama, "tiny-unet": _save_tiny_unet}
+# The tiny Qwen3-Omni stages: the real transformers classes in small shapes. They share the
+# thinker's width (its hidden states and token embeddings feed the talker) and the codec (the
+# talker's code predictor and the vocoder agree on codebook size and quantizer count).
+TINY_CODEBOOK = 64  # codes per quantizer
+TINY_QUANTIZERS = 4  # the talker's code groups = the vocoder's quantizers
+TINY_SAMPLE_RATE = 16000  # the tiny vocoder's Hz (32 samples a frame)
+#: Qwen3-Omni's vocoder makes 24 kHz audio; a checkpoint may say otherwise in its config.
+QWEN3_OMNI_SAMPLE_RATE = 24000
+TINY_VOICES = DEFAULT_VOICES  # the spec's default list: what the tiny talker offers
+_MEDIA_TOKENS = {
+    "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>",
+    "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>", "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
+_TTS_TOKENS = ("<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>")
+
+
+def _omni_tokenizer() -> Any:
+    """The byte-level tokenizer plus Qwen-Omni's media and TTS special tokens (the processor
+    side of the thinker looks them up by these attribute names)."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = build_tokenizer().backend_tokenizer
+    tok = PreTrainedTokenizerFast(tokenizer_object=base, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", extra_special_tokens=_MEDIA_TOKENS)
+    tok.add_special_tokens({"additional_special_tokens": list(_TTS_TOKENS)})
+    return tok
+
+
+def _rope(head_dim: int) -> dict[str, Any]:
+    # Multimodal RoPE: the three sections (time, height, width) split head_dim / 2.
+    half = head_dim // 2
+    return {"rope_type": "default", "rope_theta": 1_000_000.0,
+            "mrope_section": [half // 2, half // 4, half - half // 2 - half // 4],
+            "interleaved": True}
+
+
+def _tiny_thinker(tok: Any) -> Any:
+    import torch
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeThinkerConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in _MEDIA_TOKENS.items()}
+    cfg = Qwen3OmniMoeThinkerConfig(
+        audio_config={"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
+                      "encoder_ffn_dim": 64, "d_model": 32, "output_dim": TINY_HIDDEN,
+                      "downsample_hidden_size": 16, "max_source_positions": 1500},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "out_hidden_size": TINY_HIDDEN, "num_position_embeddings": 64,
+                       "deepstack_visual_indexes": [0]},
+        text_config={"vocab_size": len(tok), "hidden_size": TINY_HIDDEN,
+                     "intermediate_size": 2 * TINY_HIDDEN, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                     "max_position_embeddings": BUILTIN_CONTEXT["tiny-omni-thinker"],
+                     "rope_parameters": _rope(16), "bos_token_id": tok.bos_token_id,
+                     "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id},
+        audio_token_id=ids["audio_token"], image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"], audio_start_token_id=ids["audio_bos_token"],
+        vision_start_token_id=ids["vision_bos_token"],
+    )
+    return Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
+
+
+def _save_tiny_omni_thinker(path: Path) -> None:
+    """Thinker weights, the tokenizer, and the feature extractor (audio: Whisper log-mel) and
+    image processor (Qwen2-VL patches) in one preprocessor_config.json, as Qwen's repos ship."""
+    from transformers import WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from omnistage.media import INPUT_AUDIO_SAMPLE_RATE
+
+    tok = _omni_tokenizer()
+    _tiny_thinker(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    images = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=32 * 32, max_pixels=64 * 64)
+    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=INPUT_AUDIO_SAMPLE_RATE)
+    merged = {**json.loads(images.to_json_string()), **json.loads(audio.to_json_string())}
+    merged["image_processor_type"] = "Qwen2VLImageProcessor"
+    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+
+
+def _save_tiny_omni_talker(path: Path) -> None:
+    """Talker (with its code predictor) plus what a talker without a thinker needs to read
+    text: the tiny thinker's tokenizer and input embedding table (text_embeddings.safetensors),
+    the table Qwen-Omni's talker projects text from."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+
+    tok = _omni_tokenizer()
+    table = _tiny_thinker(tok).get_input_embeddings().weight.detach().clone()
+    torch.manual_seed(0)
+    special = TINY_CODEBOOK  # codec ids past the codebook: eos, pad, bos, think marks, voices
+    cfg = Qwen3OmniMoeTalkerConfig(
+        code_predictor_config={"vocab_size": TINY_CODEBOOK, "hidden_size": TINY_HIDDEN,
+                               "intermediate_size": 2 * TINY_HIDDEN, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "head_dim": 16, "num_code_groups": TINY_QUANTIZERS,
+                               "max_position_embeddings": 64},
+        text_config={"vocab_size": special + 6 + len(TINY_VOICES), "hidden_size": TINY_HIDDEN,
+                     "intermediate_size": 2 * TINY_HIDDEN, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                     "num_experts": 4, "num_experts_per_tok": 2,
+                     "max_position_embeddings": 8192, "rope_parameters": _rope(16)},
+        num_code_groups=TINY_QUANTIZERS, thinker_hidden_size=TINY_HIDDEN,
+        codec_eos_token_id=special, codec_pad_id=special + 1, codec_bos_id=special + 2,
+        codec_nothink_id=special + 3, codec_think_bos_id=special + 4,
+        codec_think_eos_id=special + 5, accept_hidden_layer=2, spatial_merge_size=2,
+        speaker_id={v: special + 6 + i for i, v in enumerate(TINY_VOICES)},
+    )
+    talker = Qwen3OmniMoeTalkerForConditionalGeneration(cfg)
+    # transformers 5.24 leaves the talker's fused expert weights uninitialised (torch.empty):
+    # give them the init every other weight gets, so the tiny model computes finite numbers.
+    with torch.no_grad():
+        for name, param in talker.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, cfg.initializer_range)
+    talker.save_pretrained(path)
+    tok.save_pretrained(path)
+    save_file({"weight": table}, str(path / TEXT_EMBEDDINGS))
+
+
+def _save_tiny_omni_vocoder(path: Path) -> None:
+    import torch
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2WavConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    torch.manual_seed(0)
+    cfg = Qwen3OmniMoeCode2WavConfig(
+        codebook_size=TINY_CODEBOOK, hidden_size=32, num_attention_heads=2,
+        num_key_value_heads=2, intermediate_size=64, num_hidden_layers=1,
+        num_quantizers=TINY_QUANTIZERS, upsample_rates=(4, 4), upsampling_ratios=(2,),
+        decoder_dim=16, sliding_window=16, max_position_embeddings=8192,
+        sample_rate=TINY_SAMPLE_RATE,
+    )
+    Qwen3OmniMoeCode2Wav(cfg).save_pretrained(path)
+
+
+#: A talker directory's text embedding table (the thinker's input embeddings), for TTS.
+TEXT_EMBEDDINGS = "text_embeddings.safetensors"
+
+_SAVERS = {"tiny-llama": _save_tiny_llama, "tiny-unet": _save_tiny_unet,
+           "tiny-omni-thinker": _save_tiny_omni_thinker,
+           "tiny-omni-talker": _save_tiny_omni_talker,
+           "tiny-omni-vocoder": _save_tiny_omni_vocoder}
 
 
 def save_builtin(name: str, path: str | Path) -> Path:
@@ -324,3 +487,110 @@ def load_diffusion(model: str, device: Any, dtype: str, kind: str) -> tuple[Any,
         scheduler_cls = found
     scheduler = scheduler_cls.from_pretrained(path, subfolder="scheduler")
     return unet.to(device).eval(), vae.to(device).eval(), scheduler
+
+
+# ---- Qwen3-Omni stages ------------------------------------------------------------------------
+# A stage's model is a directory of its own component (the built-ins), or Qwen's combined
+# checkpoint (model_type qwen3_omni_moe: thinker, talker and code2wav in one repository), from
+# which each stage loads only its part: the part's config, and its weights with the part's
+# prefix mapped away, through the same from_pretrained.
+
+def _omni_part(cls: Any, path: Path, part: str, dtype: Any) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        combined = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        combined = None  # from_pretrained below says what is missing
+    if combined == "qwen3_omni_moe":
+        config = AutoConfig.from_pretrained(path)
+        prefix = part.removesuffix("_config")  # thinker_config's weights are thinker.*
+        _fuse_experts_like_the_whole(cls, config)
+        model = cls.from_pretrained(path, config=getattr(config, part), dtype=dtype,
+                                    key_mapping={rf"^{prefix}\.": ""})
+        model.omni_config = config  # the whole model's config (token ids, the talker's layer)
+        return model
+    return cls.from_pretrained(path, dtype=dtype)
+
+
+def _fuse_experts_like_the_whole(cls: Any, config: Any) -> None:
+    """The combined checkpoint stores MoE experts one by one; transformers fuses them on load by
+    the model type's conversion mapping, which the whole model has and the talker alone lacks.
+    Give the part the whole model's mapping (it matches only expert weights)."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    name = cls.__name__
+    whole = get_checkpoint_conversion_mapping(config.model_type)
+    if whole and get_checkpoint_conversion_mapping(name) is None:
+        register_checkpoint_conversion_mapping(name, whole)
+
+
+def load_thinker(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, Any, Any, Any]:
+    """A Qwen3-Omni thinker, its tokenizer, image processor and audio feature extractor."""
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+
+    path = resolve(model, kind)
+    lm = _omni_part(Qwen3OmniMoeThinkerForConditionalGeneration, path, "thinker_config",
+                    torch_dtype(dtype, device))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    images = Qwen2VLImageProcessorPil.from_pretrained(path)
+    audio = WhisperFeatureExtractor.from_pretrained(path)
+    return lm.to(device).eval(), tokenizer, images, audio
+
+
+def load_talker(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, Any, Any]:
+    """A Qwen3-Omni talker (with its code predictor), and for text without a thinker: the
+    tokenizer and the thinker's input embedding table (None, None when the directory has no
+    table: such a talker only follows a thinker)."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+
+    path = resolve(model, kind)
+    dt = torch_dtype(dtype, device)
+    talker = _omni_part(Qwen3OmniMoeTalkerForConditionalGeneration, path, "talker_config", dt)
+    table = _text_table(path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if table is not None else None
+    if table is not None:
+        table = table.to(device=device, dtype=dt)
+    return talker.to(device).eval(), tokenizer, table
+
+
+def _text_table(path: Path) -> Any:
+    """The thinker's input embedding table beside a talker: TEXT_EMBEDDINGS, or the thinker's
+    own tensor inside a combined checkpoint."""
+    from safetensors import safe_open
+
+    own = path / TEXT_EMBEDDINGS
+    if own.is_file():
+        with safe_open(str(own), framework="pt") as f:
+            return f.get_tensor("weight")
+    key = "thinker.model.embed_tokens.weight"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get(key)
+        if shard:
+            with safe_open(str(path / shard), framework="pt") as f:
+                return f.get_tensor(key)
+    return None
+
+
+def load_vocoder(model: str, device: Any, dtype: str, kind: str) -> tuple[Any, int]:
+    """A Qwen3-Omni Code2Wav and its sample rate (the config's sample_rate, else 24 kHz)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    path = resolve(model, kind)
+    vocoder = _omni_part(Qwen3OmniMoeCode2Wav, path, "code2wav_config",
+                         torch_dtype(dtype, device))
+    rate = int(getattr(vocoder.config, "sample_rate", None) or QWEN3_OMNI_SAMPLE_RATE)
+    return vocoder.to(device).eval(), rate

@@ -261,6 +261,7 @@ class _Result(_Wire):
     height: int | None = None  # diffusion
     width: int | None = None  # diffusion
     steps: int | None = None  # diffusion
+    sample_rate: int | None = None  # vocoder: Hz of its "audio" tensor
     tensors: list[TensorDesc] = []
 
 

@@ -30,6 +30,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -83,6 +84,7 @@ __all__ = [
     "load_pipeline",
     "parse_pipeline",
     "parse_stagepool",
+    "stage_voices",
     "validate_manifest",
 ]
 
@@ -103,6 +105,8 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # The pipeline name prefixes Service names, which must be DNS-1035 labels (leading letter).
 DNS1035_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
+#: A voice (speaker) name, as OpenAI's `voice` field and Qwen-Omni's speaker names spell them.
+VOICE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 # Names of Secrets and PersistentVolumeClaims.
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 PIPELINE_NAME_MAX = 40
@@ -305,6 +309,26 @@ class EngineOptions(_Model):
     echo_chunk_delay_ms: Annotated[int, PerRequest(key="chunk_delay_ms")] = Field(
         0, ge=0, le=60_000, description="echo: artificial latency before every piece."
     )
+    voices: list[Annotated[str, StringConstraints(pattern=VOICE_PATTERN)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="speech stages: the voices this stage offers (speaker names of its model); "
+        "unset: every voice the model knows. /v1/models lists them.",
+    )
+    voice: Annotated[str | None, PerRequest()] = Field(
+        None,
+        pattern=VOICE_PATTERN,
+        description="speech stages: the voice of a request that names none; unset: the first "
+        "of voices (or the model's first).",
+    )
+    max_frames: Annotated[int, PerRequest()] = Field(
+        256,
+        ge=1,
+        le=65_536,
+        description="talker: most codec frames a request may generate (Qwen3-Omni makes 12.5 "
+        "frames a second of speech); the talker also stops at its codec's end code.",
+    )
     max_batch_size: int = Field(
         16,
         ge=1,
@@ -351,6 +375,24 @@ def engine_for_kind(engine: EngineOptions, kind: str) -> dict[str, Any]:
         for name, info in EngineOptions.model_fields.items()
         if kind in engine_kinds(name) and (info.alias or name) in dumped
     }
+
+
+#: The voices a speech stage offers when engine.voices is unset: the built-in tiny talker's one
+#: speaker. A hub model's speakers are listed in engine.voices (the spec cannot open its files).
+DEFAULT_VOICES: tuple[str, ...] = ("default",)
+
+
+def stage_voices(stage: Stage) -> list[str]:
+    """The voices a stage offers, first = the default one when a request names none (after
+    engine.voice): engine.voices if set, else DEFAULT_VOICES. [] for a stage whose kind reads no
+    voices (it makes no speech). The HTTP API's /v1/models and its voice checks read this."""
+    if "voices" not in stage_kinds.get(stage.kind).engine_options:
+        return []
+    voices = list(stage.engine.voices or DEFAULT_VOICES)
+    if stage.engine.voice is not None and stage.engine.voice in voices:
+        voices.remove(stage.engine.voice)
+        voices.insert(0, stage.engine.voice)
+    return voices
 
 
 def join_words(items: list[str], last: str = "and") -> str:

@@ -117,7 +117,8 @@ def errors_of(doc: dict[str, Any]) -> list[tuple[str, str]]:
 
 def test_an_unregistered_kind_is_refused_naming_the_known_kinds() -> None:
     assert errors_of(manifest()) == [
-        ("spec.stages[0].kind", "invalid value 'reverse' (expected 'ar', 'diffusion' or 'echo')")]
+        ("spec.stages[0].kind", "invalid value 'reverse' (expected 'ar', 'diffusion', 'echo', "
+                                "'thinker', 'talker' or 'vocoder')")]
 
 
 def test_a_registered_kind_validates_and_reads_its_engine_options(reverse: StageKind) -> None:
@@ -135,7 +136,8 @@ def test_a_registered_kind_validates_and_reads_its_engine_options(reverse: Stage
     doc["spec"]["orchestrator"]["chatStage"] = "rev"
     assert errors_of(doc) == [
         ("spec.orchestrator.chatStage",
-         "stage 'rev' has kind 'reverse'; the chat stage must be an 'ar' stage")]
+         "stage 'rev' has kind 'reverse'; the chat stage must be a stage of kind 'ar' or "
+         "'thinker'")]
 
 
 def test_registering_a_bad_row_names_the_problem() -> None:

@@ -229,8 +229,10 @@ def test_cel_rules_cover_the_graph_checks() -> None:
         assert "transformList(i, s," in rule["messageExpression"]
     assert "no entry stage" in " ".join(by_message)
     assert "no final-output stage" in " ".join(by_message)
-    chat = by_message["spec.orchestrator.chatStage must name an existing stage of kind ar"]
-    assert "the chat stage must be an 'ar' stage" in chat["messageExpression"]
+    chat = by_message["spec.orchestrator.chatStage must name an existing stage of kind ar or "
+                      "thinker"]
+    assert "the chat stage must be a stage of kind 'ar' or 'thinker'" in chat[
+        "messageExpression"]
     # Duplicate names are the map-list key's job (the API server says "Duplicate value").
     assert not any("unique" in m for m in by_message)
     item = spec["properties"]["stages"]["items"]

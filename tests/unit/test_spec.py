@@ -164,7 +164,8 @@ def test_model_ref() -> None:
     assert spec.stage("e").model_ref() == ModelRef("hub", "acme/tiny_llm.v2", "refs/pr/1")
     assert str(spec.stage("e").model_ref()) == "acme/tiny_llm.v2@refs/pr/1"
     assert spec.stage("b").model_path(Path("/base")) == Path("/base/weights/llm")
-    assert set(BUILTIN_MODELS) == {"tiny-llama", "tiny-unet"}
+    assert set(BUILTIN_MODELS) == {"tiny-llama", "tiny-unet", "tiny-omni-thinker",
+                                   "tiny-omni-talker", "tiny-omni-vocoder"}
 
 
 def test_round_trip_to_manifest() -> None:

@@ -118,6 +118,10 @@ BOUNDS: list[tuple[str, Any, str | None]] = [
     (f"{ENGINE}.echoDelayMs", -1, f"{GE} 0 (got -1)"),
     (f"{ENGINE}.echoDelayMs", 60_000, None),
     (f"{ENGINE}.echoDelayMs", 60_001, f"{LE} 60000 (got 60001)"),
+    (f"{ENGINE}.maxFrames", 1, None),
+    (f"{ENGINE}.maxFrames", 0, f"{GE} 1 (got 0)"),
+    (f"{ENGINE}.maxFrames", 65_536, None),
+    (f"{ENGINE}.maxFrames", 65_537, f"{LE} 65536 (got 65537)"),
     (f"{ENGINE}.maxBatchSize", 1, None),
     (f"{ENGINE}.maxBatchSize", 0, f"{GE} 1 (got 0)"),
     (f"{ENGINE}.maxBatchSize", 1024, None),
@@ -248,6 +252,7 @@ def test_engine_defaults() -> None:
         "dtype": "auto", "max_tokens": 16, "temperature": 0.0, "return_hidden_states": False,
         "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 0,
         "echo_delay_ms": 0, "echo_chunk_chars": 0, "echo_chunk_delay_ms": 0,
+        "voices": None, "voice": None, "max_frames": 256,
         "max_batch_size": 16, "max_batch_tokens": None,
     }
 
@@ -365,11 +370,14 @@ def test_engine_for_kind_is_exactly_the_options_of_the_kind() -> None:
 def test_engine_kinds_of_every_field() -> None:
     """Kills: a changed engine_options entry in the kind table (omnistage.executors.kinds)."""
     assert {name: engine_kinds(name) for name in EngineOptions.model_fields} == {
-        "dtype": ("ar", "diffusion"), "max_tokens": ("ar",), "temperature": ("ar",),
-        "return_hidden_states": ("ar",), "height": ("diffusion",), "width": ("diffusion",),
-        "num_inference_steps": ("diffusion",), "guidance_scale": ("diffusion",),
-        "seed": ("ar", "diffusion"), "echo_delay_ms": ("echo",),
-        "echo_chunk_chars": ("echo",), "echo_chunk_delay_ms": ("echo",),
+        "dtype": ("ar", "diffusion", "thinker", "talker", "vocoder"),
+        "max_tokens": ("ar", "thinker"), "temperature": ("ar", "thinker"),
+        "return_hidden_states": ("ar", "thinker"), "height": ("diffusion",),
+        "width": ("diffusion",), "num_inference_steps": ("diffusion",),
+        "guidance_scale": ("diffusion",), "seed": ("ar", "diffusion", "thinker", "talker"),
+        "echo_delay_ms": ("echo",), "echo_chunk_chars": ("echo",),
+        "echo_chunk_delay_ms": ("echo",), "voices": ("talker",), "voice": ("talker",),
+        "max_frames": ("talker",),
         "max_batch_size": ("ar", "diffusion"), "max_batch_tokens": ("ar",),
     }
 

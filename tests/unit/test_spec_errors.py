@@ -69,7 +69,8 @@ def one_stage(**extra: Any) -> dict[str, Any]:
      [("metadata", "required field is missing"),
       ("spec.stages", "List should have at least 1 item after validation, not 0")]),
     (one_stage(kind="tts"),
-     [("spec.stages[0].kind", "invalid value 'tts' (expected 'ar', 'diffusion' or 'echo')")]),
+     [("spec.stages[0].kind", "invalid value 'tts' (expected 'ar', 'diffusion', 'echo', "
+                              "'thinker', 'talker' or 'vocoder')")]),
     (one_stage(finalOutput="yes"),
      [("spec.stages[0].finalOutput", "must be a boolean (got str 'yes')")]),
     (one_stage(replicas=1.0), [("spec.stages[0].replicas", "must be an integer (got float 1.0)")]),
@@ -345,7 +346,8 @@ def test_a_repeated_input_in_a_cycle_is_one_edge() -> None:
 @pytest.mark.parametrize(("chat", "expected"), [
     ("nope", [("spec.orchestrator.chatStage", "unknown stage 'nope'")]),
     ("b", [("spec.orchestrator.chatStage",
-            "stage 'b' has kind 'echo'; the chat stage must be an 'ar' stage")]),
+            "stage 'b' has kind 'echo'; the chat stage must be a stage of kind 'ar' or "
+            "'thinker'")]),
     ("a", None),
 ])
 def test_chat_stage_must_be_a_known_ar_stage(chat: str, expected: list[tuple[str, str]] | None,

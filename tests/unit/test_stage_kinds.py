@@ -35,13 +35,17 @@ def test_the_docs_show_the_kind_table_as_it_is() -> None:
 
 
 def test_the_table_lists_each_kind_once_with_the_documented_behaviour() -> None:
-    assert stage_kinds.names() == ("ar", "diffusion", "echo")
-    assert stage_kinds.builtin_models() == {"tiny-llama": "ar", "tiny-unet": "diffusion"}
-    assert stage_kinds.chat_kinds() == ("ar",) and stage_kinds.image_kinds() == ("diffusion",)
-    assert [k.name for k in stage_kinds.kinds() if k.needs_model] == ["ar", "diffusion"]
+    assert stage_kinds.names() == ("ar", "diffusion", "echo", "thinker", "talker", "vocoder")
+    assert stage_kinds.builtin_models() == {
+        "tiny-llama": "ar", "tiny-unet": "diffusion", "tiny-omni-thinker": "thinker",
+        "tiny-omni-talker": "talker", "tiny-omni-vocoder": "vocoder"}
+    assert stage_kinds.chat_kinds() == ("ar", "thinker")
+    assert stage_kinds.image_kinds() == ("diffusion",)
+    assert [k.name for k in stage_kinds.kinds() if k.needs_model] == [
+        "ar", "diffusion", "thinker", "talker", "vocoder"]
 
 
-@pytest.mark.parametrize("name", ["ar", "diffusion", "echo"])
+@pytest.mark.parametrize("name", ["ar", "diffusion", "echo", "thinker", "talker", "vocoder"])
 def test_every_row_builds_its_executor_and_its_builtins(name: str) -> None:
     row = stage_kinds.get(name)
     assert executor_class(name).kind == name
@@ -50,7 +54,8 @@ def test_every_row_builds_its_executor_and_its_builtins(name: str) -> None:
 
 def test_unknown_kinds_and_bad_rows_are_refused_naming_the_value() -> None:
     with pytest.raises(stage_kinds.KindError,
-                       match="unknown stage kind 'tts'; expected one of: ar, diffusion, echo"):
+                       match="unknown stage kind 'tts'; expected one of: ar, diffusion, "
+                             "echo, thinker, talker, vocoder"):
         stage_kinds.get("tts")
     with pytest.raises(stage_kinds.KindError, match="'Bad Name' must be 1-32 lowercase"):
         StageKind(name="Bad Name", executor="m:C", summary="", needs_model=False)
@@ -105,4 +110,4 @@ def test_no_module_but_the_executors_names_a_kind() -> None:
                 if isinstance(node, ast.Constant) and node.value in names:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert found == []
-    assert len(names) == 3  # the scan looked for the real kinds
+    assert len(names) == 6  # the scan looked for the real kinds

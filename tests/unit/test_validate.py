@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 INVALID = REPO / "tests" / "cluster" / "invalid"
 CASES = sorted(INVALID.glob("*.yaml"))
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+ECHO, TEXT_TO_IMAGE = REPO / "examples" / "echo.yaml", REPO / "examples" / "text-to-image.yaml"
 
 
 def header(path: Path, key: str) -> str | None:
@@ -63,7 +64,8 @@ def test_validate_reports_every_error_as_text_and_exits_2(tmp_path: Path) -> Non
     assert f"{bad}: spec.stages[0].replicas: must be an integer (got str '3')" in lines
     assert f"{bad}: spec.stages[0].finalOutput: must be a boolean (got str 'true')" in lines
     assert "examples/echo.yaml: OmniPipeline echo is valid" in lines
-    assert lines[-1] == "4 document(s) checked: 3 valid, 1 invalid (3 error(s))"
+    assert lines[-1] == (f"{len(EXAMPLES) + 1} document(s) checked: {len(EXAMPLES)} valid, "
+                         "1 invalid (3 error(s))")
 
 
 def test_validate_json_output_and_exit_0() -> None:
@@ -73,7 +75,8 @@ def test_validate_json_output_and_exit_0() -> None:
     assert report["valid"] is True
     assert [(d["kind"], d["name"], d["errors"]) for d in report["documents"]] == [
         ("OmniPipeline", "chat", []), ("OmniPipeline", "echo", []),
-        ("OmniPipeline", "text-to-image", [])]
+        ("OmniPipeline", "omni-speech", []), ("OmniPipeline", "qwen3-omni", []),
+        ("OmniPipeline", "text-to-image", []), ("OmniPipeline", "tts", [])]
 
 
 def test_validate_multi_document_files_and_file_errors(tmp_path: Path) -> None:
@@ -81,7 +84,7 @@ def test_validate_multi_document_files_and_file_errors(tmp_path: Path) -> None:
     pool = {"apiVersion": "omnistage.io/v1alpha1", "kind": "StagePool",
             "metadata": {"name": "echo-a"},
             "spec": {"pipeline": "echo", "stage": {"name": "a", "kind": "echo"}, "image": ""}}
-    both.write_text((EXAMPLES[1]).read_text() + "---\n" + yaml.safe_dump(pool))
+    both.write_text(ECHO.read_text() + "---\n" + yaml.safe_dump(pool))
     proc = cli("validate", "-o", "json", str(both), str(tmp_path / "missing.yaml"),
                str(INVALID / "cycle.yaml"))
     assert proc.returncode == 2
@@ -105,8 +108,8 @@ def test_validate_old_checks_immutable_fields() -> None:
 
 
 def test_serve_dry_run_checks_paths_and_the_gpu_plan(tmp_path: Path) -> None:
-    assert cli("serve", "--dry-run", str(EXAMPLES[2])).returncode == 0
-    doc = yaml.safe_load(EXAMPLES[1].read_text())
+    assert cli("serve", "--dry-run", str(TEXT_TO_IMAGE)).returncode == 0
+    doc = yaml.safe_load(ECHO.read_text())
     doc["spec"]["stages"][0].update(kind="ar", model="./weights")
     del doc["spec"]["stages"][0]["engine"]
     file = tmp_path / "p.yaml"
@@ -117,7 +120,7 @@ def test_serve_dry_run_checks_paths_and_the_gpu_plan(tmp_path: Path) -> None:
     assert report["errors"] == [{"path": "spec.stages[0].model",
                                  "message": "model path './weights' does not exist"}]
     assert cli("validate", str(file)).returncode == 0  # a pod path is not checked here
-    gpus = yaml.safe_load(EXAMPLES[1].read_text())
+    gpus = yaml.safe_load(ECHO.read_text())
     gpus["spec"]["stages"][0]["resources"]["gpus"] = 16
     file.write_text(yaml.safe_dump(gpus))
     proc = subprocess.run([sys.executable, "-m", "omnistage.cli", "serve", "--dry-run",

@@ -16,13 +16,14 @@ columns that are padding in every remaining row are trimmed.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
 from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome
-from omnistage.models import load_causal_lm
+from omnistage.models import load_causal_lm, load_thinker
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 
@@ -50,6 +51,8 @@ class ARJob:
     return_hidden: bool
     ignore_eos: bool
     generated: list[int] = field(default_factory=list)
+    #: Extra keyword inputs of the prompt's forward pass (a thinker's image and audio features).
+    prefill_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -66,6 +69,7 @@ class _Seq:
 
 class ARExecutor(BatchExecutor):
     kind = "ar"
+    params_model: type[StageParams] = ARParams
 
     def load(self) -> None:
         model = self.model_source or "tiny-llama"
@@ -84,7 +88,7 @@ class ARExecutor(BatchExecutor):
         self.execute(job, ExecutionContext(), lambda _d: None)
 
     def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> ARJob:
-        req = self.parse(ARParams, params)
+        req: Any = self.parse(self.params_model, params)
         opts = req.options(self.engine)
         if req.token_ids is not None:
             vocab = len(self.tokenizer)
@@ -153,10 +157,20 @@ class ARExecutor(BatchExecutor):
     def new_batch(self) -> _ARBatch:
         return _ARBatch(self)
 
-    def _forward(self, ids: Any, mask: Any, positions: Any, cache: Any, hidden: bool) -> Any:
+    def _forward(self, ids: Any, mask: Any, positions: Any, cache: Any, hidden: bool,
+                 **extra: Any) -> Any:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                           use_cache=True, output_hidden_states=hidden,
-                          **{self._cache_arg: cache})
+                          **{self._cache_arg: cache}, **extra)
+
+    def _pick_hidden(self, layers: Any, row: int) -> Any:
+        """What a step keeps of its hidden states for downstream stages (one row's)."""
+        return layers[-1][row]
+
+    def _hidden_tensors(self, seq: _Seq) -> dict[str, Any]:
+        import torch
+
+        return {"hidden_states": torch.cat(seq.hidden, dim=0).float()}
 
     def _advance(self, seq: _Seq, logits: Any, hidden: Any, greedy: int) -> Outcome | None:
         """After a forward pass that fed this sequence: sample its next token. Returns its
@@ -201,11 +215,7 @@ class ARExecutor(BatchExecutor):
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": len(job.generated),
         }
-        tensors = {}
-        if job.return_hidden and seq.hidden:
-            import torch
-
-            tensors["hidden_states"] = torch.cat(seq.hidden, dim=0).float()
+        tensors = self._hidden_tensors(seq) if job.return_hidden and seq.hidden else {}
         return Outcome(fields, tensors)
 
     def _text(self, ids: list[int]) -> str:
@@ -236,6 +246,173 @@ class ARExecutor(BatchExecutor):
         if self.device.type != "cpu":
             self.model.to(self.device)
         super().wake_up()
+
+
+ThinkerParams = stage_params("thinker", _ARRequest)
+#: Most images and audio clips one request may carry (each costs an encoder pass).
+MAX_MEDIA = 16
+_MEDIA = re.compile(r"^input_(image|audio)\.(\d+)$")
+
+
+class ThinkerExecutor(ARExecutor):
+    """A Qwen3-Omni thinker: the ar decode loop over the real model, with the request's images
+    and audio run through the model's own image processor and audio feature extractor.
+
+    Media come as tensors `input_image.<i>` and `input_audio.<i>` (omnistage.executors.kinds,
+    Payload) and go before the prompt's text (at the start of the last user turn of a
+    chat-templated one), each as its placeholder tokens in the form the model was trained on
+    (<|vision_start|> <|image_pad|>... <|vision_end|>, likewise for audio), as many as its
+    encoder makes. Requests run one at a time: the model keeps the multimodal
+    RoPE offset of the running sequence on itself.
+
+    For a talker, its hidden states are those of the layer Qwen's talker reads (the combined
+    checkpoint's talker_config.accept_hidden_layer, else the last), with `token_embeds` (input
+    embeddings), `token_ids` and `prompt_length` (int64 [1]: where the answer starts).
+    """
+
+    kind = "thinker"
+    params_model = ThinkerParams
+
+    def load(self) -> None:
+        self.model, self.tokenizer, self.image_processor, self.feature_extractor = load_thinker(
+            self.model_source or "tiny-omni-thinker", self.device, self.engine.dtype, self.kind)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        text = self.model.config.text_config
+        self.context_len = int(text.max_position_embeddings)
+        self.hidden_size = int(text.hidden_size)
+        self.eos = self.tokenizer.eos_token_id
+        self.batchable = False
+        whole = getattr(self.model, "omni_config", None)
+        self.hidden_layer = int(whole.talker_config.accept_hidden_layer) if whole else -1
+
+    def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> ARJob:
+        images, audio = self._media(tensors)
+        job = super().prepare(params, {})
+        if not images and not audio:
+            return job
+        media, job.prefill_inputs = self._encode_media(images, audio)
+        at = self._media_position(job.prompt_ids)
+        job.prompt_ids = job.prompt_ids[:at] + media + job.prompt_ids[at:]
+        if len(job.prompt_ids) + job.max_tokens > self.context_len:
+            raise BadRequest(f"params.prompt: the prompt with its media ({len(job.prompt_ids)} "
+                             f"tokens) + max_tokens ({job.max_tokens}) exceeds the model "
+                             f"context of {self.context_len}")
+        return job
+
+    def _media_position(self, ids: list[int]) -> int:
+        """Where media go: at the start of the last user turn's content when the prompt was
+        rendered with Qwen's chat template (<|im_start|> user \\n ...), else first."""
+        start = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        user = getattr(self.model.config, "user_token_id", None)
+        for i in range(len(ids) - 2, -1, -1):
+            if ids[i] == start and ids[i + 1] == user:
+                return i + 3
+        return 0
+
+    def _media(self, tensors: Mapping[str, WireTensor]) -> tuple[list[Any], list[Any]]:
+        """The request's images (uint8 [H, W, 3]) and audio clips (float32 [samples] in
+        [-1, 1]) as numpy arrays, in index order; a bad one is named."""
+        import numpy as np
+
+        found: dict[str, dict[int, Any]] = {"image": {}, "audio": {}}
+        for name, wt in tensors.items():
+            m = _MEDIA.match(name)
+            if m is None:
+                continue
+            what, i = m.group(1), int(m.group(2))
+            if what == "image":
+                if wt.dtype != "uint8" or len(wt.shape) != 3 or wt.shape[2] != 3 \
+                        or min(wt.shape[:2]) < 1:
+                    raise BadRequest(f"tensors.{name} must be uint8 [height, width, 3] RGB, "
+                                     f"got {wt.dtype} {list(wt.shape)}")
+                found[what][i] = np.array(wt.numpy())
+            else:
+                if wt.dtype != "float32" or len(wt.shape) != 1 or wt.shape[0] < 1:
+                    raise BadRequest(f"tensors.{name} must be float32 mono PCM [samples], got "
+                                     f"{wt.dtype} {list(wt.shape)}")
+                pcm = np.array(wt.numpy())
+                if not np.isfinite(pcm).all() or float(np.abs(pcm).max()) > 1.0:
+                    raise BadRequest(f"tensors.{name}: samples must be finite and in [-1, 1]")
+                found[what][i] = pcm
+        for what, got in found.items():
+            if sorted(got) != list(range(len(got))):
+                raise BadRequest(f"tensors.input_{what}.<i> must be numbered 0, 1, ... without "
+                                 f"gaps, got {sorted(got)}")
+        if len(found["image"]) + len(found["audio"]) > MAX_MEDIA:
+            raise BadRequest(f"tensors: at most {MAX_MEDIA} images and audio clips a request")
+        return ([found["image"][i] for i in range(len(found["image"]))],
+                [found["audio"][i] for i in range(len(found["audio"]))])
+
+    def _encode_media(self, images: list[Any], audio: list[Any]) -> tuple[list[int], dict]:
+        """Placeholder token ids for the media, and the forward pass's inputs for them."""
+        import torch
+        from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
+            _get_feat_extract_output_lengths,
+        )
+
+        from omnistage.media import INPUT_AUDIO_SAMPLE_RATE
+
+        tok, ids, inputs = self.tokenizer, [], {}
+        if images:
+            pixels, grids = [], []
+            for i, image in enumerate(images):
+                try:
+                    out = self.image_processor(images=[image], return_tensors="pt",
+                                               input_data_format="channels_last")
+                except ValueError as exc:  # e.g. an aspect ratio the model cannot patch
+                    raise BadRequest(f"tensors.input_image.{i}: the model's image processor "
+                                     f"refused it: {exc}") from None
+                pixels.append(out["pixel_values"])
+                grids.append(out["image_grid_thw"])
+            merge = int(self.image_processor.merge_size) ** 2
+            for grid in torch.cat(grids):
+                ids += [tok.vision_bos_token_id,
+                        *[tok.image_token_id] * (int(grid.prod()) // merge),
+                        tok.vision_eos_token_id]
+            inputs["pixel_values"] = torch.cat(pixels).to(self.device, self.model.dtype)
+            inputs["image_grid_thw"] = torch.cat(grids).to(self.device)
+        if audio:
+            # The log-mel STFT reflects half a window at each end: a clip must be longer.
+            shortest = int(getattr(self.feature_extractor, "n_fft", 0)) // 2 + 1
+            for i, clip in enumerate(audio):
+                if clip.shape[0] < shortest:
+                    raise BadRequest(f"tensors.input_audio.{i}: at least {shortest} samples "
+                                     f"({shortest / INPUT_AUDIO_SAMPLE_RATE * 1000:.0f} ms at "
+                                     f"{INPUT_AUDIO_SAMPLE_RATE} Hz), got {clip.shape[0]}")
+            out = self.feature_extractor(audio, sampling_rate=INPUT_AUDIO_SAMPLE_RATE,
+                                         return_attention_mask=True, padding=True,
+                                         return_tensors="pt")
+            lengths = out["attention_mask"].sum(-1)
+            for n in _get_feat_extract_output_lengths(lengths).tolist():
+                ids += [tok.audio_bos_token_id, *[tok.audio_token_id] * int(n),
+                        tok.audio_eos_token_id]
+            inputs["input_features"] = out["input_features"].to(self.device, self.model.dtype)
+            inputs["feature_attention_mask"] = out["attention_mask"].to(self.device)
+        return ids, inputs
+
+    def _forward(self, ids: Any, mask: Any, positions: Any, cache: Any, hidden: bool,
+                 **extra: Any) -> Any:
+        # Positions are the model's own (multimodal RoPE); the prompt pass needs a mask for it.
+        import torch
+
+        if cache is None and mask is None:
+            mask = torch.ones_like(ids)
+        return self.model(input_ids=ids, attention_mask=mask, use_cache=True,
+                          output_hidden_states=hidden, **{self._cache_arg: cache}, **extra)
+
+    def _pick_hidden(self, layers: Any, row: int) -> Any:
+        return layers[self.hidden_layer][row], layers[0][row]
+
+    def _hidden_tensors(self, seq: _Seq) -> dict[str, Any]:
+        import torch
+
+        hidden = torch.cat([h for h, _ in seq.hidden], dim=0).float()
+        ids = (seq.job.prompt_ids + seq.job.generated)[: hidden.shape[0]]
+        return {"hidden_states": hidden,
+                "token_embeds": torch.cat([e for _, e in seq.hidden], dim=0).float(),
+                "token_ids": torch.tensor(ids, dtype=torch.int64),
+                "prompt_length": torch.tensor([len(seq.job.prompt_ids)], dtype=torch.int64)}
 
 
 class _ARBatch:
@@ -287,9 +464,10 @@ class _ARBatch:
         joining, self.joining = self.joining, {}
         for sid, seq in joining.items():
             ids = torch.tensor([seq.job.prompt_ids], device=ex.device)
-            out = ex._forward(ids, None, None, None, seq.job.return_hidden)
+            out = ex._forward(ids, None, None, None, seq.job.return_hidden,
+                              **seq.job.prefill_inputs)
             logits = out.logits[0, -1].float()
-            hidden = out.hidden_states[-1][0] if seq.job.return_hidden else None
+            hidden = ex._pick_hidden(out.hidden_states, 0) if seq.job.return_hidden else None
             outcome = ex._advance(seq, logits, hidden, int(torch.argmax(logits)))
             if outcome is not None:
                 done[sid] = outcome
@@ -313,10 +491,11 @@ class _ARBatch:
         self.cache, self.mask = getattr(out, ex._cache_arg), mask
         logits = out.logits[:, -1].float()
         greedy = logits.argmax(dim=-1).tolist()
-        hidden = out.hidden_states[-1] if want_hidden else None
+        hidden = out.hidden_states if want_hidden else None
         gone = []
         for row, (sid, seq) in enumerate(zip(rows, seqs, strict=True)):
-            h = hidden[row] if hidden is not None and seq.job.return_hidden else None
+            h = ex._pick_hidden(hidden, row) if hidden is not None and seq.job.return_hidden \
+                else None
             outcome = ex._advance(seq, logits[row], h, greedy[row])
             if outcome is not None:
                 done[sid] = outcome

@@ -56,11 +56,27 @@ class KindError(ValueError):
 
 
 class Payload(StrEnum):
-    """What flows between stages. The orchestrator routes by these, never by kind names."""
+    """What flows between stages. The orchestrator routes by these, never by kind names.
+
+    The tensors that carry each one (the names executors and the engine agree on):
+
+    - TEXT: param `prompt` in (the request's, or the first upstream's text); field `text` out.
+    - TOKENS: fields `token_ids`, `prompt_tokens`, `completion_tokens`.
+    - HIDDEN_STATES: tensor `hidden_states` float [tokens, hidden] out; a consumer gets the
+      first upstream's as `encoder_hidden_states`. A thinker adds `token_embeds` (its input
+      embeddings of the same tokens, float [tokens, hidden]) and `token_ids` (int64 [tokens]:
+      prompt then generated ids), which its talker reads by these names.
+    - IMAGE: out, tensor `image` (diffusion). In: request tensors `input_image.<i>` (uint8
+      [H, W, 3] RGB), i = 0, 1, ... in the order of the message's content parts.
+    - AUDIO: out, tensor `audio` float32 mono [samples] in [-1, 1] and field `sample_rate`.
+      In: request tensors `input_audio.<i>` (float32 mono [samples] in [-1, 1]) at
+      omnistage.media.INPUT_AUDIO_SAMPLE_RATE Hz.
+    - CODEC_CODES: tensor `codec_codes` int64 [frames, quantizers] (talker -> vocoder).
+    """
 
     TEXT = "text"  # a prompt in, generated text out (streamed as text deltas)
     TOKENS = "tokens"  # token ids and usage counts (what the chat API reports)
-    HIDDEN_STATES = "hidden_states"  # last-layer hidden states, a conditioning tensor
+    HIDDEN_STATES = "hidden_states"  # hidden states, a conditioning tensor
     LATENTS = "latents"  # latent tensors (no built-in kind emits them yet)
     IMAGE = "image"  # emitted: a generated image; consumed: the request's input images
     AUDIO = "audio"  # emitted: PCM audio (tensor "audio", field sample_rate); consumed: input audio
@@ -158,6 +174,36 @@ _BUILTIN: tuple[StageKind, ...] = (
         emits=frozenset({_P.TEXT}),
         chunked_output=True,
         chunked_input=True,
+    ),
+    StageKind(
+        name="thinker",
+        executor="omnistage.executors.ar:ThinkerExecutor",
+        summary="multimodal LLM (Qwen3-Omni thinker): text, image and audio in",
+        needs_model=True,
+        engine_options=("dtype", "max_tokens", "temperature", "return_hidden_states", "seed"),
+        builtin_models=("tiny-omni-thinker",),
+        consumes=frozenset({_P.TEXT, _P.IMAGE, _P.AUDIO}),
+        emits=frozenset({_P.TEXT, _P.TOKENS, _P.HIDDEN_STATES}),
+    ),
+    StageKind(
+        name="talker",
+        executor="omnistage.executors.talker:TalkerExecutor",
+        summary="speech codec LM (Qwen3-Omni talker + code predictor)",
+        needs_model=True,
+        engine_options=("dtype", "voices", "voice", "max_frames", "seed"),
+        builtin_models=("tiny-omni-talker",),
+        consumes=frozenset({_P.TEXT, _P.HIDDEN_STATES}),
+        emits=frozenset({_P.CODEC_CODES}),
+    ),
+    StageKind(
+        name="vocoder",
+        executor="omnistage.executors.vocoder:VocoderExecutor",
+        summary="codec codes to waveform (Qwen3-Omni Code2Wav)",
+        needs_model=True,
+        engine_options=("dtype",),
+        builtin_models=("tiny-omni-vocoder",),
+        consumes=frozenset({_P.CODEC_CODES}),
+        emits=frozenset({_P.AUDIO}),
     ),
 )
 

@@ -644,9 +644,15 @@ class Orchestrator:
         if task.companion:
             return {}
         ins = self.inputs[task.stage]
+        row = self.rows[task.stage]
         # A stage that consumes hidden states gets them as its conditioning.
-        conditioned = Payload.HIDDEN_STATES in self.rows[task.stage].consumes
+        conditioned = Payload.HIDDEN_STATES in row.consumes
         tensors: dict[str, Any] = {}
+        if not ins:  # an entry stage gets the request's media of the payloads it consumes
+            media = {f"input_{pl.value}." for pl in (Payload.IMAGE, Payload.AUDIO)
+                     if pl in row.consumes}
+            tensors.update({name: t for name, t in child.request.req.tensors.items()
+                            if name[:name.find(".") + 1] in media})
         for i, upstream in enumerate(ins):
             for name, wt in child.done[upstream].tensors.items():
                 if conditioned and name == "hidden_states":

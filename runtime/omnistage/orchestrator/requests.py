@@ -71,6 +71,10 @@ class PipelineRequest:
     # just the AR stage).
     finals: list[str] | None = None
     request_id: str | None = None
+    # Input media (numpy arrays, torch tensors or WireTensors): `input_image.<i>` and
+    # `input_audio.<i>` (omnistage.executors.kinds.Payload), sent to the entry stages that
+    # consume IMAGE or AUDIO.
+    tensors: dict[str, Any] = field(default_factory=dict)
 
     def stage_params(self, stage: str) -> dict[str, Any]:
         return {**self.params.get("*", {}), **self.params.get(stage, {})}

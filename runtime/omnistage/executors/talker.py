@@ -1,0 +1,261 @@
+"""Talker executor: a Qwen3-Omni talker turns text (a thinker's answer, or a TTS prompt) into
+speech codec codes, frame by frame.
+
+Each frame: the talker samples the frame's first code from its codec head; its code predictor
+then predicts the residual codebooks' codes one after another (greedily), conditioned on the
+talker's last hidden state; the sum of the frame's code embeddings plus the next text position
+is the talker's next input. This mirrors transformers' Qwen3OmniMoeForConditionalGeneration
+(its talker prefill and prepare_inputs_for_generation) step by step over the real modules, so
+the worker can check for abort and deadline between frames.
+
+Text reaches the talker as Qwen's does, through the talker's text_projection of the thinker's
+input embeddings. After a thinker, those come as tensor `token_embeds` (with `token_ids`,
+`encoder_hidden_states` and `prompt_length`): the prompt part is context (its image and audio
+positions through hidden_projection of the thinker's hidden states) and the generated part is
+what is spoken. Without a thinker (a text-to-speech pipeline), the prompt is tokenized with the
+tokenizer beside the talker and embedded with the thinker's embedding table shipped there
+(omnistage.models.TEXT_EMBEDDINGS, or the thinker's tensor in a combined checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omnistage.admission import ExecutionContext
+from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
+from omnistage.models import load_talker
+from omnistage.params import StageParams, stage_params
+from omnistage.protocol import WireTensor
+
+#: The first code's sampling (Qwen3-Omni's talker defaults); the seed makes it reproducible.
+TEMPERATURE = 0.9
+TOP_K = 50
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+class _TalkerRequest(StageParams):
+    prompt: str | None = None
+
+
+TalkerParams = stage_params("talker", _TalkerRequest)
+
+
+@dataclass
+class TalkerJob:
+    prefill: Any  # [1, length, hidden] the talker's prompt pass input
+    trailing: Any  # [1, text, hidden] one text position added per frame
+    pad: Any  # [1, 1, hidden] added once the text is used up
+    max_frames: int
+    seed: int
+    voice: str
+
+
+class TalkerExecutor(Executor):
+    kind = "talker"
+
+    def load(self) -> None:
+        self.model, self.tokenizer, self.text_table = load_talker(
+            self.model_source or "tiny-omni-talker", self.device, self.engine.dtype, self.kind)
+        cfg = self.model.config
+        self.speakers = {str(k).lower(): int(v) for k, v in (cfg.speaker_id or {}).items()}
+        if not self.speakers:
+            raise ValueError("the talker's config lists no speakers (speaker_id)")
+        names = list(self.engine.voices or cfg.speaker_id)
+        missing = [v for v in names if v.lower() not in self.speakers]
+        if missing:
+            raise ValueError(f"engine.voices: {missing} are not voices of this model "
+                             f"(it has: {', '.join(cfg.speaker_id)})")
+        self.voices = names  # what this stage offers; the first is the default
+        self.default_voice = self.engine.voice or names[0]
+        if self.default_voice.lower() not in {v.lower() for v in names}:
+            raise ValueError(f"engine.voice {self.default_voice!r} is not one of engine.voices "
+                             f"{names}")
+        self.codebook = int(cfg.code_predictor_config.vocab_size)
+        self.groups = int(cfg.num_code_groups)
+        self.context_len = int(cfg.text_config.max_position_embeddings)
+        self.thinker_hidden = int(cfg.thinker_hidden_size)
+        whole = getattr(self.model, "omni_config", None)
+        self.media_ids = {int(cfg.audio_token_id), int(cfg.image_token_id),
+                          int(cfg.video_token_id)}
+        self._tts_ids = self._tts_token_ids(whole)
+
+    def _tts_token_ids(self, whole: Any) -> list[int] | None:
+        """tts_pad, tts_bos, tts_eos in the thinker's vocabulary."""
+        if whole is not None:
+            return [int(whole.tts_pad_token_id), int(whole.tts_bos_token_id),
+                    int(whole.tts_eos_token_id)]
+        if self.tokenizer is None:
+            return None
+        ids = self.tokenizer.convert_tokens_to_ids(["<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>"])
+        return None if self.tokenizer.unk_token_id in ids or None in ids else list(ids)
+
+    def warmup(self) -> None:
+        if self.text_table is not None:
+            job = self.prepare({"prompt": "warmup", "max_frames": 2}, {})
+            self.execute(job, ExecutionContext(), lambda _d: None)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> TalkerJob:
+        import torch
+
+        req: Any = self.parse(TalkerParams, params)
+        opts = req.options(self.engine)
+        voice = req.voice or self.default_voice
+        offered = {v.lower(): v for v in self.voices}
+        if voice.lower() not in offered:
+            raise BadRequest(f"params.voice: unknown voice {voice!r}; this stage offers: "
+                             f"{', '.join(self.voices)}")
+        speaker = self.speakers[voice.lower()]
+        with torch.inference_mode():
+            if "encoder_hidden_states" in tensors:
+                context, text = self._from_thinker(tensors)
+            else:
+                context, text = self._from_prompt(req.prompt)
+            prefill, trailing, pad = self._talker_inputs(context, text, speaker)
+        if prefill.shape[1] + opts.max_frames > self.context_len:
+            raise BadRequest(f"params.max_frames: the text ({prefill.shape[1] + trailing.shape[1]}"
+                             f" positions) + max_frames ({opts.max_frames}) exceeds the talker's "
+                             f"context of {self.context_len}")
+        return TalkerJob(prefill, trailing, pad, opts.max_frames, opts.seed, offered[voice.lower()])
+
+    def _tensor(self, tensors: Mapping[str, WireTensor], name: str, dtypes: tuple[str, ...],
+                shape: tuple[int | None, ...]) -> Any:
+        wt = tensors.get(name)
+        if wt is None:
+            raise BadRequest(f"tensors.{name} is required with tensors.encoder_hidden_states "
+                             "(a thinker's outputs)")
+        ok = wt.dtype in dtypes and len(wt.shape) == len(shape) and all(
+            want is None or got == want for got, want in zip(wt.shape, shape, strict=True))
+        if not ok or 0 in wt.shape:
+            want = ", ".join("n" if d is None else str(d) for d in shape)
+            raise BadRequest(f"tensors.{name} must be {'/'.join(dtypes)} [{want}], got "
+                             f"{wt.dtype} {list(wt.shape)}")
+        return wt.torch(self.device)
+
+    def _from_thinker(self, tensors: Mapping[str, WireTensor]) -> tuple[Any, Any]:
+        """(context [1, n, talker hidden], spoken text [1, m, talker hidden]) from a thinker."""
+        import torch
+
+        dim = self.thinker_hidden
+        hidden = self._tensor(tensors, "encoder_hidden_states", _FLOATS, (None, dim))
+        n = hidden.shape[0]
+        embeds = self._tensor(tensors, "token_embeds", _FLOATS, (n, dim))
+        ids = self._tensor(tensors, "token_ids", ("int64",), (n,))
+        length = self._tensor(tensors, "prompt_length", ("int64",), (1,))
+        prompt = int(length[0])
+        if not 0 < prompt <= n:
+            raise BadRequest(f"tensors.prompt_length must be in [1, {n}], got {prompt}")
+        dt = self.model.dtype
+        hidden, embeds = hidden.to(dt), embeds.to(dt)
+        media = torch.isin(ids[:prompt], torch.tensor(sorted(self.media_ids), device=ids.device))
+        context = self.model.text_projection(embeds[:prompt])
+        if media.any():
+            context[media] = self.model.hidden_projection(hidden[:prompt][media])
+        return context.unsqueeze(0), self.model.text_projection(embeds[prompt:]).unsqueeze(0)
+
+    def _from_prompt(self, prompt: str | None) -> tuple[Any, Any]:
+        if self.text_table is None:
+            raise BadRequest("tensors.encoder_hidden_states is required: this talker's model has "
+                             "no text embedding table, so it speaks only a thinker's output")
+        if not prompt:
+            raise BadRequest("params.prompt is required (the text to speak)")
+        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        if not ids:
+            raise BadRequest("params.prompt has no tokens to speak")
+        table = self.text_table
+        if max(ids) >= table.shape[0]:
+            raise BadRequest("params.prompt: a token is outside the talker's text table")
+        text = self.model.text_projection(table[ids]).unsqueeze(0)
+        return text[:, :0], text
+
+    def _talker_inputs(self, context: Any, text: Any, speaker: int) -> tuple[Any, Any, Any]:
+        """Qwen's assistant part: text side tts_pad x4, tts_bos, the first text position; codec
+        side nothink, think_bos, think_eos, the speaker, pad, bos; the rest of the text (then
+        tts_eos) is added one position per frame."""
+        import torch
+
+        cfg, dt = self.model.config, self.model.dtype
+        hid = int(cfg.text_config.hidden_size)
+        if self._tts_ids is not None and self.text_table is not None:
+            marks = self.model.text_projection(self.text_table[self._tts_ids].to(dt))
+            pad, bos, eos = (marks[i].view(1, 1, hid) for i in range(3))
+        else:  # no thinker vocabulary here: neutral markers
+            pad = bos = eos = torch.zeros(1, 1, hid, dtype=dt, device=self.device)
+        first, rest = text[:, :1], text[:, 1:]
+        if first.shape[1] == 0:
+            first = pad
+        text_side = torch.cat([pad.expand(1, 4, hid), bos, first], dim=1)
+        codec = torch.tensor([[cfg.codec_nothink_id, cfg.codec_think_bos_id,
+                               cfg.codec_think_eos_id, speaker, cfg.codec_pad_id,
+                               cfg.codec_bos_id]], device=self.device)
+        assistant = text_side + self.model.get_input_embeddings()(codec)
+        prefill = torch.cat([context.to(dt), assistant], dim=1)
+        return prefill, torch.cat([rest, eos], dim=1), pad
+
+    def cost(self, job: TalkerJob) -> int:
+        return int(job.prefill.shape[1]) + job.max_frames
+
+    def execute(self, job: TalkerJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
+        import torch
+
+        model, predictor = self.model, self.model.code_predictor
+        gen = torch.Generator(device="cpu").manual_seed(job.seed)
+        eos = int(model.config.codec_eos_token_id)
+        frames: list[list[int]] = []
+        finish = "length"
+        with torch.inference_mode():
+            mask = torch.ones(job.prefill.shape[:2], dtype=torch.long, device=self.device)
+            out = model(inputs_embeds=job.prefill, attention_mask=mask, use_cache=True,
+                        output_hidden_states=True)
+            for step in range(job.max_frames):
+                if ctx.token.cancelled:
+                    return self._outcome(frames, "abort", job, aborted=True)
+                ctx.check()
+                first = self._sample(out.logits[0, -1].float(), gen, eos)
+                if first == eos:
+                    finish = "stop"
+                    break
+                codes = [first]
+                code = torch.tensor([[first]], device=self.device)
+                embeds = [model.get_input_embeddings()(code)]
+                last = out.hidden_states[0][-1][:, -1:]
+                p = predictor(inputs_embeds=torch.cat([last, embeds[0]], dim=1), use_cache=True)
+                for g in range(1, self.groups):
+                    code = p.logits[:, -1:].argmax(-1)
+                    codes.append(int(code))
+                    embeds.append(predictor.get_input_embeddings()[g - 1](code))
+                    if g < self.groups - 1:
+                        p = predictor(input_ids=code, cache=p.cache, use_cache=True,
+                                      generation_steps=p.generation_steps)
+                frames.append(codes)
+                text = job.trailing[:, step:step + 1] if step < job.trailing.shape[1] else job.pad
+                nxt = torch.stack(embeds, dim=0).sum(0) + text
+                out = model(inputs_embeds=nxt, cache=out.cache, use_cache=True,
+                            output_hidden_states=True, generation_step=step)
+        return self._outcome(frames, finish, job)
+
+    def _sample(self, logits: Any, gen: Any, eos: int) -> int:
+        """The frame's first code: top-k sampling over the codebook and the end code only."""
+        import torch
+
+        allowed = torch.full_like(logits, float("-inf"))
+        allowed[: self.codebook] = 0.0
+        allowed[eos] = 0.0
+        logits = logits + allowed
+        top = torch.topk(logits, min(TOP_K, self.codebook + 1))
+        probs = torch.softmax(top.values / TEMPERATURE, dim=-1).cpu()
+        return int(top.indices[int(torch.multinomial(probs, 1, generator=gen))])
+
+    def _outcome(self, frames: list[list[int]], finish: str, job: TalkerJob,
+                 aborted: bool = False) -> Outcome:
+        import torch
+
+        codes = torch.tensor(frames, dtype=torch.int64).reshape(len(frames), self.groups)
+        return Outcome({"finish_reason": finish, "completion_tokens": len(frames)},
+                       {"codec_codes": codes}, aborted=aborted)
+
+    def aborted_before_start(self, job: TalkerJob) -> Outcome:
+        return self._outcome([], "abort", job, aborted=True)
