@@ -217,6 +217,7 @@ class _Result(_Wire):
     height: int | None = None  # diffusion
     width: int | None = None  # diffusion
     steps: int | None = None  # diffusion
+    sample_rate: int | None = None  # stages that emit audio (Hz of tensor "audio")
     tensors: list[TensorDesc] = []
 
 

@@ -589,6 +589,12 @@ class Orchestrator:
         # A stage that consumes hidden states gets them as its conditioning.
         conditioned = Payload.HIDDEN_STATES in self.rows[task.stage].consumes
         tensors: dict[str, Any] = {}
+        if not ins:  # an entry stage: the request's input media, as far as its kind takes them
+            row = self.rows[task.stage]
+            takes = {"input_image": Payload.IMAGE in row.consumes,
+                     "input_audio": Payload.AUDIO in row.consumes}
+            tensors.update({name: value for name, value in child.request.req.tensors.items()
+                            if takes.get(name.partition(".")[0], False)})
         for i, upstream in enumerate(ins):
             for name, wt in child.done[upstream].tensors.items():
                 if conditioned and name == "hidden_states":

@@ -70,6 +70,9 @@ class PipelineRequest:
     # just the AR stage).
     finals: list[str] | None = None
     request_id: str | None = None
+    # Input media for the entry stages (omnistage.media): `input_image.<i>` / `input_audio.<i>`
+    # arrays; only an entry stage whose kind consumes IMAGE / AUDIO receives them.
+    tensors: dict[str, Any] = field(default_factory=dict)
 
     def stage_params(self, stage: str) -> dict[str, Any]:
         return {**self.params.get("*", {}), **self.params.get(stage, {})}

@@ -33,10 +33,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType, TypedDict  # pydantic wants this one before Python 3.12
 
+from omnistage import media
 from omnistage.orchestrator import requests as rq
 from omnistage.params import engine_bounds, engine_type, per_request
 from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
-from omnistage.spec import STAGE_KINDS
+from omnistage.spec import STAGE_KINDS, VOICE_PATTERN
 
 __all__ = [
     "ERROR_TYPES",
@@ -54,6 +55,8 @@ __all__ = [
     "Message",
     "ModelCard",
     "ModelList",
+    "SpeechRequest",
+    "SpeechStreamEvent",
     "image_size",
     "pipeline_bodies",
 ]
@@ -168,10 +171,62 @@ def _known_role(value: Any) -> Any:
 
 
 class TextPart(_Body):
-    """One part of a message's content; only text parts are supported."""
+    """A text part; the text parts of a message are joined with newlines."""
 
-    type: only("text", why="only text content parts are supported")
+    type: Literal["text"]
     text: Text
+
+
+_MEDIA_NOTE = (f" At most {media.MAX_MEDIA_PARTS} image_url and input_audio parts per request; "
+               "the pipeline's entry stage must take this input (400 otherwise).")
+
+
+class ImageUrl(_Body):
+    url: Annotated[str, Field(description=(
+        "A data URL, `data:image/png;base64,...` (png, jpeg, webp, gif or bmp), at most "
+        f"{media.MAX_IMAGE_BYTES} bytes decoded and {media.MAX_IMAGE_PIXELS} pixels. Remote "
+        "URLs are refused (400): this server does not fetch."))]
+    detail: Literal["auto", "low", "high", "original"] | None = Field(
+        None, description="Accepted; it has no effect here.")
+
+
+class ImagePart(_Body):
+    """An input image: decoded (Pillow) to RGB and sent to the entry stage as tensor
+    `input_image.<i>` (uint8 [H, W, 3])."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl = Field(description=_MEDIA_NOTE.strip())
+
+
+class InputAudio(_Body):
+    data: Annotated[str, Field(description=(
+        f"Base64 audio, at most {media.MAX_AUDIO_BYTES} bytes decoded and "
+        f"{media.MAX_AUDIO_SECONDS:g} s; any sample rate in {media.MIN_SAMPLE_RATE}.."
+        f"{media.MAX_SAMPLE_RATE} Hz (resampled to {media.INPUT_AUDIO_SAMPLE_RATE} Hz)."),
+        json_schema_extra={"contentEncoding": "base64"})]
+    format: Literal[media.AUDIO_INPUT_FORMATS]  # type: ignore[valid-type]
+
+
+class AudioPart(_Body):
+    """Input audio: decoded (PyAV) to mono float32 at the input rate and sent to the entry
+    stage as tensor `input_audio.<i>`."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio = Field(description=_MEDIA_NOTE.strip())
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return f"<{kind}>" if kind in ("text", "image_url", "input_audio") else None
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("<text>")] | Annotated[ImagePart, Tag("<image_url>")]
+    | Annotated[AudioPart, Tag("<input_audio>")],
+    Discriminator(_part_tag, custom_error_type="unsupported_parameter",
+                  custom_error_message="must be a content part of type text, image_url or "
+                  "input_audio"),
+]
 
 
 def _content_tag(value: Any) -> str | None:
@@ -179,10 +234,11 @@ def _content_tag(value: Any) -> str | None:
 
 
 Content = Annotated[
-    Annotated[Text, Tag("<text>")] | Annotated[list[TextPart], Tag("<parts>")],
+    Annotated[Text, Tag("<text>")] | Annotated[list[ContentPart], Tag("<parts>")],
     Discriminator(_content_tag, custom_error_type="invalid_type",
-                  custom_error_message="must be a string or an array of text parts"),
-    Field(description="A string, or text parts joined with newlines."),
+                  custom_error_message="must be a string or an array of content parts"),
+    Field(description="A string, or content parts: text parts joined with newlines, images "
+          "and audio sent to the entry stage as tensors." + _MEDIA_NOTE),
 ]
 
 
@@ -211,6 +267,27 @@ ChatMessage = Annotated[
     Annotated[Message, Tag("<message>")] | Annotated[AssistantMessage, Tag("<assistant>")],
     Discriminator(_role_tag),
 ]
+
+
+VoiceName = Annotated[str, Field(pattern=VOICE_PATTERN)]
+
+
+class VoiceId(_Body):
+    id: VoiceName
+
+
+Voice = Annotated[VoiceName | VoiceId, Field(description=(
+    "A voice of the pipeline's speech stage (GET /v1/models lists them as `voices`), or "
+    "{\"id\": name}. Omitted: the stage's engine.voice, else its first voice."))]
+
+
+class AudioOutput(_Body):
+    """What chat answers with when modalities include audio."""
+
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = Field(description=(
+        "The encoding of message.audio.data; pcm16 is raw 16-bit little-endian mono at "
+        f"{media.PCM_SAMPLE_RATE} Hz. Streamed audio is pcm16 only. (aac is not produced.)"))
+    voice: Voice | None = None
 
 
 class StreamOptions(_Body):
@@ -245,14 +322,16 @@ class ChatCompletionRequest(_Body):
     tools: only(*_EMPTY, why="tools") = None
     functions: only(*_EMPTY, why="functions") = None
     logit_bias: only(*_EMPTY, why="logit_bias") = None
-    audio: only(*_EMPTY, why="audio output") = None
+    audio: AudioOutput | None = Field(None, description="Required when modalities include "
+                                      "audio; the pipeline must have a speech stage.")
     prediction: only(*_EMPTY, why="predicted outputs") = None
     tool_choice: only(None, "none", why="tools") = None
     function_call: only(None, "none", why="functions") = None
     logprobs: only(None, False, why="logprobs") = None
     response_format: only(None, {"type": "text"},
                           why="structured output; only text is produced") = None
-    modalities: only(None, ["text"], why="output other than text") = None
+    modalities: only(None, ["text"], ["text", "audio"], ["audio", "text"],
+                     why="output other than text, or text and audio") = None
     top_p: Ignored = None
     top_k: Ignored = None
     presence_penalty: Ignored = None
@@ -336,6 +415,50 @@ class ImagesRequest(_Body):
     moderation: Ignored = None
     output_compression: Ignored = None
     partial_images: Ignored = None
+
+
+# --------------------------------------------------------------------------- audio
+
+
+class SpeechRequest(_Body):
+    """OpenAI's text-to-speech request. Unknown fields are ignored and listed in the
+    X-Omnistage-Ignored-Fields response header."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_unicode)]
+    model: Text | None = Field(None, description="Must equal the served model name.")
+    voice: Voice | None = None
+    response_format: Literal[media.AUDIO_OUTPUT_FORMATS] | None = Field(  # type: ignore[valid-type]
+        None, description="Default mp3. wav and flac are 16-bit at the stage's sample rate; "
+        f"pcm is raw 16-bit little-endian mono at {media.PCM_SAMPLE_RATE} Hz. (aac is not "
+        "produced.)")
+    speed: Annotated[float, Field(ge=0.25, le=4.0)] | None = Field(
+        None, description="Tempo, pitch kept (FFmpeg's atempo filter). Default 1.0.")
+    stream_format: Literal["audio", "sse"] | None = Field(
+        None, description="audio (default): the file's bytes. sse: server-sent events "
+        "speech.audio.delta (base64 chunks of the file) then speech.audio.done.")
+    instructions: Ignored = None
+
+
+class SpeechUsage(TypedDict):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class SpeechAudioDelta(TypedDict):
+    type: Literal["speech.audio.delta"]
+    audio: Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+
+
+class SpeechAudioDone(TypedDict):
+    type: Literal["speech.audio.done"]
+    usage: SpeechUsage
+
+
+SpeechStreamEvent = Annotated[SpeechAudioDelta | SpeechAudioDone, Field(
+    description="stream_format sse: base64 chunks of the encoded audio in order, then done.")]
 
 
 # --------------------------------------------------------------------------- generic & control
@@ -469,10 +592,22 @@ FinishReason = Annotated[str, Field(description="stop, length or abort (the requ
                                     "aborted; the content is the prefix generated so far).")]
 
 
+class AudioOut(TypedDict):
+    """The spoken answer (modalities with audio): the speech stage's audio, encoded."""
+
+    id: str
+    data: Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+    expires_at: Annotated[int, Field(description="Unix time; this server keeps no audio, so "
+                                     "it is only informative.")]
+    transcript: Annotated[str, Field(description="The chat stage's text.")]
+
+
 class AssistantOut(TypedDict):
     role: Literal["assistant"]
-    content: str
+    content: Annotated[str | None, Field(description="null when the answer is audio (its "
+                                         "text is audio.transcript), as OpenAI's.")]
     refusal: None
+    audio: NotRequired[AudioOut]
 
 
 class Choice(TypedDict):
@@ -494,9 +629,20 @@ class ChatCompletion(TypedDict):
     usage: Usage
 
 
+class ChunkAudio(TypedDict, total=False):
+    """Streamed audio: the first carries id (and transcript text), transcript deltas follow,
+    then base64 pcm16 data chunks, the last carries only id and expires_at."""
+
+    id: str
+    transcript: str
+    data: Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+    expires_at: int
+
+
 class ChunkDelta(TypedDict, total=False):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    audio: ChunkAudio
 
 
 class ChunkChoice(TypedDict):
@@ -538,6 +684,9 @@ class ModelCard(TypedDict):
     object: Literal["model"]
     created: int
     owned_by: str
+    voices: NotRequired[Annotated[list[str], Field(
+        description="Extension: the voices of the speech stage, when the pipeline has one; "
+        "the first is the default.")]]
 
 
 class ModelList(TypedDict):
