@@ -151,7 +151,7 @@ def test_control_ops_are_defined_once() -> None:
 
 def test_result_fields_are_the_executor_outcome_fields() -> None:
     assert p.RESULT_FIELDS == ("text", "token_ids", "finish_reason", "prompt_tokens",
-                               "completion_tokens", "height", "width", "steps")
+                               "completion_tokens", "height", "width", "steps", "sample_rate")
     with pytest.raises(TypeError):
         p.Final(id="r", colour="red")  # an executor field the protocol does not know
 
