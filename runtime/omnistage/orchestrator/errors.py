@@ -15,13 +15,9 @@ from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.schemas import ERROR_TYPES, ErrorBody
 
 __all__ = [
-    "AUDIO_NOT_SUPPORTED",
     "ERROR_TYPES",
     "INVALID_MEDIA",
-    "MEDIA_NOT_ACCEPTED",
     "MEDIA_TOO_LARGE",
-    "REMOTE_MEDIA_REFUSED",
-    "UNKNOWN_VOICE",
     "ApiError",
     "ParamMap",
     "bad",
@@ -34,13 +30,10 @@ __all__ = [
 ]
 
 
-# Error codes of the audio and media fields (docs/http-api.md lists every code).
-AUDIO_NOT_SUPPORTED = "audio_not_supported"  # audio asked of a pipeline without a speech stage
-UNKNOWN_VOICE = "unknown_voice"  # a voice the speech stage does not offer
+# Error codes of media that do not decode (docs/http-api.md lists every code). Other audio
+# and media errors use the schema's codes (invalid_value, unsupported_parameter).
 INVALID_MEDIA = "invalid_media"  # base64 image or audio that does not decode
 MEDIA_TOO_LARGE = "media_too_large"  # beyond omnistage.media's bounds
-MEDIA_NOT_ACCEPTED = "media_not_accepted"  # the entry stage's kind does not take this input
-REMOTE_MEDIA_REFUSED = "remote_media_refused"  # an http(s) image URL: this server does not fetch
 
 
 class ApiError(Exception):

@@ -33,12 +33,8 @@ from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import (
-    AUDIO_NOT_SUPPORTED,
     INVALID_MEDIA,
-    MEDIA_NOT_ACCEPTED,
     MEDIA_TOO_LARGE,
-    REMOTE_MEDIA_REFUSED,
-    UNKNOWN_VOICE,
     ApiError,
     bad,
     chat_param,
@@ -66,6 +62,7 @@ from omnistage.orchestrator.render import (
     tensor_bytes,
 )
 from omnistage.orchestrator.schemas import (
+    PART_TYPES,
     ChatCompletionRequest,
     ControlRequest,
     GenericRequest,
@@ -291,8 +288,9 @@ class SpeechPlan:
         if name is None:
             return self.default
         if name not in self.voices:
-            raise ApiError(400, f"unknown voice {name!r}; this pipeline's voices: "
-                           f"{', '.join(self.voices)}", param=param, code=UNKNOWN_VOICE)
+            raise ApiError(400, f"{param} must be one of this pipeline's voices: "
+                           f"{', '.join(self.voices)}; got {name!r}", param=param,
+                           code="invalid_value")
         return name
 
     def params(self, voice: str) -> dict[str, dict[str, Any]]:
@@ -326,14 +324,8 @@ def _media_parts(req: ChatCompletionRequest) -> list[MediaPart]:
             continue
         for p, part in enumerate(message.content):
             at = f"messages[{m}].content[{p}]"
-            if isinstance(part, ImagePart):
-                url = part.image_url.url
-                if not url.startswith("data:"):
-                    raise ApiError(400, f"{at}.image_url.url: this server does not fetch remote "
-                                   "images; send the image inline as a data URL "
-                                   "(data:image/png;base64,...)", param=f"{at}.image_url.url",
-                                   code=REMOTE_MEDIA_REFUSED)
-                parts.append(MediaPart("image", f"{at}.image_url.url", url))
+            if isinstance(part, ImagePart):  # a data URL: the schema refuses remote ones
+                parts.append(MediaPart("image", f"{at}.image_url.url", part.image_url.url))
             elif not isinstance(part, TextPart):
                 parts.append(MediaPart("audio", f"{at}.input_audio.data", part.input_audio.data,
                                        part.input_audio.format))
@@ -351,9 +343,9 @@ def _check_entry(spec: PipelineSpec, finals: list[str], parts: list[MediaPart]) 
         payload = Payload.IMAGE if part.kind == "image" else Payload.AUDIO
         if not any(payload in get_kind(spec.stage(s).kind).consumes for s in entries):
             field = part.param.rsplit(".", 2)[0]
-            raise ApiError(400, f"{field}: this pipeline's entry stage ({', '.join(entries)}) "
-                           f"does not take {part.kind} input", param=field,
-                           code=MEDIA_NOT_ACCEPTED)
+            raise ApiError(400, f"{field} is not supported: this request's entry stage "
+                           f"({', '.join(entries)}) does not take {part.kind} input",
+                           param=field, code="unsupported_parameter")
 
 
 def decode_media(parts: list[MediaPart]) -> dict[str, Any]:
@@ -408,8 +400,8 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
     if req.audio is not None:
         plan = speech_plan(pipeline.spec)
         if plan is None:
-            raise bad("modalities", "this pipeline has no speech stage (no stage's kind emits "
-                      'audio); ask for modalities ["text"]', AUDIO_NOT_SUPPORTED)
+            raise bad("audio", "audio output is not supported: this pipeline has no speech "
+                      "stage (no stage's kind emits audio)", "unsupported_parameter")
         if req.stream and req.audio.format != "pcm16":
             raise bad("audio.format", "streamed audio is pcm16 (OpenAI's streaming format); "
                       f"set audio.format to pcm16, got {req.audio.format}")
@@ -434,14 +426,14 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
 
 
 def parse_speech(body: Mapping[str, Any], pipeline: OmniPipeline,
-                 model: type[SpeechRequest] = SpeechRequest) -> SpeechCall:
+                 model: type[SpeechRequest] | None = None) -> SpeechCall:
     """Validate an OpenAI speech body into a PipelineRequest for the speech stage: `input`
     is the prompt of the stages it needs, `voice` goes to the stages that take one."""
     plan = speech_plan(pipeline.spec)
     if plan is None:
         raise ApiError(404, "this pipeline has no speech stage (no stage's kind emits audio)",
                        code="api_not_enabled")
-    req = validate(model, body)
+    req = validate(model or _pipeline_body(pipeline, SpeechRequest), body)
     _check_model(req.model, pipeline.served_model_name())
     voice = plan.voice(req.voice, "voice")
     request = rq.PipelineRequest(prompt=req.input, params=plan.params(voice), finals=[plan.stage])
@@ -491,12 +483,29 @@ def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline,
 # --------------------------------------------------------------------------- generic & control
 
 
+def _entry_parts(spec: PipelineSpec, chat: str | None) -> tuple[str, ...]:
+    """The content part types the chat stage's entry stages take (text always)."""
+    if chat is None:
+        return PART_TYPES
+    entries = [get_kind(spec.stage(s).kind) for s in _needs(spec, [chat])
+               if not spec.stage(s).inputs]
+    takes = {p for row in entries for p in row.consumes}
+    return ("text", *(part for part, payload in (("image_url", Payload.IMAGE),
+                                                   ("input_audio", Payload.AUDIO))
+                      if payload in takes))
+
+
 def _pipeline_body(pipeline: OmniPipeline, stock: type[M]) -> type[M]:
     """The stock body model narrowed to the pipeline: its stage names, its chat stage's
-    max_tokens bound (schemas.pipeline_bodies)."""
-    chat = pipeline.spec.chat_stage()
-    most = None if chat is None else max_tokens_bound(pipeline.spec.stage(chat))
-    return pipeline_bodies(tuple(pipeline.spec.stage_names()), most).get(stock, stock)  # type: ignore[return-value]
+    max_tokens bound, its voices (no audio without a speech stage) and the content parts its
+    entry stage takes (schemas.pipeline_bodies)."""
+    spec = pipeline.spec
+    chat = spec.chat_stage()
+    most = None if chat is None else max_tokens_bound(spec.stage(chat))
+    plan = speech_plan(spec)
+    return pipeline_bodies(tuple(spec.stage_names()), most,  # type: ignore[return-value]
+                           None if plan is None else plan.voices,
+                           _entry_parts(spec, chat)).get(stock, stock)
 
 
 def parse_generic(body: Mapping[str, Any], pipeline: OmniPipeline,

@@ -181,11 +181,21 @@ _MEDIA_NOTE = (f" At most {media.MAX_MEDIA_PARTS} image_url and input_audio part
                "the pipeline's entry stage must take this input (400 otherwise).")
 
 
+def _data_url(value: str) -> str:
+    """Remote URLs are refused up front: this server does not fetch (docs/http-api.md)."""
+    if not value.startswith("data:"):
+        raise PydanticCustomError(
+            "invalid_value", "must be a data URL (data:image/png;base64,...): this server "
+            "does not fetch remote images, got {url}", {"url": repr(value[:60])})
+    return value
+
+
 class ImageUrl(_Body):
-    url: Annotated[str, Field(description=(
-        "A data URL, `data:image/png;base64,...` (png, jpeg, webp, gif or bmp), at most "
-        f"{media.MAX_IMAGE_BYTES} bytes decoded and {media.MAX_IMAGE_PIXELS} pixels. Remote "
-        "URLs are refused (400): this server does not fetch."))]
+    url: Annotated[str, AfterValidator(_data_url), Field(
+        json_schema_extra={"pattern": "^data:"}, description=(
+            "A data URL, `data:image/png;base64,...` (png, jpeg, webp, gif or bmp), at most "
+            f"{media.MAX_IMAGE_BYTES} bytes decoded and {media.MAX_IMAGE_PIXELS} pixels. "
+            "Remote URLs are refused (400): this server does not fetch."))]
     detail: Literal["auto", "low", "high", "original"] | None = Field(
         None, description="Accepted; it has no effect here.")
 
@@ -215,31 +225,43 @@ class AudioPart(_Body):
     input_audio: InputAudio = Field(description=_MEDIA_NOTE.strip())
 
 
-def _part_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    return f"<{kind}>" if kind in ("text", "image_url", "input_audio") else None
+_PARTS: dict[str, type[_Body]] = {"text": TextPart, "image_url": ImagePart,
+                                   "input_audio": AudioPart}
+#: Every content part type; a pipeline's document lists those its entry stage takes.
+PART_TYPES: tuple[str, ...] = tuple(_PARTS)
 
 
-ContentPart = Annotated[
-    Annotated[TextPart, Tag("<text>")] | Annotated[ImagePart, Tag("<image_url>")]
-    | Annotated[AudioPart, Tag("<input_audio>")],
-    Discriminator(_part_tag, custom_error_type="unsupported_parameter",
-                  custom_error_message="must be a content part of type text, image_url or "
-                  "input_audio"),
-]
+def _content(parts: tuple[str, ...]) -> Any:
+    """The content field's type, admitting the given part types (text always)."""
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else None
+        return f"<{kind}>" if kind in parts else None
+
+    refused = [p for p in PART_TYPES if p not in parts]
+    why = f" ({', '.join(refused)}: this pipeline's entry stage does not take that input)" \
+        if refused else ""
+    part = Annotated[Union[tuple(Annotated[_PARTS[p], Tag(f"<{p}>")]  # noqa: UP007
+                                 for p in parts)],
+                     Discriminator(tag, custom_error_type="unsupported_parameter",
+                                   custom_error_message="must be a content part of type "
+                                   f"{' or '.join(parts)}{why}")]
+
+    def content_tag(value: Any) -> str | None:
+        return "<text>" if isinstance(value, str) else \
+            "<parts>" if isinstance(value, list) else None
+
+    media_note = _MEDIA_NOTE if len(parts) > 1 else ""
+    return Annotated[
+        Annotated[Text, Tag("<text>")] | Annotated[list[part], Tag("<parts>")],
+        Discriminator(content_tag, custom_error_type="invalid_type",
+                      custom_error_message="must be a string or an array of content parts"),
+        Field(description="A string, or content parts: text parts joined with newlines"
+              + (", images and audio sent to the entry stage as tensors." if media_note
+                 else ".") + media_note),
+    ]
 
 
-def _content_tag(value: Any) -> str | None:
-    return "<text>" if isinstance(value, str) else "<parts>" if isinstance(value, list) else None
-
-
-Content = Annotated[
-    Annotated[Text, Tag("<text>")] | Annotated[list[ContentPart], Tag("<parts>")],
-    Discriminator(_content_tag, custom_error_type="invalid_type",
-                  custom_error_message="must be a string or an array of content parts"),
-    Field(description="A string, or content parts: text parts joined with newlines, images "
-          "and audio sent to the entry stage as tensors." + _MEDIA_NOTE),
-]
+Content = _content(PART_TYPES)
 
 
 class Message(_Body):
@@ -269,6 +291,18 @@ ChatMessage = Annotated[
 ]
 
 
+def _messages(parts: tuple[str, ...]) -> Any:
+    """The messages field's item type, with content admitting the given part types."""
+    content = _content(parts)
+    message = create_model("Message", __base__=Message, __module__=__name__,
+                           __doc__=Message.__doc__, content=(content, ...))
+    assistant = create_model("AssistantMessage", __base__=AssistantMessage,
+                             __module__=__name__, __doc__=AssistantMessage.__doc__,
+                             content=(content | None, None))
+    return Annotated[Annotated[message, Tag("<message>")]
+                     | Annotated[assistant, Tag("<assistant>")], Discriminator(_role_tag)]
+
+
 VoiceName = Annotated[str, Field(pattern=VOICE_PATTERN)]
 
 
@@ -276,9 +310,27 @@ class VoiceId(_Body):
     id: VoiceName
 
 
-Voice = Annotated[VoiceName | VoiceId, Field(description=(
-    "A voice of the pipeline's speech stage (GET /v1/models lists them as `voices`), or "
-    "{\"id\": name}. Omitted: the stage's engine.voice, else its first voice."))]
+def _voice_tag(value: Any) -> str | None:
+    return "<name>" if isinstance(value, str) else "<id>" if isinstance(value, dict) else None
+
+
+_VOICE_NOTE = ("A voice of the pipeline's speech stage (GET /v1/models lists them as `voices`), "
+               "or {\"id\": name}. Omitted: the stage's engine.voice, else its first voice.")
+
+
+def _voice(voices: tuple[str, ...] | None) -> Any:
+    """The voice field's type: any well-formed name, or (per pipeline) one of `voices`."""
+    name: Any = VoiceName if voices is None else Literal[voices]  # type: ignore[valid-type]
+    ident = VoiceId if voices is None else create_model(
+        "VoiceId", __base__=VoiceId, __module__=__name__, id=(name, ...))
+    return Annotated[
+        Annotated[name, Tag("<name>")] | Annotated[ident, Tag("<id>")],
+        Discriminator(_voice_tag, custom_error_type="invalid_type",
+                      custom_error_message="must be a voice name or {\"id\": name}"),
+        Field(description=_VOICE_NOTE)]
+
+
+Voice = _voice(None)
 
 
 class AudioOutput(_Body):
@@ -323,7 +375,8 @@ class ChatCompletionRequest(_Body):
     functions: only(*_EMPTY, why="functions") = None
     logit_bias: only(*_EMPTY, why="logit_bias") = None
     audio: AudioOutput | None = Field(None, description="Required when modalities include "
-                                      "audio; the pipeline must have a speech stage.")
+                                      "audio, and only then; with stream: true its format "
+                                      "must be pcm16 (400 otherwise).")
     prediction: only(*_EMPTY, why="predicted outputs") = None
     tool_choice: only(None, "none", why="tools") = None
     function_call: only(None, "none", why="functions") = None
@@ -331,7 +384,8 @@ class ChatCompletionRequest(_Body):
     response_format: only(None, {"type": "text"},
                           why="structured output; only text is produced") = None
     modalities: only(None, ["text"], ["text", "audio"], ["audio", "text"],
-                     why="output other than text, or text and audio") = None
+                     why="output other than text, or text and audio") = Field(
+        None, description="With audio, `audio` is required (and needs it: 400 otherwise).")
     top_p: Ignored = None
     top_k: Ignored = None
     presence_penalty: Ignored = None
@@ -509,8 +563,13 @@ _MAX_TOKENS_NOTE = (" At most {most}, the chat stage's bound (the model's contex
                     "refuses prompt + max_tokens beyond them (400 param max_tokens).")
 
 
+_NO_SPEECH = "audio output: this pipeline has no speech stage (no stage's kind emits audio)"
+
+
 @functools.lru_cache(maxsize=64)
-def pipeline_bodies(stages: tuple[str, ...], chat_max_tokens: int | None = None
+def pipeline_bodies(stages: tuple[str, ...], chat_max_tokens: int | None = None,
+                    voices: tuple[str, ...] | None = None,
+                    parts: tuple[str, ...] = PART_TYPES,
                     ) -> dict[type[BaseModel], type[BaseModel]]:
     """The stock bodies narrowed to one pipeline, as {stock model: its narrowed copy}:
     GenericRequest and ControlRequest to its stage names, ChatCompletionRequest's max_tokens
@@ -534,15 +593,31 @@ def pipeline_bodies(stages: tuple[str, ...], chat_max_tokens: int | None = None
                            stages=(names | None, field(ControlRequest, "stages")))
     out: dict[type[BaseModel], type[BaseModel]] = {GenericRequest: generic,
                                                    ControlRequest: control}
+    chat: dict[str, Any] = {}
     if chat_max_tokens is not None:
         tokens = Annotated[int, Field(ge=0, le=chat_max_tokens)]
         note = _MAX_TOKENS_NOTE.format(most=chat_max_tokens)
-        out[ChatCompletionRequest] = create_model(
-            "ChatCompletionRequest", __base__=ChatCompletionRequest, __module__=__name__,
-            __doc__=ChatCompletionRequest.__doc__,
-            **{key: (tokens | None, Field(None, description=str(
-                ChatCompletionRequest.model_fields[key].description) + note))
-               for key in ("max_tokens", "max_completion_tokens")})
+        chat.update({key: (tokens | None, Field(None, description=str(
+            ChatCompletionRequest.model_fields[key].description) + note))
+            for key in ("max_tokens", "max_completion_tokens")})
+    # Audio: the speech stage's voices, or no audio at all without one.
+    if voices is None:
+        chat["audio"] = (only(None, why=_NO_SPEECH), None)
+        chat["modalities"] = (only(None, ["text"], why=_NO_SPEECH), None)
+    else:
+        audio = create_model("AudioOutput", __base__=AudioOutput, __module__=__name__,
+                             __doc__=AudioOutput.__doc__, voice=(_voice(voices) | None, None))
+        chat["audio"] = (audio | None, field(ChatCompletionRequest, "audio"))
+        out[SpeechRequest] = create_model(
+            "SpeechRequest", __base__=SpeechRequest, __module__=__name__,
+            __doc__=SpeechRequest.__doc__, voice=(_voice(voices) | None, None))
+    # Content parts: those the chat stage's entry stages take.
+    if parts != PART_TYPES:
+        chat["messages"] = (list[_messages(parts)],  # type: ignore[misc]
+                            Field(min_length=1))
+    out[ChatCompletionRequest] = create_model(
+        "ChatCompletionRequest", __base__=ChatCompletionRequest, __module__=__name__,
+        __doc__=ChatCompletionRequest.__doc__, **chat)
     return out
 
 
