@@ -156,14 +156,16 @@ def resample(samples: np.ndarray, rate: int, to: int) -> np.ndarray:
         return samples.astype(np.float32, copy=False)
     import av
 
-    frame = av.AudioFrame.from_ndarray(
-        np.ascontiguousarray(samples, dtype=np.float32).reshape(1, -1), format="flt",
-        layout="mono")
+    expected = round(samples.size * to / rate)
+    # The resampler keeps back its filter's delay; silence after the end flushes it all.
+    padded = np.concatenate([np.asarray(samples, np.float32), np.zeros(rate // 10, np.float32)])
+    frame = av.AudioFrame.from_ndarray(padded.reshape(1, -1), format="flt", layout="mono")
     frame.sample_rate = rate
     resampler = av.AudioResampler(format="flt", layout="mono", rate=to)
     out = [f.to_ndarray().reshape(-1) for f in [*resampler.resample(frame),
                                                  *resampler.resample(None)]]
-    return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+    got = np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+    return np.concatenate([got, np.zeros(max(0, expected - got.size), np.float32)])[:expected]
 
 
 def decode_audio(data: str, fmt: str) -> np.ndarray:
@@ -241,10 +243,14 @@ def _encode_av(samples: np.ndarray, rate: int, fmt: str) -> bytes:
     target = next((r for r in _CODEC_RATES[fmt] if r >= rate), _CODEC_RATES[fmt][-1])
     arr = resample(samples, rate, target)
     codec, container_format = {"mp3": ("libmp3lame", "mp3"), "opus": ("libopus", "ogg")}[fmt]
+    frame_size = 960 * target // 48000 if fmt == "opus" else 1152
+    # Whole codec frames only (silence after the end, under one frame): the encoders refuse
+    # a partial or empty last frame.
+    arr = np.concatenate([arr, np.zeros(-arr.size % frame_size or (0 if arr.size else
+                                                                   frame_size), np.float32)])
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=container_format) as container:
         stream = container.add_stream(codec, rate=target, layout="mono")
-        frame_size = 960 * target // 48000 if fmt == "opus" else 1152
         encoder_format = stream.codec_context.format.name
         resampler = av.AudioResampler(format=encoder_format, layout="mono", rate=target,
                                       frame_size=frame_size)
@@ -276,6 +282,9 @@ def change_speed(samples: np.ndarray, rate: int, speed: float) -> np.ndarray:
     import av
 
     steps = [speed] if 0.5 <= speed <= 2.0 else [speed ** 0.5] * 2
+    expected = round(arr.size / speed)
+    # atempo keeps back a window of input; silence after the end flushes all of it through.
+    arr = np.concatenate([arr, np.zeros(int(rate), np.float32)])
     graph = av.filter.Graph()
     src = graph.add_abuffer(format="flt", sample_rate=int(rate), layout="mono")
     nodes = [src, *(graph.add("atempo", f"{s:.6f}") for s in steps), graph.add("abuffersink")]
@@ -294,7 +303,8 @@ def change_speed(samples: np.ndarray, rate: int, speed: float) -> np.ndarray:
         except (av.BlockingIOError, av.EOFError):
             break
         out.append(got.to_ndarray().reshape(-1).astype(np.float32))
-    return np.concatenate(out) if out else np.zeros(0, np.float32)
+    got = np.concatenate(out) if out else np.zeros(0, np.float32)
+    return np.concatenate([got, np.zeros(max(0, expected - got.size), np.float32)])[:expected]
 
 
 def encode_audio(samples: np.ndarray, rate: int, fmt: str) -> bytes:
@@ -309,6 +319,8 @@ def encode_audio(samples: np.ndarray, rate: int, fmt: str) -> bytes:
     if fmt in ("wav", "flac"):
         import soundfile
 
+        if fmt == "flac" and arr.size == 0:
+            arr = np.zeros(1, np.float32)  # libsndfile cannot read back an empty FLAC
         buf = io.BytesIO()
         soundfile.write(buf, arr, rate, format=fmt.upper(), subtype="PCM_16")
         return buf.getvalue()

@@ -13,8 +13,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +25,7 @@ import numpy as np
 from omnistage.admission import ExecutionContext
 from omnistage.batching import Emit
 from omnistage.executors.base import BadRequest, Executor, Outcome
-from omnistage.executors.kinds import Payload, StageKind
+from omnistage.executors.kinds import ENV_VAR, Payload, StageKind
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 
@@ -127,3 +130,37 @@ TONE = StageKind(
     consumes=frozenset({Payload.TEXT}), emits=frozenset({Payload.AUDIO}))
 KINDS = [LISTEN, TONE]
 ENTRY = f"{__name__}:KINDS"
+VOICES = ["alto", "bass"]
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def kinds_env() -> Iterator[None]:
+    """Inside the block, processes started (an `omnistage serve`, and so its workers) know
+    these kinds: OMNISTAGE_STAGE_KINDS names them and PYTHONPATH reaches this module."""
+    saved = {k: os.environ.get(k) for k in (ENV_VAR, "PYTHONPATH")}
+    os.environ[ENV_VAR] = ENTRY
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(_ROOT), str(_ROOT / "runtime"), str(_ROOT / "operator"), saved["PYTHONPATH"] or ""])
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def manifest(name: str, speech: bool) -> dict[str, Any]:
+    """`talk` (listen), and with speech `talk -> speak` (tone, voices VOICES)."""
+    stages: list[dict[str, Any]] = [
+        {"name": "talk", "kind": "listen", "finalOutput": not speech, "replicas": 1,
+         "resources": {"cpu": "1", "memory": "256Mi"}}]
+    if speech:
+        stages.append({"name": "speak", "kind": "tone", "inputs": ["talk"], "finalOutput": True,
+                       "engine": {"voices": VOICES}, "replicas": 1,
+                       "resources": {"cpu": "1", "memory": "256Mi"}})
+    return {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+            "metadata": {"name": name},
+            "spec": {"orchestrator": {"api": ["chat", "generic"]}, "stages": stages}}

@@ -28,34 +28,20 @@ import soundfile
 import yaml
 from PIL import Image
 
-import omnistage.executors.kinds as stage_kinds
 from omnistage import media
 from tests.harness import speech_kinds
-from tests.harness.local import ROOT, alive
+from tests.harness.local import alive
 from tests.integration.test_serve import Serve
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(600)
 
-VOICES = ["alto", "bass"]
-
-
-def manifest(name: str, speech: bool) -> dict[str, Any]:
-    stages: list[dict[str, Any]] = [
-        {"name": "talk", "kind": "listen", "finalOutput": not speech,
-         "resources": {"cpu": "1", "memory": "256Mi"}}]
-    if speech:
-        stages.append({"name": "speak", "kind": "tone", "inputs": ["talk"], "finalOutput": True,
-                       "engine": {"voices": VOICES},
-                       "resources": {"cpu": "1", "memory": "256Mi"}})
-    return {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
-            "metadata": {"name": name},
-            "spec": {"orchestrator": {"api": ["chat", "generic"]}, "stages": stages}}
+VOICES = speech_kinds.VOICES
 
 
 def _start(tmp: Path, name: str, speech: bool) -> Serve:
     path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(manifest(name, speech)))
+    path.write_text(yaml.safe_dump(speech_kinds.manifest(name, speech)))
     return Serve(path, tmp / f"logs-{name}", tmp)
 
 
@@ -63,19 +49,8 @@ def _start(tmp: Path, name: str, speech: bool) -> Serve:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Both pipelines, started together; each server and worker is killed at teardown."""
     tmp = tmp_path_factory.mktemp("audio-api")
-    saved = {k: os.environ.get(k) for k in (stage_kinds.ENV_VAR, "PYTHONPATH")}
-    os.environ[stage_kinds.ENV_VAR] = speech_kinds.ENTRY
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "runtime"), str(ROOT / "operator"), saved["PYTHONPATH"] or ""])
-    started = []
-    try:
+    with speech_kinds.kinds_env():
         started = [_start(tmp, "speak", True), _start(tmp, "mute", False)]
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         yield {"speak": started[0].url(300), "mute": started[1].url(300)}
     finally:

@@ -176,3 +176,24 @@ def test_bad_images_are_refused() -> None:
     big = png((media.MAX_IMAGE_PIXELS // 1000 + 1, 1000), "L")  # compresses to little
     with pytest.raises(media.MediaTooLarge, match="pixels"):
         media.decode_image_url(f"data:image/png;base64,{b64(big)}")
+
+
+@pytest.mark.parametrize("fmt", media.AUDIO_OUTPUT_FORMATS)
+@pytest.mark.parametrize("samples", [0, 1, 5])
+def test_tiny_and_empty_audio_still_encode(fmt: str, samples: int) -> None:
+    """A stage may speak nothing (an empty answer): every format still makes a file that the
+    libraries read (the lossy ones pad to one codec frame of silence)."""
+    data = media.encode_audio(np.zeros(samples, np.float32), RATE, fmt)
+    if fmt in ("mp3", "opus"):
+        back, _, _ = read_av(data)
+        assert np.abs(back).max() < 1e-3
+    elif fmt == "pcm":
+        assert len(data) == 2 * round(samples * media.PCM_SAMPLE_RATE / RATE)
+    else:
+        assert soundfile.read(io.BytesIO(data))[0].size == (samples or (fmt == "flac"))
+
+
+def test_speed_of_a_short_clip_keeps_its_share_of_samples() -> None:
+    clip = sine(0.02)  # shorter than atempo's window
+    for speed in (0.25, 3.0):
+        assert media.change_speed(clip, RATE, speed).size == round(clip.size / speed)
