@@ -16,6 +16,11 @@ What is capped, and why it is no loss of coverage:
   `deadline` by design (docs/http-api.md); `not_a_server_error` counts every 5xx, so a
   generated deadline of a microsecond would be reported as a server fault. The 504 path is
   tested in tests/unit/test_http_api.py and tests/integration/test_orchestrator.py.
+- integral numbers written as floats (`9.0`): the server reads them as integers (JSON has one
+  number type; docs/http-api.md), so they are capped as the integers they are.
+- the text of chat messages, cut to MAX_CHAT_CHARS in all: a prompt beyond the chat model's
+  context is refused by design (400 `param: messages`; the schema cannot count tokens), which
+  tests/unit/test_http_api.py and the worker's tests cover.
 - media and audio (chat and /v1/audio/speech), where a schema cannot say what is valid: the
   bytes inside a valid-looking base64 image or audio part (replaced by a real tiny PNG / WAV),
   the total of media parts over all messages (cut to omnistage.media.MAX_MEDIA_PARTS), the
@@ -103,6 +108,9 @@ def _paired_audio(body: dict[str, Any]) -> None:
 
 
 def _is_int(value: Any) -> bool:
+    """An integer as the server reads JSON: 4 and 4.0 alike, never a boolean."""
+    if isinstance(value, float):
+        return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -111,6 +119,26 @@ def _cap(body: dict[str, Any], key: str, most: int, least: int = 1) -> None:
     value = body.get(key)
     if _is_int(value) and least <= value and value > most:
         body[key] = most
+
+
+MAX_CHAT_CHARS = 128
+
+
+def _short_messages(body: dict[str, Any]) -> None:
+    """Cut the messages' text to MAX_CHAT_CHARS in all (strings and text parts)."""
+    left = MAX_CHAT_CHARS
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            message["content"] = content[:left]
+            left -= len(message["content"])
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    part["text"] = part["text"][:left]
+                    left -= len(part["text"])
 
 
 def _cheap_knobs(knobs: dict[str, Any]) -> None:
@@ -130,6 +158,8 @@ def _cheap(path: str, body: dict[str, Any]) -> None:
             and int(m.group(1)) * int(m.group(2)) > MAX_SIDE * MAX_SIDE:
         body["size"] = f"{MAX_SIDE}x{MAX_SIDE}"
     if path.endswith("/chat/completions"):
+        if isinstance(body.get("messages"), list):
+            _short_messages(body)
         _real_media(body)
         _paired_audio(body)
     if path.endswith("/audio/speech") and isinstance(body.get("input"), str):
