@@ -134,6 +134,18 @@ def test_chat_answers_with_a_wav_and_its_transcript(servers: dict[str, str]) -> 
     assert message.audio.id and message.audio.expires_at > reply.created
 
 
+def test_each_sample_gets_its_own_audio(servers: dict[str, str]) -> None:
+    reply = client(servers["speak"]).chat.completions.create(
+        model="speak", messages=HELLO, modalities=["text", "audio"], n=2,
+        audio={"voice": "alto", "format": "mp3"})
+    assert [c.index for c in reply.choices] == [0, 1]
+    ids = {c.message.audio.id for c in reply.choices}
+    assert len(ids) == 2
+    for choice in reply.choices:
+        with av.open(io.BytesIO(base64.b64decode(choice.message.audio.data))) as container:
+            assert container.streams.audio[0].codec_context.name.startswith("mp3")
+
+
 def test_an_omitted_voice_is_the_stage_default(servers: dict[str, str]) -> None:
     status, _, raw = post(f"{servers['speak']}/v1/chat/completions", {
         "messages": HELLO, "modalities": ["text", "audio"], "audio": {"format": "flac"}})
