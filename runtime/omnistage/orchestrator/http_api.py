@@ -620,7 +620,8 @@ class HttpApi:
                           f"the {r.surface} API is not enabled for pipeline {self.name} "
                           f"(spec.orchestrator.api: {', '.join(self.apis)})") for r in table
                          if r.surface is not None and r.surface not in self.apis]
-        if speech_plan(self.pipeline.spec) is None:
+        self.speech = speech_plan(self.pipeline.spec)
+        if self.speech is None:
             # Speech routes exist only where a stage's kind emits audio (the document too).
             speech = [r for r in self.served if r.needs_speech]
             self.served = [r for r in self.served if not r.needs_speech]
@@ -817,9 +818,8 @@ class HttpApi:
     def _model_card(self) -> ModelCard:
         card: ModelCard = {"id": self.model, "object": "model", "created": self.started,
                            "owned_by": "omnistage"}
-        plan = speech_plan(self.pipeline.spec)
-        if plan is not None:
-            card["voices"] = list(plan.voices)
+        if self.speech is not None:
+            card["voices"] = list(self.speech.voices)
         return card
 
     # -- pipeline routes --------------------------------------------------------------------
