@@ -1,7 +1,10 @@
 """Property-based fuzzing of the HTTP surfaces with schemathesis, against real processes.
 
 Targets: the orchestrator of a live `omnistage serve` (every route of its /openapi.json, the
-pipeline name supplied so the generic routes are reached) and a stage worker's side port
+pipeline name supplied so the generic routes are reached), the chat and speech routes of a
+second one whose pipeline speaks (listen -> tone, the test-only kinds of
+tests/harness/speech_kinds.py: audio output, voices, image and audio input parts) and a stage
+worker's side port
 (/livez /readyz /metrics /state, documented by sideport.ops_document). The operator's side
 port is fuzzed in tests/cluster/test_fuzz_operator.py (it needs the local control plane).
 
@@ -35,6 +38,7 @@ import yaml
 from omnistage.procs import spawn_worker
 from omnistage.sideport import ops_document
 from omnistage.spec import Stage
+from tests.harness import speech_kinds
 from tests.harness.local import ROOT, Proc, alive, free_port
 
 pytest.importorskip("schemathesis")
@@ -91,15 +95,8 @@ def schemathesis(location: str, tmp_path: Path, *args: str, url: str | None = No
     return generated, report
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`omnistage serve` of the text-to-image example (one replica per stage, to spare the
-    CPU): an AR stage and a diffusion stage, so chat, images and the generic routes all run
-    real models."""
-    tmp = tmp_path_factory.mktemp("fuzz-serve")
-    doc = yaml.safe_load((ROOT / "examples/text-to-image.yaml").read_text())
-    for stage in doc["spec"]["stages"]:
-        stage["replicas"] = 1
+def _serve(tmp: Path, doc: dict) -> Iterator[str]:
+    """`omnistage serve` of doc until the generator is closed; every process stopped after."""
     spec = tmp / "pipeline.yaml"
     spec.write_text(yaml.safe_dump(doc))
     logs = tmp / "logs"
@@ -121,6 +118,28 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`omnistage serve` of the text-to-image example (one replica per stage, to spare the
+    CPU): an AR stage and a diffusion stage, so chat, images and the generic routes all run
+    real models."""
+    doc = yaml.safe_load((ROOT / "examples/text-to-image.yaml").read_text())
+    for stage in doc["spec"]["stages"]:
+        stage["replicas"] = 1
+    yield from _serve(tmp_path_factory.mktemp("fuzz-serve"), doc)
+
+
+@pytest.fixture(scope="module")
+def served_speech(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`omnistage serve` of listen -> tone: chat with audio and media parts, and speech."""
+    with speech_kinds.kinds_env():
+        server = _serve(tmp_path_factory.mktemp("fuzz-speech"),
+                        speech_kinds.manifest("speak", True))
+        url = next(server)  # the server (and its workers) started inside the block
+    yield url
+    server.close()
+
+
 def test_fuzz_orchestrator_api(served: str, tmp_path: Path) -> None:
     """Every route but control, with the pipeline name supplied for the generic route."""
     _, report = schemathesis(
@@ -137,6 +156,14 @@ def test_fuzz_orchestrator_control(served: str, tmp_path: Path) -> None:
         f"{served}/openapi.json", tmp_path, "--include-operation-id", "pipeline_control",
         parameters={"path.name": PIPELINE})
     assert "Missing test data" not in report, report
+
+
+def test_fuzz_speech_routes(served_speech: str, tmp_path: Path) -> None:
+    """The routes whose bodies carry audio, voices and media parts, on a pipeline that takes
+    them all (the text-to-image one refuses them in its document, fuzzed above)."""
+    schemathesis(f"{served_speech}/openapi.json", tmp_path, "--include-operation-id",
+                 "chat_completions", "--include-operation-id", "audio_speech",
+                 "--include-operation-id", "list_models")
 
 
 def test_fuzz_worker_side_port(tmp_path: Path) -> None:

@@ -218,8 +218,11 @@ CHAT_BODY = {"model": "text-to-image", "messages": [{"role": "user", "content": 
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
+     "messages[0].content[0]", "unsupported_parameter"),
+    # The text-to-image pipeline's entry stage (ar) takes no images: not in its schema either.
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0].type", "unsupported_parameter"),
+     "messages[0].content[0]", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
      "messages[0].content[0].text", "invalid_type"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content",

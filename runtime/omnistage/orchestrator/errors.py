@@ -14,8 +14,26 @@ from typing import Any
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.schemas import ERROR_TYPES, ErrorBody
 
-__all__ = ["ERROR_TYPES", "ApiError", "ParamMap", "bad", "chat_param", "error_from_request_error",
-           "generic_param", "images_param", "outcome_error"]
+__all__ = [
+    "ERROR_TYPES",
+    "INVALID_MEDIA",
+    "MEDIA_TOO_LARGE",
+    "ApiError",
+    "ParamMap",
+    "bad",
+    "chat_param",
+    "error_from_request_error",
+    "generic_param",
+    "images_param",
+    "outcome_error",
+    "speech_param",
+]
+
+
+# Error codes of media that do not decode (docs/http-api.md lists every code). Other audio
+# and media errors use the schema's codes (invalid_value, unsupported_parameter).
+INVALID_MEDIA = "invalid_media"  # base64 image or audio that does not decode
+MEDIA_TOO_LARGE = "media_too_large"  # beyond omnistage.media's bounds
 
 
 class ApiError(Exception):
@@ -126,6 +144,11 @@ def images_param(key: str, _stage: str | None) -> str | None:
     """The images API sets only these knobs; any other refusal (the encoder's, for a prompt
     longer than its context) is about the prompt, the one input the client gave it."""
     return _IMAGES_FIELD.get(key, "prompt")
+
+
+def speech_param(key: str, _stage: str | None) -> str | None:
+    """/v1/audio/speech sets the prompt (from `input`) and the voice."""
+    return {"prompt": "input", "voice": "voice"}.get(key, key)
 
 
 def generic_param(key: str, stage: str | None) -> str | None:

@@ -17,7 +17,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote
 
@@ -25,11 +25,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 
+from omnistage import media
 from omnistage.client import ControlError
+from omnistage.executors.kinds import Payload
 from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import (
+    INVALID_MEDIA,
+    MEDIA_TOO_LARGE,
     ApiError,
     bad,
     chat_param,
@@ -37,33 +41,43 @@ from omnistage.orchestrator.errors import (
     generic_param,
     images_param,
     outcome_error,
+    speech_param,
 )
 from omnistage.orchestrator.openapi import OPS_HANDLERS, ROUTES, Route, openapi_document
 from omnistage.orchestrator.render import (
     ChatCall,
     ChatStream,
     ImagesCall,
+    MediaPart,
+    SpeechCall,
     dumps,
     jsonable,
     render_chat_completion,
     render_generic,
     render_images,
+    render_speech,
+    speech_sse,
     sse_event,
     tensor_bytes,
 )
 from omnistage.orchestrator.schemas import (
+    PART_TYPES,
     ChatCompletionRequest,
     ControlRequest,
     GenericRequest,
+    ImagePart,
     ImagesRequest,
     ModelCard,
+    SpeechRequest,
+    TextPart,
+    VoiceId,
     image_size,
     pipeline_bodies,
 )
 from omnistage.params import describe, json_type, max_tokens_bound
 from omnistage.protocol import ControlConflict
 from omnistage.sideport import add_ops_routes, serve_app
-from omnistage.spec import OmniPipeline
+from omnistage.spec import OmniPipeline, PipelineSpec, stage_voices
 
 __all__ = [
     "API_KEY",
@@ -76,8 +90,10 @@ __all__ = [
     "parse_generic",
     "parse_images",
     "parse_json_body",
+    "parse_speech",
     "render_chat_prompt",
     "serve_http",
+    "speech_plan",
     "validate",
 ]
 
@@ -228,7 +244,115 @@ def _message_text(content: str | list[Any] | None) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(part.text for part in content)
+    return "\n".join(part.text for part in content if isinstance(part, TextPart))
+
+
+# --------------------------------------------------------------------------- voices & media
+
+
+def _needs(spec: PipelineSpec, finals: Iterable[str]) -> list[str]:
+    """finals and every stage they need, in topological order."""
+    needed: set[str] = set()
+    stack = list(finals)
+    while stack:
+        name = stack.pop()
+        if name not in needed:
+            needed.add(name)
+            stack.extend(spec.stage(name).inputs)
+    return [s for s in spec.topo_order() if s in needed]
+
+
+@dataclass(frozen=True)
+class SpeechPlan:
+    """Where a pipeline's speech comes from: the stage whose kind emits audio, the stages
+    that take a `voice` (their kind lists the engine option; else none is sent), the voices
+    offered (by the first voice stage, else the audio stage) and the default."""
+
+    stage: str
+    voice_stages: tuple[str, ...]
+    voices: tuple[str, ...]
+    default: str
+
+    def voice(self, value: str | VoiceId | None, param: str) -> str:
+        name = value.id if isinstance(value, VoiceId) else value
+        if name is None:
+            return self.default
+        if name not in self.voices:
+            raise ApiError(400, f"{param} must be one of this pipeline's voices: "
+                           f"{', '.join(self.voices)}; got {name!r}", param=param,
+                           code="invalid_value")
+        return name
+
+    def params(self, voice: str) -> dict[str, dict[str, Any]]:
+        return {s: {"voice": voice} for s in self.voice_stages}
+
+
+def speech_plan(spec: PipelineSpec) -> SpeechPlan | None:
+    """The speech stage (a final one whose kind emits AUDIO, else the last such stage in
+    topological order), or None when no stage's kind emits audio."""
+    def speaks(name: str) -> bool:
+        return Payload.AUDIO in get_kind(spec.stage(name).kind).emits
+
+    finals = [s for s in spec.final_stages() if speaks(s)]
+    speaking = finals or [s for s in spec.topo_order() if speaks(s)][-1:]
+    if not speaking:
+        return None
+    stage = speaking[0]
+    voiced = tuple(s for s in _needs(spec, [stage])
+                   if "voice" in get_kind(spec.stage(s).kind).engine_options)
+    source = spec.stage(voiced[0] if voiced else stage)
+    voices = tuple(stage_voices(source)) or ("default",)
+    default = source.engine.voice if source.engine.voice in voices else voices[0]
+    return SpeechPlan(stage, voiced, voices, default)
+
+
+def _media_parts(req: ChatCompletionRequest) -> list[MediaPart]:
+    """The image_url and input_audio parts in request order; remote URLs are refused."""
+    parts: list[MediaPart] = []
+    for m, message in enumerate(req.messages):
+        if not isinstance(message.content, list):
+            continue
+        for p, part in enumerate(message.content):
+            at = f"messages[{m}].content[{p}]"
+            if isinstance(part, ImagePart):  # a data URL: the schema refuses remote ones
+                parts.append(MediaPart("image", f"{at}.image_url.url", part.image_url.url))
+            elif not isinstance(part, TextPart):
+                parts.append(MediaPart("audio", f"{at}.input_audio.data", part.input_audio.data,
+                                       part.input_audio.format))
+    if len(parts) > media.MAX_MEDIA_PARTS:
+        raise ApiError(400, f"messages hold {len(parts)} image and audio parts; at most "
+                       f"{media.MAX_MEDIA_PARTS} are accepted", param="messages",
+                       code=MEDIA_TOO_LARGE)
+    return parts
+
+
+def _check_entry(spec: PipelineSpec, finals: list[str], parts: list[MediaPart]) -> None:
+    """Input media go to the entry stages of the request; each must take that payload."""
+    entries = [s for s in _needs(spec, finals) if not spec.stage(s).inputs]
+    for part in parts:
+        payload = Payload.IMAGE if part.kind == "image" else Payload.AUDIO
+        if not any(payload in get_kind(spec.stage(s).kind).consumes for s in entries):
+            field = part.param.rsplit(".", 2)[0]
+            raise ApiError(400, f"{field} is not supported: this request's entry stage "
+                           f"({', '.join(entries)}) does not take {part.kind} input",
+                           param=field, code="unsupported_parameter")
+
+
+def decode_media(parts: list[MediaPart]) -> dict[str, Any]:
+    """The parts as the entry stage's tensors `input_image.<i>` / `input_audio.<i>`, i
+    counting every media part in request order. CPU-bound: the handler runs it off the loop;
+    a part that does not decode is a 400 naming it."""
+    tensors: dict[str, Any] = {}
+    for i, part in enumerate(parts):
+        try:
+            if part.kind == "image":
+                tensors[f"input_image.{i}"] = media.decode_image_url(part.data)
+            else:
+                tensors[f"input_audio.{i}"] = media.decode_audio(part.data, part.format)
+        except media.MediaError as exc:
+            code = MEDIA_TOO_LARGE if isinstance(exc, media.MediaTooLarge) else INVALID_MEDIA
+            raise ApiError(400, f"{part.param} {exc}", param=part.param, code=code) from None
+    return tensors
 
 
 def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
@@ -252,14 +376,60 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
     # The worker renders the turns with the model's chat template when it has one; the prompt
     # (this module's model-agnostic rendering) is the fallback.
     params["messages"] = [{"role": role, "content": text} for role, text in turns]
+    # Without audio, chat returns text only: don't compute or ship hidden states a stage may
+    # be set to emit (the engine turns them on for a stage that feeds a requested one).
+    by_stage: dict[str, dict[str, Any]] = {stage: {**params, "return_hidden_states": False}}
+    finals = [stage]
+    speaking = req.modalities is not None and "audio" in req.modalities
+    plan = None
+    if speaking and req.audio is None:
+        raise bad("audio", "audio is required when modalities include audio, for example "
+                  '{"voice": "default", "format": "wav"}', "missing_required_parameter")
+    if req.audio is not None and not speaking:
+        raise bad("modalities", 'modalities must be ["text", "audio"] when audio is given')
+    if req.audio is not None:
+        plan = speech_plan(pipeline.spec)
+        if plan is None:
+            raise bad("audio", "audio output is not supported: this pipeline has no speech "
+                      "stage (no stage's kind emits audio)", "unsupported_parameter")
+        if req.stream and req.audio.format != "pcm16":
+            raise bad("audio.format", "streamed audio is pcm16 (OpenAI's streaming format); "
+                      f"set audio.format to pcm16, got {req.audio.format}")
+        voice = plan.voice(req.audio.voice, "audio.voice")
+        for name, values in plan.params(voice).items():
+            by_stage.setdefault(name, {}).update(values)
+        if plan.stage != stage:
+            finals.append(plan.stage)
+    parts = _media_parts(req)
+    _check_entry(pipeline.spec, finals, parts)
     request = rq.PipelineRequest(
-        # Chat returns text only: don't compute or ship hidden states a stage may be set to emit.
-        prompt=render_chat_prompt(turns),
-        params={stage: {**params, "return_hidden_states": False}},
-        n=req.n or 1, stream=bool(req.stream), session=req.user or None, finals=[stage],
+        prompt=render_chat_prompt(turns), params=by_stage,
+        n=req.n or 1, stream=bool(req.stream), session=req.user or None, finals=finals,
     )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ChatCall(request, stage, served, include_usage, sorted(req.model_extra or {}))
+    return ChatCall(request, stage, served, include_usage, sorted(req.model_extra or {}),
+                    speech=plan.stage if plan else None,
+                    audio_format=req.audio.format if req.audio else "wav", media=parts)
+
+
+# --------------------------------------------------------------------------- speech
+
+
+def parse_speech(body: Mapping[str, Any], pipeline: OmniPipeline,
+                 model: type[SpeechRequest] | None = None) -> SpeechCall:
+    """Validate an OpenAI speech body into a PipelineRequest for the speech stage: `input`
+    is the prompt of the stages it needs, `voice` goes to the stages that take one."""
+    plan = speech_plan(pipeline.spec)
+    if plan is None:
+        raise ApiError(404, "this pipeline has no speech stage (no stage's kind emits audio)",
+                       code="api_not_enabled")
+    req = validate(model or _pipeline_body(pipeline, SpeechRequest), body)
+    _check_model(req.model, pipeline.served_model_name())
+    voice = plan.voice(req.voice, "voice")
+    request = rq.PipelineRequest(prompt=req.input, params=plan.params(voice), finals=[plan.stage])
+    return SpeechCall(request, plan.stage, req.response_format or "mp3",
+                      1.0 if req.speed is None else float(req.speed),
+                      req.stream_format == "sse", sorted(req.model_extra or {}))
 
 
 # --------------------------------------------------------------------------- images
@@ -303,12 +473,29 @@ def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline,
 # --------------------------------------------------------------------------- generic & control
 
 
+def _entry_parts(spec: PipelineSpec, chat: str | None) -> tuple[str, ...]:
+    """The content part types the chat stage's entry stages take (text always)."""
+    if chat is None:
+        return PART_TYPES
+    entries = [get_kind(spec.stage(s).kind) for s in _needs(spec, [chat])
+               if not spec.stage(s).inputs]
+    takes = {p for row in entries for p in row.consumes}
+    return ("text", *(part for part, payload in (("image_url", Payload.IMAGE),
+                                                   ("input_audio", Payload.AUDIO))
+                      if payload in takes))
+
+
 def _pipeline_body(pipeline: OmniPipeline, stock: type[M]) -> type[M]:
     """The stock body model narrowed to the pipeline: its stage names, its chat stage's
-    max_tokens bound (schemas.pipeline_bodies)."""
-    chat = pipeline.spec.chat_stage()
-    most = None if chat is None else max_tokens_bound(pipeline.spec.stage(chat))
-    return pipeline_bodies(tuple(pipeline.spec.stage_names()), most).get(stock, stock)  # type: ignore[return-value]
+    max_tokens bound, its voices (no audio without a speech stage) and the content parts its
+    entry stage takes (schemas.pipeline_bodies)."""
+    spec = pipeline.spec
+    chat = spec.chat_stage()
+    most = None if chat is None else max_tokens_bound(spec.stage(chat))
+    plan = speech_plan(spec)
+    return pipeline_bodies(tuple(spec.stage_names()), most,  # type: ignore[return-value]
+                           None if plan is None else plan.voices,
+                           _entry_parts(spec, chat)).get(stock, stock)
 
 
 def parse_generic(body: Mapping[str, Any], pipeline: OmniPipeline,
@@ -419,8 +606,17 @@ class HttpApi:
         # The generic and control bodies name this pipeline's stages, in validator and document.
         self.served = [replace(r, body=_pipeline_body(self.pipeline, r.body)) if r.body else r
                        for r in table if r.surface is None or r.surface in self.apis]
-        self.disabled = [(_path_pattern(r.path), r.surface) for r in table
+        self.disabled = [(_path_pattern(r.path),
+                          f"the {r.surface} API is not enabled for pipeline {self.name} "
+                          f"(spec.orchestrator.api: {', '.join(self.apis)})") for r in table
                          if r.surface is not None and r.surface not in self.apis]
+        self.speech = speech_plan(self.pipeline.spec)
+        if self.speech is None:
+            # Speech routes exist only where a stage's kind emits audio (the document too).
+            speech = [r for r in self.served if r.needs_speech]
+            self.served = [r for r in self.served if not r.needs_speech]
+            self.disabled += [(_path_pattern(r.path), f"pipeline {self.name} has no speech "
+                               "stage (no stage's kind emits audio)") for r in speech]
         self.bodies: dict[str, Any] = {r.handler: r.body for r in self.served}
         self.openapi = dumps(openapi_document(self.apis, routes=self.served,
                                                pipeline_name=self.name, model_name=self.model))
@@ -460,11 +656,9 @@ class HttpApi:
 
     def _http_exception(self, request: web.Request, exc: web.HTTPException) -> ApiError:
         if exc.status == 404:
-            for pattern, surface in self.disabled:
+            for pattern, reason in self.disabled:
                 if pattern.match(request.path):
-                    return ApiError(404, f"the {surface} API is not enabled for pipeline "
-                                    f"{self.name} (spec.orchestrator.api: "
-                                    f"{', '.join(self.apis)})", code="api_not_enabled")
+                    return ApiError(404, reason, code="api_not_enabled")
             return ApiError(404, f"no route {request.method} {request.path}", code="not_found")
         if exc.status == 405:
             # RFC 9110: a 405 lists the methods the resource does serve.
@@ -494,6 +688,8 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         call = parse_chat(await self._body(request), self.pipeline,
                           self.bodies["chat_completions"])
+        if call.media:
+            call.request.tensors = await asyncio.to_thread(decode_media, call.media)
         handle = self._submit(call.request)
         rid = f"chatcmpl-{handle.id}"
         created = int(time.time())
@@ -505,7 +701,11 @@ class HttpApi:
         err = outcome_error(outcome, chat_param)
         if err is not None:
             raise err
-        return _json_response(render_chat_completion(outcome, call, rid, created), headers)
+        if call.speech is not None:  # audio encoding is CPU work: off the event loop
+            payload = await asyncio.to_thread(render_chat_completion, outcome, call, rid, created)
+        else:
+            payload = render_chat_completion(outcome, call, rid, created)
+        return _json_response(payload, headers)
 
     async def _stream_chat(self, request: web.Request, handle: RequestHandleLike,
                            call: ChatCall, rid: str, created: int,
@@ -575,6 +775,27 @@ class HttpApi:
         headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
         return _json_response(payload, headers)
 
+    async def audio_speech(self, request: web.Request) -> web.StreamResponse:
+        call = parse_speech(await self._body(request), self.pipeline,
+                            self.bodies["audio_speech"])
+        handle = self._submit(call.request)
+        async with _Flight(self, request, handle) as flight:
+            outcome = await flight.outcome()
+        err = outcome_error(outcome, speech_param)
+        if err is not None:
+            raise err
+        data = await asyncio.to_thread(render_speech, outcome, call)
+        headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
+        if not call.sse:
+            return web.Response(body=data, headers={
+                **headers, "Content-Type": media.MEDIA_TYPES[call.response_format]})
+        response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+        await response.prepare(request)
+        for event in speech_sse(data, outcome):
+            await response.write(event)
+        await response.write_eof()
+        return response
+
     async def list_models(self, _request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
 
@@ -585,8 +806,11 @@ class HttpApi:
         return _json_response(self._model_card())
 
     def _model_card(self) -> ModelCard:
-        return {"id": self.model, "object": "model", "created": self.started,
-                "owned_by": "omnistage"}
+        card: ModelCard = {"id": self.model, "object": "model", "created": self.started,
+                           "owned_by": "omnistage"}
+        if self.speech is not None:
+            card["voices"] = list(self.speech.voices)
+        return card
 
     # -- pipeline routes --------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
+from omnistage.media import MEDIA_TYPES
 from omnistage.orchestrator.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -28,6 +29,8 @@ from omnistage.orchestrator.schemas import (
     ImagesResponse,
     ModelCard,
     ModelList,
+    SpeechRequest,
+    SpeechStreamEvent,
 )
 from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
 
@@ -48,6 +51,10 @@ class Route:
     ok: str = "OK"
     errors: tuple[int, ...] = ()
     stream: Any = None  # the SSE event type, when the route can stream
+    #: The 200 is a file in one of these media types (not JSON); `stream` may add SSE.
+    binary: tuple[str, ...] = ()
+    #: Served (and documented) only when the pipeline has a speech stage.
+    needs_speech: bool = False
 
 
 _COMMON_ERRORS = (400, 404, 413, 429, 500, 502, 503, 504)
@@ -60,6 +67,11 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/images/generations", "images_generations", "OpenAI image generation "
           "(b64_json PNG only)", "images", ImagesRequest, ImagesResponse, "Base64 PNG images.",
           _COMMON_ERRORS),
+    Route("POST", "/v1/audio/speech", "audio_speech", "OpenAI text to speech: the speech "
+          "stage's audio as a file, or with stream_format sse as server-sent events", "chat",
+          SpeechRequest, None, "The audio file (Content-Type by response_format), or SSE.",
+          _COMMON_ERRORS, SpeechStreamEvent,
+          binary=tuple(dict.fromkeys(MEDIA_TYPES.values())), needs_speech=True),
     Route("GET", "/v1/models", "list_models", "The served model", response=ModelList),
     Route("GET", "/v1/models/{model:.+}", "get_model", "Retrieve the served model",
           response=ModelCard, errors=(404,)),
@@ -156,7 +168,13 @@ def openapi_document(
     paths: dict[str, dict[str, Any]] = {}
     for r in served:
         responses: dict[str, Any] = {}
-        if r.response is None:
+        if r.binary:
+            responses["200"] = {"description": r.ok, "content": {
+                t: {"schema": {"type": "string", "contentMediaType": t}} for t in r.binary}}
+            if r.stream is not None:
+                responses["200"]["content"]["text/event-stream"] = {
+                    "schema": _sse_event(refs[f"{r.handler}.stream"], refs["Error"])}
+        elif r.response is None:
             responses["200"] = {"description": r.ok, "content": {"text/plain": {
                 "schema": {"type": "string"}}}}
         else:
@@ -165,7 +183,7 @@ def openapi_document(
                 responses["200"]["content"]["text/event-stream"] = {
                     "schema": _sse_event(refs[f"{r.handler}.stream"], refs["Error"])}
         for status in r.errors:
-            if r.response is None:
+            if r.response is None and not r.binary:
                 responses[str(status)] = {"description": "The reason.", "content": {
                     "text/plain": {"schema": {"type": "string"}}}}
                 continue

@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from omnistage import media
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import ApiError, chat_param, outcome_error
 from omnistage.orchestrator.images import ImageEncodeError, png_base64
@@ -30,11 +33,15 @@ __all__ = [
     "ChatCall",
     "ChatStream",
     "ImagesCall",
+    "SpeechCall",
     "dumps",
     "jsonable",
     "render_chat_completion",
     "render_generic",
     "render_images",
+    "render_speech",
+    "speech_audio",
+    "speech_sse",
     "sse_event",
     "tensor_bytes",
 ]
@@ -60,6 +67,16 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
+@dataclass(frozen=True)
+class MediaPart:
+    """An undecoded image_url or input_audio part: decoded off the event loop (media.py)."""
+
+    kind: str  # "image" or "audio"
+    param: str  # the field to name in an error, e.g. messages[0].content[1].image_url.url
+    data: str
+    format: str = ""
+
+
 @dataclass
 class ChatCall:
     """A validated chat request: what to submit and what the response needs to echo."""
@@ -69,6 +86,28 @@ class ChatCall:
     model: str
     include_usage: bool = False
     ignored: list[str] = field(default_factory=list)
+    #: The stage whose audio answers (modalities with audio), and its encoding.
+    speech: str | None = None
+    audio_format: str = "wav"
+    media: list[MediaPart] = field(default_factory=list)
+
+
+@dataclass
+class SpeechCall:
+    request: rq.PipelineRequest
+    stage: str
+    response_format: str
+    speed: float
+    sse: bool
+    ignored: list[str] = field(default_factory=list)
+
+
+#: How long the API says audio lives (OpenAI's `expires_at`); nothing is kept server-side.
+AUDIO_TTL_S = 3600
+#: Bytes of pcm16 per streamed chunk (0.5 s at the pcm rate).
+PCM_CHUNK_BYTES = media.PCM_SAMPLE_RATE
+#: Bytes of an encoded file per speech.audio.delta event.
+SSE_AUDIO_CHUNK_BYTES = 32 * 1024
 
 
 @dataclass
@@ -112,14 +151,49 @@ def _choice_result(child: rq.ChildOutcome, stage: str) -> tuple[str, str]:
             finish if isinstance(finish, str) and finish else default)
 
 
+def speech_audio(child: rq.ChildOutcome, stage: str) -> tuple[np.ndarray, int]:
+    """The speech stage's audio of one child: (float samples, sample rate); 502 when the
+    stage broke the contract (tensor `audio`, field `sample_rate`)."""
+    out = child.outputs.get(stage)
+    if out is None:
+        raise ApiError(502, f"stage {stage} returned no output", code="stage_failed")
+    tensor = out.tensors.get("audio")
+    rate = out.fields.get("sample_rate")
+    if tensor is None or not isinstance(rate, int):
+        raise ApiError(502, f"stage {stage} returned no audio (tensor audio and field "
+                       f"sample_rate; got tensors {sorted(out.tensors)}, sample_rate {rate!r})",
+                       code="stage_failed")
+    arr = tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
+    return arr, rate
+
+
+def _encoded(child: rq.ChildOutcome, stage: str, fmt: str, speed: float = 1.0) -> bytes:
+    samples, rate = speech_audio(child, stage)
+    try:
+        if speed != 1.0:
+            samples = media.change_speed(samples, rate, speed)
+        return media.encode_audio(samples, rate, "pcm" if fmt == "pcm16" else fmt)
+    except media.MediaError as exc:
+        raise ApiError(502, f"stage {stage} returned audio that cannot be encoded: {exc}",
+                       code="stage_failed") from None
+
+
 def render_chat_completion(outcome: rq.Outcome, call: ChatCall, rid: str,
                            created: int) -> ChatCompletion:
-    """A chat.completion object: one choice per child, in child order."""
+    """A chat.completion object: one choice per child, in child order. With a speech stage,
+    as OpenAI answers audio: content null, message.audio with the encoded audio and the chat
+    stage's text as its transcript (CPU-bound then: the handler runs it off the loop)."""
     choices = []
     for child in sorted(outcome.children, key=lambda c: c.index):
         text, finish = _choice_result(child, call.stage)
-        choices.append({"index": child.index,
-                        "message": {"role": "assistant", "content": text, "refusal": None},
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if call.speech is not None:
+            data = _encoded(child, call.speech, call.audio_format)
+            message["content"] = None
+            message["audio"] = {"id": f"audio_{rid}_{child.index}",
+                                "data": base64.b64encode(data).decode("ascii"),
+                                "expires_at": created + AUDIO_TTL_S, "transcript": text}
+        choices.append({"index": child.index, "message": message,
                         "logprobs": None, "finish_reason": finish})
     return {"id": rid, "object": "chat.completion", "created": created, "model": call.model,
             "system_fingerprint": None, "choices": choices,
@@ -151,18 +225,41 @@ class ChatStream:
     def _choice(index: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
+    def _audio_id(self, child: int) -> str:
+        return f"audio_{self.rid}_{child}"
+
+    def _text(self, child: int, text: str) -> dict[str, Any]:
+        """A text delta: content, or with audio the transcript (OpenAI's delta.audio)."""
+        if self.call.speech is None:
+            return {"content": text}
+        return {"audio": {"id": self._audio_id(child), "transcript": text}}
+
     def start(self) -> list[ChatCompletionChunk]:
         n = self.call.request.n
         for i in range(n):
             self.sent[i] = ""
-        return [self._chunk([self._choice(i, {"role": "assistant", "content": ""})])
-                for i in range(n)]
+        first: dict[str, Any] = {"role": "assistant", "content": ""}
+        if self.call.speech is not None:
+            first["content"] = None
+        return [self._chunk([self._choice(i, dict(first))]) for i in range(n)]
 
     def delta(self, event: rq.Delta) -> list[ChatCompletionChunk]:
         if event.stage != self.call.stage or not event.text:
             return []
         self.sent[event.child] = self.sent.get(event.child, "") + event.text
-        return [self._chunk([self._choice(event.child, {"content": event.text})])]
+        return [self._chunk([self._choice(event.child, self._text(event.child, event.text))])]
+
+    def _audio_chunks(self, child: rq.ChildOutcome) -> list[ChatCompletionChunk]:
+        """The speech stage's audio as pcm16 data deltas, then the closing audio delta."""
+        assert self.call.speech is not None
+        pcm = _encoded(child, self.call.speech, "pcm16")
+        aid = self._audio_id(child.index)
+        chunks = [self._chunk([self._choice(child.index, {"audio": {
+            "id": aid, "data": base64.b64encode(pcm[i:i + PCM_CHUNK_BYTES]).decode("ascii")}})])
+            for i in range(0, len(pcm), PCM_CHUNK_BYTES)]
+        chunks.append(self._chunk([self._choice(child.index, {"audio": {
+            "id": aid, "expires_at": self.created + AUDIO_TTL_S}})]))
+        return chunks
 
     def finish(self, outcome: rq.Outcome) -> list[ChatCompletionChunk]:
         """Closing chunks; raises ApiError when the outcome is an error (sent as an event)."""
@@ -176,7 +273,10 @@ class ChatStream:
             if len(text) > len(sent) and text.startswith(sent):
                 # Whatever the stream did not carry (held-back bytes, a lost delta).
                 chunks.append(self._chunk([self._choice(child.index,
-                                                        {"content": text[len(sent):]})]))
+                                                        self._text(child.index,
+                                                                   text[len(sent):]))]))
+            if self.call.speech is not None:
+                chunks.extend(self._audio_chunks(child))
             chunks.append(self._chunk([self._choice(child.index, {}, finish)]))
         if self.call.include_usage:
             chunks.append(self._chunk([], _usage(outcome, self.call.stage)))
@@ -214,6 +314,32 @@ def render_images(outcome: rq.Outcome, call: ImagesCall, created: int) -> Images
     if not data:
         raise ApiError(502, "the pipeline returned no image", code="stage_failed")
     return {"created": created, "data": data, "output_format": "png"}
+
+
+# --------------------------------------------------------------------------- speech
+
+
+def render_speech(outcome: rq.Outcome, call: SpeechCall) -> bytes:
+    """The encoded audio of /v1/audio/speech (one child). CPU-bound: run off the loop."""
+    child = min(outcome.children, key=lambda c: c.index)
+    return _encoded(child, call.stage, call.response_format, call.speed)
+
+
+def speech_sse(data: bytes, outcome: rq.Outcome) -> list[bytes]:
+    """stream_format sse: speech.audio.delta events (base64 chunks of the file), then
+    speech.audio.done with usage (token counts of the stages that report them)."""
+    events = [sse_event({"type": "speech.audio.delta",
+                         "audio": base64.b64encode(data[i:i + SSE_AUDIO_CHUNK_BYTES]).decode()})
+              for i in range(0, len(data), SSE_AUDIO_CHUNK_BYTES)]
+    tokens_in = tokens_out = 0
+    for child in outcome.children:
+        for out in child.outputs.values():
+            tokens_in = max(tokens_in, _as_int(out.fields.get("prompt_tokens")))
+            tokens_out += _as_int(out.fields.get("completion_tokens"))
+    events.append(sse_event({"type": "speech.audio.done", "usage": {
+        "input_tokens": tokens_in, "output_tokens": tokens_out,
+        "total_tokens": tokens_in + tokens_out}}))
+    return events
 
 
 # --------------------------------------------------------------------------- generic

@@ -33,10 +33,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType, TypedDict  # pydantic wants this one before Python 3.12
 
+from omnistage import media
 from omnistage.orchestrator import requests as rq
 from omnistage.params import engine_bounds, engine_type, per_request
 from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
-from omnistage.spec import STAGE_KINDS
+from omnistage.spec import STAGE_KINDS, VOICE_PATTERN
 
 __all__ = [
     "ERROR_TYPES",
@@ -54,6 +55,8 @@ __all__ = [
     "Message",
     "ModelCard",
     "ModelList",
+    "SpeechRequest",
+    "SpeechStreamEvent",
     "image_size",
     "pipeline_bodies",
 ]
@@ -168,22 +171,97 @@ def _known_role(value: Any) -> Any:
 
 
 class TextPart(_Body):
-    """One part of a message's content; only text parts are supported."""
+    """A text part; the text parts of a message are joined with newlines."""
 
-    type: only("text", why="only text content parts are supported")
+    type: Literal["text"]
     text: Text
 
 
-def _content_tag(value: Any) -> str | None:
-    return "<text>" if isinstance(value, str) else "<parts>" if isinstance(value, list) else None
+_MEDIA_NOTE = (f" At most {media.MAX_MEDIA_PARTS} image_url and input_audio parts per request; "
+               "the pipeline's entry stage must take this input (400 otherwise).")
 
 
-Content = Annotated[
-    Annotated[Text, Tag("<text>")] | Annotated[list[TextPart], Tag("<parts>")],
-    Discriminator(_content_tag, custom_error_type="invalid_type",
-                  custom_error_message="must be a string or an array of text parts"),
-    Field(description="A string, or text parts joined with newlines."),
-]
+def _data_url(value: str) -> str:
+    """Remote URLs are refused up front: this server does not fetch (docs/http-api.md)."""
+    if not value.startswith("data:"):
+        raise PydanticCustomError(
+            "invalid_value", "must be a data URL (data:image/png;base64,...): this server "
+            "does not fetch remote images, got {url}", {"url": repr(value[:60])})
+    return value
+
+
+class ImageUrl(_Body):
+    url: Annotated[str, AfterValidator(_data_url), Field(
+        json_schema_extra={"pattern": "^data:"}, description=(
+            "A data URL, `data:image/png;base64,...` (png, jpeg, webp, gif or bmp), at most "
+            f"{media.MAX_IMAGE_BYTES} bytes decoded and {media.MAX_IMAGE_PIXELS} pixels. "
+            "Remote URLs are refused (400): this server does not fetch."))]
+    detail: Literal["auto", "low", "high", "original"] | None = Field(
+        None, description="Accepted; it has no effect here.")
+
+
+class ImagePart(_Body):
+    """An input image: decoded (Pillow) to RGB and sent to the entry stage as tensor
+    `input_image.<i>` (uint8 [H, W, 3])."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl = Field(description=_MEDIA_NOTE.strip())
+
+
+class InputAudio(_Body):
+    data: Annotated[str, Field(description=(
+        f"Base64 audio, at most {media.MAX_AUDIO_BYTES} bytes decoded and "
+        f"{media.MAX_AUDIO_SECONDS:g} s; any sample rate in {media.MIN_SAMPLE_RATE}.."
+        f"{media.MAX_SAMPLE_RATE} Hz (resampled to {media.INPUT_AUDIO_SAMPLE_RATE} Hz)."),
+        json_schema_extra={"contentEncoding": "base64"})]
+    format: Literal[media.AUDIO_INPUT_FORMATS]  # type: ignore[valid-type]
+
+
+class AudioPart(_Body):
+    """Input audio: decoded (PyAV) to mono float32 at the input rate and sent to the entry
+    stage as tensor `input_audio.<i>`."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio = Field(description=_MEDIA_NOTE.strip())
+
+
+_PARTS: dict[str, type[_Body]] = {"text": TextPart, "image_url": ImagePart,
+                                   "input_audio": AudioPart}
+#: Every content part type; a pipeline's document lists those its entry stage takes.
+PART_TYPES: tuple[str, ...] = tuple(_PARTS)
+
+
+def _content(parts: tuple[str, ...]) -> Any:
+    """The content field's type, admitting the given part types (text always)."""
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else None
+        return f"<{kind}>" if kind in parts else None
+
+    refused = [p for p in PART_TYPES if p not in parts]
+    why = f" ({', '.join(refused)}: this pipeline's entry stage does not take that input)" \
+        if refused else ""
+    part = Annotated[Union[tuple(Annotated[_PARTS[p], Tag(f"<{p}>")]  # noqa: UP007
+                                 for p in parts)],
+                     Discriminator(tag, custom_error_type="unsupported_parameter",
+                                   custom_error_message="must be a content part of type "
+                                   f"{' or '.join(parts)}{why}")]
+
+    def content_tag(value: Any) -> str | None:
+        return "<text>" if isinstance(value, str) else \
+            "<parts>" if isinstance(value, list) else None
+
+    media_note = _MEDIA_NOTE if len(parts) > 1 else ""
+    return Annotated[
+        Annotated[Text, Tag("<text>")] | Annotated[list[part], Tag("<parts>")],
+        Discriminator(content_tag, custom_error_type="invalid_type",
+                      custom_error_message="must be a string or an array of content parts"),
+        Field(description="A string, or content parts: text parts joined with newlines"
+              + (", images and audio sent to the entry stage as tensors." if media_note
+                 else ".") + media_note),
+    ]
+
+
+Content = _content(PART_TYPES)
 
 
 class Message(_Body):
@@ -211,6 +289,57 @@ ChatMessage = Annotated[
     Annotated[Message, Tag("<message>")] | Annotated[AssistantMessage, Tag("<assistant>")],
     Discriminator(_role_tag),
 ]
+
+
+def _messages(parts: tuple[str, ...]) -> Any:
+    """The messages field's item type, with content admitting the given part types."""
+    content = _content(parts)
+    message = create_model("Message", __base__=Message, __module__=__name__,
+                           __doc__=Message.__doc__, content=(content, ...))
+    assistant = create_model("AssistantMessage", __base__=AssistantMessage,
+                             __module__=__name__, __doc__=AssistantMessage.__doc__,
+                             content=(content | None, None))
+    return Annotated[Annotated[message, Tag("<message>")]
+                     | Annotated[assistant, Tag("<assistant>")], Discriminator(_role_tag)]
+
+
+VoiceName = Annotated[str, Field(pattern=VOICE_PATTERN)]
+
+
+class VoiceId(_Body):
+    id: VoiceName
+
+
+def _voice_tag(value: Any) -> str | None:
+    return "<name>" if isinstance(value, str) else "<id>" if isinstance(value, dict) else None
+
+
+_VOICE_NOTE = ("A voice of the pipeline's speech stage (GET /v1/models lists them as `voices`), "
+               "or {\"id\": name}. Omitted: the stage's engine.voice, else its first voice.")
+
+
+def _voice(voices: tuple[str, ...] | None) -> Any:
+    """The voice field's type: any well-formed name, or (per pipeline) one of `voices`."""
+    name: Any = VoiceName if voices is None else Literal[voices]  # type: ignore[valid-type]
+    ident = VoiceId if voices is None else create_model(
+        "VoiceId", __base__=VoiceId, __module__=__name__, id=(name, ...))
+    return Annotated[
+        Annotated[name, Tag("<name>")] | Annotated[ident, Tag("<id>")],
+        Discriminator(_voice_tag, custom_error_type="invalid_type",
+                      custom_error_message="must be a voice name or {\"id\": name}"),
+        Field(description=_VOICE_NOTE)]
+
+
+Voice = _voice(None)
+
+
+class AudioOutput(_Body):
+    """What chat answers with when modalities include audio."""
+
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = Field(description=(
+        "The encoding of message.audio.data; pcm16 is raw 16-bit little-endian mono at "
+        f"{media.PCM_SAMPLE_RATE} Hz. Streamed audio is pcm16 only. (aac is not produced.)"))
+    voice: Voice | None = None
 
 
 class StreamOptions(_Body):
@@ -245,14 +374,18 @@ class ChatCompletionRequest(_Body):
     tools: only(*_EMPTY, why="tools") = None
     functions: only(*_EMPTY, why="functions") = None
     logit_bias: only(*_EMPTY, why="logit_bias") = None
-    audio: only(*_EMPTY, why="audio output") = None
+    audio: AudioOutput | None = Field(None, description="Required when modalities include "
+                                      "audio, and only then; with stream: true its format "
+                                      "must be pcm16 (400 otherwise).")
     prediction: only(*_EMPTY, why="predicted outputs") = None
     tool_choice: only(None, "none", why="tools") = None
     function_call: only(None, "none", why="functions") = None
     logprobs: only(None, False, why="logprobs") = None
     response_format: only(None, {"type": "text"},
                           why="structured output; only text is produced") = None
-    modalities: only(None, ["text"], why="output other than text") = None
+    modalities: only(None, ["text"], ["text", "audio"], ["audio", "text"],
+                     why="output other than text, or text and audio") = Field(
+        None, description="With audio, `audio` is required (and needs it: 400 otherwise).")
     top_p: Ignored = None
     top_k: Ignored = None
     presence_penalty: Ignored = None
@@ -338,6 +471,50 @@ class ImagesRequest(_Body):
     partial_images: Ignored = None
 
 
+# --------------------------------------------------------------------------- audio
+
+
+class SpeechRequest(_Body):
+    """OpenAI's text-to-speech request. Unknown fields are ignored and listed in the
+    X-Omnistage-Ignored-Fields response header."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_unicode)]
+    model: Text | None = Field(None, description="Must equal the served model name.")
+    voice: Voice | None = None
+    response_format: Literal[media.AUDIO_OUTPUT_FORMATS] | None = Field(  # type: ignore[valid-type]
+        None, description="Default mp3. wav and flac are 16-bit at the stage's sample rate; "
+        f"pcm is raw 16-bit little-endian mono at {media.PCM_SAMPLE_RATE} Hz. (aac is not "
+        "produced.)")
+    speed: Annotated[float, Field(ge=0.25, le=4.0)] | None = Field(
+        None, description="Tempo, pitch kept (FFmpeg's atempo filter). Default 1.0.")
+    stream_format: Literal["audio", "sse"] | None = Field(
+        None, description="audio (default): the file's bytes. sse: server-sent events "
+        "speech.audio.delta (base64 chunks of the file) then speech.audio.done.")
+    instructions: Ignored = None
+
+
+class SpeechUsage(TypedDict):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class SpeechAudioDelta(TypedDict):
+    type: Literal["speech.audio.delta"]
+    audio: Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+
+
+class SpeechAudioDone(TypedDict):
+    type: Literal["speech.audio.done"]
+    usage: SpeechUsage
+
+
+SpeechStreamEvent = Annotated[SpeechAudioDelta | SpeechAudioDone, Field(
+    description="stream_format sse: base64 chunks of the encoded audio in order, then done.")]
+
+
 # --------------------------------------------------------------------------- generic & control
 
 
@@ -386,8 +563,13 @@ _MAX_TOKENS_NOTE = (" At most {most}, the chat stage's bound (the model's contex
                     "refuses prompt + max_tokens beyond them (400 param max_tokens).")
 
 
+_NO_SPEECH = "audio output: this pipeline has no speech stage (no stage's kind emits audio)"
+
+
 @functools.lru_cache(maxsize=64)
-def pipeline_bodies(stages: tuple[str, ...], chat_max_tokens: int | None = None
+def pipeline_bodies(stages: tuple[str, ...], chat_max_tokens: int | None = None,
+                    voices: tuple[str, ...] | None = None,
+                    parts: tuple[str, ...] = PART_TYPES,
                     ) -> dict[type[BaseModel], type[BaseModel]]:
     """The stock bodies narrowed to one pipeline, as {stock model: its narrowed copy}:
     GenericRequest and ControlRequest to its stage names, ChatCompletionRequest's max_tokens
@@ -411,15 +593,31 @@ def pipeline_bodies(stages: tuple[str, ...], chat_max_tokens: int | None = None
                            stages=(names | None, field(ControlRequest, "stages")))
     out: dict[type[BaseModel], type[BaseModel]] = {GenericRequest: generic,
                                                    ControlRequest: control}
+    chat: dict[str, Any] = {}
     if chat_max_tokens is not None:
         tokens = Annotated[int, Field(ge=0, le=chat_max_tokens)]
         note = _MAX_TOKENS_NOTE.format(most=chat_max_tokens)
-        out[ChatCompletionRequest] = create_model(
-            "ChatCompletionRequest", __base__=ChatCompletionRequest, __module__=__name__,
-            __doc__=ChatCompletionRequest.__doc__,
-            **{key: (tokens | None, Field(None, description=str(
-                ChatCompletionRequest.model_fields[key].description) + note))
-               for key in ("max_tokens", "max_completion_tokens")})
+        chat.update({key: (tokens | None, Field(None, description=str(
+            ChatCompletionRequest.model_fields[key].description) + note))
+            for key in ("max_tokens", "max_completion_tokens")})
+    # Audio: the speech stage's voices, or no audio at all without one.
+    if voices is None:
+        chat["audio"] = (only(None, why=_NO_SPEECH), None)
+        chat["modalities"] = (only(None, ["text"], why=_NO_SPEECH), None)
+    else:
+        audio = create_model("AudioOutput", __base__=AudioOutput, __module__=__name__,
+                             __doc__=AudioOutput.__doc__, voice=(_voice(voices) | None, None))
+        chat["audio"] = (audio | None, field(ChatCompletionRequest, "audio"))
+        out[SpeechRequest] = create_model(
+            "SpeechRequest", __base__=SpeechRequest, __module__=__name__,
+            __doc__=SpeechRequest.__doc__, voice=(_voice(voices) | None, None))
+    # Content parts: those the chat stage's entry stages take.
+    if parts != PART_TYPES:
+        chat["messages"] = (list[_messages(parts)],  # type: ignore[misc]
+                            Field(min_length=1))
+    out[ChatCompletionRequest] = create_model(
+        "ChatCompletionRequest", __base__=ChatCompletionRequest, __module__=__name__,
+        __doc__=ChatCompletionRequest.__doc__, **chat)
     return out
 
 
@@ -469,10 +667,22 @@ FinishReason = Annotated[str, Field(description="stop, length or abort (the requ
                                     "aborted; the content is the prefix generated so far).")]
 
 
+class AudioOut(TypedDict):
+    """The spoken answer (modalities with audio): the speech stage's audio, encoded."""
+
+    id: str
+    data: Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+    expires_at: Annotated[int, Field(description="Unix time; this server keeps no audio, so "
+                                     "it is only informative.")]
+    transcript: Annotated[str, Field(description="The chat stage's text.")]
+
+
 class AssistantOut(TypedDict):
     role: Literal["assistant"]
-    content: str
+    content: Annotated[str | None, Field(description="null when the answer is audio (its "
+                                         "text is audio.transcript), as OpenAI's.")]
     refusal: None
+    audio: NotRequired[AudioOut]
 
 
 class Choice(TypedDict):
@@ -494,9 +704,20 @@ class ChatCompletion(TypedDict):
     usage: Usage
 
 
+class ChunkAudio(TypedDict, total=False):
+    """Streamed audio: the first carries id (and transcript text), transcript deltas follow,
+    then base64 pcm16 data chunks, the last carries only id and expires_at."""
+
+    id: str
+    transcript: str
+    data: Annotated[str, WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+    expires_at: int
+
+
 class ChunkDelta(TypedDict, total=False):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    audio: ChunkAudio
 
 
 class ChunkChoice(TypedDict):
@@ -538,6 +759,9 @@ class ModelCard(TypedDict):
     object: Literal["model"]
     created: int
     owned_by: str
+    voices: NotRequired[Annotated[list[str], Field(
+        description="Extension: the voices of the speech stage, when the pipeline has one; "
+        "the first is the default.")]]
 
 
 class ModelList(TypedDict):
