@@ -74,6 +74,11 @@ def _audit(path: Path, start: int, end: int, user: str) -> tuple[set[Grant], lis
                 denied.append(f"{grant} {event.get('requestURI')}")
             else:
                 used.add(grant)
+                if event["verb"] == "patch" and code == 201:
+                    # A server-side apply that created its object: the API server authorizes
+                    # it as a create as well (the patch handler's create validation), so the
+                    # operator's children need `create` although no request says POST.
+                    used.add((grant[0], grant[1], "create"))
     return used, denied
 
 
