@@ -98,7 +98,7 @@ DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
 MAX_STAGES = 16
 MAX_REPLICAS = 64
 
-ApiSurface = Literal["chat", "images", "generic"]
+ApiSurface = Literal["chat", "images", "speech", "generic"]
 
 # A stage name becomes part of pod names (<pipeline>-<stage>-<ordinal>), hence the short limits.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -714,10 +714,11 @@ class OrchestratorSpec(_Model):
     replicas: int = Field(1, ge=0, le=16, description="Number of orchestrator replicas.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API.")
     api: list[ApiSurface] = Field(
-        default_factory=lambda: ["chat", "images", "generic"],
+        default_factory=lambda: ["chat", "images", "speech", "generic"],
         min_length=1,
         description="API surface to serve: chat (/v1/chat/completions), images "
-        "(/v1/images/generations) and generic (/v1/pipelines/{name}/requests).",
+        "(/v1/images/generations), speech (/v1/audio/speech, where a stage's kind emits audio) "
+        "and generic (/v1/pipelines/{name}/requests).",
         json_schema_extra=_SET,
     )
     served_model_name: str | None = Field(

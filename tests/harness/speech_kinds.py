@@ -163,4 +163,4 @@ def manifest(name: str, speech: bool) -> dict[str, Any]:
                        "resources": {"cpu": "1", "memory": "256Mi"}})
     return {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
             "metadata": {"name": name},
-            "spec": {"orchestrator": {"api": ["chat", "generic"]}, "stages": stages}}
+            "spec": {"orchestrator": {"api": ["chat", "speech", "generic"]}, "stages": stages}}

@@ -108,7 +108,7 @@ def test_defaults() -> None:
     spec = pipeline.spec
     assert spec.image == DEFAULT_IMAGE
     assert spec.orchestrator.replicas == 1 and spec.orchestrator.port == 8000
-    assert spec.orchestrator.api == ["chat", "images", "generic"]
+    assert spec.orchestrator.api == ["chat", "images", "speech", "generic"]
     assert spec.orchestrator.request_timeout_seconds == 300
     llm = spec.stage("llm")
     assert llm.replicas == 1 and llm.resources.gpus == 0 and llm.resources.memory == "2Gi"

@@ -270,7 +270,7 @@ def test_other_defaults() -> None:
         "toleration_seconds": None}
     orchestrator = OrchestratorSpec().model_dump()
     assert orchestrator == {
-        "replicas": 1, "port": 8000, "api": ["chat", "images", "generic"],
+        "replicas": 1, "port": 8000, "api": ["chat", "images", "speech", "generic"],
         "served_model_name": None, "chat_stage": None, "request_timeout_seconds": 300.0,
         "shutdown_delay_seconds": 5.0, "resources": {"cpu": "1", "memory": "1Gi"},
         "node_selector": {}, "tolerations": []}

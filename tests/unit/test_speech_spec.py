@@ -24,3 +24,14 @@ def test_speech_examples_validate(name: str, kinds: list[str], voices: list[str]
     talker = next(s for s in spec.stages if s.kind == "talker")
     assert stage_voices(talker) == voices
     assert all(stage_voices(s) == [] for s in spec.stages if s is not talker)
+
+
+def test_the_startup_banner_names_the_speech_route_only_where_a_stage_speaks() -> None:
+    """`omnistage serve` prints the routes it serves: /v1/audio/speech for a pipeline whose
+    stage emits audio (examples/tts.yaml), not for one without (examples/echo.yaml)."""
+    from omnistage.orchestrator.main import api_routes
+    from omnistage.spec import load_pipeline
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    assert "/v1/audio/speech" in api_routes(load_pipeline(examples / "tts.yaml"))
+    assert "/v1/audio/speech" not in api_routes(load_pipeline(examples / "echo.yaml"))

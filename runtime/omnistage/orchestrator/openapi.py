@@ -68,7 +68,7 @@ ROUTES: tuple[Route, ...] = (
           "(b64_json PNG only)", "images", ImagesRequest, ImagesResponse, "Base64 PNG images.",
           _COMMON_ERRORS),
     Route("POST", "/v1/audio/speech", "audio_speech", "OpenAI text to speech: the speech "
-          "stage's audio as a file, or with stream_format sse as server-sent events", "chat",
+          "stage's audio as a file, or with stream_format sse as server-sent events", "speech",
           SpeechRequest, None, "The audio file (Content-Type by response_format), or SSE.",
           _COMMON_ERRORS, SpeechStreamEvent,
           binary=tuple(dict.fromkeys(MEDIA_TYPES.values())), needs_speech=True),
@@ -148,7 +148,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 def openapi_document(
-    apis: Iterable[str] = ("chat", "images", "generic"),
+    apis: Iterable[str] = ("chat", "images", "speech", "generic"),
     *,
     routes: Iterable[Route] = ROUTES,
     title: str = "Omnistage orchestrator",
