@@ -26,6 +26,7 @@ from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
 from tests.harness.metrics import sample
 from tests.harness.operator import (
+    Operator,
     apply,
     get,
     pipeline_doc,
@@ -181,7 +182,7 @@ def _deleted_at(pod: dict[str, Any]) -> float:
     return _stamp(meta["deletionTimestamp"]) - int(meta.get("deletionGracePeriodSeconds") or 0)
 
 
-def _held_pipeline(kube: Cluster, namespace: str, operator: Release,
+def _held_pipeline(kube: Cluster, namespace: str, operator: Release | Operator,
                    drain_timeout: int) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """An echo pipeline of two replicas; (orchestrator URL, replica 0, replica 1)."""
     apply(kube, namespace, pipeline_doc(ECHO, [{
@@ -229,8 +230,8 @@ def _orchestrator_sees_draining(url: str) -> bool:
 
 
 def _deleted_only_after_its_request(
-    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release, url: str,
-    victim: dict[str, Any], keep: dict[str, Any], held: list[_Held], on_victim: _Held,
+    kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release | Operator,
+    url: str, victim: dict[str, Any], keep: dict[str, Any], held: list[_Held], on_victim: _Held,
     delay_ms: int,
 ) -> None:
     """The retirement of `victim` (just asked for) waits for `on_victim`, the request held on
