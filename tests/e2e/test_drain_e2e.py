@@ -253,8 +253,8 @@ def _deleted_only_after_its_request(
     # behind its own held request (echo runs one request at a time), which ends about when the
     # victim's does. Sent one after another, they were answered only after both held requests
     # had ended whenever the victim's was the first sent (the orchestrator's choice between two
-    # idle replicas is random), and the operator had then rightly deleted the victim before its
-    # count could be read: the failure at 0cd80f9 (docs/testing.md).
+    # idle replicas is random), and the operator could by then have rightly deleted the victim:
+    # its count could not be read, the failure at 0cd80f9 (docs/testing.md).
     new = [_Held(url, 0) for _ in range(6)]
 
     def routed() -> str:
@@ -267,7 +267,7 @@ def _deleted_only_after_its_request(
         after = _admitted(podrunner, victim)
     except OSError as exc:  # refused, reset or timed out: the replica is gone or going
         # Right only once its own request has ended (on a slow machine the waits above may
-        # take most of its 45 s). The deletion-time checks below still apply; only the
+        # take most of its hold). The deletion-time checks below still apply; only the
         # new-work count cannot be read from a stopped worker.
         took = time.time() - on_victim.sent
         assert on_victim.done.wait(10), (
