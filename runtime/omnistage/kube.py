@@ -113,10 +113,19 @@ def worker_state_url(ip: str) -> str:
 
 
 def read_work_left(url: str, timeout: float) -> int | None:
-    """work_left of the worker answering at `url`: 0 when nothing listens there (a worker that
-    has exited has nothing in flight), None when it cannot be asked (a timeout, a bad body)."""
+    """work_left of the worker answering at `url`: 0 when nothing listens there, None when it
+    cannot be asked (a timeout, a bad body, an HTTP error).
+
+    A refused connection is read as zero because a worker listens on its side port from before
+    it admits its first request until it exits (worker/server.py: the side port starts before
+    the receive loop and closes only once the worker has drained), so a refusal from the
+    worker's own address means no process there holds work. That holds only if the
+    connection goes to that address: the read never goes through an HTTP proxy named in the
+    environment (http_proxy), whose own refusal would read as "idle" and let the operator delete
+    a replica with work in flight, and whose answers (a 502, its own page) are not the worker's."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with opener.open(url, timeout=timeout) as resp:
             return work_left(json.loads(resp.read()))
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, ConnectionRefusedError):

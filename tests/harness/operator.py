@@ -40,6 +40,8 @@ class Operator:
     webhook_port: int = field(default_factory=free_port)
     #: the credentials it runs with; None: the cluster's admin kubeconfig
     kubeconfig: Path | None = None
+    #: added to its environment (this process's own), e.g. an HTTP proxy it must not use
+    env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
         cmd = [
@@ -61,7 +63,7 @@ class Operator:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
         wait_for(lambda: self._healthy(), 60, "operator /livez", self.log_tail)
 

@@ -12,6 +12,7 @@ import http.server
 import json
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,6 +169,25 @@ async def test_nothing_listening_is_idle(monkeypatch: pytest.MonkeyPatch) -> Non
         port = s.getsockname()[1]
     monkeypatch.setattr(kube, "WORKER_HTTP_PORT", port)
     assert (await drain.finished(pod(since=now()), pool())).done is True
+
+
+async def test_a_refusing_proxy_in_the_environment_does_not_finish_a_busy_replica(
+    state, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator pod with http_proxy set (a cluster behind a proxy) whose proxy refuses: the
+    replica still has a request in flight, so it is not finished. Kills: reading /state through
+    the environment's proxy (its refusal read as "nothing listens", and the replica deleted with
+    its request in flight)."""
+    state.answer({"in_flight": 1})
+    with socket.socket() as s:  # bound, not listening: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        for var in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(var, f"http://127.0.0.1:{s.getsockname()[1]}")
+        for var in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's cached environment
+        assert (await drain.finished(pod(since=now()), pool())).done is False
+    assert state.hits == 1
 
 
 @pytest.mark.parametrize("kw", [{"ip": None}, {"phase": "Pending"}, {"phase": "Succeeded"}])

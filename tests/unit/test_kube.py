@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -118,6 +119,59 @@ def test_read_work_left_from_a_worker_that_does_not_answer_is_unknown() -> None:
         sock.listen()
         url = f"http://127.0.0.1:{sock.getsockname()[1]}{kube.WORKER_STATE_PATH}"
         assert kube.read_work_left(url, 0.2) is None
+
+
+@pytest.fixture
+def proxy_env(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Name an HTTP proxy in the environment, as an operator pod behind a proxy has it.
+    urllib's urlopen reads the environment once and keeps that opener: cleared here, so a read
+    that honours the proxy really uses the one named."""
+
+    def name(proxy: str) -> None:
+        for var in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(var, proxy)
+        for var in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setattr(urllib.request, "_opener", None)
+
+    return name
+
+
+def test_read_work_left_never_goes_through_a_refusing_proxy(serve: Any, proxy_env: Any) -> None:
+    """The worker has a request in flight; the proxy named in the environment refuses.
+    Kills: reading through the environment's proxy, whose refusal read as "nothing listens" (0
+    in flight) made the operator delete a replica with a request in flight."""
+    with socket.socket() as sock:  # bound, not listening: connections to it are refused
+        sock.bind(("127.0.0.1", 0))
+        proxy_env(f"http://127.0.0.1:{sock.getsockname()[1]}")
+        assert kube.read_work_left(serve(b'{"in_flight": 1}'), 5.0) == 1
+
+
+def test_read_work_left_reads_the_worker_not_an_answering_proxy(
+    serve: Any, proxy_env: Any
+) -> None:
+    """Kills: reading through the environment's proxy, which answers for itself (here: "idle",
+    for any URL it is asked) while the worker has two requests in flight."""
+
+    class AnyPath(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # a proxy is asked for the full URL, not /state
+            body = b'{"in_flight": 0}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), AnyPath)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proxy_env(f"http://127.0.0.1:{server.server_address[1]}")
+        assert kube.read_work_left(serve(b'{"in_flight": 2}'), 5.0) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_one_source_for_the_mark_the_state_route_and_the_api_group() -> None:
