@@ -15,6 +15,10 @@ positions through hidden_projection of the thinker's hidden states) and the gene
 what is spoken. Without a thinker (a text-to-speech pipeline), the prompt is tokenized with the
 tokenizer beside the talker and embedded with the thinker's embedding table shipped there
 (omnistage.models.TEXT_EMBEDDINGS, or the thinker's tensor in a combined checkpoint).
+
+Streaming (its kind row says chunked output): while it generates, every `chunk_frames` frames
+go to the vocoder as one chunk (tensor `codec_codes` int64 [n, groups]), the rest at the end, so
+the vocoder speaks while the talker still runs. The final reply carries every frame either way.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnistage.admission import ExecutionContext
-from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
+from omnistage.executors.base import BadRequest, Emit, Executor, Outcome, StageIO
 from omnistage.models import load_talker
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -50,6 +54,7 @@ class TalkerJob:
     max_frames: int
     seed: int
     voice: str
+    chunk_frames: int = 8  # frames per streamed chunk (engine.chunk_frames)
 
 
 class TalkerExecutor(Executor):
@@ -119,7 +124,8 @@ class TalkerExecutor(Executor):
             raise BadRequest(f"params.max_frames: the text ({prefill.shape[1] + trailing.shape[1]}"
                              f" positions) + max_frames ({opts.max_frames}) exceeds the talker's "
                              f"context of {self.context_len}")
-        return TalkerJob(prefill, trailing, pad, opts.max_frames, opts.seed, offered[voice.lower()])
+        return TalkerJob(prefill, trailing, pad, opts.max_frames, opts.seed, offered[voice.lower()],
+                         opts.chunk_frames)
 
     def _tensor(self, tensors: Mapping[str, WireTensor], name: str, dtypes: tuple[str, ...],
                 shape: tuple[int | None, ...]) -> Any:
@@ -201,6 +207,7 @@ class TalkerExecutor(Executor):
     def execute(self, job: TalkerJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
         import torch
 
+        io = StageIO.of(emit)
         model, predictor = self.model, self.model.code_predictor
         gen = torch.Generator(device="cpu").manual_seed(job.seed)
         eos = int(model.config.codec_eos_token_id)
@@ -231,11 +238,21 @@ class TalkerExecutor(Executor):
                         p = predictor(input_ids=code, cache=p.cache, use_cache=True,
                                       generation_steps=p.generation_steps)
                 frames.append(codes)
+                if len(frames) % job.chunk_frames == 0:
+                    self._emit_frames(io, frames[-job.chunk_frames:])
                 text = job.trailing[:, step:step + 1] if step < job.trailing.shape[1] else job.pad
                 nxt = torch.stack(embeds, dim=0).sum(0) + text
                 out = model(inputs_embeds=nxt, cache=out.cache, use_cache=True,
                             output_hidden_states=True, generation_step=step)
+        self._emit_frames(io, frames[len(frames) - len(frames) % job.chunk_frames:])
         return self._outcome(frames, finish, job)
+
+    def _emit_frames(self, io: StageIO, frames: list[list[int]]) -> None:
+        """Hand frames to the streamed downstream (a no-op when the output is not streamed)."""
+        if frames and io.streams_output:
+            import numpy as np
+
+            io.emit_chunk(tensors={"codec_codes": np.asarray(frames, dtype=np.int64)})
 
     def _sample(self, logits: Any, gen: Any, eos: int) -> int:
         """The frame's first code: top-k sampling over the codebook and the end code only."""
