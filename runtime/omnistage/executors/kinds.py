@@ -68,10 +68,12 @@ class Payload(StrEnum):
       prompt then generated ids), which its talker reads by these names.
     - IMAGE: out, tensor `image` (diffusion). In: request tensors `input_image.<i>` (uint8
       [H, W, 3] RGB), i = 0, 1, ... in the order of the message's content parts.
-    - AUDIO: out, tensor `audio` float32 mono [samples] in [-1, 1] and field `sample_rate`.
+    - AUDIO: out, tensor `audio` float32 mono [samples] in [-1, 1] and field `sample_rate`
+      (streamed: each chunk a tensor `audio`, one decode window's samples).
       In: request tensors `input_audio.<i>` (float32 mono [samples] in [-1, 1]) at
       omnistage.media.INPUT_AUDIO_SAMPLE_RATE Hz.
-    - CODEC_CODES: tensor `codec_codes` int64 [frames, quantizers] (talker -> vocoder).
+    - CODEC_CODES: tensor `codec_codes` int64 [frames, quantizers] (talker -> vocoder;
+      streamed: each chunk a tensor `codec_codes` of the frames made since the last).
     """
 
     TEXT = "text"  # a prompt in, generated text out (streamed as text deltas)
