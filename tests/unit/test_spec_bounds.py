@@ -381,7 +381,7 @@ def test_engine_kinds_of_every_field() -> None:
         "guidance_scale": ("diffusion",), "seed": ("ar", "diffusion", "thinker", "talker"),
         "echo_delay_ms": ("echo",), "echo_chunk_chars": ("echo",),
         "echo_chunk_delay_ms": ("echo",), "voices": ("talker",), "voice": ("talker",),
-        "max_frames": ("talker",),
+        "max_frames": ("talker",), "chunk_frames": ("talker", "vocoder"),
         "max_batch_size": ("ar", "diffusion"), "max_batch_tokens": ("ar",),
     }
 
