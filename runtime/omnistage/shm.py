@@ -469,13 +469,11 @@ class SegmentManager:
     # ---- writing -------------------------------------------------------------------------
 
     def wants(self, value: Any) -> bool:
-        """Whether value should travel through shared memory (large, and not there already).
-        An empty tensor never does: it has no bytes to place (a view of none cannot be cast)."""
-        least = max(self.cfg.min_bytes, 1)
+        """Whether value should travel through shared memory (large, and not there already)."""
         if isinstance(value, p.WireTensor):
-            return value.shm is None and value.nbytes >= least
+            return value.shm is None and value.nbytes >= self.cfg.min_bytes
         nbytes = getattr(value, "nbytes", None)
-        return isinstance(nbytes, int) and nbytes >= least
+        return isinstance(nbytes, int) and nbytes >= self.cfg.min_bytes
 
     def try_place(self, value: Any, borrower: str | None = None) -> p.WireTensor | None:
         """value copied into a new block of our segment, or None when it has no room now.

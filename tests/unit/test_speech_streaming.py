@@ -128,3 +128,16 @@ def test_a_bad_fed_chunk_is_the_requests_error_naming_it(vocoder) -> None:
     io.feed(InputChunk(1, text="words"), True)
     with pytest.raises(BadRequest, match=r"feed 1: tensors\.codec_codes is required"):
         vocoder.execute(vocoder.prepare({}, {}), ExecutionContext(), io)
+
+
+def test_a_talker_abort_before_its_first_frame_still_encodes(talker) -> None:
+    """An abort while the talker waits for credit ends it with no frames: codes [0, groups],
+    which the wire must carry (memoryview cannot cast an empty 2-D array directly)."""
+    from omnistage import protocol as p
+
+    out = talker.aborted_before_start(talker.prepare({"prompt": "hi"}, {}))
+    codes = out.tensors["codec_codes"]
+    assert tuple(codes.shape) == (0, TINY_QUANTIZERS)
+    frames = p.encode(p.Aborted(id="x", replica="r"), out.tensors)
+    assert p.WireTensor.from_any(codes).numpy().shape == (0, TINY_QUANTIZERS)
+    assert frames
