@@ -145,7 +145,7 @@ def test_talker_voices_and_bad_requests(talker, thinker) -> None:
     with pytest.raises(BadRequest, match=r"params\.voice"):
         talker.prepare({"prompt": "a", "voice": "bad voice!"}, {})  # outside VOICE_PATTERN
     with pytest.raises(BadRequest, match=r"params\.prompt is required"):
-        talker.prepare({}, {})
+        run(talker, {})  # no prompt, no thinker's tensors, not fed
     with pytest.raises(BadRequest, match=r"params\.max_frames"):
         talker.prepare({"prompt": "a", "max_frames": 0}, {})
     out = run(thinker, {"prompt": "hi", "return_hidden_states": True})

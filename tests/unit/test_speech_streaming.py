@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from omnistage.admission import ExecutionContext
+from omnistage.executors.ar import ThinkerExecutor
 from omnistage.executors.base import BadRequest, InputChunk, StageIO
 from omnistage.executors.talker import TalkerExecutor
 from omnistage.executors.vocoder import LEFT_CONTEXT, VocoderExecutor
@@ -24,11 +25,14 @@ CPU = torch.device("cpu")
 class Sink:
     """A StageIO's downstream: the chunks it was handed, each credited at once."""
 
-    def __init__(self, fed: list[np.ndarray] | None = None) -> None:
+    def __init__(self, fed: list[Any] | None = None) -> None:
+        """fed: codes arrays (a talker's chunks) or dicts of tensors, fed in order."""
         self.chunks: list[dict[str, Any]] = []
         self.io = StageIO(send_chunk=self.take, window=4, fed=fed is not None)
-        for seq, codes in enumerate(fed or [], start=1):
-            assert self.io.feed(InputChunk(seq, tensors={"codec_codes": wire(codes)}), False)
+        for seq, item in enumerate(fed or [], start=1):
+            tensors = item if isinstance(item, dict) else {"codec_codes": item}
+            chunk = InputChunk(seq, tensors={k: wire(v) for k, v in tensors.items()})
+            assert self.io.feed(chunk, False)
         if fed is not None:
             self.io.feed(InputChunk(len(fed) + 1), True)  # the end of input
 
@@ -76,6 +80,9 @@ def test_the_talker_streams_its_frames_in_chunks_and_returns_them_all(talker) ->
                    ExecutionContext(), small.io)
     assert small.chunks[0]["codec_codes"].shape[0] == 2
     assert len(small.chunks) == -(-n // 2)
+
+
+SPEAKS_ON = 0  # after the tiny thinker, the tiny talker speaks to max_frames with this seed
 
 
 def codes_of(frames: int, seed: int = 0) -> np.ndarray:
@@ -141,3 +148,45 @@ def test_a_talker_abort_before_its_first_frame_still_encodes(talker) -> None:
     frames = p.encode(p.Aborted(id="x", replica="r"), out.tensors)
     assert p.WireTensor.from_any(codes).numpy().shape == (0, TINY_QUANTIZERS)
     assert frames
+
+
+@pytest.fixture(scope="module")
+def thinker() -> ThinkerExecutor:
+    ex = ThinkerExecutor("tiny-omni-thinker", EngineOptions(max_tokens=8), CPU)
+    ex.load()
+    return ex
+
+
+def test_the_thinker_streams_its_rows_and_the_fed_talker_speaks_the_same(thinker,
+                                                                         talker) -> None:
+    """The thinker hands on its prompt's rows, then one row per answer token; a talker fed
+    those chunks makes the same codes as from the thinker's whole output."""
+    params = {"prompt": "say something", "return_hidden_states": True, "ignore_eos": True}
+    sink = Sink()
+    out = thinker.execute(thinker.prepare(params, {}), ExecutionContext(), sink.io)
+    whole = out.tensors
+    prompt = int(whole["prompt_length"][0])
+    rows = [c["hidden_states"].shape[0] for c in sink.chunks]
+    assert rows == [prompt] + [1] * (whole["hidden_states"].shape[0] - prompt), rows
+    assert [("prompt_length" in c) for c in sink.chunks] == [True] + [False] * (len(rows) - 1)
+    for name in ("hidden_states", "token_embeds", "token_ids"):
+        joined = torch.cat([c[name] for c in sink.chunks])
+        assert torch.equal(joined, whole[name]), name
+
+    conditioned = {("encoder_hidden_states" if k == "hidden_states" else k): wire(v)
+                   for k, v in whole.items()}
+    ask = {"seed": SPEAKS_ON, "max_frames": 23}
+    ref = talker.execute(talker.prepare(ask, conditioned), ExecutionContext(), lambda _d: None)
+    fed = Sink([{k: v.numpy() for k, v in c.items()} for c in sink.chunks])
+    got = talker.execute(talker.prepare(ask, {}), ExecutionContext(), fed.io)
+    codes = ref.tensors["codec_codes"]
+    assert codes.shape[0] > len(rows), codes.shape  # it spoke past the thinker's last row
+    assert torch.equal(got.tensors["codec_codes"], codes)
+    assert got.fields == ref.fields
+    # Not fed and no input at all: the request's error, as before.
+    with pytest.raises(BadRequest, match=r"params\.prompt is required"):
+        talker.execute(talker.prepare({}, {}), ExecutionContext(), lambda _d: None)
+    # A fed chunk without the thinker's tensors is refused naming it.
+    bad = Sink([{"token_ids": np.zeros(2, dtype=np.int64)}])
+    with pytest.raises(BadRequest, match=r"feed 1: tensors\.hidden_states"):
+        talker.execute(talker.prepare({}, {}), ExecutionContext(), bad.io)

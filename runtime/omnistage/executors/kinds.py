@@ -186,6 +186,7 @@ _BUILTIN: tuple[StageKind, ...] = (
         builtin_models=("tiny-omni-thinker",),
         consumes=frozenset({_P.TEXT, _P.IMAGE, _P.AUDIO}),
         emits=frozenset({_P.TEXT, _P.TOKENS, _P.HIDDEN_STATES}),
+        chunked_output=True,
     ),
     StageKind(
         name="talker",
@@ -197,6 +198,7 @@ _BUILTIN: tuple[StageKind, ...] = (
         consumes=frozenset({_P.TEXT, _P.HIDDEN_STATES}),
         emits=frozenset({_P.CODEC_CODES}),
         chunked_output=True,
+        chunked_input=True,
     ),
     StageKind(
         name="vocoder",
