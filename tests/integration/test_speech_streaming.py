@@ -126,20 +126,26 @@ def record(orch: Orchestrator) -> list[tuple[str, str]]:
 
 
 @pytest.fixture
-async def two_orchestrators(sink_kind, start_worker) -> AsyncIterator[Any]:
-    """One worker per stage, and two orchestrators over them: streaming on and off (streaming
-    is the orchestrator's routing; the workers are the same)."""
-    on, off = speech("on"), speech("off", streaming=False)
-    procs, infos = {}, []
-    for stage in on.spec.stages:
-        env = sink_env() if stage.kind == "sink" else None
-        w = start_worker(stage, name=f"speech-{stage.name}-0", env=env)
-        procs[stage.name] = w
-        infos.append(ReplicaInfo(stage.name, f"speech-{stage.name}-0", w.zmq))
-    orchs = [Orchestrator(pipe, StaticMembership(infos)) for pipe in (on, off)]
-    for orch in orchs:
-        await orch.start()
-    yield orchs[0], orchs[1], procs
+async def serve_twice(start_worker) -> AsyncIterator[Any]:
+    """One worker per stage, and an orchestrator over them for each pipeline given: streaming
+    on and off (streaming is the orchestrator's routing; the workers are the same)."""
+    orchs: list[Orchestrator] = []
+
+    async def go(*pipes: Any) -> tuple[Any, ...]:
+        procs, infos = {}, []
+        for stage in pipes[0].spec.stages:
+            env = sink_env() if stage.kind == "sink" else None
+            name = f"{pipes[0].metadata.name}-{stage.name}-0"
+            w = start_worker(stage, name=name, env=env)
+            procs[stage.name] = w
+            infos.append(ReplicaInfo(stage.name, name, w.zmq))
+        mine = [Orchestrator(pipe, StaticMembership(infos)) for pipe in pipes]
+        for orch in mine:
+            await orch.start()
+            orchs.append(orch)
+        return (*mine, procs)
+
+    yield go
     for orch in orchs:
         await orch.stop(drain_timeout=1)
 
@@ -149,9 +155,9 @@ async def outcome_of(orch: Orchestrator, req: PipelineRequest) -> Done:
 
 
 async def test_the_vocoder_speaks_before_the_talker_ends_and_the_audio_is_unchanged(
-    two_orchestrators,
+    sink_kind, serve_twice,
 ) -> None:
-    on, off, procs = two_orchestrators
+    on, off, procs = await serve_twice(speech("on"), speech("off", streaming=False))
     finals = ["talker", "vocoder", "sink"]
     events = record(on)
     out = await outcome_of(on, PipelineRequest(prompt=PROMPT, finals=finals))
@@ -185,6 +191,50 @@ async def test_the_vocoder_speaks_before_the_talker_ends_and_the_audio_is_unchan
     assert w["vocoder"].tensors["audio"].numpy().tobytes() == audio.tobytes()
     assert w["sink"].tensors["audio"].numpy().tobytes() == audio.tobytes()
     assert chunks(procs["talker"])["sent"] == n  # nothing streamed this time
+
+
+def omni(name: str, *, streaming: bool = True) -> Any:
+    """thinker -> talker -> vocoder, the thinker's window 1 chunk (one token's rows)."""
+    flow = {"enabled": streaming, "window": 1}
+    return pipeline(name, [
+        {"name": "thinker", "kind": "thinker", "model": "tiny-omni-thinker", "streaming": flow,
+         "engine": {"maxTokens": 8}},
+        {"name": "talker", "kind": "talker", "model": "tiny-omni-talker", "inputs": ["thinker"],
+         "streaming": flow, "engine": {"voices": ["default"], "maxFrames": 23,
+                                       "chunkFrames": 2, "seed": 0}},
+        {"name": "vocoder", "kind": "vocoder", "model": "tiny-omni-vocoder", "inputs": ["talker"],
+         "finalOutput": True, "streaming": flow, "engine": {"chunkFrames": 2}},
+    ])
+
+
+async def test_the_talker_speaks_before_the_thinker_ends_and_the_answer_is_unchanged(
+    serve_twice,
+) -> None:
+    """thinker -> talker streams too: the talker starts on the thinker's prompt and first
+    answer token and speaks while the thinker still writes; codes, audio and text are the
+    same as with every edge handing over whole outputs."""
+    on, off, procs = await serve_twice(omni("omni-on"), omni("omni-off", streaming=False))
+    req = {"prompt": "say something", "finals": ["thinker", "talker", "vocoder"],
+           "params": {"thinker": {"ignore_eos": True}}}
+    events = record(on)
+    out = await outcome_of(on, PipelineRequest(**req))
+    assert out.status == "ok", out
+    got = out.children[0].outputs
+    answer = got["thinker"].fields["completion_tokens"]
+    assert answer == 8 and got["talker"].tensors["codec_codes"].shape[0] == 23
+    assert events.index(("talker", "chunk")) < events.index(("thinker", "end")), events
+    assert events.count(("thinker", "chunk")) == 1 + answer  # the prompt, then one a token
+    assert chunks(procs["talker"])["fed"] == 1 + answer
+    events_off = record(off)
+    whole = await outcome_of(off, PipelineRequest(**req))
+    assert whole.status == "ok", whole
+    assert not [e for e in events_off if e[1] == "chunk"]
+    w = whole.children[0].outputs
+    assert w["thinker"].fields["text"] == got["thinker"].fields["text"]
+    assert np.array_equal(w["talker"].tensors["codec_codes"].numpy(),
+                          got["talker"].tensors["codec_codes"].numpy())
+    assert w["vocoder"].tensors["audio"].numpy().tobytes() == \
+        got["vocoder"].tensors["audio"].numpy().tobytes()
 
 
 async def test_abort_mid_speech_stops_every_stage_and_frees_every_block(
