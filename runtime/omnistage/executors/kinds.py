@@ -65,7 +65,9 @@ class Payload(StrEnum):
     - HIDDEN_STATES: tensor `hidden_states` float [tokens, hidden] out; a consumer gets the
       first upstream's as `encoder_hidden_states`. A thinker adds `token_embeds` (its input
       embeddings of the same tokens, float [tokens, hidden]) and `token_ids` (int64 [tokens]:
-      prompt then generated ids), which its talker reads by these names.
+      prompt then generated ids), which its talker reads by these names. Streamed (thinker ->
+      talker), each chunk carries `hidden_states`, `token_embeds` and `token_ids` of its rows,
+      the first one also `prompt_length`.
     - IMAGE: out, tensor `image` (diffusion). In: request tensors `input_image.<i>` (uint8
       [H, W, 3] RGB), i = 0, 1, ... in the order of the message's content parts.
     - AUDIO: out, tensor `audio` float32 mono [samples] in [-1, 1] and field `sample_rate`
