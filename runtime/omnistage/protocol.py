@@ -418,7 +418,7 @@ class WireTensor:
         if isinstance(value, np.ndarray):
             arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
             name = _NUMPY_NAMES.get(arr.dtype) or _numpy_name(arr.dtype)
-            return cls(name, arr.shape, memoryview(arr).cast("B"))
+            return cls(name, arr.shape, _bytes_view(arr))
         mod = type(value).__module__
         if mod.startswith("torch"):
             import torch
@@ -429,10 +429,16 @@ class WireTensor:
             t = t.contiguous()
             if t.dtype == torch.bfloat16:
                 arr = t.view(torch.int16).numpy()
-                return cls("bfloat16", tuple(t.shape), memoryview(arr).cast("B"))
+                return cls("bfloat16", tuple(t.shape), _bytes_view(arr))
             arr = t.numpy()
-            return cls(_numpy_name(arr.dtype), tuple(t.shape), memoryview(arr).cast("B"))
+            return cls(_numpy_name(arr.dtype), tuple(t.shape), _bytes_view(arr))
         raise TypeError(f"cannot send value of type {type(value).__name__} as a tensor")
+
+
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes without a copy. Flat first: memoryview cannot cast an
+    empty array of two or more dimensions (a talker's [0, quantizers] codes)."""
+    return memoryview(arr.reshape(-1)).cast("B")
 
 
 _NUMPY_NAMES: dict[np.dtype[Any], str] = {

@@ -329,6 +329,15 @@ class EngineOptions(_Model):
         description="talker: most codec frames a request may generate (Qwen3-Omni makes 12.5 "
         "frames a second of speech); the talker also stops at its codec's end code.",
     )
+    chunk_frames: Annotated[int, PerRequest()] = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="talker: codec frames per chunk it streams to its vocoder; vocoder: frames "
+        "it decodes at a time (each with the model's left context), streamed or not, so the "
+        "audio is the same either way. Small: earlier first audio; large: less re-decoded "
+        "context.",
+    )
     max_batch_size: int = Field(
         16,
         ge=1,

@@ -46,8 +46,9 @@ def test_every_kind_has_its_knobs() -> None:
     assert per_request("echo") == {"delay_ms": "echo_delay_ms", "chunk_chars": "echo_chunk_chars",
                                    "chunk_delay_ms": "echo_chunk_delay_ms"}
     assert per_request("thinker") == per_request("ar")
-    assert per_request("talker") == {"voice": "voice", "max_frames": "max_frames", "seed": "seed"}
-    assert per_request("vocoder") == {}
+    assert per_request("talker") == {"voice": "voice", "max_frames": "max_frames",
+                                     "chunk_frames": "chunk_frames", "seed": "seed"}
+    assert per_request("vocoder") == {"chunk_frames": "chunk_frames"}
     assert set(STAGE_KINDS) == {"ar", "diffusion", "echo", "thinker", "talker", "vocoder"}
 
 

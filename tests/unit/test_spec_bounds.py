@@ -122,6 +122,10 @@ BOUNDS: list[tuple[str, Any, str | None]] = [
     (f"{ENGINE}.maxFrames", 0, f"{GE} 1 (got 0)"),
     (f"{ENGINE}.maxFrames", 65_536, None),
     (f"{ENGINE}.maxFrames", 65_537, f"{LE} 65536 (got 65537)"),
+    (f"{ENGINE}.chunkFrames", 1, None),
+    (f"{ENGINE}.chunkFrames", 0, f"{GE} 1 (got 0)"),
+    (f"{ENGINE}.chunkFrames", 4096, None),
+    (f"{ENGINE}.chunkFrames", 4097, f"{LE} 4096 (got 4097)"),
     (f"{ENGINE}.maxBatchSize", 1, None),
     (f"{ENGINE}.maxBatchSize", 0, f"{GE} 1 (got 0)"),
     (f"{ENGINE}.maxBatchSize", 1024, None),
@@ -252,7 +256,7 @@ def test_engine_defaults() -> None:
         "dtype": "auto", "max_tokens": 16, "temperature": 0.0, "return_hidden_states": False,
         "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 0,
         "echo_delay_ms": 0, "echo_chunk_chars": 0, "echo_chunk_delay_ms": 0,
-        "voices": None, "voice": None, "max_frames": 256,
+        "voices": None, "voice": None, "max_frames": 256, "chunk_frames": 8,
         "max_batch_size": 16, "max_batch_tokens": None,
     }
 
@@ -377,7 +381,7 @@ def test_engine_kinds_of_every_field() -> None:
         "guidance_scale": ("diffusion",), "seed": ("ar", "diffusion", "thinker", "talker"),
         "echo_delay_ms": ("echo",), "echo_chunk_chars": ("echo",),
         "echo_chunk_delay_ms": ("echo",), "voices": ("talker",), "voice": ("talker",),
-        "max_frames": ("talker",),
+        "max_frames": ("talker",), "chunk_frames": ("talker", "vocoder"),
         "max_batch_size": ("ar", "diffusion"), "max_batch_tokens": ("ar",),
     }
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
-from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome
+from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome, StageIO
 from omnistage.models import load_causal_lm, load_thinker
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -65,6 +65,8 @@ class _Seq:
     hidden: list[Any] = field(default_factory=list)
     emitted_text: str = ""
     next_token: int = -1  # fed at the next decode step
+    sent: int = 0  # entries of hidden handed on as chunks (a streaming thinker) ...
+    rows_sent: int = 0  # ... and the token rows they held
 
 
 class ARExecutor(BatchExecutor):
@@ -268,6 +270,13 @@ class ThinkerExecutor(ARExecutor):
     For a talker, its hidden states are those of the layer Qwen's talker reads (the combined
     checkpoint's talker_config.accept_hidden_layer, else the last), with `token_embeds` (input
     embeddings), `token_ids` and `prompt_length` (int64 [1]: where the answer starts).
+
+    Streaming (its kind row says chunked output): when its output streams to a talker, every
+    forward pass's new rows go on as one chunk as soon as they exist: the prompt's after the
+    prompt pass (with `prompt_length`), then one row per generated token (its hidden state and
+    input embedding exist once the token has been fed back). Each chunk carries
+    `hidden_states`, `token_embeds` and `token_ids` of its rows; the final reply still carries
+    them all.
     """
 
     kind = "thinker"
@@ -403,6 +412,30 @@ class ThinkerExecutor(ARExecutor):
 
     def _pick_hidden(self, layers: Any, row: int) -> Any:
         return layers[self.hidden_layer][row], layers[0][row]
+
+    def _advance(self, seq: _Seq, logits: Any, hidden: Any, greedy: int) -> Outcome | None:
+        outcome = super()._advance(seq, logits, hidden, greedy)
+        self._emit_rows(seq)  # before the outcome: every chunk precedes the final reply
+        return outcome
+
+    def _emit_rows(self, seq: _Seq) -> None:
+        """Hand the rows not yet sent on as one chunk (a no-op unless the output streams)."""
+        import torch
+
+        io = StageIO.of(seq.emit)
+        fresh = seq.hidden[seq.sent:] if io.streams_output else []
+        if not fresh:
+            return
+        start = seq.rows_sent
+        hidden = torch.cat([h for h, _ in fresh], dim=0).float()
+        ids = (seq.job.prompt_ids + seq.job.generated)[start:start + hidden.shape[0]]
+        tensors = {"hidden_states": hidden,
+                   "token_embeds": torch.cat([e for _, e in fresh], dim=0).float(),
+                   "token_ids": torch.tensor(ids, dtype=torch.int64)}
+        if start == 0:
+            tensors["prompt_length"] = torch.tensor([len(seq.job.prompt_ids)], dtype=torch.int64)
+        seq.sent, seq.rows_sent = len(seq.hidden), start + int(hidden.shape[0])
+        io.emit_chunk(tensors=tensors)
 
     def _hidden_tensors(self, seq: _Seq) -> dict[str, Any]:
         import torch

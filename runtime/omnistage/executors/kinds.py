@@ -65,13 +65,17 @@ class Payload(StrEnum):
     - HIDDEN_STATES: tensor `hidden_states` float [tokens, hidden] out; a consumer gets the
       first upstream's as `encoder_hidden_states`. A thinker adds `token_embeds` (its input
       embeddings of the same tokens, float [tokens, hidden]) and `token_ids` (int64 [tokens]:
-      prompt then generated ids), which its talker reads by these names.
+      prompt then generated ids), which its talker reads by these names. Streamed (thinker ->
+      talker), each chunk carries `hidden_states`, `token_embeds` and `token_ids` of its rows,
+      the first one also `prompt_length`.
     - IMAGE: out, tensor `image` (diffusion). In: request tensors `input_image.<i>` (uint8
       [H, W, 3] RGB), i = 0, 1, ... in the order of the message's content parts.
-    - AUDIO: out, tensor `audio` float32 mono [samples] in [-1, 1] and field `sample_rate`.
+    - AUDIO: out, tensor `audio` float32 mono [samples] in [-1, 1] and field `sample_rate`
+      (streamed: each chunk a tensor `audio`, one decode window's samples).
       In: request tensors `input_audio.<i>` (float32 mono [samples] in [-1, 1]) at
       omnistage.media.INPUT_AUDIO_SAMPLE_RATE Hz.
-    - CODEC_CODES: tensor `codec_codes` int64 [frames, quantizers] (talker -> vocoder).
+    - CODEC_CODES: tensor `codec_codes` int64 [frames, quantizers] (talker -> vocoder;
+      streamed: each chunk a tensor `codec_codes` of the frames made since the last).
     """
 
     TEXT = "text"  # a prompt in, generated text out (streamed as text deltas)
@@ -184,26 +188,31 @@ _BUILTIN: tuple[StageKind, ...] = (
         builtin_models=("tiny-omni-thinker",),
         consumes=frozenset({_P.TEXT, _P.IMAGE, _P.AUDIO}),
         emits=frozenset({_P.TEXT, _P.TOKENS, _P.HIDDEN_STATES}),
+        chunked_output=True,
     ),
     StageKind(
         name="talker",
         executor="omnistage.executors.talker:TalkerExecutor",
         summary="speech codec LM (Qwen3-Omni talker + code predictor)",
         needs_model=True,
-        engine_options=("dtype", "voices", "voice", "max_frames", "seed"),
+        engine_options=("dtype", "voices", "voice", "max_frames", "chunk_frames", "seed"),
         builtin_models=("tiny-omni-talker",),
         consumes=frozenset({_P.TEXT, _P.HIDDEN_STATES}),
         emits=frozenset({_P.CODEC_CODES}),
+        chunked_output=True,
+        chunked_input=True,
     ),
     StageKind(
         name="vocoder",
         executor="omnistage.executors.vocoder:VocoderExecutor",
         summary="codec codes to waveform (Qwen3-Omni Code2Wav)",
         needs_model=True,
-        engine_options=("dtype",),
+        engine_options=("dtype", "chunk_frames"),
         builtin_models=("tiny-omni-vocoder",),
         consumes=frozenset({_P.CODEC_CODES}),
         emits=frozenset({_P.AUDIO}),
+        chunked_output=True,
+        chunked_input=True,
     ),
 )
 

@@ -15,16 +15,25 @@ positions through hidden_projection of the thinker's hidden states) and the gene
 what is spoken. Without a thinker (a text-to-speech pipeline), the prompt is tokenized with the
 tokenizer beside the talker and embedded with the thinker's embedding table shipped there
 (omnistage.models.TEXT_EMBEDDINGS, or the thinker's tensor in a combined checkpoint).
+
+Streaming (its kind row says chunked input and output): while it generates, every
+`chunk_frames` frames go to the vocoder as one chunk (tensor `codec_codes` int64 [n, groups]),
+the rest at the end, so the vocoder speaks while the talker still runs. The final reply carries
+every frame either way. Fed by a thinker, it starts once the thinker's prompt and first answer
+token are in, and takes each further answer position as the thinker makes it (a frame that
+needs a position the thinker has not made yet waits for it, or for the thinker's end), exactly
+as Qwen's talker consumes the thinker's output as it comes. Each answer position is projected
+on its own, whole or fed, so the codes do not depend on how the thinker's output arrived.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.admission import ExecutionContext
-from omnistage.executors.base import BadRequest, Emit, Executor, Outcome
+from omnistage.executors.base import BadRequest, Emit, Executor, Outcome, StageIO
 from omnistage.models import load_talker
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -44,12 +53,28 @@ TalkerParams = stage_params("talker", _TalkerRequest)
 
 @dataclass
 class TalkerJob:
-    prefill: Any  # [1, length, hidden] the talker's prompt pass input
+    prefill: Any  # [1, length, hidden] the talker's prompt pass input; None: fed (a thinker's)
     trailing: Any  # [1, text, hidden] one text position added per frame
     pad: Any  # [1, 1, hidden] added once the text is used up
     max_frames: int
     seed: int
     voice: str
+    chunk_frames: int = 8  # frames per streamed chunk (engine.chunk_frames)
+    speaker: int = 0
+    prompt: str | None = None  # the TTS text (checked again when a job not fed has no input)
+
+
+@dataclass
+class _ThinkerFeed:
+    """A thinker's output as it arrives in chunks: its rows so far, and whether it ended."""
+
+    chunks: Iterator[Any]
+    hidden: list[Any] = field(default_factory=list)
+    embeds: list[Any] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    prompt: int | None = None  # prompt_length, from the first chunk
+    rows: int = 0
+    ended: bool = False
 
 
 class TalkerExecutor(Executor):
@@ -109,17 +134,24 @@ class TalkerExecutor(Executor):
             raise BadRequest(f"params.voice: unknown voice {voice!r}; this stage offers: "
                              f"{', '.join(self.voices)}")
         speaker = self.speakers[voice.lower()]
+        job = TalkerJob(None, None, None, opts.max_frames, opts.seed, offered[voice.lower()],
+                        opts.chunk_frames, speaker, req.prompt)
+        if "encoder_hidden_states" not in tensors and not req.prompt:
+            return job  # fed by a thinker (streaming), or refused in execute
         with torch.inference_mode():
             if "encoder_hidden_states" in tensors:
                 context, text = self._from_thinker(tensors)
             else:
                 context, text = self._from_prompt(req.prompt)
-            prefill, trailing, pad = self._talker_inputs(context, text, speaker)
-        if prefill.shape[1] + opts.max_frames > self.context_len:
-            raise BadRequest(f"params.max_frames: the text ({prefill.shape[1] + trailing.shape[1]}"
-                             f" positions) + max_frames ({opts.max_frames}) exceeds the talker's "
+            job.prefill, job.trailing, job.pad = self._talker_inputs(context, text, speaker)
+        self._check_length(job)
+        return job
+
+    def _check_length(self, job: TalkerJob) -> None:
+        if job.prefill.shape[1] + job.max_frames > self.context_len:
+            raise BadRequest(f"params.max_frames: the talker's prompt ({job.prefill.shape[1]} "
+                             f"positions) + max_frames ({job.max_frames}) exceeds the talker's "
                              f"context of {self.context_len}")
-        return TalkerJob(prefill, trailing, pad, opts.max_frames, opts.seed, offered[voice.lower()])
 
     def _tensor(self, tensors: Mapping[str, WireTensor], name: str, dtypes: tuple[str, ...],
                 shape: tuple[int | None, ...]) -> Any:
@@ -137,7 +169,6 @@ class TalkerExecutor(Executor):
 
     def _from_thinker(self, tensors: Mapping[str, WireTensor]) -> tuple[Any, Any]:
         """(context [1, n, talker hidden], spoken text [1, m, talker hidden]) from a thinker."""
-        import torch
 
         dim = self.thinker_hidden
         hidden = self._tensor(tensors, "encoder_hidden_states", _FLOATS, (None, dim))
@@ -148,13 +179,32 @@ class TalkerExecutor(Executor):
         prompt = int(length[0])
         if not 0 < prompt <= n:
             raise BadRequest(f"tensors.prompt_length must be in [1, {n}], got {prompt}")
+        return (self._context(hidden[:prompt], embeds[:prompt], ids[:prompt]),
+                self._spoken(embeds[prompt:]))
+
+    def _context(self, hidden: Any, embeds: Any, ids: Any) -> Any:
+        """[1, prompt, talker hidden]: the thinker's prompt positions, text through
+        text_projection, image and audio positions through hidden_projection."""
+        import torch
+
         dt = self.model.dtype
         hidden, embeds = hidden.to(dt), embeds.to(dt)
-        media = torch.isin(ids[:prompt], torch.tensor(sorted(self.media_ids), device=ids.device))
-        context = self.model.text_projection(embeds[:prompt])
+        media = torch.isin(ids, torch.tensor(sorted(self.media_ids), device=ids.device))
+        context = self.model.text_projection(embeds)
         if media.any():
-            context[media] = self.model.hidden_projection(hidden[:prompt][media])
-        return context.unsqueeze(0), self.model.text_projection(embeds[prompt:]).unsqueeze(0)
+            context[media] = self.model.hidden_projection(hidden[media])
+        return context.unsqueeze(0)
+
+    def _spoken(self, embeds: Any) -> Any:
+        """[1, m, talker hidden]: answer positions, each projected on its own (one row's
+        result does not depend on how many came with it: whole and fed agree)."""
+        import torch
+
+        dt = self.model.dtype
+        hid = int(self.model.config.text_config.hidden_size)
+        rows = [self.model.text_projection(embeds[i:i + 1].to(dt)) for i in range(len(embeds))]
+        return torch.cat(rows).unsqueeze(0) if rows else torch.zeros(
+            1, 0, hid, dtype=dt, device=self.device)
 
     def _from_prompt(self, prompt: str | None) -> tuple[Any, Any]:
         if self.text_table is None:
@@ -196,17 +246,25 @@ class TalkerExecutor(Executor):
         return prefill, torch.cat([rest, eos], dim=1), pad
 
     def cost(self, job: TalkerJob) -> int:
-        return int(job.prefill.shape[1]) + job.max_frames
+        """Positions the talker holds: its prompt (a fed one's is not known yet) and frames."""
+        return (0 if job.prefill is None else int(job.prefill.shape[1])) + job.max_frames
 
     def execute(self, job: TalkerJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
         import torch
 
+        io = StageIO.of(emit)
         model, predictor = self.model, self.model.code_predictor
         gen = torch.Generator(device="cpu").manual_seed(job.seed)
         eos = int(model.config.codec_eos_token_id)
         frames: list[list[int]] = []
         finish = "length"
+        feed = None
         with torch.inference_mode():
+            if job.prefill is None:
+                if not io.fed:
+                    self._from_prompt(job.prompt)  # raises the request's error: no input
+                feed = _ThinkerFeed(io.inputs())
+                self._start_fed(job, feed)
             mask = torch.ones(job.prefill.shape[:2], dtype=torch.long, device=self.device)
             out = model(inputs_embeds=job.prefill, attention_mask=mask, use_cache=True,
                         output_hidden_states=True)
@@ -231,11 +289,84 @@ class TalkerExecutor(Executor):
                         p = predictor(input_ids=code, cache=p.cache, use_cache=True,
                                       generation_steps=p.generation_steps)
                 frames.append(codes)
-                text = job.trailing[:, step:step + 1] if step < job.trailing.shape[1] else job.pad
+                if len(frames) % job.chunk_frames == 0:
+                    self._emit_frames(io, frames[-job.chunk_frames:])
+                text = self._fed_text(job, feed, step) if feed is not None else \
+                    job.trailing[:, step:step + 1] if step < job.trailing.shape[1] else job.pad
                 nxt = torch.stack(embeds, dim=0).sum(0) + text
                 out = model(inputs_embeds=nxt, cache=out.cache, use_cache=True,
                             output_hidden_states=True, generation_step=step)
+        self._emit_frames(io, frames[len(frames) - len(frames) % job.chunk_frames:])
+        if feed is not None:  # take the rest, so the thinker is not held at its window
+            for _ in feed.chunks:
+                pass
         return self._outcome(frames, finish, job)
+
+    # ---- fed by a thinker (streaming) -------------------------------------------------------
+
+    def _pull(self, feed: _ThinkerFeed) -> None:
+        """Take the thinker's next chunk, checked; at the end of its output, mark it ended."""
+        chunk = next(feed.chunks, None)
+        if chunk is None:
+            feed.ended = True
+            return
+        dim = self.thinker_hidden
+        try:
+            hidden = self._tensor(chunk.tensors, "hidden_states", _FLOATS, (None, dim))
+            n = hidden.shape[0]
+            embeds = self._tensor(chunk.tensors, "token_embeds", _FLOATS, (n, dim))
+            ids = self._tensor(chunk.tensors, "token_ids", ("int64",), (n,))
+            if feed.prompt is None:
+                length = self._tensor(chunk.tensors, "prompt_length", ("int64",), (1,))
+                feed.prompt = int(length[0])
+                if feed.prompt < 1:
+                    raise BadRequest(f"tensors.prompt_length must be at least 1, got "
+                                     f"{feed.prompt}")
+        except BadRequest as exc:
+            raise BadRequest(f"feed {chunk.seq}: {exc}") from None
+        feed.hidden.extend(hidden.unbind(0))
+        feed.embeds.extend(embeds.unbind(0))
+        feed.ids.extend(ids.unbind(0))
+        feed.rows += n
+
+    def _start_fed(self, job: TalkerJob, feed: _ThinkerFeed) -> None:
+        """The talker's prompt pass input, once the thinker's prompt and first answer position
+        are in (or its output ended): what prepare builds from a whole thinker output."""
+        import torch
+
+        while not feed.ended and (feed.prompt is None or feed.rows <= feed.prompt):
+            self._pull(feed)
+        prompt = feed.prompt
+        if prompt is None or feed.rows < prompt:
+            raise BadRequest(f"tensors.prompt_length: the thinker's output ended after "
+                             f"{feed.rows} positions, before its prompt ({prompt})")
+        context = self._context(torch.stack(feed.hidden[:prompt]),
+                                torch.stack(feed.embeds[:prompt]), torch.stack(feed.ids[:prompt]))
+        first = self._spoken(feed.embeds[prompt].unsqueeze(0) if feed.rows > prompt
+                             else torch.zeros(0, self.thinker_hidden))
+        job.prefill, job.trailing, job.pad = self._talker_inputs(context, first, job.speaker)
+        self._check_length(job)
+
+    def _fed_text(self, job: TalkerJob, feed: _ThinkerFeed, step: int) -> Any:
+        """The text position frame `step` adds: answer position step + 1 when the thinker
+        makes it, then its end marker, then padding (as the whole trailing text would be)."""
+        assert feed.prompt is not None
+        while not feed.ended and feed.rows - feed.prompt < step + 2:
+            self._pull(feed)
+        answer = feed.rows - feed.prompt
+        if step + 1 < answer:
+            row = feed.prompt + step + 1
+            return self._spoken(feed.embeds[row].unsqueeze(0))
+        if step == max(answer - 1, 0):
+            return job.trailing  # the end marker: _talker_inputs' trailing of one position
+        return job.pad
+
+    def _emit_frames(self, io: StageIO, frames: list[list[int]]) -> None:
+        """Hand frames to the streamed downstream (a no-op when the output is not streamed)."""
+        if frames and io.streams_output:
+            import numpy as np
+
+            io.emit_chunk(tensors={"codec_codes": np.asarray(frames, dtype=np.int64)})
 
     def _sample(self, logits: Any, gen: Any, eos: int) -> int:
         """The frame's first code: top-k sampling over the codebook and the end code only."""
