@@ -96,6 +96,7 @@ APISERVER_METRIC = re.compile(
 LATENCY_KEYS = (
     "POST pods",
     "POST stagepools",
+    "APPLY stagepools",  # server-side apply: the operator's creates and spec updates
     "PATCH stagepools/status",
     "GET poddisruptionbudgets",
 )
