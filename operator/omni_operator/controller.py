@@ -156,8 +156,13 @@ def owns(obj: Obj, field: tuple[str, ...]) -> bool:
 
 
 def _finalizer_intent(obj: Obj, finalizers: list[str]) -> Obj:
-    """The operator's whole intent for an object it does not build: its finalizers."""
+    """The operator's whole intent for an object it does not build: its finalizers. With the
+    object's uid, so the apply writes this very object: an apply to a name that is gone would
+    otherwise create a new object from an intent without a spec (the API server refuses that
+    with 422, which read as an invalid spec); with the uid it answers 409 instead."""
     meta = {"name": obj["metadata"]["name"], "namespace": obj["metadata"]["namespace"]}
+    if obj["metadata"].get("uid"):
+        meta["uid"] = obj["metadata"]["uid"]
     if finalizers:
         meta["finalizers"] = finalizers
     return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": meta}
@@ -615,6 +620,26 @@ class Controller:
             self.forget(kind, ns, name)
             return None
 
+    async def _apply_finalizers(self, obj: Obj, finalizers: list[str]) -> None:
+        """Apply our finalizer intent to this object (by its uid). A 409 is either a conflict
+        on a live object (raised) or the object gone since our view saw it (a stale reconcile
+        after its deletion): a read tells which, and a gone object is dropped from the view,
+        like a 404."""
+        ns, name = _meta_key(obj)
+        url = path("OmniPipeline", ns, name)
+        try:
+            await self._write("OmniPipeline", ns, name, self.api.apply(
+                url, _finalizer_intent(obj, finalizers), field_manager=builders.FIELD_MANAGER))
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            current = await self._write("OmniPipeline", ns, name, self.api.get(url))
+            if current is not None and current["metadata"].get("uid") == obj["metadata"].get(
+                    "uid"):
+                raise
+            log.info("OmniPipeline %s/%s is gone (uid %s): nothing to apply", ns, name,
+                     obj["metadata"].get("uid"))
+
     async def ensure(
         self,
         desired: Obj,
@@ -696,9 +721,7 @@ class Controller:
         if FINALIZER not in finalizers:
             # Our finalizer only: finalizers are a set to server-side apply, so the others
             # (and a concurrent writer's) stay; nobody else can own ours, so no force.
-            await self._write("OmniPipeline", ns, name, self.api.apply(
-                path("OmniPipeline", ns, name),
-                _finalizer_intent(obj, [FINALIZER]), field_manager=builders.FIELD_MANAGER))
+            await self._apply_finalizers(obj, [FINALIZER])
         for child in builders.pipeline_children(obj, pipeline):
             await self._ensure_child(obj, child)
         await self._prune_pools(pipeline, ns)
@@ -815,9 +838,7 @@ class Controller:
                 (builders.FIELD_MANAGER, "Apply", "")}:
             # Applying an intent without it releases our finalizer, and nobody else holds it:
             # the API server removes it, and leaves every other finalizer alone.
-            await self._write("OmniPipeline", ns, name, self.api.apply(
-                path("OmniPipeline", ns, name), _finalizer_intent(obj, []),
-                field_manager=builders.FIELD_MANAGER))
+            await self._apply_finalizers(obj, [])
         else:
             # Added by an operator from before server-side apply (an update owns it): a release
             # would leave it, so the list is written without it.

@@ -12,7 +12,7 @@ from typing import Any
 from omni_operator import builders
 from omni_operator import controller as ctl
 from omni_operator.controller import ANNOTATION_APPLIED, Controller, applied_intent, owners, owns
-from omnistage.kubeapi import Applied
+from omnistage.kubeapi import ApiError, Applied
 
 Obj = dict[str, Any]
 MANAGER = "omnistage-operator"
@@ -29,6 +29,10 @@ class RecordingApi:
     async def patch(self, url: str, body: Obj, kind: str = "merge", **kwargs: Any) -> Obj:
         self.calls.append(("patch", url, body, kwargs))
         return body
+
+    async def get(self, url: str, **kwargs: Any) -> Obj:
+        self.calls.append(("get", url, None, kwargs))
+        raise ApiError(404, {"kind": "Status", "reason": "NotFound"}, "GET", url)
 
     async def close(self) -> None:
         pass
@@ -165,3 +169,30 @@ async def test_the_finalizer_is_released_by_apply_or_by_a_patch_when_an_old_oper
     [(verb, _, body, kwargs)] = api.calls
     assert verb == "patch" and body == {"metadata": {"finalizers": ["other.io/keep"]}}
     assert kwargs == {"fieldManager": MANAGER}
+
+
+class GoneApi(RecordingApi):
+    """The pipeline was deleted after the view saw it: the API server refuses an apply that
+    names its uid with 409 (no object with that uid), and a read finds nothing."""
+
+    async def apply(self, url: str, obj: Obj, **kwargs: Any) -> Applied:
+        self.calls.append(("apply", url, obj, kwargs))
+        raise ApiError(409, {"kind": "Status", "reason": "Conflict", "message": "uid mismatch"},
+                       "PATCH", url)
+
+
+async def test_a_finalizer_apply_on_a_stale_view_of_a_deleted_pipeline_is_not_invalid() -> None:
+    """The intent names the object's uid (so the API server never creates a pipeline from it),
+    and a 409 for an object that is gone drops it from the view: no InvalidSpec, no event, no
+    error. Kills: an intent without the uid (the apply made a spec-less create, 422, reported
+    as an invalid spec during a clean teardown), and a 409 raised although the object is gone."""
+    api = GoneApi()
+    c = Controller(api=api)  # type: ignore[arg-type]
+    item = {"f:metadata": {"f:finalizers": {json.dumps(ctl.FINALIZER).join(["v:", ""]): {}}}}
+    obj = _deleting([_entry(MANAGER, "Apply", item)])
+    c.observe("OmniPipeline", "ADDED", obj)
+    await c.shutdown_pipeline(obj)
+    (verb, _, intent, _), (read, *_) = api.calls
+    assert verb == "apply" and intent["metadata"]["uid"] == "u0" and read == "get"
+    assert c.view("OmniPipeline", "ns", "p") is None  # forgotten, as for a 404
+    assert not c._invalid
