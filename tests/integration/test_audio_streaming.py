@@ -4,7 +4,8 @@ A real `omnistage serve` runs `listen -> tone` (tests/harness/speech_kinds.py). 
 request streams, tone emits its sine in chunks with a window of one, so each chunk waits for
 the credit the HTTP layer sends once it wrote the previous one; a prompt `gated <name> ...`
 holds tone's last chunk back until the test creates the file <gate>/<name>. Audio that arrives
-while the stage waits there cannot have been sent from the final reply.
+while the stage waits there cannot have been sent from the final reply. The real vocoder
+(examples/tts.yaml) streams its windows to a streaming request the same way.
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
+from omnistage.models import TINY_SAMPLE_RATE
+from omnistage.orchestrator.requests import AudioChunk, Outcome, PipelineRequest
 from tests.harness import speech_kinds
 from tests.harness.local import alive
 from tests.integration.test_audio_api import post
 from tests.integration.test_serve import Serve
+from tests.integration.test_speech_stages import audio_of, run
+from tests.integration.test_speech_stages import serve as serve  # the fixture
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(600)
@@ -158,3 +164,21 @@ def test_a_client_gone_mid_stream_stops_the_stage(server: Server) -> None:
     # The server goes on serving.
     status, _, _ = post(f"{server.url}/v1/audio/speech", {"input": "after", "voice": "bass"})
     assert status == 200
+
+
+async def test_the_vocoder_streams_its_windows_to_a_streaming_request(serve) -> None:
+    orch = await serve("tts.yaml")
+    whole = audio_of(await run(orch, PipelineRequest(prompt="hello there")))
+    chunks: list[np.ndarray] = []
+    outcome = None
+    async for event in orch.submit(PipelineRequest(prompt="hello there", stream=True)).events():
+        if isinstance(event, AudioChunk):
+            assert outcome is None and event.stage == "vocoder"
+            assert event.sample_rate == TINY_SAMPLE_RATE and event.seq == len(chunks) + 1
+            chunks.append(np.array(event.audio.numpy()))
+            event.credit()
+        elif isinstance(event, Outcome):
+            outcome = event
+    assert outcome is not None and len(chunks) > 1
+    # The windows joined are the audio, which the final reply still holds whole.
+    assert np.concatenate(chunks).tobytes() == whole.tobytes() == audio_of(outcome).tobytes()
