@@ -125,6 +125,9 @@ def test_chat_audio_streams_before_the_stage_ends(server: Server) -> None:
             if choice.finish_reason:
                 order.append(choice.finish_reason)
     assert order[-2:] == ["end", "stop"] and order.count("end") == 1
+    # Held to its window of one: each next chunk waited for the credit of the one written.
+    chunks = server.tone_state()["chunks"]
+    assert chunks["outstanding_peak"] == 1 and chunks["window_waits"] > 0, chunks
     # Each of tone's chunks went out as it came (resampled 22050 -> 24000 Hz, one encoder).
     assert len(pieces) >= speech_kinds.TONE_CHUNKS - 1
     assert b"".join(pieces) == _whole_pcm(server, text)
