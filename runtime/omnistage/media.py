@@ -20,7 +20,7 @@ import io
 import itertools
 import re
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -38,6 +38,7 @@ __all__ = [
     "PCM_SAMPLE_RATE",
     "MediaError",
     "MediaTooLarge",
+    "PcmStream",
     "b64decode",
     "change_speed",
     "decode_audio",
@@ -235,6 +236,67 @@ def pcm16(samples: np.ndarray, rate: int, to: int = PCM_SAMPLE_RATE) -> bytes:
     """Raw 16-bit signed little-endian mono at `to` Hz (OpenAI's pcm and pcm16)."""
     arr = resample(_checked(samples, rate), int(rate), to)
     return np.rint(arr * 32767.0).astype("<i2").tobytes()
+
+
+class PcmStream:
+    """pcm16 of audio that arrives in chunks (a streamed speech stage), chunk by chunk.
+
+    One resampler keeps its state across the chunks, so the bytes of every feed() and then
+    close() together are pcm16() of the whole audio, whatever the chunk sizes: a client that
+    joins the streamed chunks gets the same bytes as the audio rendered whole.
+    """
+
+    def __init__(self, rate: int, to: int = PCM_SAMPLE_RATE) -> None:
+        _checked(np.zeros(0, np.float32), rate)  # names a bad rate
+        self.rate, self.to = int(rate), to
+        self.taken = 0  # input samples so far
+        self.given = 0  # output samples so far
+        self._resampler: Any = None
+        if self.rate != to:
+            import av
+
+            self._resampler = av.AudioResampler(format="flt", layout="mono", rate=to)
+
+    def _run(self, samples: np.ndarray | None) -> np.ndarray:
+        import av
+
+        if samples is None:
+            frames = self._resampler.resample(None)
+        else:
+            frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="flt",
+                                               layout="mono")
+            frame.sample_rate = self.rate
+            frames = self._resampler.resample(frame)
+        out = [f.to_ndarray().reshape(-1) for f in frames]
+        return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+
+    @staticmethod
+    def _pcm(arr: np.ndarray) -> bytes:
+        return np.rint(arr * 32767.0).astype("<i2").tobytes()
+
+    def feed(self, samples: np.ndarray) -> bytes:
+        """The pcm16 of this chunk that is ready (a resampler holds back its filter's delay)."""
+        arr = _checked(samples, self.rate)
+        self.taken += arr.size
+        if self._resampler is None or arr.size == 0:
+            out = arr
+        else:
+            out = self._run(arr)
+        self.given += out.size
+        return self._pcm(out)
+
+    def close(self) -> bytes:
+        """The rest: what the resampler held back, cut (or padded) to the whole's length."""
+        if self._resampler is None:
+            return b""
+        expected = round(self.taken * self.to / self.rate)
+        # As resample(): silence after the end flushes the filter's delay.
+        out = np.concatenate([self._run(np.zeros(self.rate // 10, np.float32)),
+                              self._run(None)])
+        want = max(0, expected - self.given)
+        out = np.concatenate([out, np.zeros(max(0, want - out.size), np.float32)])[:want]
+        self.given += out.size
+        return self._pcm(out)
 
 
 def _encode_av(samples: np.ndarray, rate: int, fmt: str) -> bytes:

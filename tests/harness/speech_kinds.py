@@ -6,7 +6,10 @@
   media reached the entry stage.
 - `tone`: consumes TEXT, emits AUDIO: a sine at TONE_RATE Hz lasting SECONDS_PER_CHAR per
   prompt character, pitched by voice; it lists the engine options voices and voice, as a
-  speech stage does.
+  speech stage does. Where the request streams (a chunk window), it emits the sine in
+  TONE_CHUNKS chunks (tensor `audio`, and `sample_rate`), as a streamed vocoder does; with
+  TONE_GATE_ENV set to a folder, a prompt `gated <name> ...` holds its last chunk back until
+  the file <folder>/<name> exists, so a test sees what reached the client before that chunk.
 
 `omnistage serve` and its workers learn them through OMNISTAGE_STAGE_KINDS=ENTRY.
 """
@@ -24,12 +27,14 @@ import numpy as np
 
 from omnistage.admission import ExecutionContext
 from omnistage.batching import Emit
-from omnistage.executors.base import BadRequest, Executor, Outcome
+from omnistage.executors.base import BadRequest, Executor, Outcome, StageIO
 from omnistage.executors.kinds import ENV_VAR, Payload, StageKind
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 
 TONE_RATE = 22050
+TONE_CHUNKS = 4
+TONE_GATE_ENV = "OMNISTAGE_TEST_TONE_GATE"
 SECONDS_PER_CHAR = 0.02
 PITCH = {"default": 220.0, "alto": 440.0, "bass": 110.0}
 
@@ -115,7 +120,31 @@ class ToneExecutor(Executor):
         samples = max(1, round(len(job.text) * SECONDS_PER_CHAR * TONE_RATE))
         t = np.arange(samples, dtype=np.float32) / TONE_RATE
         wave = (0.5 * np.sin(2 * np.pi * PITCH.get(job.voice, 330.0) * t)).astype(np.float32)
+        io = StageIO.of(emit)
+        if io.streams_output:
+            rate = np.array([TONE_RATE], np.int32)
+            pieces = np.array_split(wave, TONE_CHUNKS)
+            for i, piece in enumerate(pieces):
+                if i == len(pieces) - 1:
+                    self._gate(job.text, ctx)
+                elif i:
+                    ctx.token.wait(0.01)  # a little work per chunk, as a vocoder's window
+                ctx.check()
+                io.emit_chunk(tensors={"audio": piece, "sample_rate": rate})
         return Outcome({"sample_rate": TONE_RATE}, {"audio": wave})
+
+
+    @staticmethod
+    def _gate(text: str, ctx: ExecutionContext) -> None:
+        """A `gated <name>` prompt waits (abortable) for the test's file <gate folder>/<name>."""
+        folder = os.environ.get(TONE_GATE_ENV)
+        words = text.split()
+        if not folder or len(words) < 2 or words[0] != "gated":
+            return
+        gate = Path(folder) / words[1]
+        while not gate.exists():
+            if ctx.token.wait(0.02):
+                ctx.check()  # aborted: ends the request here
 
 
 LISTEN = StageKind(
@@ -127,7 +156,8 @@ TONE = StageKind(
     name="tone", executor=f"{__name__}:ToneExecutor",
     summary="test only: a sine per prompt", needs_model=False,
     engine_options=("voices", "voice"),
-    consumes=frozenset({Payload.TEXT}), emits=frozenset({Payload.AUDIO}))
+    consumes=frozenset({Payload.TEXT}), emits=frozenset({Payload.AUDIO}),
+    chunked_output=True)
 KINDS = [LISTEN, TONE]
 ENTRY = f"{__name__}:KINDS"
 VOICES = ["alto", "bass"]

@@ -71,6 +71,23 @@ def test_pcm_is_raw_int16_at_the_openai_rate() -> None:
         np.rint(at_rate * 32767).astype("<i2").tobytes()
 
 
+@pytest.mark.parametrize("rate", [24000, 22050, 44100, 16000])
+@pytest.mark.parametrize("sizes", [[9000], [1000] * 9, [1, 2, 4000, 4997], [0, 3000, 0, 6000]])
+def test_pcm_stream_joins_to_the_whole_pcm(rate: int, sizes: list[int]) -> None:
+    """A streamed speech stage's chunks, each encoded as it comes, give the bytes of the whole."""
+    x = (0.5 * np.sin(np.arange(9000) * 0.05)).astype(np.float32)
+    stream = media.PcmStream(rate)
+    parts, at = [], 0
+    for n in sizes:
+        parts.append(stream.feed(x[at:at + n]))
+        at += n
+    parts.append(stream.close())
+    assert b"".join(parts) == media.pcm16(x, rate)
+    assert len(b"".join(parts[:-1])) > 0  # most of it came before the end
+    with pytest.raises(media.MediaError, match="sample rate"):
+        media.PcmStream(4000)
+
+
 def test_output_audio_is_checked() -> None:
     with pytest.raises(media.MediaError, match="mono"):
         media.encode_audio(np.zeros((2, 100), np.float32), RATE, "wav")

@@ -117,6 +117,8 @@ class VocoderExecutor(Executor):
                       pieces: list[Any], final: bool) -> bool:
         """Decode every full window (final: and the rest), each handed on as one chunk; False
         when the request was aborted meanwhile."""
+        import numpy as np
+
         for codes, context in window.ready(final):
             if ctx.token.cancelled:
                 return False
@@ -124,7 +126,9 @@ class VocoderExecutor(Executor):
             wav = self.model(codes.t().unsqueeze(0))[..., context * self.upsample:]
             piece = wav.reshape(-1).float().clamp(-1.0, 1.0).cpu().numpy()
             pieces.append(piece)
-            io.emit_chunk(tensors={"audio": piece})
+            # Its rate too: a streaming client encodes each chunk as it comes (docs/http-api.md).
+            io.emit_chunk(tensors={"audio": piece,
+                                   "sample_rate": np.array([self.sample_rate], np.int32)})
         return True
 
     def _outcome(self, pieces: list[Any], aborted: bool = False) -> Outcome:

@@ -14,6 +14,11 @@ the downstream (fed), and each chunk is fed on to the replica the downstream is 
 downstream's credits go back to the upstream. Chunks of a terminal child are dropped like any
 late reply. See docs/architecture.md, "Streaming between stages".
 
+A final speech stage (its kind emits audio in chunks) of a request that streams runs with a chunk
+window too: each chunk goes to the request as an AudioChunk event, and its credit goes back to
+the stage when the consumer calls the event's credit() (the HTTP layer: once it wrote the chunk),
+so a slow client holds the stage back instead of the orchestrator buffering without bound.
+
 With shared memory, a stage's output tensors arrive as handles to blocks the worker lent; they
 go on to the next stage as the same handles (the orchestrator never touches the bytes). The
 request keeps every reply it used until its outcome: then final outputs are copied out and all
@@ -50,6 +55,7 @@ from omnistage.orchestrator.requests import (
     FATAL,
     OK,
     REQUEST_ERROR,
+    AudioChunk,
     ChildOutcome,
     Delta,
     Event,
@@ -119,6 +125,7 @@ class _Request:
     companions: set[str]  # AR stages that also run the negative prompt
     deadline: float
     streamed: dict[str, str] = field(default_factory=dict)  # upstream -> downstream
+    to_client: frozenset[str] = frozenset()  # final stages whose chunks stream to the client
     started: float = field(default_factory=time.monotonic)
     children: list[_Child] = field(default_factory=list)
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
@@ -146,6 +153,8 @@ class RequestHandle:
         async for event in self.events():
             if isinstance(event, Outcome):
                 return event
+            if isinstance(event, AudioChunk):
+                event.credit()  # nobody delivers it: don't hold the stage back
         raise RuntimeError("event stream ended without an outcome")
 
     def abort(self, child: int | None = None) -> None:
@@ -493,6 +502,11 @@ class Orchestrator:
             request.companions = {
                 s for s in request.order if self._feeds_hidden_states(s, needed)}
         request.streamed = self._streamed_edges(request)
+        if req.stream:
+            request.to_client = frozenset(
+                s for s in finals if self.rows[s].chunked_output
+                and Payload.AUDIO in self.rows[s].emits and self.streaming[s].enabled
+                and s not in request.streamed)
         return None
 
     def _streamed_edges(self, request: _Request) -> dict[str, str]:
@@ -584,12 +598,15 @@ class Orchestrator:
             # the orchestrator's bound on the whole request.
             remaining = min(remaining, self.default_deadlines[task.stage])
         out = None if task.companion else child.streams.get(task.stage)
+        window = out.window if out is not None else None
+        if not task.companion and task.stage in request.to_client:
+            window = self.streaming[task.stage].window
         params = self._params(task)
         if task.fed is not None:
             params.pop("prompt", None)  # the fed chunks bring the input
         submit = p.Submit(id=task.wire_id, params=params, timeout_s=remaining,
                           incarnation=replica.incarnation, shm=replica.channel.borrower,
-                          chunk_window=out.window if out is not None else None,
+                          chunk_window=window,
                           fed=task.fed is not None)
         try:
             replica.channel.send(submit, {} if task.fed is not None else self._tensors(task))
@@ -705,6 +722,9 @@ class Orchestrator:
         """An upstream's chunk: the first one starts its downstream (fed); each is fed to the
         replica the downstream is bound to. Never to a terminal or aborting child."""
         child = task.child
+        if not task.companion and task.stage in child.request.to_client:
+            self._chunk_to_client(task, msg)
+            return
         stream = None if task.companion else child.streams.get(task.stage)
         if child.outcome is not None or child.abort_requested or stream is None or stream.ended:
             self.counters["late_messages"] += 1
@@ -719,6 +739,40 @@ class Orchestrator:
         down = child.running.get((stream.downstream, False))
         if down is not None and down.replica is not None:
             self._feed(down, msg, down.replica)
+
+    def _chunk_to_client(self, task: _Task, msg: Reply) -> None:
+        """A final stage's chunk for a streaming client: an AudioChunk event holding a copy of
+        its audio (its blocks go back at once); never to a terminal or aborting child."""
+        child, h = task.child, msg.header
+        assert isinstance(h, p.Chunk)
+        audio = msg.tensors.get("audio")
+        rate = msg.tensors.get("sample_rate")
+        if child.outcome is not None or child.abort_requested:
+            self.counters["late_messages"] += 1
+            self._release(msg)
+            return
+        if audio is None:  # nothing for the client: credit it at once, so the stage goes on
+            self._release(msg)
+            self._client_credit(task, h.seq)
+            return
+        sample_rate = None
+        try:
+            with contextlib.suppress(ValueError, TypeError, IndexError, KeyError):
+                sample_rate = int(rate.numpy().reshape(-1)[0]) if rate is not None else None
+            audio = audio.detached()
+        finally:
+            self._release(msg)
+        child.request.queue.put_nowait(AudioChunk(
+            child.index, task.stage, h.seq, audio, sample_rate,
+            partial(self._client_credit, task, h.seq)))
+
+    def _client_credit(self, task: _Task, seq: int) -> None:
+        """The client took a final stage's chunks up to seq: open the stage's window."""
+        if self.tasks.get(task.wire_id) is not task or task.replica is None:
+            return  # it ended (or was detached) meanwhile: nothing waits for the credit
+        with contextlib.suppress(Exception):  # a lost replica fails the child anyway
+            task.replica.channel.send(p.Credit(id=task.wire_id, seq=seq,
+                                               incarnation=task.incarnation))
 
     def _feed(self, task: _Task, chunk: Reply | None, replica: Replica) -> None:
         """Send one chunk (None: the end of the input) to a fed task's replica."""

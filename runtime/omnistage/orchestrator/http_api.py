@@ -50,6 +50,7 @@ from omnistage.orchestrator.render import (
     ImagesCall,
     MediaPart,
     SpeechCall,
+    SpeechStream,
     dumps,
     jsonable,
     render_chat_completion,
@@ -120,7 +121,7 @@ class RequestHandleLike(Protocol):
 
     id: str
 
-    def events(self) -> AsyncIterator[rq.Delta | rq.Outcome]: ...
+    def events(self) -> AsyncIterator[rq.Event]: ...
 
     def abort(self, child: int | None = None) -> None: ...
 
@@ -426,10 +427,14 @@ def parse_speech(body: Mapping[str, Any], pipeline: OmniPipeline,
     req = validate(model or _pipeline_body(pipeline, SpeechRequest), body)
     _check_model(req.model, pipeline.served_model_name())
     voice = plan.voice(req.voice, "voice")
-    request = rq.PipelineRequest(prompt=req.input, params=plan.params(voice), finals=[plan.stage])
-    return SpeechCall(request, plan.stage, req.response_format or "mp3",
-                      1.0 if req.speed is None else float(req.speed),
-                      req.stream_format == "sse", sorted(req.model_extra or {}))
+    fmt = req.response_format or "mp3"
+    speed = 1.0 if req.speed is None else float(req.speed)
+    sse = req.stream_format == "sse"
+    # Raw pcm at the normal speed streams as the stage makes it; other formats (a file with a
+    # header or a codec's frames) and a changed speed need the whole audio first.
+    request = rq.PipelineRequest(prompt=req.input, params=plan.params(voice), finals=[plan.stage],
+                                 stream=sse and fmt == "pcm" and speed == 1.0)
+    return SpeechCall(request, plan.stage, fmt, speed, sse, sorted(req.model_extra or {}))
 
 
 # --------------------------------------------------------------------------- images
@@ -731,12 +736,24 @@ class HttpApi:
                         flight.finished = True
                         await self._finish_stream(response, renderer, event)
                         break
-                    for chunk in renderer.delta(event):
+                    if isinstance(event, rq.AudioChunk):
+                        chunks = await asyncio.to_thread(renderer.audio, event)
+                    else:
+                        chunks = renderer.delta(event)
+                    for chunk in chunks:
                         await response.write(sse_event(chunk))
+                    if isinstance(event, rq.AudioChunk):
+                        event.credit()  # written: the stage may make the next one
                     event = await anext(events)
                 await response.write_eof()
             except ConnectionError:
                 flight.client_gone()
+            except ApiError as err:  # a streamed chunk broke the contract: too late for a status
+                flight.client_gone(disconnected=False)
+                with contextlib.suppress(ConnectionError):
+                    self.metrics.stream_errors.inc()
+                    await response.write(sse_event(err.body()))
+                    await response.write_eof()
             except Exception:
                 # The status line is gone already: report in-band, abort, end the stream.
                 log.exception("chat stream %s failed", handle.id)
@@ -779,13 +796,15 @@ class HttpApi:
         call = parse_speech(await self._body(request), self.pipeline,
                             self.bodies["audio_speech"])
         handle = self._submit(call.request)
+        headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
+        if call.request.stream:
+            return await self._stream_speech(request, handle, call, headers)
         async with _Flight(self, request, handle) as flight:
             outcome = await flight.outcome()
         err = outcome_error(outcome, speech_param)
         if err is not None:
             raise err
         data = await asyncio.to_thread(render_speech, outcome, call)
-        headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
         if not call.sse:
             return web.Response(body=data, headers={
                 **headers, "Content-Type": media.MEDIA_TYPES[call.response_format]})
@@ -794,6 +813,54 @@ class HttpApi:
         for event in speech_sse(data, outcome):
             await response.write(event)
         await response.write_eof()
+        return response
+
+    async def _stream_speech(self, request: web.Request, handle: RequestHandleLike,
+                             call: SpeechCall, headers: dict[str, str]) -> web.StreamResponse:
+        """SSE of pcm as the speech stage streams it: each chunk is written, then credited, so
+        a slow client holds the stage back. As chat, the response starts with the first
+        event, so a request that fails at once still gets a real HTTP status."""
+        renderer = SpeechStream(call)
+        response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+        async with _Flight(self, request, handle) as flight:
+            events = handle.events().__aiter__()
+            event = await anext(events)
+            if isinstance(event, rq.Outcome):
+                flight.finished = True
+                err = outcome_error(event, speech_param)
+                if err is not None:
+                    raise err
+            try:
+                await response.prepare(request)
+                while not isinstance(event, rq.Outcome):
+                    if isinstance(event, rq.AudioChunk):
+                        for data in await asyncio.to_thread(renderer.audio, event):
+                            await response.write(data)
+                        event.credit()
+                    event = await anext(events)
+                flight.finished = True
+                err = outcome_error(event, speech_param)
+                if err is not None:
+                    raise err
+                for data in await asyncio.to_thread(renderer.finish, event):
+                    await response.write(data)
+                await response.write_eof()
+            except ConnectionError:
+                flight.client_gone()
+            except ApiError as err:
+                flight.client_gone(disconnected=False)
+                with contextlib.suppress(ConnectionError):
+                    self.metrics.stream_errors.inc()
+                    await response.write(sse_event(err.body()))
+                    await response.write_eof()
+            except Exception:
+                log.exception("speech stream %s failed", handle.id)
+                flight.client_gone(disconnected=False)
+                err = ApiError(500, "internal server error", code="internal")
+                with contextlib.suppress(ConnectionError):
+                    self.metrics.stream_errors.inc()
+                    await response.write(sse_event(err.body()))
+                    await response.write_eof()
         return response
 
     async def list_models(self, _request: web.Request) -> web.Response:

@@ -34,6 +34,7 @@ __all__ = [
     "ChatStream",
     "ImagesCall",
     "SpeechCall",
+    "SpeechStream",
     "dumps",
     "jsonable",
     "render_chat_completion",
@@ -178,6 +179,25 @@ def _encoded(child: rq.ChildOutcome, stage: str, fmt: str, speed: float = 1.0) -
                        code="stage_failed") from None
 
 
+def _feed_pcm(encoders: dict[int, media.PcmStream], event: rq.AudioChunk) -> bytes:
+    """A streamed chunk of the speech stage's audio as pcm16, through one encoder per child
+    (so the joined bytes are the whole audio's pcm16); 502 when the chunk breaks the contract
+    (tensor `audio`, a `sample_rate`, the same on every chunk)."""
+    enc = encoders.get(event.child)
+    try:
+        if event.sample_rate is None:
+            raise media.MediaError("the chunk has no sample_rate")
+        if enc is None:
+            enc = encoders[event.child] = media.PcmStream(event.sample_rate)
+        elif enc.rate != event.sample_rate:
+            raise media.MediaError(f"sample_rate changed from {enc.rate} to {event.sample_rate}")
+        audio = event.audio
+        return enc.feed(audio.numpy() if hasattr(audio, "numpy") else np.asarray(audio))
+    except media.MediaError as exc:
+        raise ApiError(502, f"stage {event.stage} streamed audio that cannot be encoded "
+                       f"(chunk {event.seq}): {exc}", code="stage_failed") from None
+
+
 def render_chat_completion(outcome: rq.Outcome, call: ChatCall, rid: str,
                            created: int) -> ChatCompletion:
     """A chat.completion object: one choice per child, in child order. With a speech stage,
@@ -212,6 +232,8 @@ class ChatStream:
         self.rid = rid
         self.created = created
         self.sent: dict[int, str] = {}
+        #: Children whose speech streamed in chunks: their pcm16 encoders.
+        self.encoders: dict[int, media.PcmStream] = {}
 
     def _chunk(self, choices: list[Any], usage: Usage | None = None) -> ChatCompletionChunk:
         chunk: ChatCompletionChunk = {
@@ -249,14 +271,27 @@ class ChatStream:
         self.sent[event.child] = self.sent.get(event.child, "") + event.text
         return [self._chunk([self._choice(event.child, self._text(event.child, event.text))])]
 
-    def _audio_chunks(self, child: rq.ChildOutcome) -> list[ChatCompletionChunk]:
-        """The speech stage's audio as pcm16 data deltas, then the closing audio delta."""
-        assert self.call.speech is not None
-        pcm = _encoded(child, self.call.speech, "pcm16")
-        aid = self._audio_id(child.index)
-        chunks = [self._chunk([self._choice(child.index, {"audio": {
+    def _data_chunks(self, child: int, pcm: bytes) -> list[ChatCompletionChunk]:
+        aid = self._audio_id(child)
+        return [self._chunk([self._choice(child, {"audio": {
             "id": aid, "data": base64.b64encode(pcm[i:i + PCM_CHUNK_BYTES]).decode("ascii")}})])
             for i in range(0, len(pcm), PCM_CHUNK_BYTES)]
+
+    def audio(self, event: rq.AudioChunk) -> list[ChatCompletionChunk]:
+        """A streamed chunk of the speech stage as pcm16 data deltas (CPU work when it
+        resamples: the handler runs it off the loop)."""
+        if event.stage != self.call.speech:
+            return []
+        return self._data_chunks(event.child, _feed_pcm(self.encoders, event))
+
+    def _audio_chunks(self, child: rq.ChildOutcome) -> list[ChatCompletionChunk]:
+        """The rest of the speech stage's audio as pcm16 data deltas, then the closing audio
+        delta: the whole audio, or when it streamed in chunks only what the encoder held."""
+        assert self.call.speech is not None
+        aid = self._audio_id(child.index)
+        enc = self.encoders.get(child.index)
+        pcm = enc.close() if enc is not None else _encoded(child, self.call.speech, "pcm16")
+        chunks = self._data_chunks(child.index, pcm)
         chunks.append(self._chunk([self._choice(child.index, {"audio": {
             "id": aid, "expires_at": self.created + AUDIO_TTL_S}})]))
         return chunks
@@ -325,12 +360,17 @@ def render_speech(outcome: rq.Outcome, call: SpeechCall) -> bytes:
     return _encoded(child, call.stage, call.response_format, call.speed)
 
 
+def speech_deltas(data: bytes) -> list[bytes]:
+    """speech.audio.delta events: base64 pieces of the audio bytes."""
+    return [sse_event({"type": "speech.audio.delta",
+                       "audio": base64.b64encode(data[i:i + SSE_AUDIO_CHUNK_BYTES]).decode()})
+            for i in range(0, len(data), SSE_AUDIO_CHUNK_BYTES)]
+
+
 def speech_sse(data: bytes, outcome: rq.Outcome) -> list[bytes]:
     """stream_format sse: speech.audio.delta events (base64 chunks of the file), then
     speech.audio.done with usage (token counts of the stages that report them)."""
-    events = [sse_event({"type": "speech.audio.delta",
-                         "audio": base64.b64encode(data[i:i + SSE_AUDIO_CHUNK_BYTES]).decode()})
-              for i in range(0, len(data), SSE_AUDIO_CHUNK_BYTES)]
+    events = speech_deltas(data)
     tokens_in = tokens_out = 0
     for child in outcome.children:
         for out in child.outputs.values():
@@ -340,6 +380,28 @@ def speech_sse(data: bytes, outcome: rq.Outcome) -> list[bytes]:
         "input_tokens": tokens_in, "output_tokens": tokens_out,
         "total_tokens": tokens_in + tokens_out}}))
     return events
+
+
+class SpeechStream:
+    """/v1/audio/speech with stream_format sse and pcm, as the speech stage streams: a
+    speech.audio.delta per chunk as it comes, then the rest and speech.audio.done."""
+
+    def __init__(self, call: SpeechCall) -> None:
+        self.call = call
+        self.encoders: dict[int, media.PcmStream] = {}
+
+    def audio(self, event: rq.AudioChunk) -> list[bytes]:
+        """One chunk's events (CPU work when it resamples: run off the loop)."""
+        if event.stage != self.call.stage or event.child != 0:
+            return []
+        return speech_deltas(_feed_pcm(self.encoders, event))
+
+    def finish(self, outcome: rq.Outcome) -> list[bytes]:
+        """The closing events: what the encoder held back, or the whole audio when nothing
+        streamed (the stage made no chunks), then speech.audio.done."""
+        enc = self.encoders.get(0)
+        data = enc.close() if enc is not None else render_speech(outcome, self.call)
+        return speech_sse(data, outcome)
 
 
 # --------------------------------------------------------------------------- generic

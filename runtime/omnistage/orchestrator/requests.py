@@ -6,6 +6,7 @@ exactly one Outcome, whose `status` says which of the four terminal kinds it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -90,6 +91,25 @@ class Delta:
     token_ids: list[int]
 
 
+def _no_credit() -> None:
+    return None
+
+
+@dataclass
+class AudioChunk:
+    """A streamed piece of a final speech stage's audio, in order, as the stage made it (only
+    when the request streams). The stage makes at most its chunk window of them ahead of the
+    consumer: call `credit()` once this one is delivered (written to the client), or the
+    stage waits; the request's outcome then only closes the audio (it still holds it whole)."""
+
+    child: int
+    stage: str
+    seq: int
+    audio: Any  # float32 mono samples (a protocol.WireTensor in memory of its own)
+    sample_rate: int | None
+    credit: Callable[[], None] = field(default=_no_credit, repr=False)
+
+
 @dataclass
 class StageOutput:
     """A final stage's terminal output for one child (sample)."""
@@ -122,4 +142,4 @@ class Outcome:
         return self.error.http_status if self.error else 200
 
 
-Event = Delta | Outcome
+Event = Delta | AudioChunk | Outcome
