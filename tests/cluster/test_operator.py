@@ -115,9 +115,9 @@ def test_apply_creates_pools_pods_orchestrator_and_reaches_ready(
         assert child is not None, f"{kind}/{name} missing"
         [ref] = child["metadata"]["ownerReferences"]
         assert ref["uid"] == uid and ref["controller"] is True
-    # A pool stores only the engine options its stage's kind reads (echo: one).
+    # A pool stores only the engine options its stage's kind reads (echo: its three).
     assert get(kube, namespace, "stagepool", "t2i-enc")["spec"]["stage"]["engine"] == {
-        "echoDelayMs": 0}
+        "echoDelayMs": 0, "echoChunkChars": 0, "echoChunkDelayMs": 0}
     role = get(kube, namespace, "role", "t2i-orchestrator")
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}
