@@ -46,6 +46,7 @@ def benches(args: argparse.Namespace) -> list[Bench]:
         Bench("pipeline", [py, str(BENCH / "bench_pipeline.py")], 1200),
         Bench("scheduler", [py, str(BENCH / "bench_scheduler.py")], 600),
         Bench("http_framework", [py, str(BENCH / "bench_http_framework.py")], 600),
+        Bench("speech", [py, str(BENCH / "bench_speech.py")], 900),
         Bench("operator_scale", [py, str(BENCH / "bench_operator_scale.py"), "--lws",
                                  "--pipelines", str(args.scale_pipelines)], 3600),
     ]
@@ -75,7 +76,7 @@ def load() -> str:
 SUMMARY = re.compile(r"^summary(\[[^\]]*\])?: (?P<goals>.*)$")
 FIGURES = re.compile(r"^(operator_scale|operator_vs_lws|scheduler_dispatch|tensor_transfer"
                      r"\[\w+(,\w+)?\]|omnistage |zmq-direct|ray-serve|dynamo|ar |diffusion "
-                     r"|(aiohttp|fastapi|starlette)[-\w]* +/)")
+                     r"|(aiohttp|fastapi|starlette)[-\w]* +/|speech )")
 
 
 def run(bench: Bench, logs: Path) -> tuple[int, list[str], list[str], float]:

@@ -1,0 +1,512 @@
+"""Speech pipelines with the tiny built-in Qwen3-Omni models on CPU: time to first audio,
+real-time factor, and speech requests per second at concurrency 8 against one at a time.
+
+Why: issue 20 asks what streaming between stages buys a spoken answer, how fast the speech
+stages run against the audio they make, and whether they serve many requests at once. Goals:
+
+  ttfa     time to first audio with streaming between stages, against the same pipeline with
+           streaming turned off (`streaming: {enabled: false}` on every stage), same run:
+           <= 0.25x for a 10-second answer
+  speech   with batching on, requests/s at concurrency 8 against one at a time: >= 2x
+
+and figures without a goal: the real-time factor (processing seconds / audio seconds) of the
+vocoder stage alone and of the whole pipeline (examples/tts.yaml and examples/omni-speech.yaml
+shapes) at concurrency 1 and 8.
+
+Everything runs through the engine's Python API (omnistage.orchestrator.engine.Orchestrator)
+over real `omnistage stage` worker processes on loopback, because the HTTP layer does not
+stream audio yet: /v1/audio/speech answers once the whole answer is made, so a client's first
+audio over HTTP is its last. Time to first audio is therefore taken where a client could get it
+first: when the orchestrator receives the vocoder stage's first audio chunk (streaming on), or
+its whole audio (streaming off). For the vocoder to hand its audio on in chunks it needs a
+downstream that takes chunks: a `bench-sink` stage (registered by this bench, no model) takes
+them and returns only their count.
+
+The tiny talker has random weights: it samples its end code after a few dozen frames, so no
+answer would last 10 seconds. The bench's `bench-talker` kind is the built-in talker with its
+end code masked (every frame still runs the real model), so an answer is exactly
+engine.maxFrames frames long: 10 s at the tiny vocoder's sample rate is
+10 * sample_rate / samples-per-frame frames (read from the tiny vocoder's config).
+
+The vocoder stage alone is driven over its ZMQ channel with the talker's codes of a 10-second
+answer. The pipelines' RTF is each request's latency over its audio seconds (the median), and
+the aggregate (wall seconds over all audio seconds) at concurrency 8. The talker and vocoder
+kinds have no BatchExecutor (no engine.maxBatchSize in their kind rows), so "batching on"
+cannot be set: the requests/s ratio is measured at concurrency 8 against 1 on the tts shape and
+reported, with MISS and the reason, when under 2x.
+
+Prints progress and one `speech ...` line per figure, then one summary line with PASS/MISS
+per goal. `--check` exits 1 on a MISS. Run from the repository root:
+`python bench/bench_speech.py` (about 3 to 5 minutes on 2 busy CPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# This checkout's runtime, here and in the workers (see _env).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from goals import Goal, add_check_flag, exit_status, verdicts
+
+from omnistage.admission import ExecutionContext
+from omnistage.executors import kinds as stage_kinds
+from omnistage.executors.base import Emit, Executor, Outcome, StageIO
+from omnistage.executors.kinds import Payload, StageKind
+from omnistage.executors.talker import TalkerExecutor
+from omnistage.protocol import WireTensor
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "bench_speech"  # how the workers import this file (bench/ is on their path)
+PROMPT = "hello there, this is a spoken answer"
+TTFA_GOAL = 0.25
+RPS_GOAL = 2.0
+NO_BATCHING = "the speech kinds do not batch yet (no BatchExecutor in executors/talker.py or " \
+              "vocoder.py, no engine.maxBatchSize in their kind rows)"
+
+
+# ------------------------------------------------------------------------- the bench's kinds
+
+
+class FixedLengthTalker(TalkerExecutor):
+    """The built-in talker with its end code masked: every answer is engine.maxFrames long."""
+
+    def _sample(self, logits: Any, gen: Any, eos: int) -> int:
+        masked = logits.clone()
+        masked[eos] = float("-inf")
+        return super()._sample(masked, gen, eos)
+
+
+class CountingSink(Executor):
+    """Takes audio, whole or fed in chunks, and returns only how many samples came."""
+
+    kind = "bench-sink"
+
+    def load(self) -> None:
+        pass
+
+    def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> Any:
+        return dict(tensors)
+
+    def cost(self, job: Any) -> int:
+        return 1
+
+    def execute(self, job: Any, ctx: ExecutionContext, emit: Emit) -> Outcome:
+        io = StageIO.of(emit)
+        if io.fed:
+            samples = sum(int(c.tensors["audio"].shape[0]) for c in io.inputs())
+        else:
+            samples = int(job["audio"].shape[0])
+        # Reply fields are the protocol's own: the count goes as a one-element tensor.
+        return Outcome({"finish_reason": "stop"}, {"samples": np.array([samples], np.int64)})
+
+
+def _bench_kinds() -> list[StageKind]:
+    talker = stage_kinds.get("talker")
+    return [
+        dataclasses.replace(talker, name="bench-talker", needs_model=False, builtin_models=(),
+                            executor=f"{MODULE}:FixedLengthTalker",
+                            summary="bench only: tiny-omni-talker with its end code masked"),
+        StageKind(name="bench-sink", executor=f"{MODULE}:CountingSink",
+                  summary="bench only: counts audio samples", needs_model=False,
+                  consumes=frozenset({Payload.AUDIO}), emits=frozenset({Payload.AUDIO}),
+                  chunked_input=True),
+    ]
+
+
+KINDS = _bench_kinds()  # what OMNISTAGE_STAGE_KINDS names in the workers
+
+
+# ------------------------------------------------------------------------- harness
+
+
+def _env() -> dict[str, str]:
+    """Workers import this checkout's omnistage and this module's kinds."""
+    path = os.environ.get("PYTHONPATH", "")
+    own = os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "bench")])
+    return {"PYTHONPATH": own + (os.pathsep + path if path else ""),
+            stage_kinds.ENV_VAR: f"{MODULE}:KINDS"}
+
+
+def _pipeline(name: str, stages: list[dict[str, Any]]) -> Any:
+    from omnistage.spec import parse_pipeline
+
+    return parse_pipeline({"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+                           "metadata": {"name": name}, "spec": {"stages": stages}})
+
+
+def _stages(shape: str, frames: int, chunk: int, streaming: bool,
+            seed: int) -> list[dict[str, Any]]:
+    """The stages of a shape: tts (talker -> vocoder), omni (thinker -> talker -> vocoder)
+    or ttfa (talker -> vocoder -> bench-sink); streaming on or off on every stage."""
+    flow = {"enabled": streaming}
+    talker: dict[str, Any] = {
+        "name": "talker", "kind": "bench-talker", "streaming": flow,
+        "engine": {"voices": ["default"], "maxFrames": frames, "chunkFrames": chunk,
+                   "seed": seed}}
+    vocoder: dict[str, Any] = {"name": "vocoder", "kind": "vocoder",
+                               "model": "tiny-omni-vocoder", "inputs": ["talker"],
+                               "streaming": flow, "engine": {"chunkFrames": chunk}}
+    if shape == "tts":
+        return [talker, {**vocoder, "finalOutput": True}]
+    if shape == "omni":
+        thinker = {"name": "thinker", "kind": "thinker", "model": "tiny-omni-thinker",
+                   "streaming": flow, "engine": {"maxTokens": 16}}
+        return [thinker, {**talker, "inputs": ["thinker"]}, {**vocoder, "finalOutput": True}]
+    sink = {"name": "sink", "kind": "bench-sink", "inputs": ["vocoder"], "finalOutput": True,
+            "streaming": flow}
+    return [talker, vocoder, sink]
+
+
+@dataclass
+class Served:
+    """Workers (one per stage) and orchestrators over them."""
+
+    workers: dict[str, Any]
+    orchs: list[Any]
+    first_audio: dict[str, float] = field(default_factory=dict)  # request id -> monotonic
+
+    async def stop(self) -> None:
+        for orch in self.orchs:
+            await orch.stop(drain_timeout=1)
+        for w in self.workers.values():
+            w.kill()
+
+
+async def serve(name: str, pipes: list[Any], log_dir: Path) -> Served:
+    """One worker per stage of pipes[0], and an orchestrator per pipeline over them (streaming
+    is the orchestrator's routing: the workers are the same for every pipeline)."""
+    from omnistage.orchestrator.engine import Orchestrator
+    from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
+    from omnistage.procs import spawn_worker, wait_all_ready
+
+    workers = {stage.name: spawn_worker(f"{name}-{stage.name}-0", stage, log_dir=log_dir,
+                                        env=_env()) for stage in pipes[0].spec.stages}
+    served = Served(workers, [])
+    try:
+        await asyncio.to_thread(wait_all_ready, list(workers.values()), 300)
+        # Their endpoints are known once they are ready.
+        infos = [ReplicaInfo(stage, w.name, w.zmq) for stage, w in workers.items()]
+        for pipe in pipes:
+            orch = Orchestrator(pipe, StaticMembership(infos))
+            _watch_audio(orch, served.first_audio)
+            await orch.start()
+            served.orchs.append(orch)
+    except BaseException:
+        await served.stop()
+        raise
+    return served
+
+
+def _watch_audio(orch: Any, first: dict[str, float]) -> None:
+    """Note when the orchestrator first holds audio of each request: the vocoder's first chunk,
+    or its terminal reply when it did not stream."""
+    on_chunk, on_terminal = orch._on_chunk, orch._on_terminal
+
+    def note(task: Any) -> None:
+        if task.stage == "vocoder":
+            first.setdefault(task.child.request.req.request_id, time.monotonic())
+
+    def chunk(task: Any, msg: Any) -> None:
+        note(task)
+        on_chunk(task, msg)
+
+    def terminal(task: Any, msg: Any) -> None:
+        note(task)
+        on_terminal(task, msg)
+
+    orch._on_chunk, orch._on_terminal = chunk, terminal
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Done:
+    rid: str
+    latency: float
+    outcome: Any
+    started: float
+
+
+async def submit(orch: Any, finals: list[str], timeout: float) -> Done:
+    from omnistage.orchestrator.requests import PipelineRequest
+
+    rid = f"speech-{next(_ids)}"
+    t0 = time.monotonic()
+    out = await asyncio.wait_for(
+        orch.submit(PipelineRequest(prompt=PROMPT, finals=finals, request_id=rid)).outcome(),
+        timeout)
+    if out.status != "ok":
+        raise RuntimeError(f"request {rid}: {out.status}: {out.error}")
+    return Done(rid, time.monotonic() - t0, out, t0)
+
+
+def _samples(out: Any, stage: str) -> int:
+    got = out.children[0].outputs[stage]
+    if "samples" in got.tensors:
+        return int(got.tensors["samples"].numpy()[0])
+    return int(got.tensors["audio"].shape[0])
+
+
+# ------------------------------------------------------------------------- figures
+
+
+@dataclass
+class Ttfa:
+    on: list[float] = field(default_factory=list)
+    off: list[float] = field(default_factory=list)
+    audio_s: float = 0.0
+    codes: Any = None  # the talker's codes of one answer (for the vocoder alone)
+
+    @property
+    def ratio(self) -> float | None:
+        if not self.on or not self.off:
+            return None
+        return statistics.median(self.on) / statistics.median(self.off)
+
+
+async def bench_ttfa(args: argparse.Namespace, frames: int, rate: int, log_dir: Path) -> Ttfa:
+    on = _pipeline("ttfa-on", _stages("ttfa", frames, args.chunk_frames, True, args.seed))
+    off = _pipeline("ttfa-off", _stages("ttfa", frames, args.chunk_frames, False, args.seed))
+    served = await serve("ttfa", [on, off], log_dir)
+    res = Ttfa()
+    try:
+        for i in range(args.ttfa_requests):
+            for label, orch, into in (("on", served.orchs[0], res.on),
+                                      ("off", served.orchs[1], res.off)):
+                done = await submit(orch, ["talker", "sink"], args.timeout)
+                into.append(served.first_audio[done.rid] - done.started)
+                res.audio_s = _samples(done.outcome, "sink") / rate
+                res.codes = done.outcome.children[0].outputs["talker"].tensors["codec_codes"]
+                print(f"  ttfa request {i + 1}/{args.ttfa_requests} streaming {label}: first "
+                      f"audio {into[-1]:.3f} s, whole answer {done.latency:.2f} s, "
+                      f"{res.audio_s:.2f} s of audio", flush=True)
+    finally:
+        await served.stop()
+    return res
+
+
+@dataclass
+class Rtf:
+    """One shape at one concurrency."""
+
+    name: str
+    concurrency: int
+    latencies: list[float] = field(default_factory=list)
+    audio_s: list[float] = field(default_factory=list)
+    wall: float = 0.0
+
+    @property
+    def rtf(self) -> float:
+        return statistics.median(a / b for a, b in zip(self.latencies, self.audio_s,
+                                                        strict=True))
+
+    @property
+    def aggregate(self) -> float:
+        return self.wall / sum(self.audio_s)
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.wall
+
+    def line(self) -> str:
+        return (f"speech {self.name:16} c={self.concurrency:<2} RTF {self.rtf:6.3f} per request"
+                f" (median), {self.aggregate:6.3f} aggregate, {self.rps:6.2f} requests/s, "
+                f"{len(self.latencies)} requests of {statistics.mean(self.audio_s):.2f} s audio")
+
+
+async def _load(name: str, concurrency: int, requests: int, call: Any) -> Rtf:
+    """`requests` calls from `concurrency` clients, each sending its next as one returns."""
+    res = Rtf(name, concurrency)
+    todo = iter(range(requests))
+
+    async def client() -> None:
+        for _ in todo:
+            latency, audio_s = await call()
+            res.latencies.append(latency)
+            res.audio_s.append(audio_s)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    res.wall = time.monotonic() - t0
+    print(res.line(), flush=True)
+    return res
+
+
+def _count(args: argparse.Namespace, concurrency: int) -> int:
+    """Requests in a run: --requests one at a time, one per client at higher concurrency."""
+    return args.requests if concurrency == 1 else concurrency
+
+
+async def bench_vocoder(args: argparse.Namespace, codes: Any, rate: int,
+                        log_dir: Path) -> list[Rtf]:
+    """The vocoder stage alone: whole codes over its ZMQ channel, as an orchestrator sends."""
+    from omnistage import protocol as p
+    from omnistage.client import ReplicaChannel
+    from omnistage.procs import spawn_worker, wait_all_ready
+    from omnistage.spec import Stage
+
+    stage = Stage.model_validate({"name": "vocoder", "kind": "vocoder",
+                                  "model": "tiny-omni-vocoder",
+                                  "engine": {"chunkFrames": args.chunk_frames}})
+    w = spawn_worker("vocoder-alone", stage, log_dir=log_dir, env=_env())
+    out = []
+    try:
+        await asyncio.to_thread(wait_all_ready, [w], 300)
+        ch = ReplicaChannel(w.zmq, name=w.name)
+        await ch.handshake(30)
+        try:
+            async def call() -> tuple[float, float]:
+                t0 = time.monotonic()
+                _, final = await ch.request(f"v{next(_ids)}", {}, {"codec_codes": codes},
+                                            timeout_s=args.timeout)
+                if not isinstance(final.header, p.Final):
+                    raise RuntimeError(f"vocoder: {p.tag(final.header)}: {final.header}")
+                return time.monotonic() - t0, final.tensors["audio"].shape[0] / rate
+
+            await call()  # warm
+            for c in (1, args.concurrency):
+                out.append(await _load("vocoder alone", c, _count(args, c), call))
+        finally:
+            await ch.close()
+    finally:
+        w.kill()
+    return out
+
+
+async def bench_pipeline(shape: str, args: argparse.Namespace, frames: int, rate: int,
+                         log_dir: Path) -> list[Rtf]:
+    pipe = _pipeline(shape, _stages(shape, frames, args.chunk_frames, True, args.seed))
+    served = await serve(shape, [pipe], log_dir)
+    label = {"tts": "tts pipeline", "omni": "omni pipeline"}[shape]
+    out = []
+    try:
+        async def call() -> tuple[float, float]:
+            done = await submit(served.orchs[0], ["vocoder"], args.timeout)
+            return done.latency, _samples(done.outcome, "vocoder") / rate
+
+        await call()  # warm
+        for c in (1, args.concurrency):
+            out.append(await _load(label, c, _count(args, c), call))
+    finally:
+        await served.stop()
+    return out
+
+
+def summary(ttfa_ratio: float | None, rps_ratio: float | None,
+            speech_batches: bool) -> tuple[str, list[Goal]]:
+    """The summary line and its goals; a requests/s miss while the speech kinds cannot batch
+    says so."""
+    goals = [Goal("ttfa streaming/off", ttfa_ratio, TTFA_GOAL, at_least=False),
+             Goal("speech requests/s c8/c1", rps_ratio, RPS_GOAL)]
+    line = "summary: " + verdicts(goals)
+    if not goals[1].met and not speech_batches:
+        line += f"; requests/s MISS: {NO_BATCHING}"
+    return line, goals
+
+
+def speech_kinds_batch() -> bool:
+    """Whether the talker and vocoder kinds take engine.maxBatchSize (their rows say)."""
+    return all("max_batch_size" in stage_kinds.get(k).engine_options
+               for k in ("talker", "vocoder"))
+
+
+def _answer_frames(seconds: float) -> tuple[int, int, int]:
+    """(frames, sample rate, samples per frame) for an answer of `seconds` with the tiny
+    vocoder, from its config."""
+    import torch
+
+    from omnistage.models import load_vocoder
+
+    model, rate = load_vocoder("tiny-omni-vocoder", torch.device("cpu"), "auto", "vocoder")
+    per_frame = int(model.total_upsample)
+    return math.ceil(seconds * rate / per_frame), int(rate), per_frame
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    for kind in KINDS:
+        if kind.name not in stage_kinds.names():
+            stage_kinds.register(kind)
+    frames, rate, per_frame = _answer_frames(args.answer_seconds)
+    rtf_frames = math.ceil(args.rtf_seconds * rate / per_frame)
+    print(f"tiny vocoder: {rate} Hz, {per_frame} samples a frame; a {args.answer_seconds:g} s "
+          f"answer is {frames} frames, chunks of {args.chunk_frames} frames "
+          f"({args.chunk_frames * per_frame / rate * 1000:.0f} ms)", flush=True)
+    print("time to first audio is taken at the orchestrator (the vocoder stage's first chunk, "
+          "or its whole audio with streaming off): the HTTP layer does not stream audio yet",
+          flush=True)
+    results: list[Rtf] = []
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-speech-") as tmp:
+        log_dir = Path(tmp)
+        print(f"-- time to first audio: {args.ttfa_requests} requests per mode", flush=True)
+        ttfa = Ttfa()
+        try:
+            ttfa = await bench_ttfa(args, frames, rate, log_dir)
+        except Exception as exc:  # not measured: its goal is a MISS (n/a), the rest still runs
+            print(f"speech ttfa failed: {exc!r}", flush=True)
+        for label, got in (("on ", ttfa.on), ("off", ttfa.off)):
+            if got:
+                print(f"speech ttfa streaming {label} {statistics.median(got) * 1000:9.1f} ms "
+                      f"(median of {len(got)}), {ttfa.audio_s:.2f} s answers", flush=True)
+        sections: list[tuple[str, Callable[[], Awaitable[list[Rtf]]]]] = []
+        if ttfa.codes is not None:  # the vocoder alone decodes the talker's codes of an answer
+            sections.append(("the vocoder stage alone",
+                             functools.partial(bench_vocoder, args, ttfa.codes, rate, log_dir)))
+        for shape in ("tts", "omni"):
+            sections.append((f"the {shape} pipeline, {args.rtf_seconds:g} s answers",
+                             functools.partial(bench_pipeline, shape, args, rtf_frames, rate,
+                                               log_dir)))
+        for what, run in sections:
+            print(f"-- real-time factor: {what}", flush=True)
+            try:
+                results += await run()
+            except Exception as exc:
+                print(f"speech {what} failed: {exc!r}", flush=True)
+    tts = [r for r in results if r.name == "tts pipeline"]
+    rps_ratio = tts[1].rps / tts[0].rps if len(tts) == 2 and tts[0].rps else None
+    line, goals = summary(ttfa.ratio, rps_ratio, speech_kinds_batch())
+    print(line, flush=True)
+    return exit_status(goals, args.check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--answer-seconds", type=float, default=10.0,
+                        help="audio seconds of the time-to-first-audio answers")
+    parser.add_argument("--rtf-seconds", type=float, default=1.0,
+                        help="audio seconds of the pipelines' answers in the RTF runs")
+    parser.add_argument("--chunk-frames", type=int, default=25,
+                        help="engine.chunkFrames of the talker and the vocoder")
+    parser.add_argument("--ttfa-requests", type=int, default=2,
+                        help="time-to-first-audio requests per mode (on, off alternate)")
+    parser.add_argument("--requests", type=int, default=3,
+                        help="requests one at a time in the RTF runs (one per client at "
+                             "--concurrency)")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=3, help="the talker's sampling seed")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    add_check_flag(parser)
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""bench/bench_speech.py without its workers: the summary's verdicts and reasons from fake
+figures, its bench-only kinds against the spec, and the fixed-length talker's one change."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnistage.admission import ExecutionContext
+from omnistage.executors import kinds as stage_kinds
+from omnistage.executors.talker import TalkerExecutor
+from omnistage.spec import EngineOptions
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    sys.path.insert(0, str(BENCH))  # the benches import each other by bare name
+    try:
+        return importlib.import_module("bench_speech")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture
+def bench_kinds(bench: Any) -> Iterator[None]:
+    talker, sink = bench.KINDS
+    with stage_kinds.registered(talker), stage_kinds.registered(sink):
+        yield
+
+
+def test_summary_passes_both_goals_and_gives_no_reason(bench: Any) -> None:
+    line, goals = bench.summary(0.1, 2.5, speech_batches=False)
+    assert line == ("summary: ttfa streaming/off=0.10x (goal <= 0.25x: PASS); "
+                    "speech requests/s c8/c1=2.50x (goal >= 2x: PASS)")
+    assert bench.exit_status(goals, check=True) == 0
+
+
+def test_a_requests_per_second_miss_says_the_speech_kinds_do_not_batch(bench: Any) -> None:
+    line, goals = bench.summary(0.3, 1.08, speech_batches=False)
+    assert "ttfa streaming/off=0.30x (goal <= 0.25x: MISS)" in line
+    assert "speech requests/s c8/c1=1.08x (goal >= 2x: MISS)" in line
+    assert line.endswith("requests/s MISS: " + bench.NO_BATCHING)
+    assert "the speech kinds do not batch yet" in line
+    assert bench.exit_status(goals, check=True) == 1
+    assert bench.exit_status(goals, check=False) == 0
+    # Once they batch, a miss is a miss of the batching itself: no excuse in the line.
+    line, _ = bench.summary(0.1, 1.08, speech_batches=True)
+    assert "do not batch" not in line and "MISS" in line
+
+
+def test_a_figure_not_measured_is_a_miss(bench: Any) -> None:
+    line, goals = bench.summary(None, None, speech_batches=True)
+    assert "ttfa streaming/off=n/a (goal <= 0.25x: MISS)" in line
+    assert "speech requests/s c8/c1=n/a (goal >= 2x: MISS)" in line
+    assert bench.exit_status(goals, check=True) == 1
+
+
+@pytest.mark.parametrize("shape", ["ttfa", "tts", "omni"])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_the_bench_pipelines_parse_with_its_kinds(bench: Any, bench_kinds: None, shape: str,
+                                                  streaming: bool) -> None:
+    pipe = bench._pipeline(shape, bench._stages(shape, 500, 25, streaming, 3))
+    stages = {s.name: s for s in pipe.spec.stages}
+    assert stages["talker"].kind == "bench-talker"
+    assert stages["talker"].engine.max_frames == 500
+    assert all(s.streaming.enabled is streaming for s in pipe.spec.stages)
+    assert [s.name for s in pipe.spec.stages if s.final_output] == (
+        ["sink"] if shape == "ttfa" else ["vocoder"])
+
+
+def test_the_fixed_length_talker_speaks_every_frame_asked(bench: Any) -> None:
+    """The built-in talker with this seed samples its end code early; the bench's never does."""
+    import torch
+
+    def speak(cls: type[TalkerExecutor]) -> Any:
+        ex = cls("tiny-omni-talker", EngineOptions(max_frames=60, voices=["default"]),
+                 torch.device("cpu"))
+        ex.load()
+        job = ex.prepare({"prompt": "hello there", "seed": 5}, {})
+        return ex.execute(job, ExecutionContext(), lambda _d: None)
+
+    builtin = speak(TalkerExecutor)
+    assert builtin.fields["finish_reason"] == "stop"
+    assert builtin.tensors["codec_codes"].shape[0] < 60
+    fixed = speak(bench.FixedLengthTalker)
+    assert fixed.fields["finish_reason"] == "length"
+    assert fixed.tensors["codec_codes"].shape[0] == 60
