@@ -749,20 +749,11 @@ class HttpApi:
             except ConnectionError:
                 flight.client_gone()
             except ApiError as err:  # a streamed chunk broke the contract: too late for a status
-                flight.client_gone(disconnected=False)
-                with contextlib.suppress(ConnectionError):
-                    self.metrics.stream_errors.inc()
-                    await response.write(sse_event(err.body()))
-                    await response.write_eof()
+                await self._in_band_error(response, flight, err)
             except Exception:
-                # The status line is gone already: report in-band, abort, end the stream.
                 log.exception("chat stream %s failed", handle.id)
-                flight.client_gone(disconnected=False)
-                err = ApiError(500, "internal server error", code="internal")
-                with contextlib.suppress(ConnectionError):
-                    self.metrics.stream_errors.inc()
-                    await response.write(sse_event(err.body()))
-                    await response.write_eof()
+                await self._in_band_error(
+                    response, flight, ApiError(500, "internal server error", code="internal"))
         return response
 
     async def _finish_stream(self, response: web.StreamResponse, renderer: ChatStream,
@@ -848,20 +839,22 @@ class HttpApi:
             except ConnectionError:
                 flight.client_gone()
             except ApiError as err:
-                flight.client_gone(disconnected=False)
-                with contextlib.suppress(ConnectionError):
-                    self.metrics.stream_errors.inc()
-                    await response.write(sse_event(err.body()))
-                    await response.write_eof()
+                await self._in_band_error(response, flight, err)
             except Exception:
                 log.exception("speech stream %s failed", handle.id)
-                flight.client_gone(disconnected=False)
-                err = ApiError(500, "internal server error", code="internal")
-                with contextlib.suppress(ConnectionError):
-                    self.metrics.stream_errors.inc()
-                    await response.write(sse_event(err.body()))
-                    await response.write_eof()
+                await self._in_band_error(
+                    response, flight, ApiError(500, "internal server error", code="internal"))
         return response
+
+    async def _in_band_error(self, response: web.StreamResponse, flight: _Flight,
+                             err: ApiError) -> None:
+        """The status line is gone already: abort the request, report the error in the
+        stream, and end it (a client that left is not written to)."""
+        flight.client_gone(disconnected=False)
+        with contextlib.suppress(ConnectionError):
+            self.metrics.stream_errors.inc()
+            await response.write(sse_event(err.body()))
+            await response.write_eof()
 
     async def list_models(self, _request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
