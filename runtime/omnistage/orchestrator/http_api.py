@@ -720,13 +720,7 @@ class HttpApi:
         renderer = ChatStream(call, rid, created)
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         async with _Flight(self, request, handle) as flight:
-            events = handle.events().__aiter__()
-            event = await anext(events)
-            if isinstance(event, rq.Outcome):
-                flight.finished = True
-                err = outcome_error(event, chat_param)
-                if err is not None:
-                    raise err
+            events, event = await self._first_event(handle, flight, chat_param)
             try:
                 await response.prepare(request)
                 for chunk in renderer.start():
@@ -814,13 +808,7 @@ class HttpApi:
         renderer = SpeechStream(call)
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         async with _Flight(self, request, handle) as flight:
-            events = handle.events().__aiter__()
-            event = await anext(events)
-            if isinstance(event, rq.Outcome):
-                flight.finished = True
-                err = outcome_error(event, speech_param)
-                if err is not None:
-                    raise err
+            events, event = await self._first_event(handle, flight, speech_param)
             try:
                 await response.prepare(request)
                 while not isinstance(event, rq.Outcome):
@@ -845,6 +833,22 @@ class HttpApi:
                 await self._in_band_error(
                     response, flight, ApiError(500, "internal server error", code="internal"))
         return response
+
+    @staticmethod
+    async def _first_event(handle: RequestHandleLike, flight: _Flight,
+                           param: Callable[[str, str | None], str | None],
+                           ) -> tuple[AsyncIterator[Any], Any]:
+        """A stream's events and its first one; a request that ended at once with an error
+        (overload, no replica) raises it here, before the response starts, so the client
+        gets a real HTTP status."""
+        events = handle.events().__aiter__()
+        event = await anext(events)
+        if isinstance(event, rq.Outcome):
+            flight.finished = True
+            err = outcome_error(event, param)
+            if err is not None:
+                raise err
+        return events, event
 
     async def _in_band_error(self, response: web.StreamResponse, flight: _Flight,
                              err: ApiError) -> None:
