@@ -12,9 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import signal
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -30,7 +27,6 @@ from PIL import Image
 
 from omnistage import media
 from tests.harness import speech_kinds
-from tests.harness.local import alive
 from tests.integration.test_serve import Serve
 
 openai = pytest.importorskip("openai")
@@ -55,17 +51,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         yield {"speak": started[0].url(300), "mute": started[1].url(300)}
     finally:
         for s in started:
-            pids = s.worker_pids() if s.log_dir.exists() else []
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-                try:
-                    s.proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    s.proc.kill()
-                    s.proc.wait()
-            for pid in pids:
-                if alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+            s.stop()
 
 
 def client(url: str) -> Any:

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +25,6 @@ import yaml
 from omnistage.models import TINY_SAMPLE_RATE
 from omnistage.orchestrator.requests import AudioChunk, Outcome, PipelineRequest
 from tests.harness import speech_kinds
-from tests.harness.local import alive
 from tests.integration.test_audio_api import post
 from tests.integration.test_serve import Serve
 from tests.integration.test_speech_stages import audio_of, run
@@ -68,17 +64,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     try:
         yield Server(s, s.url(300), gate)
     finally:
-        pids = s.worker_pids() if s.log_dir.exists() else []
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-            try:
-                s.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        s.stop()
 
 
 def _until(cond: Any, what: str) -> None:

@@ -101,6 +101,21 @@ class Serve:
         """Worker pids, from the port files each worker writes."""
         return [json.loads(f.read_text())["pid"] for f in self.log_dir.glob("*.ports.json")]
 
+    def stop(self, grace: float = 60.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; workers still alive afterwards are
+        killed too (a teardown never leaks a process)."""
+        pids = self.worker_pids() if self.log_dir.exists() else []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
     def worker_state(self, replica: str) -> dict[str, Any]:
         """A replica's /state, at the side-port URL its port file names."""
         http = json.loads((self.log_dir / f"{replica}.ports.json").read_text())["http"]
