@@ -239,8 +239,9 @@ class Controller:
         # (ns, pool) -> ordinals of replicas gone unasked, until they are back under their name
         self._returning: dict[tuple[str, str], set[int]] = {}
         self._invalid: dict[Key, tuple[str, int]] = {}  # InvalidSpec reported: (uid, generation)
-        # The last status written per object, with the resourceVersion it was written against.
-        self._status_written: dict[Key, tuple[str, Obj]] = {}
+        # The last status written per object, and the versions of it our view may still show
+        # that are older than that write (read-your-writes, see patch_status).
+        self._status_written: dict[Key, _StatusWrite] = {}
         self.reconciles = 0
 
     # ---- event intake ----------------------------------------------------------------------
@@ -669,10 +670,11 @@ class Controller:
     async def patch_status(self, obj: Obj, typed: Status) -> bool:
         """Write status (its wire form) if it differs from the stored one; True when it wrote.
 
-        Read-your-writes: until the watch delivers our own write, the view still holds the old
+        Read-your-writes: until the watch delivers our own write, the view still holds an older
         status, and a reconcile in that window (a 1 s re-check on a loaded machine) would write
-        the same status again. So a status equal to the one we wrote against the same
-        resourceVersion is not written twice.
+        the same status again. Two writes in a row against one stale version (shutdown steps)
+        make the first write's result stale too, when the watch delivers it. So a status equal
+        to our last one is not written again while the view shows a version older than it.
         """
         status = typed.wire()
         if subset(status, obj.get("status") or {}) and subset(obj.get("status") or {}, status):
@@ -681,13 +683,19 @@ class Controller:
         key: Key = (obj["kind"], ns, name)
         version = obj["metadata"].get("resourceVersion", "")
         last = self._status_written.get(key)
-        if last is not None and last[0] == version and _timeless(last[1]) == _timeless(status):
+        if last is not None and version in last.stale and _timeless(last.status) == _timeless(
+                status):
             return False
         patched = await self._write(
             obj["kind"], ns, name,
             self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status}))
         if patched is not None:
-            self._status_written[key] = (version, status)
+            stale = {version}
+            if last is not None and version in last.stale | {last.result}:
+                stale |= last.stale | {last.result}
+            result = ((patched.get("metadata") or {}).get("resourceVersion", "")
+                      if isinstance(patched, dict) else "")
+            self._status_written[key] = _StatusWrite(frozenset(stale), status, result)
         return patched is not None
 
     async def _refused(self, obj: Obj, exc: SpecError) -> None:
@@ -1037,6 +1045,16 @@ def _evicted(pod: Obj) -> bool:
     cond = kube.condition(pod, "DisruptionTarget")
     return bool(cond and cond.get("status") == "True"
                 and cond.get("reason") == "EvictionByEvictionAPI")
+
+
+@dataclass(frozen=True)
+class _StatusWrite:
+    """Our last status write to one object: the versions older than it that the view may still
+    show (the one it was written against, earlier writes' results), and what it wrote."""
+
+    stale: frozenset[str]
+    status: Obj
+    result: str
 
 
 def _timeless(status: Obj) -> Obj:

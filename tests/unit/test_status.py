@@ -497,6 +497,43 @@ async def test_the_controller_writes_only_changes_and_one_event_per_transition()
     assert api.patches[-1][1] == {"status": refused.wire()} and "phase" not in refused.wire()
 
 
+class _VersioningApi(_RecordingApi):
+    """Answers each status patch with the object at a new resourceVersion, as the server does."""
+
+    async def patch(self, url: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        await super().patch(url, body)
+        return {**body, "metadata": {"resourceVersion": str(100 + len(self.patches))}}
+
+
+async def test_a_status_is_not_rewritten_when_the_watch_delivers_an_older_write_of_ours() -> None:
+    """Two shutdown steps written against one stale version (v1 -> v101, v1 -> v102); the watch
+    then delivers v101, which still shows the first step: the second is not written again. It
+    is written again once someone else's version (v7) shows a different status.
+
+    Kills: a read-your-writes guard that remembers only the version the last write was made
+    against (the CI failure: three Terminating writes for two steps)."""
+    api = _VersioningApi()
+    ctl = Controller(api=api)  # type: ignore[arg-type]
+    obj = pipeline()
+    obj["metadata"].update(resourceVersion="1", deletionTimestamp=NOW)
+    draining = typed.terminating_status(obj, "draining the orchestrator", NOW)
+    stopping = typed.terminating_status(obj, "stopping the stage pools", LATER)
+    assert await ctl.patch_status(obj, draining)
+    assert await ctl.patch_status(obj, stopping)
+    delivered = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "101"},
+                 "status": draining.wire()}
+    assert not await ctl.patch_status(delivered, stopping)
+    assert len(api.patches) == 2
+    current = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "102"},
+               "status": stopping.wire()}
+    assert not await ctl.patch_status(current, stopping)  # stored: nothing to write
+    reverted = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "7"},
+                "status": draining.wire()}
+    assert await ctl.patch_status(reverted, stopping)
+    assert [body["status"] for _, body in api.patches] == [draining.wire(), stopping.wire(),
+                                                           stopping.wire()]
+
+
 # ---------------------------------------------------------------------------- the full contract
 # What `kubectl get sp/omnipipe -o yaml` shows, field by field: every condition whole (type,
 # status, reason, message, lastTransitionTime, observedGeneration), every count, every phase.
