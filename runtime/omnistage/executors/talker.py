@@ -24,6 +24,9 @@ token are in, and takes each further answer position as the thinker makes it (a 
 needs a position the thinker has not made yet waits for it, or for the thinker's end), exactly
 as Qwen's talker consumes the thinker's output as it comes. Each answer position is projected
 on its own, whole or fed, so the codes do not depend on how the thinker's output arrived.
+
+Batching (engine.maxBatchSize, omnistage.batching): concurrent requests make their frames in
+the same steps (_TalkerBatch); one request alone runs the same steps in a batch of one.
 """
 
 from __future__ import annotations

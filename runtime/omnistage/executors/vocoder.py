@@ -12,6 +12,10 @@ computations on the same inputs: the audio is identical, not merely close. (Code
 depends on where windows start: its transformer's positions restart in each window and each
 window's last samples are trimmed, so decoding the talker's chunks as they happen to come would
 not match.)
+
+Batching (engine.maxBatchSize, omnistage.batching): a step decodes the next window of every
+request, windows of equal length in one forward pass (_VocoderBatch); one request alone runs
+the same steps in a batch of one.
 """
 
 from __future__ import annotations
