@@ -21,7 +21,7 @@ import pytest
 
 from omnistage.admission import ExecutionContext
 from omnistage.batching import BatchScheduler
-from omnistage.executors.base import BadRequest, Outcome
+from omnistage.executors.base import BadRequest, InputChunk, Outcome, StageIO
 from omnistage.executors.talker import TalkerExecutor
 from omnistage.executors.vocoder import LEFT_CONTEXT, VocoderExecutor
 from omnistage.models import TINY_QUANTIZERS
@@ -243,3 +243,45 @@ async def test_the_scheduler_runs_talker_requests_in_one_batch(talker) -> None:
     assert isinstance(results[3], BadRequest)
     assert len(batches) == 1  # one batch served them all
     assert batches[0].forwards < sum(r.fields["completion_tokens"] for r in refs[:2])
+
+
+def test_a_thinker_fed_talker_in_a_batch_speaks_as_from_the_whole_output(talker) -> None:
+    """A talker fed the thinker's chunks shares a batch with a text-to-speech request: it
+    starts once the prompt rows are in and makes the codes it makes from the whole output."""
+    from omnistage.executors.ar import ThinkerExecutor
+
+    thinker = ThinkerExecutor("tiny-omni-thinker", EngineOptions(max_tokens=8), CPU)
+    thinker.load()
+    sink = Sink()
+    out = thinker.execute(thinker.prepare({"prompt": "say something", "ignore_eos": True,
+                                           "return_hidden_states": True}, {}),
+                          ExecutionContext(), sink.io)
+    whole = {("encoder_hidden_states" if k == "hidden_states" else k): v
+             for k, v in out.tensors.items()}
+    ask = {"seed": 0, "max_frames": 23}
+    ref = alone(talker, ask, whole)
+    tts = alone(talker, {"prompt": "hello there", "seed": 1})
+    batch = talker.new_batch()
+    io = StageIO(fed=True)  # the thinker's chunks arrive while the batch runs
+    chunks = [InputChunk(i, tensors={k: wire(v.numpy()) for k, v in c.items()})
+              for i, c in enumerate(sink.chunks, start=1)]
+    batch.add(0, talker_job(talker, "hello there", 1), lambda _d: None)
+    batch.add(1, talker.prepare(ask, {}), io)
+    done: dict[int, Any] = {}
+    for _ in range(4):  # nothing fed yet: the fed request sits these steps out
+        done.update(batch.step())
+    assert batch.voices[1].phase == "start" and len(batch.voices[0].frames) == 4
+    io.feed(chunks[0], False)  # the prompt's rows
+    io.feed(chunks[1], False)  # the first answer position: it can start
+    for _ in range(3):
+        done.update(batch.step())
+    # Its first frame is made; the next input needs answer position 1, not made yet.
+    assert len(batch.voices[1].frames) == 1
+    assert batch.voices[1].phase == "text"
+    for chunk in chunks[2:]:
+        io.feed(chunk, False)
+    io.feed(InputChunk(len(chunks) + 1), True)
+    drain(batch, 2, done)
+    assert torch.equal(done[1].tensors["codec_codes"], ref.tensors["codec_codes"])
+    assert done[1].fields == ref.fields
+    assert torch.equal(done[0].tensors["codec_codes"], tts.tensors["codec_codes"])
