@@ -336,7 +336,8 @@ class AudioFileStream:
     are one file that decodes to the whole audio.
 
     pcm: PcmStream's bytes. wav: a 16-bit PCM header with unknown sizes, then the samples at
-    the stage's rate as they come. mp3, opus, flac: PyAV's encoder and muxer writing into
+    the stage's rate as they come (converted by libsndfile, as encode_audio's wav: the same
+    samples bit for bit). mp3, opus, flac: PyAV's encoder and muxer writing into
     memory that feed() drains, at the rate encode_audio picks; the last codec frame is padded
     with silence, as encode_audio's. Compressed bytes lag the audio by what the encoder holds
     (a codec frame, an Ogg page of _OGG_PAGE_US; flac: a block of 4608 samples).
@@ -393,10 +394,15 @@ class AudioFileStream:
         arr = _checked(samples, self.rate)
         if self._pcm is not None:
             return self._pcm.feed(arr)
-        if self._av is None:  # wav
+        if self._av is None:  # wav: the samples as encode_audio's wav holds them
+            import soundfile
+
             head = self._wav_header() if self._header else b""
             self._header = False
-            return head + np.rint(arr * 32767.0).astype("<i2").tobytes()
+            buf = io.BytesIO()
+            soundfile.write(buf, arr, self.rate, format="RAW", subtype="PCM_16",
+                            endian="LITTLE")
+            return head + buf.getvalue()
         if arr.size == 0:
             return b""
         return self._encode(self._resampler.resample(self._frame(arr)))
