@@ -14,11 +14,11 @@ vocoder stage alone and of the whole pipeline (examples/tts.yaml and examples/om
 shapes) at concurrency 1 and 8.
 
 Everything runs through the engine's Python API (omnistage.orchestrator.engine.Orchestrator)
-over real `omnistage stage` worker processes on loopback, because the HTTP layer does not
-stream audio yet: /v1/audio/speech answers once the whole answer is made, so a client's first
-audio over HTTP is its last. Time to first audio is therefore taken where a client could get it
-first: when the orchestrator receives the vocoder stage's first audio chunk (streaming on), or
-its whole audio (streaming off). For the vocoder to hand its audio on in chunks it needs a
+over real `omnistage stage` worker processes on loopback, without the HTTP layer's encoding in
+the figures. Time to first audio is taken where the HTTP layer first has audio to send: when
+the orchestrator receives the vocoder stage's first audio chunk (streaming on; /v1/audio/speech
+then writes the file's first bytes, docs/http-api.md "When audio streams"), or its whole audio
+(streaming off). For the vocoder to hand its audio on in chunks it needs a
 downstream that takes chunks: a `bench-sink` stage (registered by this bench, no model) takes
 them and returns only their count.
 
@@ -454,7 +454,7 @@ async def main_async(args: argparse.Namespace) -> int:
           f"answer is {frames} frames, chunks of {args.chunk_frames} frames "
           f"({args.chunk_frames * per_frame / rate * 1000:.0f} ms)", flush=True)
     print("time to first audio is taken at the orchestrator (the vocoder stage's first chunk, "
-          "or its whole audio with streaming off): the HTTP layer does not stream audio yet",
+          "or its whole audio with streaming off), where the HTTP layer first has audio to send",
           flush=True)
     results: list[Rtf] = []
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-speech-") as tmp:
