@@ -70,7 +70,9 @@ class Batch(Protocol):
         """Take a job in; it runs from the next `step`."""
 
     def step(self) -> dict[int, Any]:
-        """Advance every sequence one step; the outcomes of those that finished (and left)."""
+        """Advance every sequence one step; the outcomes of those that finished (and left).
+        An outcome that is an exception fails its sequence alone (a bad fed chunk, say); an
+        exception raised by step fails the whole batch."""
 
     def abort(self, seq: int) -> Any:
         """Remove a cancelled sequence now; its abort outcome (an AR prefix, a dropped sample)."""
@@ -149,6 +151,8 @@ def run_alone(batch: Batch, job: Any, ctx: ExecutionContext, emit: Emit) -> Any:
             return left
         done = batch.step()
         if 0 in done:
+            if isinstance(done[0], BaseException):
+                raise done[0]
             return done[0]
 
 
@@ -489,7 +493,7 @@ class BatchScheduler:
         for seq, outcome in done.items():
             entry = self._members.get(seq)
             if entry is not None:
-                self._leave(entry, outcome, failed=False)
+                self._leave(entry, outcome, failed=isinstance(outcome, BaseException))
         if not self._members:
             self._batch = None
 

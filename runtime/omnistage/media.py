@@ -36,6 +36,8 @@ __all__ = [
     "MAX_SAMPLE_RATE",
     "MIN_SAMPLE_RATE",
     "PCM_SAMPLE_RATE",
+    "STREAMED_FORMATS",
+    "AudioFileStream",
     "MediaError",
     "MediaTooLarge",
     "PcmStream",
@@ -297,6 +299,149 @@ class PcmStream:
         out = np.concatenate([out, np.zeros(max(0, want - out.size), np.float32)])[:want]
         self.given += out.size
         return self._pcm(out)
+
+
+#: Formats whose file /v1/audio/speech (stream_format audio) sends as the stage makes the audio.
+#: Not flac: a FLAC file starts with its STREAMINFO, which holds the total sample count; sent
+#: before the end it says "unknown" (0), which FFmpeg reads but libsndfile (soundfile) refuses
+#: to read whole, so flac is sent once it is complete, with its length.
+STREAMED_FORMATS: tuple[str, ...] = ("wav", "mp3", "opus", "pcm")
+#: An Ogg page per this many microseconds of Opus, so its pages go out as they are made (the
+#: muxer's default holds one second of audio back).
+_OGG_PAGE_US = 20_000
+#: RIFF and data chunk sizes of a WAV whose length is not known when its header is sent (what
+#: FFmpeg writes to a pipe); readers take the data to the end of the file.
+_WAV_UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+class _Drain:
+    """A write-only file for a PyAV container: what it wrote since the last take()."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buf += data
+        return len(data)
+
+    def take(self) -> bytes:
+        out = bytes(self.buf)
+        self.buf.clear()
+        return out
+
+
+class AudioFileStream:
+    """An audio file of format `fmt` (AUDIO_OUTPUT_FORMATS) made from audio that arrives in
+    chunks: feed() returns the file's bytes that are ready, close() the rest. The joined bytes
+    are one file that decodes to the whole audio.
+
+    pcm: PcmStream's bytes. wav: a 16-bit PCM header with unknown sizes, then the samples at
+    the stage's rate as they come (converted by libsndfile, as encode_audio's wav: the same
+    samples bit for bit). mp3, opus, flac: PyAV's encoder and muxer writing into
+    memory that feed() drains, at the rate encode_audio picks; the last codec frame is padded
+    with silence, as encode_audio's. Compressed bytes lag the audio by what the encoder holds
+    (a codec frame, an Ogg page of _OGG_PAGE_US; flac: a block of 4608 samples).
+    """
+
+    def __init__(self, fmt: str, rate: int) -> None:
+        if fmt not in AUDIO_OUTPUT_FORMATS:
+            raise MediaError(f"format {fmt!r} is not one of {', '.join(AUDIO_OUTPUT_FORMATS)}")
+        _checked(np.zeros(0, np.float32), rate)  # names a bad rate
+        self.fmt, self.rate = fmt, int(rate)
+        self._pcm = PcmStream(self.rate) if fmt == "pcm" else None
+        self._header = fmt == "wav"
+        self._av: Any = None
+        if fmt in ("mp3", "opus", "flac"):
+            self._av = self._open_av()
+
+    def _open_av(self) -> Any:
+        import av
+
+        fmt = self.fmt
+        target = self.rate if fmt == "flac" else next(
+            (r for r in _CODEC_RATES[fmt] if r >= self.rate), _CODEC_RATES[fmt][-1])
+        codec, container_format = {"mp3": ("libmp3lame", "mp3"), "opus": ("libopus", "ogg"),
+                                   "flac": ("flac", "flac")}[fmt]
+        self._out = _Drain()
+        options = {"page_duration": str(_OGG_PAGE_US)} if fmt == "opus" else {}
+        container = av.open(self._out, mode="w", format=container_format, options=options)
+        self._stream = container.add_stream(codec, rate=target, layout="mono")
+        self._frame_size = {"mp3": 1152, "opus": 960 * target // 48000, "flac": 4608}[fmt]
+        # Into the encoder's sample format, in whole codec frames, at the codec's rate.
+        self._resampler = av.AudioResampler(format=self._stream.codec_context.format.name,
+                                            layout="mono", rate=target,
+                                            frame_size=self._frame_size)
+        self._pts = 0
+        return container
+
+    def _encode(self, frames: list[Any]) -> bytes:
+        for frame in frames:
+            frame.pts = self._pts
+            self._pts += frame.samples
+            self._av.mux(self._stream.encode(frame))
+        return self._out.take()
+
+    def _frame(self, samples: np.ndarray) -> Any:
+        import av
+
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples.reshape(1, -1)),
+                                           format="flt", layout="mono")
+        frame.sample_rate = self.rate
+        return frame
+
+    def feed(self, samples: np.ndarray) -> bytes:
+        """The file's bytes that this chunk makes ready."""
+        arr = _checked(samples, self.rate)
+        if self._pcm is not None:
+            return self._pcm.feed(arr)
+        if self._av is None:  # wav: the samples as encode_audio's wav holds them
+            import soundfile
+
+            head = self._wav_header() if self._header else b""
+            self._header = False
+            buf = io.BytesIO()
+            soundfile.write(buf, arr, self.rate, format="RAW", subtype="PCM_16",
+                            endian="LITTLE")
+            return head + buf.getvalue()
+        if arr.size == 0:
+            return b""
+        return self._encode(self._resampler.resample(self._frame(arr)))
+
+    def _wav_header(self) -> bytes:
+        import struct
+
+        fmt = struct.pack("<HHIIHH", 1, 1, self.rate, self.rate * 2, 2, 16)  # PCM mono 16-bit
+        return (b"RIFF" + struct.pack("<I", _WAV_UNKNOWN_SIZE) + b"WAVE" + b"fmt "
+                + struct.pack("<I", len(fmt)) + fmt + b"data"
+                + struct.pack("<I", _WAV_UNKNOWN_SIZE))
+
+    def close(self) -> bytes:
+        """The rest of the file: what the encoder (or resampler) held back, and its end."""
+        if self._pcm is not None:
+            return self._pcm.close()
+        if self._av is None:
+            head = self._wav_header() if self._header else b""
+            self._header = False
+            return head
+        frames = list(self._resampler.resample(None))
+        if not frames and self._pts == 0:  # no audio at all: one frame of silence
+            frames = list(self._resampler.resample(self._frame(
+                np.zeros(self._frame_size, np.float32)))) + list(self._resampler.resample(None))
+        if frames and frames[-1].samples < self._frame_size:
+            # The encoders refuse a short last frame: pad it with silence (encode_audio's rule).
+            import av
+
+            last = frames.pop()
+            data = last.to_ndarray()
+            padded = np.zeros((data.shape[0], self._frame_size), data.dtype)
+            padded[:, :data.shape[1]] = data
+            frame = av.AudioFrame.from_ndarray(padded, format=last.format.name, layout="mono")
+            frame.sample_rate = last.sample_rate
+            frames.append(frame)
+        out = self._encode(frames)
+        self._av.mux(self._stream.encode(None))
+        self._av.close()
+        return out + self._out.take()
 
 
 def _encode_av(samples: np.ndarray, rate: int, fmt: str) -> bytes:

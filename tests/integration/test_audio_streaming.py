@@ -11,6 +11,7 @@ while the stage waits there cannot have been sent from the final reply. The real
 from __future__ import annotations
 
 import base64
+import io
 import json
 import time
 import urllib.request
@@ -18,14 +19,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import av
 import numpy as np
 import pytest
+import soundfile
 import yaml
 
+from omnistage import media
 from omnistage.models import TINY_SAMPLE_RATE
 from omnistage.orchestrator.requests import AudioChunk, Outcome, PipelineRequest
 from tests.harness import speech_kinds
-from tests.integration.test_audio_api import post
+from tests.integration.test_audio_api import pitch, post, tone_samples
 from tests.integration.test_serve import Serve
 from tests.integration.test_speech_stages import audio_of, run
 from tests.integration.test_speech_stages import serve as serve  # the fixture
@@ -140,6 +144,55 @@ def test_speech_sse_pcm_streams_before_the_stage_ends(server: Server) -> None:
     assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
     data = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert data == _whole_pcm(server, text)
+
+
+@pytest.mark.parametrize("fmt", media.STREAMED_FORMATS)
+def test_the_speech_file_streams_before_the_stage_ends(server: Server, fmt: str) -> None:
+    """stream_format audio (the default): the file's first bytes reach the openai client while
+    the stage still holds its last chunk, and the joined bytes are one file of the audio."""
+    text = f"gated file-{fmt} a sentence to say, streamed as a file"
+    data = b""
+    with server.client().audio.speech.with_streaming_response.create(
+            model="stream", input=text, voice="alto", response_format=fmt) as raw:
+        assert raw.headers["content-type"] == media.MEDIA_TYPES[fmt]
+        for piece in raw.iter_bytes():
+            if piece and not data:
+                # The stage waits at its gate: these bytes came from its earlier chunks.
+                assert server.tone_state()["in_flight"] == 1
+                (server.gate / f"file-{fmt}").touch()
+            data += piece
+    assert (server.gate / f"file-{fmt}").exists()  # bytes came before the stage ended
+    samples_want = tone_samples(text)
+    if fmt == "pcm":
+        assert data == _whole_pcm(server, text)
+        return
+    if fmt == "wav":  # a header of unknown length, then the samples: read to the end
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+        assert rate == speech_kinds.TONE_RATE and samples.size == samples_want
+        whole = media.encode_audio(np.array(samples), rate, "wav")
+        assert soundfile.read(io.BytesIO(whole))[0].size == samples_want
+    else:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.audio[0]
+            rate = stream.codec_context.sample_rate
+            samples = np.concatenate([f.to_ndarray().reshape(-1)
+                                      for f in container.decode(stream)])
+        assert abs(samples.size / rate - samples_want / speech_kinds.TONE_RATE) < 0.1
+    assert abs(pitch(samples, rate) - speech_kinds.PITCH["alto"]) < 5
+
+
+def test_flac_is_sent_whole_with_its_length(server: Server) -> None:
+    """flac is not streamed (its header holds the length): the stage runs unstreamed, so its
+    gate (only a streaming request waits there) is never waited on, and soundfile reads the
+    file whole."""
+    text = "gated flac-never-opened a sentence to say"
+    with server.client().audio.speech.with_streaming_response.create(
+            model="stream", input=text, voice="alto", response_format="flac") as raw:
+        assert raw.headers["content-type"] == media.MEDIA_TYPES["flac"]
+        data = raw.read()
+    samples, rate = soundfile.read(io.BytesIO(data))
+    assert rate == speech_kinds.TONE_RATE and samples.size == tone_samples(text)
+    assert not (server.gate / "flac-never-opened").exists()
 
 
 def test_a_client_gone_mid_stream_stops_the_stage(server: Server) -> None:

@@ -382,7 +382,8 @@ def test_engine_kinds_of_every_field() -> None:
         "echo_delay_ms": ("echo",), "echo_chunk_chars": ("echo",),
         "echo_chunk_delay_ms": ("echo",), "voices": ("talker",), "voice": ("talker",),
         "max_frames": ("talker",), "chunk_frames": ("talker", "vocoder"),
-        "max_batch_size": ("ar", "diffusion"), "max_batch_tokens": ("ar",),
+        "max_batch_size": ("ar", "diffusion", "talker", "vocoder"),
+        "max_batch_tokens": ("ar",),
     }
 
 
@@ -394,9 +395,10 @@ def test_engine_kinds_follow_the_kind_table() -> None:
     probe = stage_kinds.StageKind(name="probe", executor="tests.unit.nowhere:Probe", summary="",
                                   needs_model=False, engine_options=("max_batch_size",))
     with stage_kinds.registered(probe):
-        assert engine_kinds("max_batch_size") == ("ar", "diffusion", "probe")
+        assert engine_kinds("max_batch_size") == ("ar", "diffusion", "talker", "vocoder",
+                                                  "probe")
         assert engine_for_kind(EngineOptions(), "probe") == {"maxBatchSize": 16}
-    assert engine_kinds("max_batch_size") == ("ar", "diffusion")
+    assert engine_kinds("max_batch_size") == ("ar", "diffusion", "talker", "vocoder")
     assert all(engine_kinds(name) for name in EngineOptions.model_fields)
     with pytest.raises(KeyError, match="'nope' is not an EngineOptions field"):
         engine_kinds("nope")

@@ -44,6 +44,8 @@ class InputChunk:
 
 # How often a thread waiting on the stream looks at the request's cancellation and deadline.
 _POLL_S = 0.02
+# How long a batch waiting on several fed requests waits on one before looking at the others.
+_MANY_POLL_S = 0.003
 
 
 class StageIO:
@@ -148,6 +150,36 @@ class StageIO:
             if self._consumed is not None:
                 self._consumed(chunk.seq)
             yield chunk
+
+    def poll(self) -> tuple[list[InputChunk], bool]:
+        """`inputs()` without waiting, for an executor that runs many requests in one batch
+        (one request's slow upstream must not stall the others): the chunks that arrived so
+        far (each taken, so credited) and whether the input has ended with them. Raises
+        BadRequest when the sender overran the window."""
+        if not self.fed:
+            return [], True
+        with self._cond:
+            if self._overrun:
+                raise BadRequest(f"feed: more than {self._max_waiting} chunks waiting; the "
+                                 "sender ignored its credits")
+            taken, ended = list(self._waiting), self._ended
+            self._waiting.clear()
+        for chunk in taken:
+            if self._consumed is not None:
+                self._consumed(chunk.seq)
+        return taken, ended
+
+    @staticmethod
+    def wait_any(ios: list[StageIO]) -> None:
+        """Block a moment until one of these fed requests has input waiting (a batch with
+        nothing to do but wait for its inputs, which must not spin): on the first, for up to
+        _POLL_S, or _MANY_POLL_S when several wait (another's chunk is seen that late)."""
+        if not ios:
+            return
+        io = ios[0]
+        with io._cond:
+            if io.fed and not io._waiting and not io._ended and not io._overrun:
+                io._cond.wait(_POLL_S if len(ios) == 1 else _MANY_POLL_S)
 
     # ---- the worker's side (its event loop) --------------------------------------------
 

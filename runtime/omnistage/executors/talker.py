@@ -24,16 +24,19 @@ token are in, and takes each further answer position as the thinker makes it (a 
 needs a position the thinker has not made yet waits for it, or for the thinker's end), exactly
 as Qwen's talker consumes the thinker's output as it comes. Each answer position is projected
 on its own, whole or fed, so the codes do not depend on how the thinker's output arrived.
+
+Batching (engine.maxBatchSize, omnistage.batching): concurrent requests make their frames in
+the same steps (_TalkerBatch); one request alone runs the same steps in a batch of one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.admission import ExecutionContext
-from omnistage.executors.base import BadRequest, Emit, Executor, Outcome, StageIO
+from omnistage.admission import DeadlineExceeded, ExecutionContext
+from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome, StageIO
 from omnistage.models import load_talker
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -68,7 +71,7 @@ class TalkerJob:
 class _ThinkerFeed:
     """A thinker's output as it arrives in chunks: its rows so far, and whether it ended."""
 
-    chunks: Iterator[Any]
+    io: StageIO
     hidden: list[Any] = field(default_factory=list)
     embeds: list[Any] = field(default_factory=list)
     ids: list[Any] = field(default_factory=list)
@@ -77,7 +80,7 @@ class _ThinkerFeed:
     ended: bool = False
 
 
-class TalkerExecutor(Executor):
+class TalkerExecutor(BatchExecutor):
     kind = "talker"
 
     def load(self) -> None:
@@ -249,67 +252,21 @@ class TalkerExecutor(Executor):
         """Positions the talker holds: its prompt (a fed one's is not known yet) and frames."""
         return (0 if job.prefill is None else int(job.prefill.shape[1])) + job.max_frames
 
-    def execute(self, job: TalkerJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
-        import torch
+    # ---- batching --------------------------------------------------------------------------
 
-        io = StageIO.of(emit)
-        model, predictor = self.model, self.model.code_predictor
-        gen = torch.Generator(device="cpu").manual_seed(job.seed)
-        eos = int(model.config.codec_eos_token_id)
-        frames: list[list[int]] = []
-        finish = "length"
-        feed = None
-        with torch.inference_mode():
-            if job.prefill is None:
-                if not io.fed:
-                    self._from_prompt(job.prompt)  # raises the request's error: no input
-                feed = _ThinkerFeed(io.inputs())
-                self._start_fed(job, feed)
-            mask = torch.ones(job.prefill.shape[:2], dtype=torch.long, device=self.device)
-            out = model(inputs_embeds=job.prefill, attention_mask=mask, use_cache=True,
-                        output_hidden_states=True)
-            for step in range(job.max_frames):
-                if ctx.token.cancelled:
-                    return self._outcome(frames, "abort", job, aborted=True)
-                ctx.check()
-                first = self._sample(out.logits[0, -1].float(), gen, eos)
-                if first == eos:
-                    finish = "stop"
-                    break
-                codes = [first]
-                code = torch.tensor([[first]], device=self.device)
-                embeds = [model.get_input_embeddings()(code)]
-                last = out.hidden_states[0][-1][:, -1:]
-                p = predictor(inputs_embeds=torch.cat([last, embeds[0]], dim=1), use_cache=True)
-                for g in range(1, self.groups):
-                    code = p.logits[:, -1:].argmax(-1)
-                    codes.append(int(code))
-                    embeds.append(predictor.get_input_embeddings()[g - 1](code))
-                    if g < self.groups - 1:
-                        p = predictor(input_ids=code, cache=p.cache, use_cache=True,
-                                      generation_steps=p.generation_steps)
-                frames.append(codes)
-                if len(frames) % job.chunk_frames == 0:
-                    self._emit_frames(io, frames[-job.chunk_frames:])
-                text = self._fed_text(job, feed, step) if feed is not None else \
-                    job.trailing[:, step:step + 1] if step < job.trailing.shape[1] else job.pad
-                nxt = torch.stack(embeds, dim=0).sum(0) + text
-                out = model(inputs_embeds=nxt, cache=out.cache, use_cache=True,
-                            output_hidden_states=True, generation_step=step)
-        self._emit_frames(io, frames[len(frames) - len(frames) % job.chunk_frames:])
-        if feed is not None:  # take the rest, so the thinker is not held at its window
-            for _ in feed.chunks:
-                pass
-        return self._outcome(frames, finish, job)
+    def new_batch(self) -> _TalkerBatch:
+        return _TalkerBatch(self)
 
     # ---- fed by a thinker (streaming) -------------------------------------------------------
 
     def _pull(self, feed: _ThinkerFeed) -> None:
-        """Take the thinker's next chunk, checked; at the end of its output, mark it ended."""
-        chunk = next(feed.chunks, None)
-        if chunk is None:
-            feed.ended = True
-            return
+        """Take the thinker's chunks that arrived (without waiting), checked; at the end of its
+        output, mark it ended."""
+        chunks, feed.ended = feed.io.poll()
+        for chunk in chunks:
+            self._add_rows(feed, chunk)
+
+    def _add_rows(self, feed: _ThinkerFeed, chunk: Any) -> None:
         dim = self.thinker_hidden
         try:
             hidden = self._tensor(chunk.tensors, "hidden_states", _FLOATS, (None, dim))
@@ -329,13 +286,16 @@ class TalkerExecutor(Executor):
         feed.ids.extend(ids.unbind(0))
         feed.rows += n
 
-    def _start_fed(self, job: TalkerJob, feed: _ThinkerFeed) -> None:
+    def _start_fed(self, job: TalkerJob, feed: _ThinkerFeed) -> bool:
         """The talker's prompt pass input, once the thinker's prompt and first answer position
-        are in (or its output ended): what prepare builds from a whole thinker output."""
+        are in (or its output ended): what prepare builds from a whole thinker output. False
+        while they have not arrived yet."""
         import torch
 
-        while not feed.ended and (feed.prompt is None or feed.rows <= feed.prompt):
+        if not feed.ended and (feed.prompt is None or feed.rows <= feed.prompt):
             self._pull(feed)
+            if not feed.ended and (feed.prompt is None or feed.rows <= feed.prompt):
+                return False
         prompt = feed.prompt
         if prompt is None or feed.rows < prompt:
             raise BadRequest(f"tensors.prompt_length: the thinker's output ended after "
@@ -346,13 +306,17 @@ class TalkerExecutor(Executor):
                              else torch.zeros(0, self.thinker_hidden))
         job.prefill, job.trailing, job.pad = self._talker_inputs(context, first, job.speaker)
         self._check_length(job)
+        return True
 
     def _fed_text(self, job: TalkerJob, feed: _ThinkerFeed, step: int) -> Any:
         """The text position frame `step` adds: answer position step + 1 when the thinker
-        makes it, then its end marker, then padding (as the whole trailing text would be)."""
+        makes it, then its end marker, then padding (as the whole trailing text would be).
+        None while that position has not arrived yet."""
         assert feed.prompt is not None
-        while not feed.ended and feed.rows - feed.prompt < step + 2:
+        if not feed.ended and feed.rows - feed.prompt < step + 2:
             self._pull(feed)
+            if not feed.ended and feed.rows - feed.prompt < step + 2:
+                return None
         answer = feed.rows - feed.prompt
         if step + 1 < answer:
             row = feed.prompt + step + 1
@@ -390,3 +354,306 @@ class TalkerExecutor(Executor):
 
     def aborted_before_start(self, job: TalkerJob) -> Outcome:
         return self._outcome([], "abort", job, aborted=True)
+
+
+@dataclass(eq=False)
+class _Voice:
+    """One request of a talker batch, in one of its phases (see _TalkerBatch)."""
+
+    job: TalkerJob
+    io: StageIO
+    gen: Any  # torch.Generator seeded with the job's seed: its first codes' sampling
+    feed: _ThinkerFeed | None = None
+    phase: str = "start"
+    frames: list[list[int]] = field(default_factory=list)
+    finish: str = "length"
+    cache: Any = None  # its own KV cache while it is not a row of the batch's merged one
+    length: int = 0  # positions in its cache
+    logits: Any = None  # [codes] of its last talker pass ("frame")
+    last: Any = None  # [1, 1, hidden] last hidden state of that pass
+    codes_sum: Any = None  # [1, 1, hidden] its last frame's code embeddings, summed ("text")
+    next_input: Any = None  # [1, 1, hidden] its next talker input ("input")
+    error: BaseException | None = None
+
+
+class _TalkerBatch:
+    """The requests of one talker; the engine thread calls it between steps.
+
+    A request moves through phases, at most one frame a step:
+    start (its prompt pass, alone: a fed one's once the thinker's prompt and first answer
+    position are in) -> frame (sample the frame's first code; the code predictor then predicts
+    the residual codes of every request's frame in one pass per code group: all frames have the
+    same two positions there, so no padding) -> text (the text position the next input adds; a
+    fed request waits here for its thinker) -> input (the talker's pass over every waiting
+    request's next position in one forward, their KV caches merged as left-padded rows with an
+    attention mask and per-row positions) -> frame ... until the end code or max_frames, then
+    drain (a fed request takes the rest of its feed, so the thinker is not held) and done.
+
+    Nothing here waits for a request's input: a request whose thinker is behind sits the step
+    out. Alone (a batch of one, the one-at-a-time path) each pass is the model call the
+    unbatched loop made; in a batch, rows are independent (masked padding), so the codes are
+    the same up to float rounding of batched matrix products.
+    """
+
+    def __init__(self, ex: TalkerExecutor) -> None:
+        self.ex = ex
+        self.voices: dict[int, _Voice] = {}
+        self.rows: list[int] = []  # the requests whose caches are merged, in row order
+        self.cache: Any = None  # the merged cache, while rows has two or more
+        self.forwards = 0  # talker decode passes run (tests: a batch really shared them)
+
+    def add(self, seq: int, job: TalkerJob, emit: Emit) -> None:
+        import torch
+
+        io = StageIO.of(emit)
+        voice = _Voice(job, io, torch.Generator(device="cpu").manual_seed(job.seed))
+        if job.prefill is None:
+            if io.fed:
+                voice.feed = _ThinkerFeed(io)
+            else:
+                try:
+                    self.ex._from_prompt(job.prompt)  # the request's error: it has no input
+                except BadRequest as exc:
+                    voice.error = exc
+        self.voices[seq] = voice
+
+    def abort(self, seq: int) -> Outcome:
+        voice = self._remove(seq)
+        return self.ex._outcome(voice.frames, "abort", voice.job, aborted=True)
+
+    def expire(self, seq: int) -> DeadlineExceeded:
+        voice = self._remove(seq)
+        return DeadlineExceeded(f"deadline passed after {len(voice.frames)} frames")
+
+    def _remove(self, seq: int) -> _Voice:
+        if seq in self.rows:
+            self._scatter()
+        return self.voices.pop(seq)
+
+    def step(self) -> dict[int, Outcome | BaseException]:
+        import torch
+
+        done: dict[int, Outcome | BaseException] = {}
+        moved = False
+        with torch.inference_mode():
+            for phase, run in (("start", self._start), ("drain", self._drain),
+                               ("text", self._text)):
+                for sid in [s for s, v in self.voices.items() if v.phase == phase]:
+                    moved |= self._guard(sid, done, run)
+            inputs = [s for s, v in self.voices.items() if v.phase == "input"]
+            if inputs:
+                self._forward(inputs)
+                moved = True
+            framing = [s for s, v in self.voices.items() if v.phase == "frame"]
+            if framing:
+                self._frames(framing, done)
+                moved = True
+        if not moved and not done:
+            self._wait()
+        return done
+
+    def _guard(self, sid: int, done: dict[int, Outcome | BaseException], run: Any) -> bool:
+        """Run one request's phase; its error ends it alone. Whether it moved on."""
+        voice = self.voices[sid]
+        try:
+            if voice.error is not None:
+                raise voice.error
+            outcome = run(voice)
+        except Exception as exc:
+            self._remove(sid)
+            done[sid] = exc
+            return True
+        if isinstance(outcome, Outcome):
+            self._remove(sid)
+            done[sid] = outcome
+            return True
+        return bool(outcome)
+
+    def _start(self, voice: _Voice) -> bool:
+        """Its prompt pass, alone, as soon as its input is there."""
+        import torch
+
+        ex, job = self.ex, voice.job
+        if voice.feed is not None and not ex._start_fed(job, voice.feed):
+            return False
+        mask = torch.ones(job.prefill.shape[:2], dtype=torch.long, device=ex.device)
+        out = ex.model(inputs_embeds=job.prefill, attention_mask=mask, use_cache=True,
+                       output_hidden_states=True)
+        voice.cache, voice.length = out.cache, int(job.prefill.shape[1])
+        self._took(voice, out.logits[0, -1], out.hidden_states[0][-1][:, -1:])
+        return True
+
+    def _took(self, voice: _Voice, logits: Any, last: Any) -> None:
+        voice.logits, voice.last, voice.phase = logits.float(), last, "frame"
+
+    def _text(self, voice: _Voice) -> bool:
+        """The next input: its frame's codes plus the text position that frame adds."""
+        job, step = voice.job, len(voice.frames) - 1
+        if voice.feed is not None:
+            text = self.ex._fed_text(job, voice.feed, step)
+            if text is None:
+                return False
+        else:
+            text = job.trailing[:, step:step + 1] if step < job.trailing.shape[1] else job.pad
+        voice.next_input, voice.codes_sum = voice.codes_sum + text, None
+        voice.phase = "input"
+        return True
+
+    def _drain(self, voice: _Voice) -> Outcome | bool:
+        """Finished: take the rest of a fed request's input, then its outcome."""
+        feed = voice.feed
+        if feed is not None and not feed.ended:
+            chunks, feed.ended = voice.io.poll()  # taken and dropped: nothing more is spoken
+            if not feed.ended:
+                return bool(chunks)
+        return self.ex._outcome(voice.frames, voice.finish, voice.job)
+
+    def _forward(self, sids: list[int]) -> None:
+        """One talker pass over the next position of every request in sids."""
+        import torch
+
+        ex = self.ex
+        voices = [self.voices[s] for s in sids]
+        self.forwards += 1
+        if len(sids) == 1:  # alone: its own cache, the unbatched call exactly
+            if sids[0] in self.rows:
+                self._scatter()
+            voice = voices[0]
+            out = ex.model(inputs_embeds=voice.next_input, cache=voice.cache, use_cache=True,
+                           output_hidden_states=True, generation_step=len(voice.frames) - 1)
+            voice.cache, voice.length = out.cache, voice.length + 1
+            self._took(voice, out.logits[0, -1], out.hidden_states[0][-1][:, -1:])
+            return
+        if sids != self.rows:
+            self._scatter()
+            self._gather(sids)
+        lengths = torch.tensor([v.length for v in voices], device=ex.device)
+        width = int(lengths.max())
+        padded = bool((lengths != width).any())
+        mask = None
+        if padded:  # 1 for each row's real positions (left-padded) and the new one
+            cols = torch.arange(width + 1, device=ex.device)
+            mask = (cols >= (width - lengths).unsqueeze(1)).long()
+        positions = lengths.view(1, -1, 1).expand(3, -1, 1)  # each row's own next position
+        out = ex.model(inputs_embeds=torch.cat([v.next_input for v in voices]),
+                       attention_mask=mask, position_ids=positions, cache=self.cache,
+                       use_cache=True, output_hidden_states=True, generation_step=0)
+        self.cache = out.cache
+        last = out.hidden_states[0][-1][:, -1:]
+        for row, voice in enumerate(voices):
+            voice.length += 1
+            self._took(voice, out.logits[row, -1], last[row:row + 1])
+
+    def _gather(self, sids: list[int]) -> None:
+        """Merge the requests' own caches into one, each row left-padded to the longest."""
+        import torch
+
+        from omnistage.executors.ar import _kv_layers, _pad_kv
+
+        voices = [self.voices[s] for s in sids]
+        width = max(v.length for v in voices)
+        parts = [_kv_layers(v.cache) for v in voices]
+        layers = []
+        for i in range(len(parts[0])):
+            layers.append(tuple(torch.cat([_pad_kv(p[i][kv], width - v.length)
+                                           for p, v in zip(parts, voices, strict=True)])
+                                for kv in (0, 1)))
+        self.cache = self._new_cache(layers)
+        for v in voices:
+            v.cache = None
+        self.rows = list(sids)
+
+    def _scatter(self) -> None:
+        """Hand every row of the merged cache back to its request, its padding cut off."""
+        from omnistage.executors.ar import _kv_layers
+
+        if not self.rows:
+            return
+        layers = _kv_layers(self.cache)
+        width = layers[0][0].shape[-2]
+        for row, sid in enumerate(self.rows):
+            voice = self.voices[sid]
+            lead = width - voice.length
+            voice.cache = self._new_cache([(k[row:row + 1, :, lead:], v[row:row + 1, :, lead:])
+                                           for k, v in layers])
+        self.rows, self.cache = [], None
+
+    def _new_cache(self, layers: list[tuple[Any, Any]]) -> Any:
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self.ex.model.model.config)
+        for layer, (k, v) in zip(cache.layers, layers, strict=True):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        return cache
+
+    def _frames(self, sids: list[int], done: dict[int, Outcome | BaseException]) -> None:
+        """One frame for every request in sids: its first code sampled from its own logits,
+        the residual codes of all of them predicted together."""
+        import torch
+
+        ex = self.ex
+        model, predictor = ex.model, ex.model.code_predictor
+        eos = int(model.config.codec_eos_token_id)
+        going: list[tuple[int, int]] = []
+        for sid in sids:
+            voice = self.voices[sid]
+            if len(voice.frames) >= voice.job.max_frames:
+                self._end(sid, "length", done)
+                continue
+            first = ex._sample(voice.logits, voice.gen, eos)
+            if first == eos:
+                self._end(sid, "stop", done)
+                continue
+            going.append((sid, first))
+        if not going:
+            return
+        voices = [self.voices[s] for s, _ in going]
+        code = torch.tensor([[f] for _, f in going], device=ex.device)
+        embeds = [model.get_input_embeddings()(code)]
+        last = torch.cat([v.last for v in voices])
+        p = predictor(inputs_embeds=torch.cat([last, embeds[0]], dim=1), use_cache=True)
+        codes = [[f] for _, f in going]
+        for g in range(1, ex.groups):
+            code = p.logits[:, -1:].argmax(-1)
+            for row, c in enumerate(code[:, 0].tolist()):
+                codes[row].append(int(c))
+            embeds.append(predictor.get_input_embeddings()[g - 1](code))
+            if g < ex.groups - 1:
+                p = predictor(input_ids=code, cache=p.cache, use_cache=True,
+                              generation_steps=p.generation_steps)
+        summed = torch.stack(embeds, dim=0).sum(0)
+        for row, ((sid, _), voice) in enumerate(zip(going, voices, strict=True)):
+            voice.frames.append(codes[row])
+            voice.codes_sum, voice.logits, voice.last = summed[row:row + 1], None, None
+            voice.phase = "text"
+            chunk = voice.job.chunk_frames
+            if len(voice.frames) % chunk == 0:
+                try:
+                    ex._emit_frames(voice.io, voice.frames[-chunk:])
+                except Exception as exc:  # ended while waiting for credit: this request alone
+                    self._remove(sid)
+                    done[sid] = exc
+                    continue
+            if len(voice.frames) >= voice.job.max_frames:
+                self._end(sid, "length", done)
+
+    def _end(self, sid: int, finish: str, done: dict[int, Outcome | BaseException]) -> None:
+        """No more frames: the rest goes downstream, then it drains its feed."""
+        voice = self.voices[sid]
+        voice.finish, voice.phase = finish, "drain"
+        if sid in self.rows:
+            self._scatter()
+        voice.cache = None
+        frames, chunk = voice.frames, voice.job.chunk_frames
+        try:
+            self.ex._emit_frames(voice.io, frames[len(frames) - len(frames) % chunk:])
+        except Exception as exc:
+            self._remove(sid)
+            done[sid] = exc
+            return
+        self._guard(sid, done, self._drain)
+
+    def _wait(self) -> None:
+        """Nothing moved: wait a moment for a fed request's next chunk, not a busy loop."""
+        StageIO.wait_any([v.io for v in self.voices.values() if v.feed is not None])

@@ -12,16 +12,20 @@ computations on the same inputs: the audio is identical, not merely close. (Code
 depends on where windows start: its transformer's positions restart in each window and each
 window's last samples are trimmed, so decoding the talker's chunks as they happen to come would
 not match.)
+
+Batching (engine.maxBatchSize, omnistage.batching): a step decodes the next window of every
+request, windows of equal length in one forward pass (_VocoderBatch); one request alone runs
+the same steps in a batch of one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.admission import ExecutionContext
-from omnistage.executors.base import BadRequest, Emit, Executor, Outcome, StageIO
+from omnistage.admission import DeadlineExceeded, ExecutionContext
+from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome, StageIO
 from omnistage.models import load_vocoder
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -45,7 +49,7 @@ class VocoderJob:
     chunk_frames: int  # frames per decode window (engine.chunk_frames)
 
 
-class VocoderExecutor(Executor):
+class VocoderExecutor(BatchExecutor):
     kind = "vocoder"
 
     def load(self) -> None:
@@ -88,48 +92,21 @@ class VocoderExecutor(Executor):
             return job.chunk_frames + LEFT_CONTEXT
         return max(1, int(job.codes.shape[0]))
 
-    def execute(self, job: VocoderJob, ctx: ExecutionContext, emit: Emit) -> Outcome:
+    # ---- batching --------------------------------------------------------------------------
+
+    def new_batch(self) -> _VocoderBatch:
+        return _VocoderBatch(self)
+
+    def _decode(self, windows: list[tuple[Any, int]]) -> list[Any]:
+        """Decode windows of equal length in one forward pass, each trimmed of its left context:
+        float32 numpy samples per window. Equal lengths need no padding (Code2Wav's convolutions
+        and sliding-window attention take no mask), so each row computes what it would alone."""
         import torch
 
-        io = StageIO.of(emit)
-        if job.codes is None and not io.fed:
-            raise BadRequest("tensors.codec_codes is required (a talker's output)")
-        ctx.check()
-        pieces: list[Any] = []
-        with torch.inference_mode():
-            window = _Windows(job.chunk_frames, self.quantizers, self.device)
-            if job.codes is not None:
-                window.add(job.codes)
-            for chunk in io.inputs():
-                wt = chunk.tensors.get("codec_codes")
-                if wt is None:
-                    raise BadRequest(f"feed {chunk.seq}: tensors.codec_codes is required (a "
-                                     "talker's chunk)")
-                window.add(self._codes(wt, f"feed {chunk.seq}: tensors.codec_codes",
-                                       window.seen))
-                if not self._decode_ready(window, ctx, io, pieces, final=False):
-                    return self._outcome(pieces, aborted=True)
-            if not self._decode_ready(window, ctx, io, pieces, final=True):
-                return self._outcome(pieces, aborted=True)
-        return self._outcome(pieces)
-
-    def _decode_ready(self, window: _Windows, ctx: ExecutionContext, io: StageIO,
-                      pieces: list[Any], final: bool) -> bool:
-        """Decode every full window (final: and the rest), each handed on as one chunk; False
-        when the request was aborted meanwhile."""
-        import numpy as np
-
-        for codes, context in window.ready(final):
-            if ctx.token.cancelled:
-                return False
-            ctx.check()
-            wav = self.model(codes.t().unsqueeze(0))[..., context * self.upsample:]
-            piece = wav.reshape(-1).float().clamp(-1.0, 1.0).cpu().numpy()
-            pieces.append(piece)
-            # Its rate too: a streaming client encodes each chunk as it comes (docs/http-api.md).
-            io.emit_chunk(tensors={"audio": piece,
-                                   "sample_rate": np.array([self.sample_rate], np.int32)})
-        return True
+        codes = torch.stack([c.t() for c, _ in windows])  # [windows, quantizers, frames]
+        wav = self.model(codes)
+        return [wav[i][..., context * self.upsample:].reshape(-1).float().clamp(-1.0, 1.0)
+                .cpu().numpy() for i, (_, context) in enumerate(windows)]
 
     def _outcome(self, pieces: list[Any], aborted: bool = False) -> Outcome:
         import numpy as np
@@ -160,12 +137,131 @@ class _Windows:
         self.buf = torch.cat([self.buf, codes]) if self.buf.shape[0] else codes
         self.seen += int(codes.shape[0])
 
-    def ready(self, final: bool) -> Any:
-        """(codes with left context [n, quantizers], context frames) of each window ready."""
-        while self.seen - self.decoded >= self.size or (final and self.decoded < self.seen):
-            start, end = self.decoded, min(self.decoded + self.size, self.seen)
-            context = min(LEFT_CONTEXT, start)  # chunked_decode's rule
-            yield self.buf[start - context - self.base:end - self.base], context
-            self.decoded = end
-            keep = max(0, end - LEFT_CONTEXT)
-            self.buf, self.base = self.buf[keep - self.base:], keep
+    def take(self, final: bool) -> tuple[Any, int] | None:
+        """The next window ready (final: the input ended, so a short last one is too), as
+        (codes with left context [n, quantizers], context frames); None when none is."""
+        if not (self.seen - self.decoded >= self.size or (final and self.decoded < self.seen)):
+            return None
+        start, end = self.decoded, min(self.decoded + self.size, self.seen)
+        context = min(LEFT_CONTEXT, start)  # chunked_decode's rule
+        window = self.buf[start - context - self.base:end - self.base], context
+        self.decoded = end
+        keep = max(0, end - LEFT_CONTEXT)
+        self.buf, self.base = self.buf[keep - self.base:], keep
+        return window
+
+    @property
+    def done(self) -> bool:
+        return self.decoded == self.seen
+
+
+@dataclass(eq=False)
+class _Voice:
+    """One request of a vocoder batch."""
+
+    job: VocoderJob
+    io: StageIO
+    windows: _Windows
+    ended: bool  # no more input comes (whole codes, or the feed's end arrived)
+    pieces: list[Any] = field(default_factory=list)
+    error: BaseException | None = None  # refused when it joined; answered at the next step
+
+
+class _VocoderBatch:
+    """The requests of one vocoder; the engine thread calls it between steps.
+
+    A step takes what each fed request's feed holds now (without waiting for it), then decodes
+    the next ready window of every request, those of equal length in one forward pass (a
+    request's windows are cut by frame index, so they are the same alone or batched: see the
+    module docstring). A request whose input has not come yet sits the step out; a request's
+    bad chunk or failed hand-on fails it alone.
+    """
+
+    def __init__(self, ex: VocoderExecutor) -> None:
+        self.ex = ex
+        self.voices: dict[int, _Voice] = {}
+        self.forwards = 0  # decode passes run (tests: a batch really shared them)
+
+    def add(self, seq: int, job: VocoderJob, emit: Emit) -> None:
+        ex, io = self.ex, StageIO.of(emit)
+        voice = _Voice(job, io, _Windows(job.chunk_frames, ex.quantizers, ex.device),
+                       ended=not io.fed)
+        if job.codes is None and not io.fed:
+            voice.error = BadRequest("tensors.codec_codes is required (a talker's output)")
+        elif job.codes is not None:
+            voice.windows.add(job.codes)
+        self.voices[seq] = voice
+
+    def abort(self, seq: int) -> Outcome:
+        return self.ex._outcome(self.voices.pop(seq).pieces, aborted=True)
+
+    def expire(self, seq: int) -> DeadlineExceeded:
+        voice = self.voices.pop(seq)
+        return DeadlineExceeded(f"deadline passed after {voice.windows.decoded} decoded frames")
+
+    def step(self) -> dict[int, Outcome | BaseException]:
+        import torch
+
+        done: dict[int, Outcome | BaseException] = {}
+        ready: dict[int, tuple[Any, int]] = {}
+        for sid, voice in list(self.voices.items()):
+            try:
+                if voice.error is not None:
+                    raise voice.error
+                self._take_input(voice)
+                window = voice.windows.take(final=voice.ended)
+            except Exception as exc:
+                done[sid] = exc
+                del self.voices[sid]
+                continue
+            if window is not None:
+                ready[sid] = window
+            elif voice.ended and voice.windows.done:
+                done[sid] = self.ex._outcome(self.voices.pop(sid).pieces)
+        groups: dict[int, list[int]] = {}
+        for sid, (codes, _) in ready.items():
+            groups.setdefault(int(codes.shape[0]), []).append(sid)
+        with torch.inference_mode():
+            for sids in groups.values():
+                self.forwards += 1
+                pieces = self.ex._decode([ready[sid] for sid in sids])
+                for sid, piece in zip(sids, pieces, strict=True):
+                    self._hand_on(sid, piece, done)
+        if not ready and not done:
+            self._wait()
+        return done
+
+    def _take_input(self, voice: _Voice) -> None:
+        """The fed chunks waiting now, checked into the request's windows."""
+        if voice.ended:
+            return
+        chunks, voice.ended = voice.io.poll()
+        for chunk in chunks:
+            wt = chunk.tensors.get("codec_codes")
+            if wt is None:
+                raise BadRequest(f"feed {chunk.seq}: tensors.codec_codes is required (a "
+                                 "talker's chunk)")
+            voice.windows.add(self.ex._codes(wt, f"feed {chunk.seq}: tensors.codec_codes",
+                                             voice.windows.seen))
+
+    def _hand_on(self, sid: int, piece: Any, done: dict[int, Outcome | BaseException]) -> None:
+        """Keep a decoded window's audio and hand it on as one chunk (with its rate: a
+        streaming client encodes each chunk as it comes, docs/http-api.md); finished: its
+        outcome."""
+        import numpy as np
+
+        voice = self.voices[sid]
+        voice.pieces.append(piece)
+        try:
+            voice.io.emit_chunk(tensors={"audio": piece, "sample_rate": np.array(
+                [self.ex.sample_rate], np.int32)})
+        except Exception as exc:  # ended while waiting for credit: this request alone
+            done[sid] = exc
+            del self.voices[sid]
+            return
+        if voice.ended and voice.windows.done:
+            done[sid] = self.ex._outcome(self.voices.pop(sid).pieces)
+
+    def _wait(self) -> None:
+        """Nothing to decode: wait a moment for a fed request's next chunk, not a busy loop."""
+        StageIO.wait_any([v.io for v in self.voices.values() if not v.ended])

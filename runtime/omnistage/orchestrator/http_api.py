@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote
 
+import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ValidationError
@@ -430,11 +431,49 @@ def parse_speech(body: Mapping[str, Any], pipeline: OmniPipeline,
     fmt = req.response_format or "mp3"
     speed = 1.0 if req.speed is None else float(req.speed)
     sse = req.stream_format == "sse"
-    # Raw pcm at the normal speed streams as the stage makes it; other formats (a file with a
-    # header or a codec's frames) and a changed speed need the whole audio first.
+    # At the normal speed the audio streams as the stage makes it: the file itself (stream_format
+    # audio, every format of media.STREAMED_FORMATS), or pcm deltas (sse). SSE of a file format,
+    # flac, and a changed speed (atempo over the whole) need the whole audio first.
+    streams = fmt == "pcm" if sse else fmt in media.STREAMED_FORMATS
     request = rq.PipelineRequest(prompt=req.input, params=plan.params(voice), finals=[plan.stage],
-                                 stream=sse and fmt == "pcm" and speed == 1.0)
+                                 stream=streams and speed == 1.0)
     return SpeechCall(request, plan.stage, fmt, speed, sse, sorted(req.model_extra or {}))
+
+
+class _SpeechFile:
+    """/v1/audio/speech with stream_format audio: the file of the speech stage's chunks (child
+    0), through one media.AudioFileStream; a chunk that breaks the contract (tensor `audio`, a
+    `sample_rate`, the same on every chunk) is a 502, as for pcm."""
+
+    def __init__(self, call: SpeechCall) -> None:
+        self.call = call
+        self.encoder: media.AudioFileStream | None = None
+
+    def audio(self, event: rq.AudioChunk) -> bytes:
+        """The file's bytes this chunk makes ready (CPU work: run off the loop)."""
+        if event.stage != self.call.stage or event.child != 0:
+            return b""
+        try:
+            if event.sample_rate is None:
+                raise media.MediaError("the chunk has no sample_rate")
+            if self.encoder is None:
+                self.encoder = media.AudioFileStream(self.call.response_format,
+                                                     event.sample_rate)
+            elif self.encoder.rate != event.sample_rate:
+                raise media.MediaError(f"sample_rate changed from {self.encoder.rate} to "
+                                       f"{event.sample_rate}")
+            audio = event.audio
+            return self.encoder.feed(audio.numpy() if hasattr(audio, "numpy")
+                                     else np.asarray(audio))
+        except media.MediaError as exc:
+            raise ApiError(502, f"stage {event.stage} streamed audio that cannot be encoded "
+                           f"(chunk {event.seq}): {exc}", code="stage_failed") from None
+
+    def finish(self, outcome: rq.Outcome) -> bytes:
+        """The file's end, or the whole file when the stage made no chunks."""
+        if self.encoder is None:
+            return render_speech(outcome, self.call)
+        return self.encoder.close()
 
 
 # --------------------------------------------------------------------------- images
@@ -782,6 +821,8 @@ class HttpApi:
                             self.bodies["audio_speech"])
         handle = self._submit(call.request)
         headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
+        if call.request.stream and not call.sse:
+            return await self._stream_speech_file(request, handle, call, headers)
         if call.request.stream:
             return await self._stream_speech(request, handle, call, headers)
         async with _Flight(self, request, handle) as flight:
@@ -832,6 +873,48 @@ class HttpApi:
                 log.exception("speech stream %s failed", handle.id)
                 await self._in_band_error(
                     response, flight, ApiError(500, "internal server error", code="internal"))
+        return response
+
+    async def _stream_speech_file(self, request: web.Request, handle: RequestHandleLike,
+                                  call: SpeechCall, headers: dict[str, str],
+                                  ) -> web.StreamResponse:
+        """stream_format audio: the audio file's bytes as the speech stage makes the audio
+        (media.AudioFileStream), each chunk credited once written. The status line goes with
+        the first event, so a request that fails at once gets a real HTTP status; one that fails
+        later is aborted and its connection cut before the file's end (an audio body has no
+        room for an error), so the client sees a truncated response, not a short file."""
+        file = _SpeechFile(call)
+        response = web.StreamResponse(headers={
+            **headers, "Content-Type": media.MEDIA_TYPES[call.response_format]})
+        async with _Flight(self, request, handle) as flight:
+            events, event = await self._first_event(handle, flight, speech_param)
+            try:
+                await response.prepare(request)
+                while not isinstance(event, rq.Outcome):
+                    if isinstance(event, rq.AudioChunk):
+                        data = await asyncio.to_thread(file.audio, event)
+                        if data:
+                            await response.write(data)
+                        event.credit()
+                    event = await anext(events)
+                flight.finished = True
+                err = outcome_error(event, speech_param)
+                if err is not None:
+                    raise err
+                await response.write(await asyncio.to_thread(file.finish, event))
+                await response.write_eof()
+            except ConnectionError:
+                flight.client_gone()
+            except Exception as exc:
+                if not isinstance(exc, ApiError):
+                    log.exception("speech stream %s failed", handle.id)
+                else:
+                    log.warning("speech stream %s failed after its first bytes: %s", handle.id,
+                                exc.body())
+                flight.client_gone(disconnected=False)
+                self.metrics.stream_errors.inc()
+                if request.transport is not None:
+                    request.transport.close()
         return response
 
     @staticmethod
