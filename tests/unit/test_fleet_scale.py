@@ -303,3 +303,51 @@ def test_project_keeps_the_named_fields_only() -> None:
     assert project(obj, {"b": {"c": True}, "l": {"x": True}, "n": True, "z": True}) == {
         "b": {"c": 2}, "l": [{"x": 1}, {}], "n": None}
     assert obj == before
+
+
+# ---- kopf's cost per event ---------------------------------------------------------------------
+
+
+def test_kopf_builds_no_diff_base_for_the_operator_s_event_handlers(
+        monkeypatch: Any) -> None:
+    """kopf deep-copied every object on every event to build a diff base for change handlers;
+    the operator has none, so `main` configures NoDiffBase. Kills: a change handler or daemon
+    registered (the diff base would then be needed: NoDiffBase would break it), and a storage
+    that copies the object again (counted through the copy kopf's diff base uses)."""
+    import kopf
+    from kopf._cogs.configs import diffbase
+    from kopf._core.reactor import processing
+
+    from omni_operator.controller import WATCHED
+    from omni_operator.handlers import NoDiffBase, register
+
+    registry = kopf.OperatorRegistry()
+    register(registry, Controller(api=CountingApi()))  # type: ignore[arg-type]
+    for w in WATCHED:
+        r = w.resource
+        resource = kopf.Resource(r.group, r.version, r.plural, kind=w.kind)
+        assert registry._watching.has_handlers(resource=resource)
+        assert not registry._changing.has_handlers(resource=resource)
+        assert not registry._spawning.has_handlers(resource=resource)
+
+    copies: list[int] = []  # sizes of the objects copied (kopf's modules share `copy`)
+    real = diffbase.copy.deepcopy
+    monkeypatch.setattr(diffbase.copy, "deepcopy",
+                        lambda x, *a: copies.append(len(x) if isinstance(x, dict) else 0)
+                        or real(x, *a))
+    _, pod = _real_pool_and_pod()
+
+    def detect(storage: kopf.DiffBaseStorage) -> int:
+        copies.clear()
+        settings = kopf.OperatorSettings()
+        settings.persistence.diffbase_storage = storage
+        processing._detect_causes(
+            indexers=SimpleNamespace(indices={}), registry=registry, settings=settings,
+            resource=kopf.Resource("", "v1", "pods", kind="Pod"),
+            raw_event={"type": "MODIFIED", "object": pod}, body=kopf.Body(pod),
+            patch=kopf.Patch(), memory=SimpleNamespace(memo=None), local_logger=None,
+            event_logger=None)  # type: ignore[arg-type]
+        return sum(1 for size in copies if size)
+
+    assert detect(kopf.AnnotationsDiffBaseStorage()) > 0  # what kopf does by default
+    assert detect(NoDiffBase()) == 0
