@@ -95,6 +95,10 @@ CHILD_KINDS = tuple(
 )
 
 
+#: A pipeline's children that run pods, applied once the rest (what their pods reference) is.
+WORKLOADS = ("Deployment", "StagePool")
+
+
 def subset(want: Any, have: Any) -> bool:
     """Whether every field we manage already has the value we want (server defaults ignored)."""
     if isinstance(want, dict):
@@ -825,8 +829,13 @@ class Controller:
             # Our finalizer only: finalizers are a set to server-side apply, so the others
             # (and a concurrent writer's) stay; nobody else can own ours, so no force.
             await self._apply_finalizers(obj, [FINALIZER])
-        for child in builders.pipeline_children(obj, pipeline):
-            await self._ensure_child(obj, child)
+        # Children that differ are applied together, in two waves (each apply waits on the API
+        # server; a first reconcile made nine in a row, and the pools' pods waited on them):
+        # what the workloads reference (config, account, RBAC, Service), then the workloads.
+        children = builders.pipeline_children(obj, pipeline)
+        for wave in (False, True):
+            await _all(self._ensure_child(obj, child) for child in children
+                       if (child["kind"] in WORKLOADS) == wave)
         await self._prune_pools(pipeline, ns)
         pools = {
             s.name: self.pools.get((ns, kube.pool_name(name, s.name))) for s in pipeline.spec.stages

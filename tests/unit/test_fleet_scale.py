@@ -351,3 +351,49 @@ def test_kopf_builds_no_diff_base_for_the_operator_s_event_handlers(
 
     assert detect(kopf.AnnotationsDiffBaseStorage()) > 0  # what kopf does by default
     assert detect(NoDiffBase()) == 0
+
+
+# ---- a pipeline's first reconcile --------------------------------------------------------------
+
+
+async def test_a_new_pipeline_s_children_are_applied_in_two_waves() -> None:
+    """A first reconcile applied its nine children one after another, each waiting on the API
+    server, and the pools (and so every stage pod) came last. Kills: applying one at a time
+    again, and applying a workload (Deployment, StagePool) before what its pods reference
+    (ConfigMap, ServiceAccount, Role, RoleBinding, Service) exists."""
+
+    class SlowApi(CountingApi):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_flight: list[str] = []
+            self.waves: list[list[str]] = []
+            self.done: set[str] = set()
+
+        async def apply(self, url: str, body: Obj, **kw: Any) -> Applied:
+            kind = body["kind"]
+            if not self.in_flight:
+                self.waves.append([])
+            self.in_flight.append(kind)
+            self.waves[-1].append(kind)
+            if kind in ("Deployment", "StagePool"):
+                assert {"ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+                        "Service"} <= self.done, f"{kind} applied before {self.done}"
+            await asyncio.sleep(0.01)  # the API server's latency
+            self.in_flight.remove(kind)
+            self.done.add(kind)
+            return await super().apply(url, body, **kw)
+
+    api = SlowApi()
+    c = Controller(api=api)  # type: ignore[arg-type]
+    c._event = lambda *a: None  # type: ignore[method-assign,assignment]
+    obj = {"apiVersion": API_VERSION, "kind": "OmniPipeline",
+           "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "generation": 1,
+                        "resourceVersion": "2", "finalizers": [FINALIZER]},
+           "spec": {"stages": [{"name": "a", "kind": "echo"},
+                               {"name": "b", "kind": "echo", "inputs": ["a"]},
+                               {"name": "c", "kind": "echo", "inputs": ["b"],
+                                "finalOutput": True}]}}
+    await c.reconcile_pipeline(obj)
+    assert [sorted(w) for w in api.waves] == [
+        ["ConfigMap", "Role", "RoleBinding", "Service", "ServiceAccount"],
+        ["Deployment", "StagePool", "StagePool", "StagePool"]]
