@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +97,8 @@ CHILD_KINDS = tuple(
 
 #: A pipeline's children that run pods, applied once the rest (what their pods reference) is.
 WORKLOADS = ("Deployment", "StagePool")
+#: Objects per page when the view is primed (see Controller._pages).
+LIST_PAGE = 500
 
 
 def subset(want: Any, have: Any) -> bool:
@@ -529,10 +531,11 @@ class Controller:
         managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
         for w in WATCHED:
             for url in [w.resource.path(ns) for ns in namespaces or [None]]:
-                for item in await self._list_patiently(url, managed if w.managed_only else None):
-                    item.setdefault("kind", w.kind)
-                    item.setdefault("apiVersion", w.resource.api_version)
-                    self.observe(w.kind, None, item, primed=True)
+                async for page in self._pages(url, managed if w.managed_only else None):
+                    for item in page:
+                        item.setdefault("kind", w.kind)
+                        item.setdefault("apiVersion", w.resource.api_version)
+                        self.observe(w.kind, None, item, primed=True)
 
     async def confirm_primed(self) -> None:
         """Drop primed objects that no watch event has confirmed and a fresh list lacks.
@@ -559,18 +562,32 @@ class Controller:
                 else:
                     self.forget(kind, ns, name)
 
-    async def _list_patiently(self, url: str, selector: str | None,
-                              timeout: float = 120.0) -> list[Obj]:
-        """A list that waits out an API server still coming up or a CRD not served yet."""
+    async def _pages(self, url: str, selector: str | None,
+                     timeout: float = 120.0) -> AsyncIterator[list[Obj]]:
+        """A list in pages of LIST_PAGE objects, each dropped once observed: a fleet's pods in
+        one answer were hundreds of MiB decoded at once, the peak of a restarted operator.
+        Waits out an API server still coming up or a CRD not served yet; a continue token
+        that expired (410) starts the list again (observing an object twice changes nothing).
+        """
         end = time.monotonic() + timeout
+        token = ""
         while True:
             try:
-                return await self.api.list(url, labelSelector=selector)
+                answer = await self.api.get(url, labelSelector=selector, limit=LIST_PAGE,
+                                            **({"continue": token} if token else {}))
             except ApiError as exc:
+                if exc.status == 410 and token:
+                    token = ""
+                    continue
                 if exc.status not in (404, 429, 500, 503) or time.monotonic() > end:
                     raise
                 log.info("waiting to list %s: %s", url, exc)
                 await asyncio.sleep(1.0)
+                continue
+            yield list(answer.get("items") or [])
+            token = str((answer.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._workers)]

@@ -397,3 +397,46 @@ async def test_a_new_pipeline_s_children_are_applied_in_two_waves() -> None:
     assert [sorted(w) for w in api.waves] == [
         ["ConfigMap", "Role", "RoleBinding", "Service", "ServiceAccount"],
         ["Deployment", "StagePool", "StagePool", "StagePool"]]
+
+
+# ---- priming the view --------------------------------------------------------------------------
+
+
+async def test_priming_lists_in_pages_and_survives_an_expired_continue_token() -> None:
+    """A restarted operator listed every kind in one answer: a fleet's pods decoded at once
+    were its peak memory. Kills: a list without a limit (one answer with every pod), a page
+    not followed, and a 410 on a continue token (a list that outlived the API server's
+    window) ending the start instead of listing again."""
+    from omni_operator import controller as ctl
+
+    pods = [_pod("ns", f"p{p}-a", o) for p in range(300) for o in range(4)]
+
+    class PagingApi(CountingApi):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pages: list[int] = []
+            self.expire_once = True
+
+        async def get(self, url: str, **params: Any) -> Obj:
+            if "/pods" not in url:
+                return {"metadata": {}, "items": []}
+            limit = int(params["limit"])
+            start = int(params.get("continue") or 0)
+            if start and self.expire_once:
+                self.expire_once = False
+                raise ctl.ApiError(410, {"reason": "Expired"}, "GET", url)
+            items = copy.deepcopy(pods[start:start + limit])
+            self.pages.append(len(items))
+            more = start + limit < len(pods)
+            return {"metadata": {"continue": str(start + limit) if more else ""},
+                    "items": items}
+
+    api = PagingApi()
+    c = Controller(api=api)  # type: ignore[arg-type]
+    c.enqueue = lambda key: None  # type: ignore[method-assign]
+    await c.prime(["ns"])
+    assert max(api.pages) == ctl.LIST_PAGE < len(pods)
+    # 1200 pods: 500, then 410 (listed again from the start), then 500, 500, 200.
+    assert api.pages == [500, 500, 500, 200]
+    assert sum(len(group) for group in c.pods.values()) == len(pods)
+    assert "spec" not in next(iter(c.pods[("ns", "p0-a")].values()))
