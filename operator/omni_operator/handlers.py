@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import kopf
 
-from omni_operator.controller import WATCHED, Controller
+from omni_operator.controller import LIST_PAGE, WATCHED, Controller
 from omnistage import kube
 
 log = logging.getLogger("omnistage.operator")
@@ -49,3 +49,11 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
         return None
+
+
+def at_fleet_size(settings: kopf.OperatorSettings) -> None:
+    """kopf's settings whose cost grows with the fleet: no diff base (NoDiffBase), and its
+    first lists in pages of LIST_PAGE like the controller's own (one answer with every pod
+    was a restarted operator's peak memory)."""
+    settings.persistence.diffbase_storage = NoDiffBase()
+    settings.watching.chunk_size = LIST_PAGE

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from omni_operator import webhook
 from omni_operator.controller import Controller
-from omni_operator.handlers import NoDiffBase, register
+from omni_operator.handlers import at_fleet_size, register
 from omni_operator.leader import LeaderElector
 from omnistage.kubeapi import KubeApi, KubeConfig, default_namespace
 from omnistage.metrics import family, new_registry
@@ -131,8 +131,7 @@ async def _operate(config: KubeConfig, controller: Controller, metrics_host: str
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Our own events only: kopf posting handler logs as events would be idle writes.
         settings.posting.enabled = False
-        # Event handlers only: no diff base to build (a deep copy of each object per event).
-        settings.persistence.diffbase_storage = NoDiffBase()
+        at_fleet_size(settings)
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         # Serving named namespaces only: no cluster-wide reads (kopf would otherwise watch

@@ -318,8 +318,14 @@ def test_kopf_builds_no_diff_base_for_the_operator_s_event_handlers(
     from kopf._cogs.configs import diffbase
     from kopf._core.reactor import processing
 
+    from omni_operator import controller as ctl
     from omni_operator.controller import WATCHED
-    from omni_operator.handlers import NoDiffBase, register
+    from omni_operator.handlers import NoDiffBase, at_fleet_size, register
+
+    settings = kopf.OperatorSettings()
+    at_fleet_size(settings)  # what `omnistage operator` configures
+    assert isinstance(settings.persistence.diffbase_storage, NoDiffBase)
+    assert settings.watching.chunk_size == ctl.LIST_PAGE  # kopf's first lists in pages too
 
     registry = kopf.OperatorRegistry()
     register(registry, Controller(api=CountingApi()))  # type: ignore[arg-type]
