@@ -551,9 +551,10 @@ class Controller:
         managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
         for (kind, ns), names in groups.items():
             w = watched[kind]
-            items = await self.api.list(w.resource.path(ns or None),
-                                        labelSelector=managed if w.managed_only else None)
-            present = {item["metadata"]["name"] for item in items}
+            present: set[str] = set()
+            async for page in self._pages(w.resource.path(ns or None),  # no waiting: a resync
+                                          managed if w.managed_only else None, timeout=0):
+                present.update(item["metadata"]["name"] for item in page)
             for name in names:
                 if (kind, ns, name) not in self._unconfirmed:
                     continue  # a watch event confirmed it meanwhile

@@ -16,7 +16,7 @@ from omni_operator.models import API_VERSION
 from omni_operator.readiness import gate_patch, is_ready
 from omni_operator.status import model_failure, pool_status
 from omnistage import kube
-from omnistage.kubeapi import Applied, project
+from omnistage.kubeapi import ApiError, Applied, project
 from omnistage.spec import parse_pipeline
 
 Obj = dict[str, Any]
@@ -384,7 +384,7 @@ async def test_a_new_pipeline_s_children_are_applied_in_two_waves() -> None:
             if kind in ("Deployment", "StagePool"):
                 assert {"ConfigMap", "ServiceAccount", "Role", "RoleBinding",
                         "Service"} <= self.done, f"{kind} applied before {self.done}"
-            await asyncio.sleep(0.01)  # the API server's latency
+            await asyncio.sleep(0)  # the API server answers later: the others start meanwhile
             self.in_flight.remove(kind)
             self.done.add(kind)
             return await super().apply(url, body, **kw)
@@ -408,6 +408,30 @@ async def test_a_new_pipeline_s_children_are_applied_in_two_waves() -> None:
 # ---- priming the view --------------------------------------------------------------------------
 
 
+class PagingApi(CountingApi):
+    """Serves `pods` for any pod list, LIST_PAGE at a time with continue tokens; other kinds
+    list empty. The first continue token it is given has expired (410), once."""
+
+    def __init__(self, pods: list[Obj]) -> None:
+        super().__init__()
+        self.pods = pods
+        self.pages: list[int] = []
+        self.expire_once = True
+
+    async def get(self, url: str, **params: Any) -> Obj:
+        if "/pods" not in url:
+            return {"metadata": {}, "items": []}
+        limit = int(params["limit"])
+        start = int(params.get("continue") or 0)
+        if start and self.expire_once:
+            self.expire_once = False
+            raise ApiError(410, {"reason": "Expired"}, "GET", url)
+        items = copy.deepcopy(self.pods[start:start + limit])
+        self.pages.append(len(items))
+        more = start + limit < len(self.pods)
+        return {"metadata": {"continue": str(start + limit) if more else ""}, "items": items}
+
+
 async def test_priming_lists_in_pages_and_survives_an_expired_continue_token() -> None:
     """A restarted operator listed every kind in one answer: a fleet's pods decoded at once
     were its peak memory. Kills: a list without a limit (one answer with every pod), a page
@@ -416,28 +440,7 @@ async def test_priming_lists_in_pages_and_survives_an_expired_continue_token() -
     from omni_operator import controller as ctl
 
     pods = [_pod("ns", f"p{p}-a", o) for p in range(300) for o in range(4)]
-
-    class PagingApi(CountingApi):
-        def __init__(self) -> None:
-            super().__init__()
-            self.pages: list[int] = []
-            self.expire_once = True
-
-        async def get(self, url: str, **params: Any) -> Obj:
-            if "/pods" not in url:
-                return {"metadata": {}, "items": []}
-            limit = int(params["limit"])
-            start = int(params.get("continue") or 0)
-            if start and self.expire_once:
-                self.expire_once = False
-                raise ctl.ApiError(410, {"reason": "Expired"}, "GET", url)
-            items = copy.deepcopy(pods[start:start + limit])
-            self.pages.append(len(items))
-            more = start + limit < len(pods)
-            return {"metadata": {"continue": str(start + limit) if more else ""},
-                    "items": items}
-
-    api = PagingApi()
+    api = PagingApi(pods)
     c = Controller(api=api)  # type: ignore[arg-type]
     c.enqueue = lambda key: None  # type: ignore[method-assign]
     await c.prime(["ns"])
@@ -446,3 +449,25 @@ async def test_priming_lists_in_pages_and_survives_an_expired_continue_token() -
     assert api.pages == [500, 500, 500, 200]
     assert sum(len(group) for group in c.pods.values()) == len(pods)
     assert "spec" not in next(iter(c.pods[("ns", "p0-a")].values()))
+
+
+async def test_checking_primed_objects_lists_in_pages_too() -> None:
+    """The first resync after a restart lists again what no watch event confirmed. Kills: that
+    list unpaged, and a primed pod that a later page holds dropped as gone (or one that is
+    gone kept)."""
+    from omni_operator import controller as ctl
+
+    pods = [_pod("ns", f"p{p}-a", o) for p in range(300) for o in range(4)]
+    api = PagingApi(pods)
+    api.expire_once = False
+    c = Controller(api=api)  # type: ignore[arg-type]
+    c.enqueue = lambda key: None  # type: ignore[method-assign]
+    c._replica_gone = lambda pod: None  # type: ignore[method-assign]
+    await c.prime(["ns"])
+    gone = pods.pop()  # deleted after the list; no watch said so
+    api.pages.clear()
+    await c.confirm_primed()
+    assert api.pages == [500, 500, 199] and max(api.pages) <= ctl.LIST_PAGE
+    assert c.view("Pod", "ns", gone["metadata"]["name"]) is None
+    assert c.view("Pod", "ns", pods[-1]["metadata"]["name"]) is not None
+    assert c._unconfirmed == set()
