@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,16 @@ from omni_operator.status import (
 from omni_operator.status_models import PipelineStatus, Status
 from omnistage import kube
 from omnistage.backoff import Backoff
-from omnistage.kubeapi import RESOURCES, ApiError, KubeApi, Resource, namespace_terminating, path
+from omnistage.kubeapi import (
+    RESOURCES,
+    ApiError,
+    Fields,
+    KubeApi,
+    Resource,
+    namespace_terminating,
+    path,
+    project,
+)
 from omnistage.spec import OmniPipeline, SpecError, parse_pipeline, parse_stagepool
 
 log = logging.getLogger("omnistage.operator")
@@ -84,6 +93,12 @@ WATCHED = (
 CHILD_KINDS = tuple(
     w.kind for w in WATCHED if w.kind not in ("OmniPipeline", "StagePool", "Deployment", "Pod")
 )
+
+
+#: A pipeline's children that run pods, applied once the rest (what their pods reference) is.
+WORKLOADS = ("Deployment", "StagePool")
+#: Objects per page when the view is primed (see Controller._pages).
+LIST_PAGE = 500
 
 
 def subset(want: Any, have: Any) -> bool:
@@ -155,6 +170,62 @@ def owns(obj: Obj, field: tuple[str, ...]) -> bool:
     return (builders.FIELD_MANAGER, "Apply", "") in owners(obj, field)
 
 
+_CONTAINER_VIEW: Fields = {"name": True, "ready": True, "state": True, "lastState": True}
+#: What the controller reads of a Pod (readiness gate, drain, retirement, pool status, model
+#: failures, events): its spec and managedFields, most of its size, are not kept.
+POD_VIEW: Fields = {
+    "apiVersion": True,
+    "kind": True,
+    "metadata": {k: True for k in ("name", "namespace", "uid", "resourceVersion", "labels",
+                                   "annotations", "deletionTimestamp")},
+    "status": {"phase": True, "podIP": True, "conditions": True,
+               "containerStatuses": _CONTAINER_VIEW, "initContainerStatuses": _CONTAINER_VIEW},
+}
+#: The managedFields the controller asks `owners` about, per kind; other kinds' are dropped
+#: (the rest of those objects is kept: `ensure` compares an intent with every field it sets).
+OWNED_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "StagePool": (("spec", "replicas"),),
+    "OmniPipeline": (("metadata", "finalizers"),),
+}
+
+
+def _fields_at(fields: Any, paths: tuple[tuple[str, ...], ...]) -> Obj:
+    """A fieldsV1 tree cut down to the subtrees at `paths` (field names)."""
+    out: Obj = {}
+    for p in paths:
+        node, keys = fields, [f"f:{f}" for f in p]
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        at = out
+        for key in keys[:-1]:
+            at = at.setdefault(key, {})
+        at[keys[-1]] = node
+    return out
+
+
+def viewed(kind: str, obj: Obj) -> Obj:
+    """The part of a watched object the view keeps: a Pod's POD_VIEW; of the other kinds
+    everything but the managedFields `owners` is never asked about (an entry that owns none
+    of OWNED_FIELDS goes, so does the rest of one that does). The input is not changed."""
+    if kind == "Pod":
+        return project(obj, POD_VIEW)  # type: ignore[no-any-return]
+    meta = obj.get("metadata") or {}
+    if "managedFields" not in meta:
+        return obj
+    kept = []
+    for entry in meta["managedFields"] or []:
+        fields = _fields_at(entry.get("fieldsV1") or {}, OWNED_FIELDS.get(kind, ()))
+        if fields:
+            kept.append({**{k: v for k, v in entry.items() if k != "fieldsV1"},
+                         "fieldsV1": fields})
+    meta = {k: v for k, v in meta.items() if k != "managedFields"}
+    if kept:
+        meta["managedFields"] = kept
+    return {**obj, "metadata": meta}
+
+
 def _finalizer_intent(obj: Obj, finalizers: list[str]) -> Obj:
     """The operator's whole intent for an object it does not build: its finalizers. With the
     object's uid, so the apply writes this very object: an apply to a name that is gone would
@@ -224,6 +295,10 @@ class Controller:
         # Other owned children (ConfigMap, Service, RBAC, PDB), so resyncs read no API.
         self.children: dict[tuple[str, str, str], Obj] = {}
         self.pods: dict[tuple[str, str], dict[str, Obj]] = {}  # (ns, pool or orch) -> pods
+        # Indexes kept by observe, so no reconcile scans every object of a kind (at fleet size
+        # a scan per reconcile made the work grow with the square of the fleet):
+        self._pools_of: dict[tuple[str, str], set[str]] = {}  # (ns, pipeline) -> pool names
+        self._pod_group: dict[tuple[str, str], str] = {}  # (ns, pod) -> its key in self.pods
         self._queue: asyncio.Queue[Key] = asyncio.Queue()
         self._queued: set[Key] = set()
         self._running: set[Key] = set()
@@ -232,6 +307,7 @@ class Controller:
         self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
+        self._spawned: set[asyncio.Future[Any]] = set()  # events in flight (a set: O(1) done)
         # reported: unschedulable (uid), model (uid/model), deletion (pipeline uid/terminating)
         self._warned: set[str] = set()
         self._intended: set[str] = set()  # pod uids the operator deleted itself (retired, stale)
@@ -247,6 +323,7 @@ class Controller:
     # ---- event intake ----------------------------------------------------------------------
 
     def observe(self, kind: str, event_type: str | None, obj: Obj, *, primed: bool = False) -> None:
+        obj = viewed(kind, obj)  # what the controller reads of it, not the whole object
         key = _meta_key(obj)
         gone = event_type == "DELETED"
         if primed:
@@ -259,6 +336,7 @@ class Controller:
             self._store(self.pipelines, key, obj, gone)
             self.enqueue(("OmniPipeline", *key))
         elif kind == "StagePool":
+            self._index_pool(key, self.pools.get(key), None if gone else obj)
             self._store(self.pools, key, obj, gone)
             self.enqueue(("StagePool", *key))
             pipeline = (obj.get("spec") or {}).get("pipeline")
@@ -300,12 +378,30 @@ class Controller:
         if kind == "Deployment":
             return self.deployments.get((namespace, name))
         if kind == "Pod":
-            for pods in self.pods.values():
-                pod = pods.get(name)
-                if pod is not None and pod["metadata"]["namespace"] == namespace:
-                    return pod
-            return None
+            group = self._pod_group.get((namespace, name))
+            return None if group is None else self.pods.get((namespace, group), {}).get(name)
         return self.children.get((kind, namespace, name))
+
+    def pools_of(self, namespace: str, pipeline: str) -> list[str]:
+        """Names of the StagePools in the view that belong to a pipeline (by spec.pipeline),
+        from the index: a copy, so a caller may delete while it iterates."""
+        return sorted(self._pools_of.get((namespace, pipeline), ()))
+
+    def _index_pool(self, key: tuple[str, str], old: Obj | None, new: Obj | None) -> None:
+        """Move a pool between the (ns, pipeline) sets as it comes, changes owner or goes."""
+        ns, name = key
+        before = (old.get("spec") or {}).get("pipeline") if old is not None else None
+        after = (new.get("spec") or {}).get("pipeline") if new is not None else None
+        if before == after:
+            return
+        if before is not None:
+            members = self._pools_of.get((ns, before))
+            if members is not None:
+                members.discard(name)
+                if not members:
+                    del self._pools_of[(ns, before)]
+        if after is not None:
+            self._pools_of.setdefault((ns, after), set()).add(name)
 
     def _observe_pod(self, pod: Obj, gone: bool) -> None:
         meta = pod["metadata"]
@@ -318,15 +414,19 @@ class Controller:
         )
         if not group:
             return
-        pods = self.pods.setdefault((ns, group), {})
         if _evicted(pod):
             self._evictions.add(meta.get("uid", ""))
         if gone:
+            pods = self.pods.get((ns, group), {})
             pods.pop(meta["name"], None)
+            if not pods:  # a pool or pipeline gone leaves no empty entry behind
+                self.pods.pop((ns, group), None)
+            self._pod_group.pop((ns, meta["name"]), None)
             if lbls.get(kube.LABEL_POOL):
                 self._replica_gone(pod)
         else:
-            pods[meta["name"]] = pod
+            self.pods.setdefault((ns, group), {})[meta["name"]] = pod
+            self._pod_group[(ns, meta["name"])] = group
         if lbls.get(kube.LABEL_POOL):
             self.enqueue(("StagePool", ns, group))
         else:
@@ -431,10 +531,11 @@ class Controller:
         managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
         for w in WATCHED:
             for url in [w.resource.path(ns) for ns in namespaces or [None]]:
-                for item in await self._list_patiently(url, managed if w.managed_only else None):
-                    item.setdefault("kind", w.kind)
-                    item.setdefault("apiVersion", w.resource.api_version)
-                    self.observe(w.kind, None, item, primed=True)
+                async for page in self._pages(url, managed if w.managed_only else None):
+                    for item in page:
+                        item.setdefault("kind", w.kind)
+                        item.setdefault("apiVersion", w.resource.api_version)
+                        self.observe(w.kind, None, item, primed=True)
 
     async def confirm_primed(self) -> None:
         """Drop primed objects that no watch event has confirmed and a fresh list lacks.
@@ -450,9 +551,10 @@ class Controller:
         managed = f"{kube.LABEL_MANAGED_BY}={kube.MANAGED_BY}"
         for (kind, ns), names in groups.items():
             w = watched[kind]
-            items = await self.api.list(w.resource.path(ns or None),
-                                        labelSelector=managed if w.managed_only else None)
-            present = {item["metadata"]["name"] for item in items}
+            present: set[str] = set()
+            async for page in self._pages(w.resource.path(ns or None),  # no waiting: a resync
+                                          managed if w.managed_only else None, timeout=0):
+                present.update(item["metadata"]["name"] for item in page)
             for name in names:
                 if (kind, ns, name) not in self._unconfirmed:
                     continue  # a watch event confirmed it meanwhile
@@ -461,18 +563,32 @@ class Controller:
                 else:
                     self.forget(kind, ns, name)
 
-    async def _list_patiently(self, url: str, selector: str | None,
-                              timeout: float = 120.0) -> list[Obj]:
-        """A list that waits out an API server still coming up or a CRD not served yet."""
+    async def _pages(self, url: str, selector: str | None,
+                     timeout: float = 120.0) -> AsyncIterator[list[Obj]]:
+        """A list in pages of LIST_PAGE objects, each dropped once observed: a fleet's pods in
+        one answer were hundreds of MiB decoded at once, the peak of a restarted operator.
+        Waits out an API server still coming up or a CRD not served yet; a continue token
+        that expired (410) starts the list again (observing an object twice changes nothing).
+        """
         end = time.monotonic() + timeout
+        token = ""
         while True:
             try:
-                return await self.api.list(url, labelSelector=selector)
+                answer = await self.api.get(url, labelSelector=selector, limit=LIST_PAGE,
+                                            **({"continue": token} if token else {}))
             except ApiError as exc:
+                if exc.status == 410 and token:
+                    token = ""
+                    continue
                 if exc.status not in (404, 429, 500, 503) or time.monotonic() > end:
                     raise
                 log.info("waiting to list %s: %s", url, exc)
                 await asyncio.sleep(1.0)
+                continue
+            yield list(answer.get("items") or [])
+            token = str((answer.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._workers)]
@@ -482,9 +598,10 @@ class Controller:
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._spawned]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.api.close()
@@ -602,8 +719,8 @@ class Controller:
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
-        self._tasks.append(task)  # type: ignore[arg-type]
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)  # type: ignore[arg-type]
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
 
     def _event(self, obj: Obj, etype: str, reason: str, message: str) -> None:
         """Record an event in the background (aggregated; see omni_operator.events)."""
@@ -730,8 +847,13 @@ class Controller:
             # Our finalizer only: finalizers are a set to server-side apply, so the others
             # (and a concurrent writer's) stay; nobody else can own ours, so no force.
             await self._apply_finalizers(obj, [FINALIZER])
-        for child in builders.pipeline_children(obj, pipeline):
-            await self._ensure_child(obj, child)
+        # Children that differ are applied together, in two waves (each apply waits on the API
+        # server; a first reconcile made nine in a row, and the pools' pods waited on them):
+        # what the workloads reference (config, account, RBAC, Service), then the workloads.
+        children = builders.pipeline_children(obj, pipeline)
+        for wave in (False, True):
+            await _all(self._ensure_child(obj, child) for child in children
+                       if (child["kind"] in WORKLOADS) == wave)
         await self._prune_pools(pipeline, ns)
         pools = {
             s.name: self.pools.get((ns, kube.pool_name(name, s.name))) for s in pipeline.spec.stages
@@ -796,8 +918,8 @@ class Controller:
     async def _prune_pools(self, pipeline: OmniPipeline, ns: str) -> None:
         name = pipeline.metadata.name
         wanted = {kube.pool_name(name, s.name) for s in pipeline.spec.stages}
-        for (pns, pname), pool in list(self.pools.items()):
-            if pns == ns and pool["spec"].get("pipeline") == name and pname not in wanted:
+        for pname in self.pools_of(ns, name):
+            if pname not in wanted:
                 await self._delete("StagePool", ns, pname)
 
     async def _delete(self, kind: str, ns: str, name: str, body: Obj | None = None) -> None:
@@ -827,11 +949,7 @@ class Controller:
                                                             now_iso()))
             self.enqueue_later(key, 1.0)
             return
-        pools = [
-            (pns, pn)
-            for (pns, pn), p in self.pools.items()
-            if pns == ns and p["spec"].get("pipeline") == name
-        ]
+        pools = [(ns, pn) for pn in self.pools_of(ns, name)]
         for pns, pn in pools:
             pool = self.pools.get((pns, pn))
             if pool is not None and not pool["metadata"].get("deletionTimestamp"):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 import kopf
 
-from omni_operator.controller import WATCHED, Controller
+from omni_operator.controller import LIST_PAGE, WATCHED, Controller
 from omnistage import kube
 
 log = logging.getLogger("omnistage.operator")
@@ -29,3 +30,30 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         r = w.resource
         kopf.on.event(r.group, r.version, r.plural, labels=labels, registry=registry)(
             feed(w.kind))
+
+
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's diff base, for an operator with event handlers only: none.
+
+    kopf builds one on every event (a deep copy of the whole object, then of what is left
+    after the progress fields go) to diff against for change handlers and daemons. The operator
+    registers neither (see `register`), so nothing ever reads it, and those copies were the
+    largest part of kopf's CPU per event in the profiled ramp (docs/benchmarks.md)."""
+
+    def build(self, *, body: kopf.Body,
+              extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        return cast(kopf.BodyEssence, {})
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
+def at_fleet_size(settings: kopf.OperatorSettings) -> None:
+    """kopf's settings whose cost grows with the fleet: no diff base (NoDiffBase), and its
+    first lists in pages of LIST_PAGE like the controller's own (one answer with every pod
+    was a restarted operator's peak memory)."""
+    settings.persistence.diffbase_storage = NoDiffBase()
+    settings.watching.chunk_size = LIST_PAGE

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from omni_operator import webhook
 from omni_operator.controller import Controller
-from omni_operator.handlers import register
+from omni_operator.handlers import at_fleet_size, register
 from omni_operator.leader import LeaderElector
 from omnistage.kubeapi import KubeApi, KubeConfig, default_namespace
 from omnistage.metrics import family, new_registry
@@ -131,6 +131,7 @@ async def _operate(config: KubeConfig, controller: Controller, metrics_host: str
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Our own events only: kopf posting handler logs as events would be idle writes.
         settings.posting.enabled = False
+        at_fleet_size(settings)
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         # Serving named namespaces only: no cluster-wide reads (kopf would otherwise watch

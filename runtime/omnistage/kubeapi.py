@@ -497,6 +497,28 @@ def _with_user(merged: Any, user: Any, value: Obj) -> Any:
     return node_type(merged.name, {**merged.value, "users": users}, merged.path)
 
 
+# ---- views: the part of an object a cache keeps ----------------------------------------------
+
+#: What a view keeps of an object: each field name maps to True (its whole value) or to the
+#: fields to keep of it, applied to every item when the value is a list.
+Fields = dict[str, "Fields | bool"]
+
+
+def project(obj: Any, fields: Fields) -> Any:
+    """A copy of `obj` with only `fields` (nested), for caches of thousands of objects: a view
+    costs the memory of what its reader uses, not of what the API server sends (a Pod's spec
+    and managedFields are most of it). Absent fields stay absent; the input is not changed."""
+    if isinstance(obj, list):
+        return [project(item, fields) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {}
+    for key, keep in fields.items():
+        if key in obj:
+            out[key] = obj[key] if keep is True else project(obj[key], keep)  # type: ignore[arg-type]
+    return out
+
+
 # ---- the client ------------------------------------------------------------------------------
 
 
