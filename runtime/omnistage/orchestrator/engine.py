@@ -47,6 +47,7 @@ from omnistage.client import ChannelClosed, ReplicaChannel
 from omnistage.executors.kinds import Payload, StageKind
 from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import new_registry
+from omnistage.orchestrator.load import LoadTracker, PipelineLoad, window_of
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
 from omnistage.orchestrator.metrics import OrchestratorCollector
 from omnistage.orchestrator.pools import Replica, StagePool
@@ -73,6 +74,7 @@ MAX_N = 64
 _seq = itertools.count(1)
 Reply = p.Message[p.Reply]
 Result = p.Message[p.Final]  # a stage's successful output, kept for the stages after it
+_OUTPUTS = (p.Delta, p.Chunk, p.Final, p.Aborted)  # what a stage's first output may be
 
 
 @dataclass(eq=False)
@@ -99,6 +101,9 @@ class _Task:
     incarnation: str | None = None  # the replica's process it was sent to
     tried: set[str] = field(default_factory=set)
     fed: _Stream | None = None  # its input arrives in chunks from this stream
+    needed_at: float = 0.0  # when its inputs were complete (the load signal's clock)
+    sent_at: float | None = None  # when it last went to a replica
+    answered: bool = False  # the replica's first output came (ttfo measured)
 
 
 @dataclass(eq=False)
@@ -206,10 +211,11 @@ class Orchestrator:
             "latency_sum": 0.0,
         }
         self.outcomes: dict[str, int] = {}
+        self.load_tracker = LoadTracker(self.pools, window_s=window_of(self.spec))
         # The HTTP layer adds its own request metrics to this registry; /metrics serves it.
         self.registry = new_registry(OrchestratorCollector(
             pipeline=self.name, outcomes=self.outcomes, requests=self.requests,
-            pools=self.pools, counters=self.counters))
+            pools=self.pools, counters=self.counters, load=self.load))
         self._zctx: zmq.asyncio.Context | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
@@ -577,7 +583,7 @@ class Orchestrator:
         child.started.add((stage, companion))
         suffix = "/neg" if companion else ""
         task = _Task(f"{request.id}/{child.index}/{stage}{suffix}", child, stage, companion,
-                     fed=fed)
+                     fed=fed, needed_at=self.load_tracker.arrived(stage))
         self._send(task)
 
     def _send(self, task: _Task) -> None:
@@ -626,6 +632,8 @@ class Orchestrator:
             return
         task.replica = replica
         task.incarnation = replica.incarnation
+        task.sent_at = self.load_tracker.dispatched(task.stage, task.needed_at)
+        task.answered = False
         replica.inflight += 1
         replica.served += 1
         replica.bound.add(task)
@@ -697,6 +705,9 @@ class Orchestrator:
             self.counters["late_messages"] += 1
             self._release(msg)
             return
+        if not task.answered and isinstance(h, _OUTPUTS) and task.sent_at is not None:
+            task.answered = True
+            self.load_tracker.first_output(task.stage, task.sent_at)
         if isinstance(h, p.Delta):
             self._on_delta(task, h)
         elif isinstance(h, p.Chunk):
@@ -820,6 +831,8 @@ class Orchestrator:
 
     def _on_terminal(self, task: _Task, msg: Reply) -> None:
         replica = task.replica
+        if isinstance(msg.header, p.Final | p.Aborted) and task.sent_at is not None:
+            self.load_tracker.finished(task.stage, task.sent_at)
         self._detach(task)
         child, stage = task.child, task.stage
         if child.outcome is not None:
@@ -1028,6 +1041,17 @@ class Orchestrator:
             if not self.pools[stage].has_routable():
                 return False, f"stage {stage!r} has no ready replica{notes}"
         return True, f"ready{notes}"
+
+    def load(self) -> PipelineLoad:
+        """The load signal (GET /v1/load and the omnistage_stage_* gauges read this)."""
+        stages = {}
+        for stage, pool in self.pools.items():
+            stages[stage] = self.load_tracker.figures(
+                stage, replicas=len(pool.routable()),
+                inflight=sum(r.inflight for r in pool.replicas.values()),
+                held=0, wake_pending=False)
+        return PipelineLoad(window_s=self.load_tracker.window_s, now=self.load_tracker.wall(),
+                            stages=stages)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -106,7 +106,7 @@ def api_routes(pipeline: OmniPipeline) -> list[str]:
     routes += ["/v1/audio/speech"] if "speech" in api and speech_plan(pipeline.spec) else []
     routes += ["/v1/images/generations"] if "images" in api else []
     routes += [f"/v1/pipelines/{pipeline.metadata.name}/requests"] if "generic" in api else []
-    return [*routes, "/readyz", "/metrics", "/openapi.json"]
+    return [*routes, "/v1/load", "/readyz", "/metrics", "/openapi.json"]
 
 
 async def serve_orchestrator(
