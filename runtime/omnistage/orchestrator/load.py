@@ -19,9 +19,12 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
+
+if TYPE_CHECKING:
+    from omnistage.spec import PipelineSpec
 
 __all__ = [
     "DEFAULT_WINDOW_S",
@@ -182,9 +185,9 @@ class LoadTracker:
         )
 
 
-def window_of(spec: object) -> float:
+def window_of(spec: PipelineSpec) -> float:
     """The signal's window: the longest `autoscaling.windowSeconds` among the pipeline's
     stages (one window for every stage keeps the tracker simple), else DEFAULT_WINDOW_S."""
-    windows = [float(a.window_seconds) for s in getattr(spec, "stages", ())
-               if (a := getattr(s, "autoscaling", None)) is not None]
+    windows = [float(s.autoscaling.window_seconds) for s in spec.stages
+               if s.autoscaling is not None]
     return max(windows, default=DEFAULT_WINDOW_S)

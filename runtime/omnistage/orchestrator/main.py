@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from omnistage import kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.orchestrator.shutdown import drain_timeout
+from omnistage.orchestrator.wake import Waker, waker_for
 from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import OmniPipeline, SpecError, load_pipeline, parse_pipeline
 
@@ -123,6 +124,7 @@ async def serve_orchestrator(
     notes: Callable[[], Sequence[str]] | None = None,
     collectors: Sequence[Collector] = (),
     shm: ShmConfig | None = None,
+    waker: Waker | None = None,
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -134,7 +136,8 @@ async def serve_orchestrator(
     exited; otherwise the previous handlers come back (an embedding program keeps its own).
     notes and collectors come from the placement (`omnistage serve`'s supervised replicas):
     notes() lines join /readyz's reason, and the collectors' metrics /metrics. shm: exchange
-    tensors with replicas on this machine through shared memory.
+    tensors with replicas on this machine through shared memory. waker: asked to start a
+    stage at zero replicas (autoscaling) while requests are held for it.
     Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
@@ -167,7 +170,7 @@ async def serve_orchestrator(
     api_port = pipeline.spec.orchestrator.port if port is None else port
     delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
              else shutdown_delay)
-    orch = Orchestrator(pipeline, membership, notes=notes, shm=shm)
+    orch = Orchestrator(pipeline, membership, notes=notes, shm=shm, waker=waker)
     for collector in collectors:
         orch.registry.register(collector)
     runner: Any = None
@@ -256,7 +259,8 @@ def run_orchestrator(
     try:
         return asyncio.run(serve_orchestrator(pipeline, members, bind, port,
                                               ignore_late_signals=True,
-                                              shutdown_delay=shutdown_delay, shm=shm))
+                                              shutdown_delay=shutdown_delay, shm=shm,
+                                              waker=waker_for(members)))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
