@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.registry import Collector
@@ -125,6 +125,7 @@ async def serve_orchestrator(
     collectors: Sequence[Collector] = (),
     shm: ShmConfig | None = None,
     waker: Waker | None = None,
+    background: Sequence[Callable[[Any], Awaitable[None]]] = (),
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -137,7 +138,9 @@ async def serve_orchestrator(
     notes and collectors come from the placement (`omnistage serve`'s supervised replicas):
     notes() lines join /readyz's reason, and the collectors' metrics /metrics. shm: exchange
     tensors with replicas on this machine through shared memory. waker: asked to start a
-    stage at zero replicas (autoscaling) while requests are held for it.
+    stage at zero replicas (autoscaling) while requests are held for it. background: each is
+    called with the Orchestrator once it started and runs until shutdown begins (`omnistage
+    serve`'s autoscaler).
     Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
@@ -174,11 +177,13 @@ async def serve_orchestrator(
     for collector in collectors:
         orch.registry.register(collector)
     runner: Any = None
+    loops: list[asyncio.Future[None]] = []
     started_ok = serving = False
     drain = drain_timeout(pipeline)
     try:
         await orch.start()
         started_ok = True
+        loops = [asyncio.ensure_future(run(orch)) for run in background]
         try:
             runner, url = await serve_http(orch, host, api_port)
         except OSError as exc:
@@ -198,6 +203,9 @@ async def serve_orchestrator(
         await stop.wait()
     finally:
         stop.set()  # from here on every signal is "already shutting down"
+        for loop_task in loops:
+            loop_task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         if runner is not None:
             runner.app[API_KEY].begin_shutdown()
         if serving and delay > 0:
