@@ -201,3 +201,27 @@ async def test_a_stage_without_autoscaling_still_fails_at_once(start_worker) -> 
         assert waker.calls == [] and not orch.readiness()[0]
     finally:
         await orch.stop(drain_timeout=1)
+
+
+async def test_a_deadline_shorter_than_the_measured_start_up_is_refused_at_once(setup) -> None:
+    s = await setup()
+    # The first wake measures b's start-up (wake -> routable).
+    first = s.orch.submit(PipelineRequest(prompt="x", finals=["b"], timeout_s=120))
+    await until(lambda: s.held() == 1, "the request held")
+    s.publish_b()
+    assert (await only_outcome(first)).status == "ok"
+    assert s.orch.startup_s["b"] > 0
+    # Back at zero, as if b had last taken 30 s to start: a request with 2 s left is refused
+    # at admission (503 with Retry-After), not held until its deadline.
+    s.membership.publish(ReplicaInfo("b", s.b.name, s.b.zmq, "gone"))
+    await until(lambda: s.orch.load().stages["b"].replicas == 0, "b at zero")
+    s.orch.startup_s["b"] = 30.0
+    out = await only_outcome(s.orch.submit(
+        PipelineRequest(prompt="x", finals=["b"], timeout_s=2)))
+    assert out.error is not None and out.error.code == "no_replica", out
+    assert "takes about 30.0s to start" in out.error.message
+    assert out.error.retry_after is not None and out.error.retry_after >= 29
+    assert s.held() == 0
+    # One with time enough is held as before.
+    s.orch.submit(PipelineRequest(prompt="x", finals=["b"], timeout_s=60))
+    await until(lambda: s.held() == 1, "the request held")

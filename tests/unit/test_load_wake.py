@@ -6,8 +6,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from omnistage import kube
+from omnistage.kubeapi import KubeApi, KubeConfig
 from omnistage.orchestrator.k8s_membership import KubernetesMembership
 from omnistage.orchestrator.membership import StaticMembership
 from omnistage.orchestrator.wake import CallbackWaker, StagePoolWaker, waker_for
@@ -23,15 +26,28 @@ class FakeApi:
 
 
 async def test_stage_pool_waker_merge_patches_the_pools_wake_annotation() -> None:
-    api = FakeApi()
+    """Through the real KubeApi to an HTTP server standing in for the API server."""
+    seen: list[tuple[str, str, str, Any]] = []
+
+    async def patch(request: web.Request) -> web.Response:
+        seen.append((request.method, request.path, request.content_type, await request.json()))
+        return web.json_response({"kind": "StagePool"})
+
+    app = web.Application()
+    app.router.add_route("PATCH", "/{tail:.*}", patch)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    api = KubeApi(KubeConfig(server=str(server.make_url("")).rstrip("/")))
     when = datetime(2026, 12, 1, 13, 40, 5, 123000, tzinfo=UTC)
-    waker = StagePoolWaker(lambda: api, "ns1", "chat", now=lambda: when)  # type: ignore[arg-type,return-value]
-    await waker.wake("vocoder")
-    [(url, body, kind)] = api.patches
-    assert url == "/apis/omnistage.io/v1alpha1/namespaces/ns1/stagepools/chat-vocoder"
-    assert kind == "merge"
-    assert body == {"metadata": {"annotations": {
-        kube.ANNOTATION_WAKE_REQUESTED: "2026-12-01T13:40:05.123Z"}}}
+    try:
+        await StagePoolWaker(lambda: api, "ns1", "chat", now=lambda: when).wake("vocoder")
+    finally:
+        await api.close()
+        await server.close()
+    assert seen == [("PATCH", "/apis/omnistage.io/v1alpha1/namespaces/ns1/stagepools/chat-vocoder",
+                     "application/merge-patch+json",
+                     {"metadata": {"annotations": {
+                         "omnistage.io/wake-requested-at": "2026-12-01T13:40:05.123Z"}}})]
     assert kube.ANNOTATION_WAKE_REQUESTED == "omnistage.io/wake-requested-at"
 
 
