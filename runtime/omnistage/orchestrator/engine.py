@@ -24,6 +24,12 @@ go on to the next stage as the same handles (the orchestrator never touches the 
 request keeps every reply it used until its outcome: then final outputs are copied out and all
 its blocks go back to their workers, so no block outlives its request. A reply that is dropped
 (late) gives its blocks back at once.
+
+A stage with `autoscaling` may have no routable replica (scaled to zero): a task that needs it
+is held in the stage's bounded FIFO (still under its request's deadline and aborts) and the
+stage is woken through the Waker; at admission every such stage the request will run is woken
+at once (warm-up along the pipeline). The engine also feeds the load signal (load.py). See
+docs/architecture.md, "The load signal and hold-and-wake".
 """
 
 from __future__ import annotations
