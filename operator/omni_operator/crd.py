@@ -29,6 +29,10 @@ import omnistage.executors.kinds as stage_kinds
 from omni_operator.models import GROUP, VERSION, StagePoolSpec
 from omni_operator.status_models import PHASES, PipelineStatus, PoolStatus
 from omnistage.spec import (
+    AUTOSCALING_MIN_MAX,
+    AUTOSCALING_ONE_TARGET,
+    AUTOSCALING_SEED,
+    AUTOSCALING_TARGETS,
     DEFAULT_IMAGE,
     DNS1035_LABEL_PATTERN,
     DNS_LABEL_PATTERN,
@@ -48,6 +52,7 @@ from omnistage.spec import (
     POD_NAME_MAX,
     POOL_NAME_MAX,
     QUANTITY_PATTERN,
+    Autoscaling,
     PipelineSpec,
     chat_stage_rule,
     join_words,
@@ -285,6 +290,39 @@ def _stage_rules(stage: Schema) -> None:
     )
     _add_rules(_at(stage, "kind"), _rule("self == oldSelf", KIND_IMMUTABLE))
     _toleration_rules(_at(stage, "placement.tolerations.[]"))
+    _autoscaling_rules(stage)
+
+
+def _autoscaling_rules(stage: Schema) -> None:
+    """Autoscaling._check's and Stage._seed_within_bounds' rules, at the same field paths.
+    The CRD carries no defaults, so minReplicas' default is read from the model here."""
+    low = Autoscaling.model_fields["min_replicas"].default
+    min_replicas = f"(has(self.minReplicas) ? self.minReplicas : {low})"
+    chosen = " + ".join(f"(has(self.target.{t}) ? 1 : 0)" for t in AUTOSCALING_TARGETS)
+    _add_rules(
+        _at(stage, "autoscaling"),
+        _rule(
+            f"{min_replicas} <= self.maxReplicas",
+            AUTOSCALING_MIN_MAX,
+            message_expression=_fmt(f"{AUTOSCALING_MIN_MAX} (got %d > %d)", min_replicas,
+                                    "self.maxReplicas"),
+            field_path=".minReplicas",
+        ),
+        _rule(f"!has(self.target) || {chosen} == 1", AUTOSCALING_ONE_TARGET,
+              field_path=".target"),
+    )
+    scaled_min = min_replicas.replace("self.", "self.autoscaling.")
+    _add_rules(
+        stage,
+        _rule(
+            f"!has(self.autoscaling) || !has(self.replicas) || (self.replicas >= {scaled_min} "
+            "&& self.replicas <= self.autoscaling.maxReplicas)",
+            AUTOSCALING_SEED,
+            message_expression=_fmt(f"{AUTOSCALING_SEED} (got %d, bounds [%d, %d])",
+                                    "self.replicas", scaled_min, "self.autoscaling.maxReplicas"),
+            field_path=".replicas",
+        ),
+    )
 
 
 def _model_cache_rules(cache: Schema) -> None:

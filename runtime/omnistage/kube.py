@@ -32,6 +32,9 @@ ANNOTATION_SPEC_HASH = "omnistage.io/spec-hash"
 # tensors through shared memory (docs/protocol.md); "false" or absent: TCP only.
 ANNOTATION_SHARED_MEMORY = "omnistage.io/shared-memory"
 READINESS_GATE = "omnistage.io/routable"  # pod condition the operator controls
+# On a StagePool: RFC 3339 time the orchestrator last asked to wake the pool from zero (a
+# request is held for it); the operator scales a pool at 0 with a newer wake at once.
+ANNOTATION_WAKE_REQUESTED = "omnistage.io/wake-requested-at"
 
 WORKER_ZMQ_PORT = 5555
 WORKER_HTTP_PORT = 8080

@@ -20,6 +20,8 @@ settings and a new unix socket (a new address, as it gets new ports).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -34,7 +36,9 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from omnistage import backoff
+from omnistage.autoscaling import AutoscalerState, Decision, decide
 from omnistage.metrics import family
+from omnistage.orchestrator.load import PipelineLoad
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
 from omnistage.procs import StartupError, WorkerProcess, spawn_worker, wait_all_ready
 from omnistage.shm import ENV_DIR, ShmConfig, release_reaper, spawn_reaper
@@ -43,6 +47,7 @@ from omnistage.worker.config import resolve_model
 
 __all__ = [
     "CRASH_LOOP_AFTER",
+    "LocalAutoscaler",
     "LocalStageRuntime",
     "PlacementError",
     "ReplicaPlan",
@@ -69,6 +74,11 @@ class ReplicaStartupError(StartupError):
 def replica_name(pipeline: str, stage: str, ordinal: int) -> str:
     """Stable replica identity, the same scheme as the operator's pod names."""
     return f"{pipeline}-{stage}-{ordinal}"
+
+
+def _ordinal(name: str) -> int:
+    """The ordinal a replica name ends with (replica_name's scheme)."""
+    return int(name.rsplit("-", 1)[1])
 
 
 def detect_gpus() -> list[str]:
@@ -137,6 +147,7 @@ class _Replica:
     last_exit: int | None = None
     restart_at: float | None = None  # set while waiting to restart
     ready_at: float | None = None  # when the current process became ready
+    retire_by: float | None = None  # scaled away: draining, killed if still there by then
 
     @property
     def crash_looping(self) -> bool:
@@ -187,6 +198,11 @@ class LocalStageRuntime:
         self._closed = threading.Event()  # every replica reaped: the supervisor thread may end
         self._stopped = False
         self._watcher: threading.Thread | None = None
+        # The size each stage's pool heads for: the spec's replicas until scale() changes it;
+        # the supervisor starts and retires processes to match.
+        self.desired: dict[str, int] = {s.name: s.replicas for s in pipeline.spec.stages}
+        self._sockets = itertools.count()
+        self._gpu_list: list[str] = []  # the visible GPUs plan() found, for scaled-up replicas
 
     # ---- placement -------------------------------------------------------------------------
 
@@ -219,6 +235,7 @@ class LocalStageRuntime:
                         cursor += 1
                     env = {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
                 plans.append(ReplicaPlan(replica_name(name, stage.name, ordinal), resolved, env))
+        self._gpu_list = gpus
         if shared:
             self.progress(f"note: GPU requests exceed the {len(gpus)} visible GPU(s); "
                           "some replicas share a GPU")
@@ -311,9 +328,17 @@ class LocalStageRuntime:
                     reps = list(self.replicas.values())
                 for rep in reps:
                     try:
-                        self._supervise(rep)
+                        if rep.retire_by is not None:
+                            self._retiring(rep)
+                        else:
+                            self._supervise(rep)
                     except Exception as exc:  # one replica's trouble must not stop the others
                         self.progress(f"supervising replica {rep.plan.name} failed: {exc!r}")
+                for stage in self.desired:
+                    try:
+                        self._reconcile(stage)
+                    except Exception as exc:
+                        self.progress(f"scaling stage {stage} failed: {exc!r}")
 
     def _supervise(self, rep: _Replica) -> None:
         now = time.monotonic()
@@ -329,8 +354,11 @@ class LocalStageRuntime:
             if ready:
                 rep.ready_at = now
                 self._publish(rep, "ready")
-                self.progress(f"replica {rep.plan.name} is back (restart {rep.restarts}, ready "
-                              f"in {now - rep.started:.1f}s)")
+                if rep.restarts:
+                    self.progress(f"replica {rep.plan.name} is back (restart {rep.restarts}, "
+                                  f"ready in {now - rep.started:.1f}s)")
+                else:
+                    self.progress(f"replica {rep.plan.name} ready ({now - rep.started:.1f}s)")
             elif now - rep.started > self.ready_timeout:
                 rep.worker.kill()
                 self._crashed(rep, f"not ready after {self.ready_timeout:.0f}s")
@@ -378,6 +406,92 @@ class LocalStageRuntime:
             rep.ready_at = None
             rep.started = time.monotonic()
             rep.state = "joining"  # a new process: published once it is ready
+
+    # ---- scaling (the local autoscaler) ----------------------------------------------------
+
+    def scale(self, stage: str, replicas: int) -> None:
+        """Head the stage's pool for this many processes (thread-safe); the supervisor starts
+        new ones (published once ready) and retires extra ones by draining them first."""
+        if stage not in self.desired:
+            raise ValueError(f"stage: unknown stage {stage!r}; pipeline has {list(self.desired)}")
+        if replicas < 0:
+            raise ValueError(f"replicas: must be >= 0, got {replicas}")
+        with self._lock:
+            self.desired[stage] = replicas
+
+    def live(self, stage: str) -> list[str]:
+        """The stage's replicas that are not retiring (starting, ready or restarting)."""
+        with self._lock:
+            return sorted(n for n, r in self.replicas.items()
+                          if r.plan.stage.name == stage and r.retire_by is None)
+
+    def _reconcile(self, stage: str) -> None:
+        """Start or retire processes until the stage has `desired` that are not retiring.
+        New replicas take the lowest free ordinals; the highest ordinals retire first."""
+        with self._lock:
+            want = self.desired[stage]
+            mine = [r for r in self.replicas.values() if r.plan.stage.name == stage]
+        live = sorted((r for r in mine if r.retire_by is None),
+                      key=lambda r: _ordinal(r.plan.name))
+        for rep in live[want:][::-1]:
+            self._retire(rep)
+        if len(live) >= want:
+            return
+        taken = {_ordinal(r.plan.name) for r in mine}
+        ordinals = (o for o in itertools.count() if o not in taken)
+        spec = next(s for s in self.pipeline.spec.stages if s.name == stage)
+        for ordinal in itertools.islice(ordinals, want - len(live)):
+            self._spawn_new(spec, ordinal)
+
+    def _spawn_new(self, stage: Stage, ordinal: int) -> None:
+        name = replica_name(self.pipeline.metadata.name, stage.name, ordinal)
+        want = stage.resources.gpus
+        gpus = self._gpu_list
+        if want == 0 or not gpus:
+            env = {"CUDA_VISIBLE_DEVICES": ""}
+        else:  # round-robin by ordinal: locally, replicas may share GPUs
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(
+                gpus[(ordinal * want + i) % len(gpus)] for i in range(want))}
+        plan = ReplicaPlan(name, resolve_model(stage, self.base_dir), env)
+        ipc = (self._ipc_dir / f"s{next(self._sockets)}.sock"
+               if self._ipc_dir is not None else None)
+        worker = spawn_worker(name, plan.stage, host=self.host, log_dir=self.log_dir,
+                              env={**plan.env, **self._shm_env}, ipc=ipc, append_log=True)
+        with self._lock:
+            self.replicas[name] = _Replica(plan, worker, ipc=ipc)  # joining until ready
+        self.progress(f"scaling stage {stage.name} up: starting replica {name}")
+
+    def _retire(self, rep: _Replica) -> None:
+        """Scale down one replica: routed to no more (draining), then SIGTERM: the worker
+        finishes what it has and exits; killed only past its stage's drain timeout."""
+        rep.retire_by = time.monotonic() + rep.plan.stage.drain_timeout_seconds + 5.0
+        rep.restart_at = None
+        self.progress(f"scaling stage {rep.plan.stage.name} down: draining replica "
+                      f"{rep.plan.name}")
+        if rep.state == "ready":
+            self._publish(rep, "draining")
+        if rep.worker.proc.poll() is None:
+            try:
+                rep.worker.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def _retiring(self, rep: _Replica) -> None:
+        """A retiring replica: once its process has exited (or its time is up), it is gone."""
+        assert rep.retire_by is not None
+        if rep.worker.proc.poll() is None and time.monotonic() < rep.retire_by:
+            return
+        if rep.worker.proc.poll() is None:
+            self.progress(f"replica {rep.plan.name} did not drain in time; killing it")
+        rep.worker.kill()  # reaps it and anything left in its process group
+        if rep.state in ("ready", "draining"):
+            self._publish(rep, "gone")
+        with self._lock:
+            rep.state = "gone"
+            self.replicas.pop(rep.plan.name, None)
+        if rep.ipc is not None:
+            rep.ipc.unlink(missing_ok=True)
+        self.progress(f"replica {rep.plan.name} stopped (scaled down)")
 
     def notes(self) -> list[str]:
         """One line per replica that is not simply running: restarting or crash-looping."""
@@ -461,6 +575,63 @@ class LocalStageRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class LocalAutoscaler:
+    """`omnistage serve`'s autoscaler: for each stage with `autoscaling`, once per its period,
+    omnistage.autoscaling.decide on the orchestrator's load signal, applied as processes
+    (LocalStageRuntime.scale: new ones join when ready, extra ones drain before they stop).
+
+    wake() is the orchestrator's in-process waker: a stage at zero gets its first replica at
+    once, not at the next period.
+    """
+
+    def __init__(self, runtime: LocalStageRuntime, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runtime = runtime
+        self.clock = clock
+        self.specs = {s.name: s.autoscaling for s in runtime.pipeline.spec.stages
+                      if s.autoscaling is not None}
+        self.states = {stage: AutoscalerState() for stage in self.specs}
+        self.decisions: dict[str, Decision] = {}  # the last one per stage, for diagnostics
+        self._due = dict.fromkeys(self.specs, 0.0)
+
+    def wake(self, stage: str) -> None:
+        """A request is held for a stage at zero: start its first replica(s) now."""
+        spec = self.specs.get(stage)
+        if spec is None or self.runtime.desired[stage] > 0:
+            return
+        want = max(1, spec.min_replicas)
+        self.runtime.progress(f"autoscaler: waking stage {stage} (a request is held): 0 -> "
+                              f"{want}")
+        self.runtime.scale(stage, want)
+        self.states[stage] = AutoscalerState(1, self.clock(), None)
+
+    def step(self, load: PipelineLoad) -> None:
+        """Decide every stage whose period is due, and apply the changes."""
+        now = self.clock()
+        for stage, spec in self.specs.items():
+            figures = load.stages.get(stage)
+            if figures is None or now < self._due[stage]:
+                continue
+            self._due[stage] = now + spec.period_seconds
+            current = self.runtime.desired[stage]
+            decision = decide(spec, figures, current, self.states[stage], now,
+                              load_now=load.now)
+            self.states[stage] = decision.state
+            self.decisions[stage] = decision
+            if decision.desired != current:
+                self.runtime.progress(f"autoscaler: stage {stage}: {decision.reason}")
+                self.runtime.scale(stage, decision.desired)
+
+    async def run(self, load: Callable[[], PipelineLoad]) -> None:
+        """Step on the orchestrator's load until cancelled (at shutdown)."""
+        if not self.specs:
+            return
+        tick = min(spec.period_seconds for spec in self.specs.values())
+        while True:
+            await asyncio.sleep(tick)
+            self.step(load())
 
 
 class RuntimeCollector:

@@ -20,8 +20,14 @@ from types import FrameType
 from typing import Any
 
 from omnistage import models, validate
-from omnistage.local_runtime import LocalStageRuntime, PlacementError, ReplicaStartupError
+from omnistage.local_runtime import (
+    LocalAutoscaler,
+    LocalStageRuntime,
+    PlacementError,
+    ReplicaStartupError,
+)
 from omnistage.orchestrator.main import ApiBindError, serve_orchestrator
+from omnistage.orchestrator.wake import CallbackWaker
 from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import KIND, SpecError, load_pipeline
 
@@ -98,11 +104,16 @@ def run_serve(
         except (PlacementError, ReplicaStartupError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, PlacementError) else 1
+        # Stages with autoscaling: sized by the local autoscaler on the orchestrator's load,
+        # woken from zero in process (see architecture.md, "The load signal and hold-and-wake").
+        autoscaler = LocalAutoscaler(runtime)
         try:
             return asyncio.run(serve_orchestrator(
                 pipeline, runtime.membership, host, port, say=_say, started=t0,
                 ignore_late_signals=True, shutdown_delay=shutdown_delay,
-                notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm))
+                notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm,
+                waker=CallbackWaker(autoscaler.wake),
+                background=[lambda orch: autoscaler.run(orch.load)]))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

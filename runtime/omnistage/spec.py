@@ -62,6 +62,8 @@ __all__ = [
     "MAX_REPLICAS",
     "MAX_STAGES",
     "AdmissionOptions",
+    "Autoscaling",
+    "AutoscalingTarget",
     "EngineOptions",
     "Metadata",
     "ModelCache",
@@ -575,6 +577,126 @@ class StreamingOptions(_Model):
     )
 
 
+AUTOSCALING_TARGETS = ("inflightPerReplica", "queueWaitSeconds", "p95TimeToFirstOutputSeconds")
+AUTOSCALING_ONE_TARGET = "set exactly one of " + ", ".join(AUTOSCALING_TARGETS)
+AUTOSCALING_MIN_MAX = "minReplicas must be at most maxReplicas"
+AUTOSCALING_SEED = (
+    "with autoscaling, replicas only seeds the pool and must be within "
+    "[minReplicas, maxReplicas]"
+)
+
+
+class AutoscalingTarget(_Model):
+    """What the autoscaler holds steady; exactly one of the three (docs/architecture.md)."""
+
+    inflight_per_replica: float | None = Field(
+        None,
+        gt=0,
+        le=65_536,
+        description="Requests in flight per replica (Little's law: arrivals x service time / "
+        "this). The default target, at 1.",
+    )
+    queue_wait_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="p95 time a request waits in the stage's queue before it is served.",
+    )
+    p95_time_to_first_output_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="p95 time from a request's admission to the stage to its first output.",
+    )
+
+    @property
+    def kind(self) -> str:
+        """The camelCase name of the target that is set (inflightPerReplica when none is)."""
+        for name, info in type(self).model_fields.items():
+            if getattr(self, name) is not None:
+                return info.alias or name
+        return AUTOSCALING_TARGETS[0]
+
+    @property
+    def value(self) -> float:
+        """The target's figure (1 request per replica when none is set)."""
+        for name in type(self).model_fields:
+            if getattr(self, name) is not None:
+                return float(getattr(self, name))
+        return 1.0
+
+
+class Autoscaling(_Model):
+    """Elastic pool: the operator (or `omnistage serve`) sizes the stage to its measured load.
+
+    Bounds live here (Field constraints) and nowhere else; the cross-field rules are checked by
+    Autoscaling._check and mirrored as CEL rules in the CRD with the same field paths.
+    """
+
+    min_replicas: int = Field(
+        1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Fewest replicas; 0 lets an idle pool go to zero after idleSeconds (a "
+        "request that needs it is held by the orchestrator and wakes it).",
+    )
+    max_replicas: int = Field(
+        ge=1, le=MAX_REPLICAS, description="Most replicas; at least minReplicas."
+    )
+    target: AutoscalingTarget = Field(
+        default_factory=lambda: AutoscalingTarget(inflight_per_replica=1.0),
+        description="What to hold steady: exactly one of inflightPerReplica, queueWaitSeconds, "
+        "p95TimeToFirstOutputSeconds. Defaults to inflightPerReplica: 1.",
+    )
+    period_seconds: float = Field(
+        15, ge=1, le=3600, description="How often the load is read and a decision made."
+    )
+    window_seconds: float = Field(
+        60, ge=1, le=3600, description="The window the load signal is averaged over."
+    )
+    cool_down_seconds: float = Field(
+        120,
+        ge=0,
+        le=86_400,
+        description="At most one change of direction (up after down, or down after up) per "
+        "cool-down, so the pool does not flap.",
+    )
+    idle_seconds: float = Field(
+        300,
+        ge=1,
+        le=86_400,
+        description="With minReplicas 0: time with nothing in flight or held before the pool "
+        "goes to zero.",
+    )
+    hold_queue: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description="Requests the orchestrator holds for this stage while it is at zero; beyond "
+        "them it answers 503 with Retry-After.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Autoscaling:
+        """Cross-field rules, each at the field it is about (the CRD's CEL rules say the same)."""
+        errors = []
+        if self.min_replicas > self.max_replicas:
+            errors.append(("minReplicas", f"{AUTOSCALING_MIN_MAX} (got {self.min_replicas} > "
+                                          f"{self.max_replicas})"))
+        chosen = [n for n in self.target.model_fields_set
+                  if getattr(self.target, n) is not None]
+        if len(chosen) != 1:
+            got = ", ".join(sorted(to_camel(n) for n in chosen)) or "none"
+            errors.append(("target", f"{AUTOSCALING_ONE_TARGET} (got {got})"))
+        if errors:
+            raise _path_errors(errors)
+        return self
+
+    def seed(self, replicas: int) -> int:
+        """A stage's replicas brought within [minReplicas, maxReplicas]."""
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
+
 class Stage(_Model):
     """One logical stage: a model, its engine options and its pool of replicas."""
 
@@ -636,6 +758,12 @@ class Stage(_Model):
         description="Replicas that may be down at once for voluntary disruptions (kubectl drain, "
         "rollouts); the pool's PodDisruptionBudget gets minAvailable = replicas - maxUnavailable.",
     )
+    autoscaling: Autoscaling | None = Field(
+        None,
+        description="Size the pool to its load between minReplicas and maxReplicas (absent: a "
+        "fixed size of replicas). With it, replicas only seeds the pool: omitted, the pool "
+        "starts at 1 brought within the bounds; given, it must lie within them.",
+    )
 
     @field_validator("kind")
     @classmethod
@@ -678,6 +806,23 @@ class Stage(_Model):
         if stage_kinds.get(self.kind).needs_model and self.resources.gpus > 1:
             raise _path_errors([("resources.gpus", GPUS_PER_MODEL_REPLICA.format(
                 kind=self.kind, gpus=self.resources.gpus))])
+        return self
+
+    @model_validator(mode="after")
+    def _seed_within_bounds(self) -> Stage:
+        """With autoscaling the autoscaler owns the count: an explicit replicas outside its
+        bounds is a contradiction (refused); an omitted one is brought within them."""
+        scaling = self.autoscaling
+        if scaling is None:
+            return self
+        if "replicas" in self.model_fields_set:
+            if scaling.seed(self.replicas) != self.replicas:
+                raise _path_errors([("replicas", f"{AUTOSCALING_SEED} (got {self.replicas}, "
+                                     f"bounds [{scaling.min_replicas}, "
+                                     f"{scaling.max_replicas}])")])
+        else:
+            self.replicas = scaling.seed(1)
+            self.__pydantic_fields_set__.discard("replicas")
         return self
 
     def model_ref(self) -> ModelRef | None:

@@ -160,7 +160,7 @@ def test_a_map_key_is_a_field_not_an_index() -> None:
     ("stage", "zzzzzz", "spec.stages[0].zzzzzz",
      "unknown field 'zzzzzz' (allowed: name, kind, model, engine, inputs, finalOutput, "
      "replicas, resources, placement, admission, streaming, drainTimeoutSeconds, "
-     "maxUnavailable)"),
+     "maxUnavailable, autoscaling)"),
     ("placement", "nodeSelectr", "spec.stages[0].placement.nodeSelectr",
      "unknown field 'nodeSelectr' (did you mean 'nodeSelector'?)"),
     ("toleration", "zzz", "spec.stages[0].placement.tolerations[0].zzz",

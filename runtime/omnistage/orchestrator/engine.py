@@ -24,6 +24,12 @@ go on to the next stage as the same handles (the orchestrator never touches the 
 request keeps every reply it used until its outcome: then final outputs are copied out and all
 its blocks go back to their workers, so no block outlives its request. A reply that is dropped
 (late) gives its blocks back at once.
+
+A stage with `autoscaling` may have no routable replica (scaled to zero): a task that needs it
+is held in the stage's bounded FIFO (still under its request's deadline and aborts) and the
+stage is woken through the Waker; at admission every such stage the request will run is woken
+at once (warm-up along the pipeline). The engine also feeds the load signal (load.py). See
+docs/architecture.md, "The load signal and hold-and-wake".
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +54,7 @@ from omnistage.client import ChannelClosed, ReplicaChannel
 from omnistage.executors.kinds import Payload, StageKind
 from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import new_registry
+from omnistage.orchestrator.load import LoadTracker, PipelineLoad, window_of
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
 from omnistage.orchestrator.metrics import OrchestratorCollector
 from omnistage.orchestrator.pools import Replica, StagePool
@@ -64,6 +72,7 @@ from omnistage.orchestrator.requests import (
     RequestError,
     StageOutput,
 )
+from omnistage.orchestrator.wake import WAKE_INTERVAL_S, Waker
 from omnistage.shm import SegmentManager, ShmConfig, start_segment_manager
 from omnistage.spec import OmniPipeline
 
@@ -73,6 +82,7 @@ MAX_N = 64
 _seq = itertools.count(1)
 Reply = p.Message[p.Reply]
 Result = p.Message[p.Final]  # a stage's successful output, kept for the stages after it
+_OUTPUTS = (p.Delta, p.Chunk, p.Final, p.Aborted)  # what a stage's first output may be
 
 
 @dataclass(eq=False)
@@ -99,6 +109,9 @@ class _Task:
     incarnation: str | None = None  # the replica's process it was sent to
     tried: set[str] = field(default_factory=set)
     fed: _Stream | None = None  # its input arrives in chunks from this stream
+    needed_at: float = 0.0  # when its inputs were complete (the load signal's clock)
+    sent_at: float | None = None  # when it last went to a replica
+    answered: bool = False  # the replica's first output came (ttfo measured)
 
 
 @dataclass(eq=False)
@@ -132,6 +145,15 @@ class _Request:
     outcome: Outcome | None = None
     timer: asyncio.TimerHandle | None = None
     held: list[Reply] = field(default_factory=list)  # replies whose blocks it still uses
+    cold: list[str] = field(default_factory=list)  # stages it needs that are at zero (woken)
+
+
+@dataclass(eq=False)
+class _Wake:
+    """A stage at zero that was asked to wake: since when, and when the waker was last called."""
+
+    since: float
+    asked: float | None = None
 
 
 class RequestHandle:
@@ -171,9 +193,11 @@ class Orchestrator:
         heartbeat_timeout: float = 3.0,
         notes: Callable[[], Sequence[str]] | None = None,
         shm: ShmConfig | None = None,
+        waker: Waker | None = None,
     ) -> None:
         """notes() adds lines to /readyz's reason, for what the placement knows and the
-        orchestrator cannot (a local replica crash-looping)."""
+        orchestrator cannot (a local replica crash-looping). waker: asked to start a stage
+        that is at zero replicas while a request is held for it (see _hold)."""
         self.pipeline = pipeline
         self.shm_config = shm
         self.shm: SegmentManager | None = None
@@ -193,6 +217,14 @@ class Orchestrator:
         self.pools = {s.name: StagePool(s.name) for s in self.spec.stages}
         self.requests: dict[str, _Request] = {}
         self.tasks: dict[str, _Task] = {}
+        # Hold-and-wake: a stage with autoscaling may be at zero replicas; a task that needs it
+        # waits in its bounded FIFO while the waker starts a replica.
+        self.autoscaling = {s.name: s.autoscaling for s in self.spec.stages
+                            if s.autoscaling is not None}
+        self.holds: dict[str, deque[_Task]] = {s: deque() for s in self.autoscaling}
+        self.waker = waker
+        self.wakes: dict[str, _Wake] = {}  # stages asked to wake and not routable yet
+        self.startup_s: dict[str, float] = {}  # the last measured wake -> routable, per stage
         self.suspects: dict[str, ReplicaInfo] = {}  # lost to heartbeats, still in membership
         self.accepting = False
         self.notes = notes or (lambda: ())
@@ -206,10 +238,11 @@ class Orchestrator:
             "latency_sum": 0.0,
         }
         self.outcomes: dict[str, int] = {}
+        self.load_tracker = LoadTracker(self.pools, window_s=window_of(self.spec))
         # The HTTP layer adds its own request metrics to this registry; /metrics serves it.
         self.registry = new_registry(OrchestratorCollector(
             pipeline=self.name, outcomes=self.outcomes, requests=self.requests,
-            pools=self.pools, counters=self.counters))
+            pools=self.pools, counters=self.counters, load=self.load))
         self._zctx: zmq.asyncio.Context | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
@@ -303,6 +336,7 @@ class Orchestrator:
             if current.info.state != info.state:
                 log.info("replica %s: %s -> %s", info.name, current.info.state, info.state)
             current.info = info
+            self._routable(info.stage)
             return
         replica = Replica(info)
         replica.channel = ReplicaChannel(
@@ -333,6 +367,7 @@ class Orchestrator:
         replica.incarnation = hello.incarnation
         log.info("replica %s: handshake done (protocol %d, incarnation %s)", replica.name,
                  hello.version, hello.incarnation)
+        self._routable(replica.info.stage)
 
     # A replica's identity is (name, incarnation): a process restarted at the same address is
     # a new incarnation, and the work bound to the old one is lost with it. Three signs, the
@@ -372,6 +407,7 @@ class Orchestrator:
             replica.refused = ""
             log.info("replica %s: handshake done (incarnation %s); routable again",
                      replica.name, hello.incarnation)
+            self._routable(replica.info.stage)
 
     def _restarted(self, replica: Replica, reason: str) -> None:
         """The process behind a replica is gone: fail the work bound to it at once and route
@@ -471,6 +507,8 @@ class Orchestrator:
         self.requests[rid] = request
         request.timer = asyncio.get_running_loop().call_later(timeout, self._on_deadline, request)
         request.children = [_Child(request, i) for i in range(req.n)]
+        for stage in request.cold:  # warm-up: every stage this request needs, at once
+            self._wake(stage)
         for child in request.children:
             child.streams = {
                 up: _Stream(up, down, self.streaming[up].window)
@@ -496,8 +534,14 @@ class Orchestrator:
         request.finals = finals
         request.order = list(order)
         for stage in request.order:
-            if not self.pools[stage].has_routable():
+            if self.pools[stage].has_routable():
+                continue
+            if stage not in self.autoscaling:
                 return RequestError("no_replica", f"stage {stage!r} has no live replica", stage)
+            refusal = self._cannot_hold(stage, request.deadline)
+            if refusal is not None:
+                return refusal
+            request.cold.append(stage)
         if req.negative_prompt is not None:
             request.companions = {
                 s for s in request.order if self._feeds_hidden_states(s, needed)}
@@ -577,12 +621,16 @@ class Orchestrator:
         child.started.add((stage, companion))
         suffix = "/neg" if companion else ""
         task = _Task(f"{request.id}/{child.index}/{stage}{suffix}", child, stage, companion,
-                     fed=fed)
+                     fed=fed, needed_at=self.load_tracker.arrived(stage))
         self._send(task)
 
     def _send(self, task: _Task) -> None:
         child, request = task.child, task.child.request
         replica = self.pools[task.stage].pick(request.req.session, exclude=task.tried)
+        if replica is None and task.stage in self.autoscaling \
+                and not self.pools[task.stage].has_routable():
+            self._hold(task)
+            return
         if replica is None:
             code = "draining" if task.tried else "no_replica"
             self._fail_child(child, RequestError(
@@ -626,6 +674,8 @@ class Orchestrator:
             return
         task.replica = replica
         task.incarnation = replica.incarnation
+        task.sent_at = self.load_tracker.dispatched(task.stage, task.needed_at)
+        task.answered = False
         replica.inflight += 1
         replica.served += 1
         replica.bound.add(task)
@@ -682,6 +732,79 @@ class Orchestrator:
                 tensors["negative_encoder_hidden_states"] = neg.tensors["hidden_states"]
         return tensors
 
+    # ---- hold and wake (a stage at zero replicas) -------------------------------------------
+
+    def _cannot_hold(self, stage: str, deadline: float) -> RequestError | None:
+        """Why a request that needs this stage at zero is refused now (503 with Retry-After),
+        or None: its hold queue is full, or the stage's last measured start-up cannot end
+        before the request's deadline."""
+        now = time.monotonic()
+        wake = self.wakes.get(stage)
+        startup = self.startup_s.get(stage)
+        ready_at = None if startup is None else (wake.since if wake else now) + startup
+        retry = max(1.0, ready_at - now) if ready_at is not None else 1.0
+        limit = self.autoscaling[stage].hold_queue
+        if len(self.holds[stage]) >= limit:
+            return RequestError(
+                "no_replica", f"stage {stage!r} is at zero replicas and its hold queue is full "
+                f"({limit} requests wait for it to start); retry later", stage, retry_after=retry)
+        if ready_at is not None and ready_at > deadline:
+            return RequestError(
+                "no_replica", f"stage {stage!r} is at zero replicas and takes about "
+                f"{startup:.1f}s to start, past the request's deadline "
+                f"({max(0.0, deadline - now):.1f}s left)", stage, retry_after=retry)
+        return None
+
+    def _hold(self, task: _Task) -> None:
+        """Keep a task for a stage at zero until a replica is routable (FIFO, bounded); its
+        request's deadline and aborts still apply (the task counts as running)."""
+        child = task.child
+        refusal = self._cannot_hold(task.stage, child.request.deadline)
+        if refusal is not None:
+            self._fail_child(child, refusal)
+            return
+        task.replica = None
+        task.tried.clear()  # a replica that comes back under the same name is a new process
+        self.holds[task.stage].append(task)
+        child.running[(task.stage, task.companion)] = task
+        self._wake(task.stage)
+
+    def _wake(self, stage: str) -> None:
+        """Ask the waker to start a replica of a stage at zero (at most once per
+        WAKE_INTERVAL_S); the stage counts as waking until one is routable."""
+        now = time.monotonic()
+        wake = self.wakes.setdefault(stage, _Wake(now))
+        if wake.asked is not None and now - wake.asked < WAKE_INTERVAL_S:
+            return
+        wake.asked = now
+        if self.waker is None:
+            log.warning("stage %s is at zero replicas and nothing can wake it (no waker); "
+                        "held requests wait until a replica joins or their deadline", stage)
+            return
+        log.info("waking stage %s (at zero replicas)", stage)
+        self._in_background(self._ask(stage))
+
+    async def _ask(self, stage: str) -> None:
+        assert self.waker is not None
+        try:
+            await self.waker.wake(stage)
+        except Exception as exc:  # held requests still end by their deadline
+            log.warning("could not wake stage %s: %s", stage, exc)
+
+    def _routable(self, stage: str) -> None:
+        """A replica of the stage may have become routable: dispatch its held tasks in order."""
+        pool = self.pools.get(stage)
+        if pool is None or not pool.has_routable():
+            return
+        wake = self.wakes.pop(stage, None)
+        if wake is not None:
+            self.startup_s[stage] = time.monotonic() - wake.since
+            log.info("stage %s woke in %.1fs; %d held request(s) go on", stage,
+                     self.startup_s[stage], len(self.holds.get(stage, ())))
+        held = self.holds.get(stage)
+        while held and pool.has_routable():
+            self._send(held.popleft())
+
     # ---- replies ---------------------------------------------------------------------------
 
     def _on_message(self, replica: Replica, msg: Reply) -> None:
@@ -697,6 +820,9 @@ class Orchestrator:
             self.counters["late_messages"] += 1
             self._release(msg)
             return
+        if not task.answered and isinstance(h, _OUTPUTS) and task.sent_at is not None:
+            task.answered = True
+            self.load_tracker.first_output(task.stage, task.sent_at)
         if isinstance(h, p.Delta):
             self._on_delta(task, h)
         elif isinstance(h, p.Chunk):
@@ -820,6 +946,8 @@ class Orchestrator:
 
     def _on_terminal(self, task: _Task, msg: Reply) -> None:
         replica = task.replica
+        if isinstance(msg.header, p.Final | p.Aborted) and task.sent_at is not None:
+            self.load_tracker.finished(task.stage, task.sent_at)
         self._detach(task)
         child, stage = task.child, task.stage
         if child.outcome is not None:
@@ -894,6 +1022,9 @@ class Orchestrator:
     def _detach(self, task: _Task) -> None:
         self.tasks.pop(task.wire_id, None)
         task.child.running.pop((task.stage, task.companion), None)
+        if task.replica is None and task.stage in self.holds:
+            with contextlib.suppress(ValueError):  # held: it leaves the queue
+                self.holds[task.stage].remove(task)
         if task.replica is not None:
             task.replica.bound.discard(task)
             task.replica.inflight = max(0, task.replica.inflight - 1)
@@ -980,6 +1111,9 @@ class Orchestrator:
                 self.counters["late_aborts"] += 1
                 continue
             child.abort_requested = True
+            for task in list(child.running.values()):
+                if task.replica is None:  # held: it never started, nothing to tell
+                    self._detach(task)
             if not child.running:
                 self._settle(child)
             for task in list(child.running.values()):
@@ -1024,10 +1158,27 @@ class Orchestrator:
         if not self.accepting:
             return False, "not accepting requests"
         notes = "".join(f"; {note}" for note in self.notes())
+        cold = []
         for stage in self.topo:
-            if not self.pools[stage].has_routable():
+            if self.pools[stage].has_routable():
+                continue
+            if stage not in self.autoscaling:
                 return False, f"stage {stage!r} has no ready replica{notes}"
+            cold.append(stage)  # at zero: its requests are held and wake it
+        if cold:
+            notes = f"; at zero replicas (requests wake them): {', '.join(cold)}{notes}"
         return True, f"ready{notes}"
+
+    def load(self) -> PipelineLoad:
+        """The load signal (GET /v1/load and the omnistage_stage_* gauges read this)."""
+        stages = {}
+        for stage, pool in self.pools.items():
+            stages[stage] = self.load_tracker.figures(
+                stage, replicas=len(pool.routable()),
+                inflight=sum(r.inflight for r in pool.replicas.values()),
+                held=len(self.holds.get(stage, ())), wake_pending=stage in self.wakes)
+        return PipelineLoad(window_s=self.load_tracker.window_s, now=self.load_tracker.wall(),
+                            stages=stages)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 from urllib.parse import quote
 
+import msgspec
 import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -44,6 +45,7 @@ from omnistage.orchestrator.errors import (
     outcome_error,
     speech_param,
 )
+from omnistage.orchestrator.load import PipelineLoad
 from omnistage.orchestrator.openapi import OPS_HANDLERS, ROUTES, Route, openapi_document
 from omnistage.orchestrator.render import (
     ChatCall,
@@ -142,6 +144,8 @@ class OrchestratorLike(Protocol):
     registry: CollectorRegistry
 
     async def control(self, op: str, stages: list[str] | None = None) -> dict[str, dict]: ...
+
+    def load(self) -> PipelineLoad: ...
 
 
 # --------------------------------------------------------------------------- JSON and validation
@@ -1001,6 +1005,11 @@ class HttpApi:
             param = "op" if text.startswith("op") else "stages" if "stage" in text else None
             raise bad(param, text) from None
         return _json_response({"results": jsonable(results)})
+
+    async def pipeline_load(self, _request: web.Request) -> web.Response:
+        """GET /v1/load: the engine's load signal, encoded once by msgspec (its one shape)."""
+        return web.Response(body=msgspec.json.encode(self.orch.load()),
+                            content_type="application/json")
 
     async def openapi_json(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.openapi, content_type="application/json")

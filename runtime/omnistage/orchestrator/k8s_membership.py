@@ -176,6 +176,11 @@ class KubernetesMembership(Membership):
 
     # -- extras --
 
+    @property
+    def api(self) -> KubeApi | None:
+        """The client (built at start when none was given); the StagePool waker shares it."""
+        return self._api
+
     def resync(self) -> None:
         """Drop the current watch and relist, as after 410 Gone (tests; manual recovery)."""
         if self._task is None:

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.registry import Collector
@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from omnistage import kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.orchestrator.shutdown import drain_timeout
+from omnistage.orchestrator.wake import Waker, waker_for
 from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import OmniPipeline, SpecError, load_pipeline, parse_pipeline
 
@@ -106,7 +107,7 @@ def api_routes(pipeline: OmniPipeline) -> list[str]:
     routes += ["/v1/audio/speech"] if "speech" in api and speech_plan(pipeline.spec) else []
     routes += ["/v1/images/generations"] if "images" in api else []
     routes += [f"/v1/pipelines/{pipeline.metadata.name}/requests"] if "generic" in api else []
-    return [*routes, "/readyz", "/metrics", "/openapi.json"]
+    return [*routes, "/v1/load", "/readyz", "/metrics", "/openapi.json"]
 
 
 async def serve_orchestrator(
@@ -123,6 +124,8 @@ async def serve_orchestrator(
     notes: Callable[[], Sequence[str]] | None = None,
     collectors: Sequence[Collector] = (),
     shm: ShmConfig | None = None,
+    waker: Waker | None = None,
+    background: Sequence[Callable[[Any], Awaitable[None]]] = (),
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -134,7 +137,10 @@ async def serve_orchestrator(
     exited; otherwise the previous handlers come back (an embedding program keeps its own).
     notes and collectors come from the placement (`omnistage serve`'s supervised replicas):
     notes() lines join /readyz's reason, and the collectors' metrics /metrics. shm: exchange
-    tensors with replicas on this machine through shared memory.
+    tensors with replicas on this machine through shared memory. waker: asked to start a
+    stage at zero replicas (autoscaling) while requests are held for it. background: each is
+    called with the Orchestrator once it started and runs until shutdown begins (`omnistage
+    serve`'s autoscaler).
     Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
@@ -167,15 +173,17 @@ async def serve_orchestrator(
     api_port = pipeline.spec.orchestrator.port if port is None else port
     delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
              else shutdown_delay)
-    orch = Orchestrator(pipeline, membership, notes=notes, shm=shm)
+    orch = Orchestrator(pipeline, membership, notes=notes, shm=shm, waker=waker)
     for collector in collectors:
         orch.registry.register(collector)
     runner: Any = None
+    loops: list[asyncio.Future[None]] = []
     started_ok = serving = False
     drain = drain_timeout(pipeline)
     try:
         await orch.start()
         started_ok = True
+        loops = [asyncio.ensure_future(run(orch)) for run in background]
         try:
             runner, url = await serve_http(orch, host, api_port)
         except OSError as exc:
@@ -195,6 +203,9 @@ async def serve_orchestrator(
         await stop.wait()
     finally:
         stop.set()  # from here on every signal is "already shutting down"
+        for loop_task in loops:
+            loop_task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         if runner is not None:
             runner.app[API_KEY].begin_shutdown()
         if serving and delay > 0:
@@ -256,7 +267,8 @@ def run_orchestrator(
     try:
         return asyncio.run(serve_orchestrator(pipeline, members, bind, port,
                                               ignore_late_signals=True,
-                                              shutdown_delay=shutdown_delay, shm=shm))
+                                              shutdown_delay=shutdown_delay, shm=shm,
+                                              waker=waker_for(members)))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1

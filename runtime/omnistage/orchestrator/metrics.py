@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from omnistage.metrics import family, summary
+from omnistage.orchestrator.load import PipelineLoad
 from omnistage.orchestrator.pools import StagePool
+
+# The load signal's figures as gauges: (family, StageLoad field, help). HPA or KEDA users scale
+# a StagePool on these instead of the built-in autoscaler; GET /v1/load serves the same numbers.
+LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("omnistage_stage_inflight", "inflight",
+     "Tasks admitted to the stage's replicas (queued in workers included)"),
+    ("omnistage_stage_held", "held",
+     "Tasks held by the orchestrator while the stage has no routable replica"),
+    ("omnistage_stage_arrivals_per_second", "arrivals_per_s",
+     "Tasks that needed the stage per second, over the load window"),
+    ("omnistage_stage_service_seconds", "service_s",
+     "Mean time from dispatch to the stage's last reply, over the load window"),
+    ("omnistage_stage_queue_wait_p95_seconds", "queue_wait_p95_s",
+     "p95 of the time from needing the stage to dispatch to a replica, over the load window"),
+    ("omnistage_stage_ttfo_p95_seconds", "ttfo_p95_s",
+     "p95 of the time from dispatch to the stage's first output, over the load window"),
+)
 
 
 class OrchestratorCollector:
@@ -18,12 +36,14 @@ class OrchestratorCollector:
     """
 
     def __init__(self, *, pipeline: str, outcomes: Mapping[str, int], requests: Sized,
-                 pools: Mapping[str, StagePool], counters: Mapping[str, float]) -> None:
+                 pools: Mapping[str, StagePool], counters: Mapping[str, float],
+                 load: Callable[[], PipelineLoad] | None = None) -> None:
         self.common = {"pipeline": pipeline}
         self.outcomes = outcomes
         self.requests = requests
         self.pools = pools
         self.counters = counters
+        self.load = load
 
     def collect(self) -> Iterator[Metric]:
         c, common = self.counters, self.common
@@ -59,3 +79,9 @@ class OrchestratorCollector:
         yield summary("omnistage_orchestrator_request_seconds",
                       "Request latency, admission to terminal outcome", common,
                       sum(self.outcomes.values()), c["latency_sum"])
+        if self.load is not None:
+            stages = self.load().stages
+            for name, field, help_text in LOAD_GAUGES:
+                yield family(gauge, name, help_text, common,
+                             [((stage,), float(getattr(fig, field)))
+                              for stage, fig in stages.items()], ["stage"])

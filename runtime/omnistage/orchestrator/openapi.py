@@ -27,6 +27,7 @@ from omnistage.orchestrator.schemas import (
     GenericResponse,
     ImagesRequest,
     ImagesResponse,
+    LoadResponse,
     ModelCard,
     ModelList,
     SpeechRequest,
@@ -81,6 +82,9 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/pipelines/{name}/control", "pipeline_control", "Fan a control RPC "
           f"({', '.join(CONTROL_OPS)}) out to stage replicas", "generic", ControlRequest,
           ControlResponse, errors=(400, 404, 409, 500, 503)),
+    Route("GET", "/v1/load", "pipeline_load", "Per-stage load signal over a window (replicas, "
+          "in flight, held, arrivals, service time, p95 queue wait and time to first output); "
+          "the autoscaler reads it", response=LoadResponse),
     Route("GET", "/livez", "livez", "Liveness: the process serves HTTP"),
     Route("GET", "/readyz", "readyz", "Readiness: every stage has a routable replica and "
           "admission is open", errors=(503,)),

@@ -18,6 +18,7 @@ import re
 import typing
 from typing import Annotated, Any, Literal, NotRequired, Union
 
+import msgspec
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -35,6 +36,7 @@ from typing_extensions import TypeAliasType, TypedDict  # pydantic wants this on
 
 from omnistage import media
 from omnistage.orchestrator import requests as rq
+from omnistage.orchestrator.load import PipelineLoad
 from omnistage.params import engine_bounds, engine_type, per_request
 from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
 from omnistage.spec import STAGE_KINDS, VOICE_PATTERN
@@ -806,3 +808,24 @@ class GenericResponse(TypedDict):
 class ControlResponse(TypedDict):
     results: Annotated[dict[str, dict[str, Any]], Field(
         description="Replica name -> the state its worker reported.")]
+
+
+def _struct_schema(struct: type) -> dict[str, Any]:
+    """A msgspec Struct's JSON Schema with its nested Structs inlined, so the OpenAPI document
+    describes the struct itself (its one definition) without components of its own."""
+    (top,), defs = msgspec.json.schema_components([struct], ref_template="{name}")
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if set(node) == {"$ref"}:
+                return inline(defs[node["$ref"]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return dict(inline(top))
+
+
+LoadResponse = Annotated[dict[str, Any], WithJsonSchema(_struct_schema(PipelineLoad))]
+"""GET /v1/load's body: orchestrator.load.PipelineLoad, encoded by msgspec."""

@@ -1,0 +1,207 @@
+"""The autoscaler's decision: one stage's desired replicas from its load signal (pure).
+
+Why pure and here: the operator (omni_operator.autoscaler) and `omnistage serve` size pools the
+same way, and a decision that reads no clock and does no I/O can be pinned rule by rule with a
+fake clock. The caller reads the load (the orchestrator's GET /v1/load), calls `decide` once a
+period with the state the previous call returned, and writes the size when it changed.
+
+The rules, in the order they apply (docs/architecture.md, "Autoscaling"):
+
+1. **The figure.** inflightPerReplica: Little's law, the concurrency the stage carries is
+   arrivals/s x mean service time (before any completion in the window: what is in flight and
+   held), and needed = ceil(concurrency / target). queueWaitSeconds and
+   p95TimeToFirstOutputSeconds: the measured p95 over its target; above 1 the pool grows in
+   proportion (ceil(current x ratio)), below LATENCY_HEADROOM it shrinks by one replica.
+2. **Bounds**: within [minReplicas, maxReplicas] (and the replicas that can be placed, when the
+   caller knows it). A pool outside its bounds is brought back at once, whatever the cool-down.
+3. **Zero** only with minReplicas 0, after idleSeconds with nothing in flight, held or
+   arriving; otherwise a pool that would go to 0 keeps 1.
+4. **Wake**: a pool at 0 with held requests, a pending wake or work in flight gets at least 1,
+   at once (no cool-down applies).
+5. **Cool-down**: at most one change of direction per coolDownSeconds: a change against the
+   direction of the last change is held until coolDownSeconds after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from omnistage.spec import Autoscaling
+
+__all__ = [
+    "LATENCY_HEADROOM",
+    "AutoscalerState",
+    "Decision",
+    "StageLoadLike",
+    "decide",
+]
+
+#: A latency target's measured p95 below this fraction of the target lets the pool shrink by one.
+LATENCY_HEADROOM = 0.5
+
+
+class StageLoadLike(Protocol):
+    """The figures of one stage that `decide` reads: the keys of GET /v1/load's stages (the
+    orchestrator's StageLoad struct, or anything with the same attributes)."""
+
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def held(self) -> int: ...
+    @property
+    def arrivals_per_s(self) -> float: ...
+    @property
+    def service_s(self) -> float: ...
+    @property
+    def queue_wait_p95_s(self) -> float: ...
+    @property
+    def ttfo_p95_s(self) -> float: ...
+    @property
+    def last_request_unix(self) -> float | None: ...
+    @property
+    def wake_pending(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    """What one pool's decisions remember between periods (the caller keeps it, per pool)."""
+
+    #: +1 or -1: the direction of the last change of size; 0 before the first.
+    last_direction: int = 0
+    #: When that change was decided (the caller's clock).
+    last_change_at: float | None = None
+    #: Since when the stage has been seen idle (nothing in flight, held or arriving); None: busy.
+    idle_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One explained decision: what was read, the figure it gave, the size, and why."""
+
+    desired: int
+    #: One line a person reads in `kubectl get sp` and the pool's status.
+    reason: str
+    #: The figures read (and current), by name.
+    inputs: dict[str, float]
+    #: +1 grow, -1 shrink, 0 keep.
+    direction: int
+    #: The unbounded figure: replicas the target asks for (Little's law or the latency ratio).
+    figure: float = 0.0
+    #: The rule that settled it: target, bounds, idle, wake, cool-down.
+    rule: str = "target"
+    #: The state to pass to the next call.
+    state: AutoscalerState = field(default_factory=AutoscalerState)
+
+
+def _figure(spec: Autoscaling, load: StageLoadLike, current: int) -> tuple[float, str]:
+    """The replicas the target asks for, unbounded, and how it was reached."""
+    kind, target = spec.target.kind, spec.target.value
+    if kind == "inflightPerReplica":
+        if load.service_s > 0:
+            concurrency = load.arrivals_per_s * load.service_s
+            how = (f"Little's law {load.arrivals_per_s:.3g}/s x {load.service_s:.3g}s "
+                   f"/ {target:g} per replica")
+        else:  # nothing finished in the window yet: what is there now is the concurrency
+            concurrency = float(load.inflight + load.held)
+            how = f"{load.inflight + load.held} in flight or held / {target:g} per replica"
+        return concurrency / target, how
+    measured = load.queue_wait_p95_s if kind == "queueWaitSeconds" else load.ttfo_p95_s
+    ratio = measured / target
+    base = max(current, 1)
+    if ratio > 1:
+        return base * ratio, f"p95 {measured:.3g}s over target {target:g}s: x{ratio:.2f}"
+    if ratio < LATENCY_HEADROOM and current > 0:
+        return float(current - 1), f"p95 {measured:.3g}s under half of target {target:g}s: -1"
+    return float(current), f"p95 {measured:.3g}s within target {target:g}s"
+
+
+def decide(
+    spec: Autoscaling,
+    load: StageLoadLike,
+    current: int,
+    state: AutoscalerState,
+    now: float,
+    *,
+    load_now: float | None = None,
+    placeable: int | None = None,
+) -> Decision:
+    """The desired replicas of one stage now, explained (module docstring: the rules).
+
+    current: the pool's spec.replicas. now: the caller's clock (cool-down and idle time).
+    load_now: the signal's own clock (GET /v1/load's `now`), against which last_request_unix
+    is measured; without it the idle time is the caller's observation alone. placeable: the
+    most replicas that can be placed (GPUs), when known.
+    """
+    busy = load.inflight > 0 or load.held > 0 or load.arrivals_per_s > 0
+    idle_since = None if busy else (state.idle_since if state.idle_since is not None else now)
+    inputs: dict[str, float] = {
+        "current": float(current),
+        "inflight": float(load.inflight),
+        "held": float(load.held),
+        "arrivalsPerSecond": load.arrivals_per_s,
+        "serviceSeconds": load.service_s,
+        "queueWaitP95Seconds": load.queue_wait_p95_s,
+        "ttfoP95Seconds": load.ttfo_p95_s,
+    }
+    figure, how = _figure(spec, load, current)
+    desired = math.ceil(round(figure, 9))  # 2.0000000001 from float noise is 2, not 3
+    rule = "target"
+    high = spec.max_replicas if placeable is None else min(spec.max_replicas, placeable)
+    low = spec.min_replicas
+
+    # 3. zero only for an idle pool with minReplicas 0
+    idle_for = 0.0
+    if idle_since is not None:
+        idle_for = now - idle_since
+        if load_now is not None and load.last_request_unix is not None:
+            idle_for = min(idle_for, load_now - load.last_request_unix)
+        inputs["idleSeconds"] = idle_for
+    if desired <= 0 and low == 0:
+        if current == 0:
+            desired, rule = 0, "idle"
+            how = "at zero, nothing held or in flight"
+        elif idle_since is not None and idle_for >= spec.idle_seconds:
+            desired, rule = 0, "idle"
+            how = f"idle {idle_for:.0f}s >= {spec.idle_seconds:g}s"
+        else:  # not idle long enough: one replica stays warm
+            desired = 1
+            how += f"; zero only after {spec.idle_seconds:g}s idle"
+    # 2. bounds
+    bounded = max(low, min(high, desired))
+    if bounded != desired:
+        rule = "bounds"
+        how += f"; bounded to [{low}, {high}]"
+    desired = bounded
+    out_of_bounds = not (low <= current <= high)
+    # 4. wake: a pool at 0 that is needed
+    wake = current == 0 and (load.held > 0 or load.wake_pending or load.inflight > 0)
+    if wake and desired < 1:
+        desired = min(max(1, low), max(1, high))
+    if wake:
+        rule = "wake"
+        how = (f"woken: {load.held} held" + (", wake pending" if load.wake_pending else "")
+               + f"; {how}")
+    direction = (desired > current) - (desired < current)
+    # 5. cool-down: one change of direction per window (bounds and wake are not held back)
+    if (
+        direction != 0
+        and not wake
+        and not out_of_bounds
+        and state.last_direction not in (0, direction)
+        and state.last_change_at is not None
+        and now - state.last_change_at < spec.cool_down_seconds
+    ):
+        left = spec.cool_down_seconds - (now - state.last_change_at)
+        reason = (f"hold {current}: {how} asks {desired}, but the last change went the other "
+                  f"way {now - state.last_change_at:.0f}s ago (cool-down, {left:.0f}s left)")
+        return Decision(current, reason, inputs, 0, figure, "cool-down",
+                        replace(state, idle_since=idle_since))
+    if direction == 0:
+        reason = f"keep {current}: {how}"
+        next_state = replace(state, idle_since=idle_since)
+    else:
+        reason = f"{'scale up' if direction > 0 else 'scale down'} {current} -> {desired}: {how}"
+        next_state = AutoscalerState(direction, now, idle_since)
+    return Decision(desired, reason, inputs, direction, figure, rule, next_state)

@@ -1,0 +1,193 @@
+"""The per-stage load signal: what an autoscaler (the operator, `omnistage serve`, HPA/KEDA
+through Prometheus) needs to size each stage's pool.
+
+Why here: the orchestrator is the one place that sees every request enter and leave every
+stage, so it measures; deciding is elsewhere (omnistage.autoscaling). The engine feeds a
+LoadTracker at four points of a task's life (it needs the stage, it is dispatched to a replica,
+the replica's first output, its end), and GET /v1/load and the `omnistage_stage_*` gauges read
+one PipelineLoad built from it.
+
+Cost is bounded whatever the traffic: each figure keeps a ring of its last RING_SIZE samples
+(time, value), read only when someone asks (once per autoscaler period). Under more than
+RING_SIZE samples per window the figures cover the most recent RING_SIZE of them: the rate is
+then measured over the span those samples cover, not the whole window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Annotated
+
+import msgspec
+
+if TYPE_CHECKING:
+    from omnistage.spec import PipelineSpec
+
+__all__ = [
+    "DEFAULT_WINDOW_S",
+    "RING_SIZE",
+    "LoadTracker",
+    "PipelineLoad",
+    "StageLoad",
+    "StageTracker",
+    "p95",
+    "window_of",
+]
+
+DEFAULT_WINDOW_S = 60.0
+RING_SIZE = 1024
+Clock = Callable[[], float]
+
+
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class StageLoad(msgspec.Struct, kw_only=True):
+    """One stage's figures (the JSON keys of GET /v1/load, per stage)."""
+
+    replicas: Annotated[int, _doc("Routable replicas.")]
+    inflight: Annotated[int, _doc("Tasks admitted to the stage's replicas (queued in workers "
+                                  "included).")]
+    held: Annotated[int, _doc("Tasks the orchestrator holds because the stage has no routable "
+                              "replica (scaled to zero).")]
+    arrivals_per_s: Annotated[float, _doc("Tasks that needed the stage, per second over the "
+                                          "window.")]
+    service_s: Annotated[float, _doc("Mean time from dispatch to the stage's last reply over "
+                                     "the window; 0 if none.")]
+    queue_wait_p95_s: Annotated[float, _doc("p95 of the time from needing the stage to "
+                                            "dispatch to a replica (held time included).")]
+    ttfo_p95_s: Annotated[float, _doc("p95 of the time from dispatch to the stage's first "
+                                      "output.")]
+    last_request_unix: Annotated[float | None, _doc("Unix time a task last needed the stage; "
+                                                    "null if never.")]
+    wake_pending: Annotated[bool, _doc("A wake was asked for and no replica is routable yet.")]
+
+
+class PipelineLoad(msgspec.Struct, kw_only=True):
+    """GET /v1/load: every stage's figures over one window."""
+
+    window_s: Annotated[float, _doc("The window the rates and percentiles cover, seconds.")]
+    now: Annotated[float, _doc("Unix time of this snapshot.")]
+    stages: dict[str, StageLoad]
+
+
+def p95(values: Iterable[float]) -> float:
+    """The 95th percentile (nearest rank); 0 for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+class StageTracker:
+    """Bounded rings of one stage's recent samples, each (monotonic time, value)."""
+
+    __slots__ = ("arrivals", "last_arrival", "queue_waits", "services", "ttfos")
+
+    def __init__(self, size: int = RING_SIZE) -> None:
+        self.arrivals: deque[float] = deque(maxlen=size)
+        self.queue_waits: deque[tuple[float, float]] = deque(maxlen=size)
+        self.ttfos: deque[tuple[float, float]] = deque(maxlen=size)
+        self.services: deque[tuple[float, float]] = deque(maxlen=size)
+        self.last_arrival: float | None = None
+
+    def arrival_rate(self, now: float, window: float, age: float) -> float:
+        """Arrivals per second over the window (over the tracker's age while it is younger
+        than the window, and over the span the ring covers when it holds less than the
+        window)."""
+        since = now - window
+        n = 0
+        for t in reversed(self.arrivals):
+            if t < since:
+                break
+            n += 1
+        if n == 0:
+            return 0.0
+        if len(self.arrivals) == self.arrivals.maxlen and self.arrivals[0] >= since:
+            return n / max(now - self.arrivals[0], 1e-3)  # the ring holds less than the window
+        return n / max(min(window, age), 1.0)  # a second at least: no spike at start
+
+    @staticmethod
+    def recent(ring: deque[tuple[float, float]], since: float) -> list[float]:
+        out = []
+        for t, v in reversed(ring):
+            if t < since:
+                break
+            out.append(v)
+        return out
+
+
+class LoadTracker:
+    """Per-stage trackers fed by the engine; `figures` reads one stage's windowed numbers.
+
+    clock is monotonic (tests pass a fake one); wall gives unix time for last_request_unix.
+    """
+
+    def __init__(self, stages: Iterable[str], *, window_s: float = DEFAULT_WINDOW_S,
+                 ring_size: int = RING_SIZE, clock: Clock = time.monotonic,
+                 wall: Clock = time.time) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s: must be > 0, got {window_s}")
+        self.window_s = float(window_s)
+        self.clock = clock
+        self.wall = wall
+        self.started = clock()
+        self.stages = {s: StageTracker(ring_size) for s in stages}
+
+    # ---- samples (the engine calls these) --------------------------------------------------
+
+    def arrived(self, stage: str) -> float:
+        """A task needs the stage (dispatched at once or held); returns the time, which the
+        engine keeps to measure the task's queue wait."""
+        now = self.clock()
+        tracker = self.stages[stage]
+        tracker.arrivals.append(now)
+        tracker.last_arrival = now
+        return now
+
+    def dispatched(self, stage: str, needed_at: float) -> float:
+        """The task went to a replica; returns the time, from which ttfo and service count."""
+        now = self.clock()
+        self.stages[stage].queue_waits.append((now, max(0.0, now - needed_at)))
+        return now
+
+    def first_output(self, stage: str, sent_at: float) -> None:
+        now = self.clock()
+        self.stages[stage].ttfos.append((now, max(0.0, now - sent_at)))
+
+    def finished(self, stage: str, sent_at: float) -> None:
+        """The stage's work on the task ended (its final reply, or an abort's)."""
+        now = self.clock()
+        self.stages[stage].services.append((now, max(0.0, now - sent_at)))
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def figures(self, stage: str, *, replicas: int, inflight: int, held: int,
+                wake_pending: bool) -> StageLoad:
+        """One stage's StageLoad; the engine supplies what it knows right now."""
+        now = self.clock()
+        tracker = self.stages[stage]
+        since = now - self.window_s
+        services = tracker.recent(tracker.services, since)
+        last = tracker.last_arrival
+        return StageLoad(
+            replicas=replicas, inflight=inflight, held=held,
+            arrivals_per_s=tracker.arrival_rate(now, self.window_s, now - self.started),
+            service_s=sum(services) / len(services) if services else 0.0,
+            queue_wait_p95_s=p95(tracker.recent(tracker.queue_waits, since)),
+            ttfo_p95_s=p95(tracker.recent(tracker.ttfos, since)),
+            last_request_unix=None if last is None else self.wall() - (now - last),
+            wake_pending=wake_pending,
+        )
+
+
+def window_of(spec: PipelineSpec) -> float:
+    """The signal's window: the longest `autoscaling.windowSeconds` among the pipeline's
+    stages (one window for every stage keeps the tracker simple), else DEFAULT_WINDOW_S."""
+    windows = [float(s.autoscaling.window_seconds) for s in spec.stages
+               if s.autoscaling is not None]
+    return max(windows, default=DEFAULT_WINDOW_S)
