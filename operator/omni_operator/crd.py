@@ -101,17 +101,17 @@ def _convert(node: Any, defs: dict[str, Schema]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
+    branches = node.get("anyOf")
+    if branches is not None:  # first, so an optional model's $ref is inlined below too
+        rest = [b for b in branches if b != {"type": "null"}]
+        if len(rest) == 1:
+            del node["anyOf"]
+            node = {**rest[0], **node}
     if "$ref" in node:
         target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
         # The field's own description is more specific than the model's docstring.
         node = {**target, **node}
     _describe_default(node)
-    branches = node.get("anyOf")
-    if branches is not None:
-        rest = [b for b in branches if b != {"type": "null"}]
-        if len(rest) == 1:
-            del node["anyOf"]
-            node = {**rest[0], **node}
     if "const" in node:
         node["enum"] = [node.pop("const")]
     out: Schema = {}
@@ -652,8 +652,13 @@ def stagepool_crd() -> Schema:
     columns = [
         _column("Pipeline", ".spec.pipeline", "The OmniPipeline this pool belongs to."),
         _column("Stage", ".spec.stage.name", "The stage this pool serves."),
+        _column("Desired", ".spec.replicas", "Desired replicas (spec.replicas: the manifest's "
+                "seed, kubectl scale, or the autoscaler).", "integer"),
+        _column("Current", ".status.replicas", "Replica pods that exist.", "integer"),
         _column("Ready", ".status.ready", "Ready over desired replicas (never above desired)."),
         _column("Draining", ".status.drainingReplicas", "Replicas being retired.", "integer"),
+        _column("Autoscaler", ".status.autoscaler.decision",
+                "The autoscaler's last decision (empty without spec.stage.autoscaling)."),
         _AGE,
     ]
     scale = {
