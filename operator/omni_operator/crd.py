@@ -299,6 +299,13 @@ def _autoscaling_rules(stage: Schema) -> None:
     low = Autoscaling.model_fields["min_replicas"].default
     min_replicas = f"(has(self.minReplicas) ? self.minReplicas : {low})"
     chosen = " + ".join(f"(has(self.target.{t}) ? 1 : 0)" for t in AUTOSCALING_TARGETS)
+    # The targets set, named as the validator names them (sorted, or "none"): a lookup of
+    # literal strings by bit mask, since join() has no bounded CEL cost estimate.
+    mask = " + ".join(f"(has(self.target.{t}) ? {1 << i} : 0)"
+                      for i, t in enumerate(AUTOSCALING_TARGETS))
+    words = {m: ", ".join(sorted(t for i, t in enumerate(AUTOSCALING_TARGETS) if m >> i & 1))
+             or "none" for m in range(1 << len(AUTOSCALING_TARGETS))}
+    named = "{" + ", ".join(f"{m}: '{w}'" for m, w in words.items()) + f"}}[{mask}]"
     _add_rules(
         _at(stage, "autoscaling"),
         _rule(
@@ -309,6 +316,8 @@ def _autoscaling_rules(stage: Schema) -> None:
             field_path=".minReplicas",
         ),
         _rule(f"!has(self.target) || {chosen} == 1", AUTOSCALING_ONE_TARGET,
+              message_expression=_fmt(f"{AUTOSCALING_ONE_TARGET} (got %s)",
+                                      named),
               field_path=".target"),
     )
     scaled_min = min_replicas.replace("self.", "self.autoscaling.")
