@@ -35,6 +35,7 @@ from omni_operator.status_models import (
     status_model,
 )
 from omnistage import kube
+from omnistage.spec import Autoscaling
 
 __all__ = [
     "INVALID_SPEC",
@@ -136,7 +137,10 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str,
     minimum = stage_minimum(desired, settled, max_unavailable)
     counts = f"{min(ready, desired)}/{desired} replicas ready"
 
-    if desired == 0:
+    if desired == 0 and _wakes_on_demand(spec):
+        ok, reason, message = True, "IdleAtZero", (
+            "scaled to zero by the autoscaler: a request for the stage is held and wakes it")
+    elif desired == 0:
         ok, reason, message = False, "ScaledToZero", "replicas is 0: the stage cannot serve"
     elif ready >= minimum:
         reason = "AllReplicasReady" if ready >= desired else "MinimumReplicasReady"
@@ -183,6 +187,15 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str,
         observed_generation=gen,
         conditions=conditions,
     )
+
+
+def _wakes_on_demand(spec: Obj) -> bool:
+    """A pool the autoscaler may take to zero (minReplicas 0): at zero it still serves, since
+    the orchestrator holds a request for it and wakes it (docs/architecture.md)."""
+    scaling = (spec.get("stage") or {}).get("autoscaling")
+    if not isinstance(scaling, dict):
+        return False
+    return scaling.get("minReplicas", Autoscaling.model_fields["min_replicas"].default) == 0
 
 
 def _autoscaling(scaler: AutoscalerStatus) -> tuple[bool, str, str]:

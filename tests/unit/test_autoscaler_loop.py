@@ -299,3 +299,16 @@ def test_the_orchestrator_may_patch_only_its_autoscaled_pools(scaled: tuple[str,
     else:
         assert pools == [{"apiGroups": ["omnistage.io"], "resources": ["stagepools"],
                           "verbs": ["patch"], "resourceNames": names}]
+
+
+def test_a_pool_at_zero_that_wakes_on_demand_is_ready() -> None:
+    """minReplicas 0: at zero the stage still serves (held, then woken), so the pool (and so
+    the pipeline) stays Ready; a fixed pool at zero cannot serve."""
+    idle = pool_status(pool(0, minReplicas=0), [], "h", "2027-01-01T00:00:00Z").wire()
+    ready = next(c for c in idle["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "IdleAtZero")
+    for fixed in (pool(0, minReplicas=1), {**pool(0), "spec": {**pool(0)["spec"], "stage": {
+            "name": "a", "kind": "echo"}}}):
+        st = pool_status(fixed, [], "h", "2027-01-01T00:00:00Z").wire()
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
