@@ -56,6 +56,7 @@ __all__ = [
     "FIELD_MANAGER",
     "LOAD_URL_ENV",
     "Autoscaler",
+    "LoadUnavailable",
     "StageFigures",
     "hpa_targets",
     "stage_figures",

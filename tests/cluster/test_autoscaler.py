@@ -13,14 +13,18 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from omni_operator.autoscaler import FIELD_MANAGER, LOAD_URL_ENV
 from omnistage import kube as k
-from omnistage.kubeapi import resource_path
+from omnistage.autoscaling import ANNOTATION_WAKE_REQUESTED
+from omnistage.kubeapi import path, resource_path
+from tests.cluster.test_operator_writes import _sa_kubeconfig
 from tests.harness.cluster import Cluster, pods
+from tests.harness.kubeclient import Kube
 from tests.harness.operator import Operator, apply, pipeline_doc, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -147,9 +151,74 @@ def test_the_crd_refuses_what_the_validator_refuses(kube: Cluster, namespace: st
     doc = pipeline_doc("bad", [stage])
     proc = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False)
     assert proc.returncode != 0
-    for path, text in (("spec.stages[0].autoscaling.minReplicas",
-                        "minReplicas must be at most maxReplicas (got 3 > 2)"),
-                       ("spec.stages[0].autoscaling.target", "set exactly one of"),
-                       ("spec.stages[0].replicas",
-                        "must be within [minReplicas, maxReplicas] (got 5, bounds [3, 2])")):
-        assert path in proc.stderr and text in proc.stderr, proc.stderr
+    for where, text in (("spec.stages[0].autoscaling.minReplicas",
+                         "minReplicas must be at most maxReplicas (got 3 > 2)"),
+                        ("spec.stages[0].autoscaling.target", "set exactly one of"),
+                        ("spec.stages[0].replicas",
+                         "must be within [minReplicas, maxReplicas] (got 5, bounds [3, 2])")):
+        assert where in proc.stderr and text in proc.stderr, proc.stderr
+
+
+def test_a_wake_scales_a_pool_at_zero_and_only_the_orchestrator_s_own_pools_may_be_woken(
+        kube: Cluster, namespace: str, operator: Operator, load: FakeLoad,
+        tmp_path: Path) -> None:
+    """A sleeping pool (minReplicas 0, idle) is Ready at zero; the wake annotation, written
+    with the orchestrator's own ServiceAccount, brings it to 1 at once (its period is long)."""
+    load.set(arrivals_per_s=0.0)
+    stage = {"name": "a", "kind": "echo", "finalOutput": True,
+             "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "periodSeconds": 1,
+                             "idleSeconds": 1, "coolDownSeconds": 0}}
+    apply(kube, namespace, pipeline_doc(NAME, [stage]))
+    wait_for(lambda: _replicas(kube, namespace) == (0, 0), 60, "idle to zero", operator.log_tail)
+    ready = next(c for c in _pool(kube, namespace)["status"]["conditions"]
+                 if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "IdleAtZero")
+
+    # The period is now an hour: only the wake can bring it up within the wait below.
+    stage["autoscaling"]["periodSeconds"] = 3600
+    apply(kube, namespace, pipeline_doc(NAME, [stage]))
+    account = f"system:serviceaccount:{namespace}:{NAME}-orchestrator"
+    wait_for(lambda: kube.kubectl("auth", "can-i", "patch", f"stagepools/{NAME}-a", "-n",
+                                  namespace, f"--as={account}", check=False).stdout.strip()
+             == "yes", 30, "the orchestrator's Role")
+    assert kube.kubectl("auth", "can-i", "patch", "stagepools/other-a", "-n", namespace,
+                        f"--as={account}", check=False).stdout.strip() == "no"
+    load.set(arrivals_per_s=0.0)
+    load.figures["held"] = 1
+    stamp = "2099-01-01T00:00:00Z"  # newer than any scale-down
+    # What the orchestrator sends, with its own token: a merge patch of the annotation (it may
+    # not even read the pool).
+    as_orchestrator = Kube.from_kubeconfig(_sa_kubeconfig(
+        kube, namespace, f"{NAME}-orchestrator", tmp_path / "orchestrator.kubeconfig"))
+    as_orchestrator.patch(path("StagePool", namespace, f"{NAME}-a"),
+                          {"metadata": {"annotations": {ANNOTATION_WAKE_REQUESTED: stamp}}})
+    wait_for(lambda: _replicas(kube, namespace) == (1, 1), 30, "woken to 1", operator.log_tail)
+    [woken] = _events(kube, namespace, "Woken")
+    assert "woken" in woken["message"]
+
+
+def test_an_hpa_on_an_autoscaled_pool_is_refused(kube: Cluster, namespace: str,
+                                                operator: Operator, load: FakeLoad) -> None:
+    load.set(arrivals_per_s=3.0)
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": "external"},
+           "spec": {"scaleTargetRef": {"apiVersion": k.API_VERSION, "kind": "StagePool",
+                                       "name": f"{NAME}-a"},
+                    "minReplicas": 1, "maxReplicas": 2,
+                    "metrics": [{"type": "Resource", "resource": {
+                        "name": "cpu", "target": {"type": "Utilization",
+                                                  "averageUtilization": 50}}}]}}
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(hpa))
+    stage = {"name": "a", "kind": "echo", "finalOutput": True,
+             "autoscaling": {"maxReplicas": 3, "periodSeconds": 1}}
+    apply(kube, namespace, pipeline_doc(NAME, [stage]))
+
+    def refused() -> bool:
+        conds = _pool(kube, namespace).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Autoscaling" and c["reason"] == "ExternalAutoscaler"
+                   for c in conds)
+
+    wait_for(refused, 90, "Autoscaling False ExternalAutoscaler", operator.log_tail)
+    [event] = _events(kube, namespace, "ExternalAutoscaler")
+    assert event["type"] == "Warning" and "external" in event["message"]
+    assert _replicas(kube, namespace)[0] == 1  # the load asks 3: left to the HPA

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from omni_operator import builders
-from omni_operator.autoscaler import FIELD_MANAGER, Autoscaler, hpa_targets, stage_figures
+from omni_operator.autoscaler import (
+    FIELD_MANAGER,
+    Autoscaler,
+    LoadUnavailable,
+    hpa_targets,
+    stage_figures,
+)
 from omni_operator.controller import Controller
 from omni_operator.models import API_VERSION
 from omni_operator.status import pool_status
@@ -312,3 +318,50 @@ def test_a_pool_at_zero_that_wakes_on_demand_is_ready() -> None:
         st = pool_status(fixed, [], "h", "2027-01-01T00:00:00Z").wire()
         ready = next(c for c in st["conditions"] if c["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
+
+
+def test_the_load_is_read_through_the_service_proxy_else_from_a_ready_orchestrator_pod() -> None:
+    """The proxy first (its path names the orchestrator Service's http port); when it refuses
+    (loopback endpoints with the local pod runner), a Ready orchestrator pod straight; neither:
+    no signal, with the reason."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = json.dumps(load(inflight=2)).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            assert self.path == LOAD_PATH
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        async def main() -> None:
+            api = CountingApi()
+            controller = Controller(api)  # type: ignore[arg-type]
+            scaler = controller.autoscaler
+            with pytest.raises(LoadUnavailable, match="GET /v1/load of p-orchestrator"):
+                await scaler._read_load("ns", "p")
+            assert api.calls == [("GET", "/api/v1/namespaces/ns/services/p-orchestrator:http/"
+                                         "proxy/v1/load", None)]
+            controller.children[("Service", "ns", "p-orchestrator")] = {
+                "spec": {"ports": [{"name": "http", "port": server.server_address[1]}]}}
+            orchestrator = {"metadata": {"name": "p-orchestrator-x", "namespace": "ns"},
+                            "status": {"podIP": "127.0.0.1",
+                                       "conditions": [{"type": "Ready", "status": "True"}]}}
+            not_ready = {"metadata": {"name": "p-orchestrator-y", "namespace": "ns"},
+                         "status": {"podIP": "127.0.0.2", "conditions": []}}
+            controller.pods[("ns", "p-orchestrator")] = {"y": not_ready, "x": orchestrator}
+            assert await scaler._read_load("ns", "p") == load(inflight=2)
+
+        asyncio.run(main())
+    finally:
+        server.shutdown()
