@@ -174,17 +174,20 @@ def test_a_wake_scales_a_pool_at_zero_and_only_the_orchestrator_s_own_pools_may_
                  if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "IdleAtZero")
 
-    # The period is now an hour: only the wake can bring it up within the wait below.
+    # The period is now an hour: only the wake can bring it up within the wait below. Nothing
+    # is held either (a held request at zero would wake the pool on its next period).
     stage["autoscaling"]["periodSeconds"] = 3600
+    reads = load.reads
     apply(kube, namespace, pipeline_doc(NAME, [stage]))
+    wait_for(lambda: (_pool(kube, namespace)["spec"]["stage"]["autoscaling"]["periodSeconds"]
+                      == 3600), 30, "the pool's new period")
+    wait_for(lambda: load.reads >= reads + 1, 30, "a period under the new spec")
     account = f"system:serviceaccount:{namespace}:{NAME}-orchestrator"
     wait_for(lambda: kube.kubectl("auth", "can-i", "patch", f"stagepools/{NAME}-a", "-n",
                                   namespace, f"--as={account}", check=False).stdout.strip()
              == "yes", 30, "the orchestrator's Role")
     assert kube.kubectl("auth", "can-i", "patch", "stagepools/other-a", "-n", namespace,
                         f"--as={account}", check=False).stdout.strip() == "no"
-    load.set(arrivals_per_s=0.0)
-    load.figures["held"] = 1
     stamp = "2099-01-01T00:00:00Z"  # newer than any scale-down
     # What the orchestrator sends, with its own token: a merge patch of the annotation (it may
     # not even read the pool).
