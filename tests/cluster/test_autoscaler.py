@@ -96,6 +96,10 @@ def _replicas(kube: Cluster, namespace: str) -> tuple[int | None, int]:
     return _pool(kube, namespace).get("spec", {}).get("replicas"), len(live)
 
 
+def _decision(kube: Cluster, namespace: str) -> str | None:
+    return ((_pool(kube, namespace).get("status") or {}).get("autoscaler") or {}).get("decision")
+
+
 def _events(kube: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
     items = kube.kube.get(resource_path("v1", "events", namespace))["items"]
     return [e for e in items if e.get("reason") == reason]
@@ -114,9 +118,12 @@ def test_a_pool_follows_its_load_1_3_1(kube: Cluster, namespace: str, operator: 
 
     load.set(arrivals_per_s=3.0)  # Little's law: 3/s x 1 s / 1 per replica = 3
     wait_for(lambda: _replicas(kube, namespace) == (3, 3), 60, "3 replicas", operator.log_tail)
+    # The status follows in the pool's reconcile (after its pods).
+    wait_for(lambda: _decision(kube, namespace) == "scale up 1 -> 3", 30, "the decision shown",
+             operator.log_tail)
     pool = _pool(kube, namespace)
     scaler = pool["status"]["autoscaler"]
-    assert scaler["decision"] == "scale up 1 -> 3" and scaler["lastDirection"] == "Up"
+    assert scaler["lastDirection"] == "Up"
     assert scaler["inputs"]["arrivalsPerSecond"] == 3.0
     assert any(m["manager"] == FIELD_MANAGER and m.get("subresource") == "scale"
                for m in pool["metadata"]["managedFields"])
@@ -140,6 +147,8 @@ def test_a_pool_follows_its_load_1_3_1(kube: Cluster, namespace: str, operator: 
              operator.log_tail)
     assert sorted(e["message"].split(":")[0] for e in _events(kube, namespace, "Autoscaled")) \
         == ["scale down 3 -> 1", "scale up 1 -> 3"]
+    wait_for(lambda: _decision(kube, namespace) == "scale down 3 -> 1", 30,
+             "the decision shown", operator.log_tail)
     assert _pool(kube, namespace)["status"]["autoscaler"]["lastDirection"] == "Down"
 
 
