@@ -145,8 +145,9 @@ def test_a_pool_follows_its_load_1_3_1(kube: Cluster, namespace: str, operator: 
     load.set(arrivals_per_s=0.5)
     wait_for(lambda: _replicas(kube, namespace) == (1, 1), 90, "back to 1 replica",
              operator.log_tail)
-    assert sorted(e["message"].split(":")[0] for e in _events(kube, namespace, "Autoscaled")) \
-        == ["scale down 3 -> 1", "scale up 1 -> 3"]
+    wait_for(lambda: sorted(e["message"].split(":")[0]
+                            for e in _events(kube, namespace, "Autoscaled"))
+             == ["scale down 3 -> 1", "scale up 1 -> 3"], 30, "one event per change")
     wait_for(lambda: _decision(kube, namespace) == "scale down 3 -> 1", 30,
              "the decision shown", operator.log_tail)
     assert _pool(kube, namespace)["status"]["autoscaler"]["lastDirection"] == "Down"
@@ -205,7 +206,7 @@ def test_a_wake_scales_a_pool_at_zero_and_only_the_orchestrator_s_own_pools_may_
     as_orchestrator.patch(path("StagePool", namespace, f"{NAME}-a"),
                           {"metadata": {"annotations": {ANNOTATION_WAKE_REQUESTED: stamp}}})
     wait_for(lambda: _replicas(kube, namespace) == (1, 1), 30, "woken to 1", operator.log_tail)
-    [woken] = _events(kube, namespace, "Woken")
+    [woken] = wait_for(lambda: _events(kube, namespace, "Woken"), 30, "the Woken event")
     assert "woken" in woken["message"]
 
 
@@ -231,6 +232,7 @@ def test_an_hpa_on_an_autoscaled_pool_is_refused(kube: Cluster, namespace: str,
                    for c in conds)
 
     wait_for(refused, 90, "Autoscaling False ExternalAutoscaler", operator.log_tail)
-    [event] = _events(kube, namespace, "ExternalAutoscaler")
+    [event] = wait_for(lambda: _events(kube, namespace, "ExternalAutoscaler"), 30,
+                       "the ExternalAutoscaler event")
     assert event["type"] == "Warning" and "external" in event["message"]
     assert _replicas(kube, namespace)[0] == 1  # the load asks 3: left to the HPA
