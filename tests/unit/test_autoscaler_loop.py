@@ -365,3 +365,43 @@ def test_the_load_is_read_through_the_service_proxy_else_from_a_ready_orchestrat
         asyncio.run(main())
     finally:
         server.shutdown()
+
+
+def test_re_applying_a_manifest_leaves_the_autoscalers_count_alone() -> None:
+    """With autoscaling, a changed `replicas` in the pipeline only seeds new pools: once the
+    autoscaler wrote the count, the operator's apply leaves it out (without autoscaling the
+    same change forces it back: tests/unit/test_controller_apply.py)."""
+    from omni_operator.controller import applied_intent
+
+    async def main() -> None:
+        class ApplyApi(CountingApi):
+            async def apply(self, url: str, obj: Obj, **kw: Any) -> Any:
+                from omnistage.kubeapi import Applied
+                self.calls.append(("APPLY", url, obj))
+                return Applied(obj, created=False)
+
+        api = ApplyApi()
+        c = Controller(api)  # type: ignore[arg-type]
+        c._event = lambda *a: None  # type: ignore[method-assign,assignment]
+        owner = {"apiVersion": API_VERSION, "kind": "OmniPipeline",
+                 "metadata": {"name": "p", "namespace": "ns", "uid": "u0"}}
+
+        def child(seed: int) -> Obj:
+            doc = pool(seed)
+            doc["metadata"] = {"name": "p-a", "namespace": "ns", "annotations": {
+                builders.ANNOTATION_SEED_REPLICAS: str(seed)}}
+            return doc
+
+        live = applied_intent(child(1))
+        live["spec"]["replicas"] = 4  # the autoscaler's
+        live["metadata"].update(uid="u", resourceVersion="7", managedFields=[
+            {"manager": "omnistage-operator", "operation": "Apply", "fieldsType": "FieldsV1",
+             "fieldsV1": {"f:spec": {"f:stage": {}}}},
+            {"manager": FIELD_MANAGER, "operation": "Update", "fieldsType": "FieldsV1",
+             "fieldsV1": {"f:spec": {"f:replicas": {}}}, "subresource": "scale"}])
+        c.pools[("ns", "p-a")] = live
+        await c._ensure_child(owner, child(2))  # the manifest now says replicas: 2
+        [(_, _, intent)] = [call for call in api.calls if call[0] == "APPLY"]
+        assert "replicas" not in intent["spec"]
+
+    asyncio.run(main())
