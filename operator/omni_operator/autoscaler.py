@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from omni_operator import builders
 from omni_operator.models import desired_replicas
+from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import is_ready
 from omni_operator.status_models import AutoscalerStatus, PoolStatus
 from omnistage.autoscaling import (
@@ -296,7 +297,8 @@ class Autoscaler:
         else:
             load_now = doc.get("now") if isinstance(doc, dict) else None
             decision = decide(scaling, figures, current, tracked.state, now,
-                              load_now=float(load_now) if load_now is not None else None)
+                              load_now=float(load_now) if load_now is not None else None,
+                              placeable=self._placeable(pool, current))
             if woken and decision.desired < 1:
                 decision = _woken(scaling, decision, current, now)
         if decision.desired != current:
@@ -341,6 +343,13 @@ class Autoscaler:
                 log.warning("scaling %s/%s to %d failed: %s", ns, name, replicas, exc)
             return False
         return True
+
+    def _placeable(self, pool: Obj, current: int) -> int | None:
+        """The most replicas worth asking for: while a replica cannot be scheduled (no node
+        has room, InsufficientCapacity), not more than the pool has now; else no bound."""
+        live = [p for p in (self.controller.pods.get(_key(pool)) or {}).values()
+                if not p["metadata"].get("deletionTimestamp")]
+        return current if any(unschedulable_message(p) for p in live) else None
 
     def _restore(self, pool: Obj) -> _Tracked:
         """After a restart: the cool-down clock and the last decision from the stored status."""

@@ -405,3 +405,25 @@ def test_re_applying_a_manifest_leaves_the_autoscalers_count_alone() -> None:
         assert "replicas" not in intent["spec"]
 
     asyncio.run(main())
+
+
+def test_no_growth_while_a_replica_cannot_be_placed() -> None:
+    """A replica the scheduler cannot place (no node has room) bounds the pool at its size:
+    more replicas would only wait too."""
+    async def main() -> None:
+        rig = Rig(load(inflight=4, arrivals_per_s=4.0, service_s=1.0))
+        rig.see(pool(2))
+        unschedulable = {"metadata": {"name": "p-a-1", "namespace": "ns"},
+                         "status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                                                    "reason": "Unschedulable",
+                                                    "message": "0/3 nodes: Insufficient gpu"}]}}
+        rig.controller.pods[("ns", "p-a")] = {"p-a-1": unschedulable}
+        await rig.step(0)
+        assert rig.scale_writes() == []
+        report = rig.scaler.report(pool(2))
+        assert report is not None and report.rule == "bounds"
+        rig.controller.pods[("ns", "p-a")] = {}  # placed after all
+        await rig.step(15)
+        assert rig.scale_writes()[0][2]["body"] == {"spec": {"replicas": 4}}
+
+    asyncio.run(main())
