@@ -226,6 +226,18 @@ def orchestrator_name(pipeline: str) -> str:
     return f"{pipeline}-orchestrator"
 
 
+def _wake_rules(pipeline: OmniPipeline) -> list[Obj]:
+    """`patch` on the pipeline's autoscaled StagePools, by name, so the orchestrator can ask for
+    a pool at zero to be woken (omnistage.autoscaling.ANNOTATION_WAKE_REQUESTED). None without
+    autoscaling: an empty resourceNames would grant every pool of the namespace."""
+    names = sorted(kube.pool_name(pipeline.metadata.name, s.name)
+                   for s in pipeline.spec.stages if s.autoscaling is not None)
+    if not names:
+        return []
+    return [{"apiGroups": [kube.GROUP], "resources": ["stagepools"], "verbs": ["patch"],
+             "resourceNames": names}]
+
+
 def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
     """Everything an OmniPipeline owns, in creation order."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
@@ -250,7 +262,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
         "kind": "Role",
         "metadata": _meta(oname, ns, olabels, owner),
         # Exactly what a Pod watch needs: the orchestrator's membership lists and watches Pods.
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+                  *_wake_rules(pipeline)],
     }
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",

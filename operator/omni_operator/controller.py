@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_operator import builders, drain, retirement
+from omni_operator.autoscaler import Autoscaler
 from omni_operator.events import EventRecorder, now_iso
 from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import gate_patch, is_draining, is_ready
@@ -319,6 +320,7 @@ class Controller:
         # that are older than that write (read-your-writes, see patch_status).
         self._status_written: dict[Key, _StatusWrite] = {}
         self.reconciles = 0
+        self.autoscaler = Autoscaler(self)  # sizes pools with spec.stage.autoscaling
 
     # ---- event intake ----------------------------------------------------------------------
 
@@ -338,6 +340,7 @@ class Controller:
         elif kind == "StagePool":
             self._index_pool(key, self.pools.get(key), None if gone else obj)
             self._store(self.pools, key, obj, gone)
+            self.autoscaler.observe(obj, gone)
             self.enqueue(("StagePool", *key))
             pipeline = (obj.get("spec") or {}).get("pipeline")
             if pipeline:
@@ -593,6 +596,7 @@ class Controller:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._workers)]
         self._tasks.append(asyncio.create_task(self._resync()))
+        self._tasks.append(asyncio.create_task(self.autoscaler.run()))
 
     async def stop(self) -> None:
         for handle in self._timers.values():
@@ -886,7 +890,11 @@ class Controller:
                 seed = (current["metadata"].get("annotations") or {}).get(
                     builders.ANNOTATION_SEED_REPLICAS
                 )
-                if seed == str(child["spec"]["replicas"]):
+                # With autoscaling the count is the autoscaler's once it wrote it: the
+                # manifest's replicas only seeds a new pool (docs/architecture.md).
+                scaled = "autoscaling" in child["spec"]["stage"] and not owns(
+                    current, ("spec", "replicas"))
+                if seed == str(child["spec"]["replicas"]) or scaled:
                     # The pipeline did not change this stage's replicas. While the operator's
                     # apply still owns them, they stay in the intent (left out, the apply would
                     # remove them); once `kubectl scale` (or any other writer) took them over,
@@ -1066,7 +1074,8 @@ class Controller:
 
         if deleting:
             return  # the pool is going away: its status is of no use to anyone
-        status = pool_status(pool, list(self.pods.get((ns, name), {}).values()), template_hash, now)
+        status = pool_status(pool, list(self.pods.get((ns, name), {}).values()), template_hash, now,
+                             self.autoscaler.report(pool))
         await self.patch_status(pool, status)
 
     async def _converge_pods(

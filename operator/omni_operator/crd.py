@@ -101,17 +101,17 @@ def _convert(node: Any, defs: dict[str, Schema]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
+    branches = node.get("anyOf")
+    if branches is not None:  # first, so an optional model's $ref is inlined below too
+        rest = [b for b in branches if b != {"type": "null"}]
+        if len(rest) == 1:
+            del node["anyOf"]
+            node = {**rest[0], **node}
     if "$ref" in node:
         target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
         # The field's own description is more specific than the model's docstring.
         node = {**target, **node}
     _describe_default(node)
-    branches = node.get("anyOf")
-    if branches is not None:
-        rest = [b for b in branches if b != {"type": "null"}]
-        if len(rest) == 1:
-            del node["anyOf"]
-            node = {**rest[0], **node}
     if "const" in node:
         node["enum"] = [node.pop("const")]
     out: Schema = {}
@@ -299,6 +299,13 @@ def _autoscaling_rules(stage: Schema) -> None:
     low = Autoscaling.model_fields["min_replicas"].default
     min_replicas = f"(has(self.minReplicas) ? self.minReplicas : {low})"
     chosen = " + ".join(f"(has(self.target.{t}) ? 1 : 0)" for t in AUTOSCALING_TARGETS)
+    # The targets set, named as the validator names them (sorted, or "none"): a lookup of
+    # literal strings by bit mask, since join() has no bounded CEL cost estimate.
+    mask = " + ".join(f"(has(self.target.{t}) ? {1 << i} : 0)"
+                      for i, t in enumerate(AUTOSCALING_TARGETS))
+    words = {m: ", ".join(sorted(t for i, t in enumerate(AUTOSCALING_TARGETS) if m >> i & 1))
+             or "none" for m in range(1 << len(AUTOSCALING_TARGETS))}
+    named = "{" + ", ".join(f"{m}: '{w}'" for m, w in words.items()) + f"}}[{mask}]"
     _add_rules(
         _at(stage, "autoscaling"),
         _rule(
@@ -309,6 +316,8 @@ def _autoscaling_rules(stage: Schema) -> None:
             field_path=".minReplicas",
         ),
         _rule(f"!has(self.target) || {chosen} == 1", AUTOSCALING_ONE_TARGET,
+              message_expression=_fmt(f"{AUTOSCALING_ONE_TARGET} (got %s)",
+                                      named),
               field_path=".target"),
     )
     scaled_min = min_replicas.replace("self.", "self.autoscaling.")
@@ -652,8 +661,13 @@ def stagepool_crd() -> Schema:
     columns = [
         _column("Pipeline", ".spec.pipeline", "The OmniPipeline this pool belongs to."),
         _column("Stage", ".spec.stage.name", "The stage this pool serves."),
+        _column("Desired", ".spec.replicas", "Desired replicas (spec.replicas: the manifest's "
+                "seed, kubectl scale, or the autoscaler).", "integer"),
+        _column("Current", ".status.replicas", "Replica pods that exist.", "integer"),
         _column("Ready", ".status.ready", "Ready over desired replicas (never above desired)."),
         _column("Draining", ".status.drainingReplicas", "Replicas being retired.", "integer"),
+        _column("Autoscaler", ".status.autoscaler.decision",
+                "The autoscaler's last decision (empty without spec.stage.autoscaling)."),
         _AGE,
     ]
     scale = {

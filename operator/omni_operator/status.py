@@ -26,6 +26,7 @@ from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import is_draining, is_ready
 from omni_operator.status_models import (
     PHASES,
+    AutoscalerStatus,
     Condition,
     PipelineStatus,
     PoolStatus,
@@ -34,6 +35,7 @@ from omni_operator.status_models import (
     status_model,
 )
 from omnistage import kube
+from omnistage.spec import Autoscaling
 
 __all__ = [
     "INVALID_SPEC",
@@ -112,7 +114,10 @@ def model_failure(pod: Obj) -> tuple[str, str] | None:
     return None
 
 
-def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> PoolStatus:
+def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str,
+                autoscaler: AutoscalerStatus | None = None) -> PoolStatus:
+    """The pool's status. autoscaler: the autoscaler's latest decision (None: keep the stored
+    one); a pool without spec.stage.autoscaling carries none."""
     meta, spec = pool["metadata"], pool["spec"]
     desired = desired_replicas(pool)
     max_unavailable = int((spec.get("stage") or {}).get("maxUnavailable", 1))
@@ -132,7 +137,10 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Poo
     minimum = stage_minimum(desired, settled, max_unavailable)
     counts = f"{min(ready, desired)}/{desired} replicas ready"
 
-    if desired == 0:
+    if desired == 0 and _wakes_on_demand(spec):
+        ok, reason, message = True, "IdleAtZero", (
+            "scaled to zero by the autoscaler: a request for the stage is held and wakes it")
+    elif desired == 0:
         ok, reason, message = False, "ScaledToZero", "replicas is 0: the stage cannot serve"
     elif ready >= minimum:
         reason = "AllReplicasReady" if ready >= desired else "MinimumReplicasReady"
@@ -158,6 +166,14 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Poo
         moving, m_reason, m_msg = True, "ReplicasStarting", counts
     else:
         moving, m_reason, m_msg = False, "UpToDate", f"{desired} replicas updated and ready"
+    scaler = (autoscaler or old.autoscaler) if (spec.get("stage") or {}).get("autoscaling") \
+        else None
+    conditions = [
+        condition("Ready", ok, reason, message, gen, previous, now),
+        condition("Progressing", moving, m_reason, m_msg, gen, previous, now),
+    ]
+    if scaler is not None:
+        conditions.append(condition("Autoscaling", *_autoscaling(scaler), gen, previous, now))
     return PoolStatus(
         replicas=len(live),
         ready_replicas=ready,
@@ -167,12 +183,29 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str) -> Poo
         # Never more ready than desired (3/1): extra replicas are on their way out.
         ready=f"{min(ready, desired)}/{desired}",
         selector=f"{kube.LABEL_POOL}={meta['name']}",
+        autoscaler=scaler,
         observed_generation=gen,
-        conditions=[
-            condition("Ready", ok, reason, message, gen, previous, now),
-            condition("Progressing", moving, m_reason, m_msg, gen, previous, now),
-        ],
+        conditions=conditions,
     )
+
+
+def _wakes_on_demand(spec: Obj) -> bool:
+    """A pool the autoscaler may take to zero (minReplicas 0): at zero it still serves, since
+    the orchestrator holds a request for it and wakes it (docs/architecture.md)."""
+    scaling = (spec.get("stage") or {}).get("autoscaling")
+    if not isinstance(scaling, dict):
+        return False
+    return scaling.get("minReplicas", Autoscaling.model_fields["min_replicas"].default) == 0
+
+
+def _autoscaling(scaler: AutoscalerStatus) -> tuple[bool, str, str]:
+    """The Autoscaling condition: whether the autoscaler sizes the pool, and if not why."""
+    if scaler.rule == "external":
+        return False, "ExternalAutoscaler", scaler.reason or ""
+    if scaler.signal == "Unavailable":
+        return False, "SignalUnavailable", (f"the load cannot be read, so the pool is not "
+                                            f"scaled down: {scaler.signal_message or ''}")
+    return True, "Active", scaler.reason or ""
 
 
 Why = tuple[str, str]  # (reason, message)

@@ -25,6 +25,7 @@ from pydantic.alias_generators import to_camel
 
 __all__ = [
     "PHASES",
+    "AutoscalerStatus",
     "Condition",
     "ConditionStatus",
     "Phase",
@@ -129,6 +130,43 @@ class PipelineStatus(_WithConditions):
         None, description="Per-stage replica counts, keyed by stage name.")
 
 
+class AutoscalerStatus(_Model):
+    """The autoscaler's last decision that changed something (omni_operator.autoscaler): what
+    it read, the figure, the size it chose and why. Rewritten only when the desired size or
+    the signal's availability changes, so a steady pool costs no status write per period."""
+
+    desired_replicas: int | None = _count("The replicas the autoscaler chose (column Desired "
+                                          "shows spec.replicas, which it writes).")
+    decision: str | None = Field(
+        None, max_length=256, description='The decision in short, such as "scale up 1 -> 3", '
+        '"keep 2" or "no signal: keep 2" (column Autoscaler).')
+    reason: str | None = Field(None, max_length=1024,
+                               description="The decision in one line: the figure and the rule.")
+    rule: str | None = Field(
+        None, max_length=64, description="The rule that settled it: target, bounds, idle, wake, "
+        "cool-down or signal.")
+    target: str | None = Field(None, max_length=128,
+                               description="The target, such as inflightPerReplica=1.")
+    figure: float | None = Field(
+        None, description="Replicas the target asked for before bounds (Little's law or the "
+        "latency ratio).")
+    inputs: dict[str, float] | None = Field(
+        None, description="The load figures read from the orchestrator's GET /v1/load, and "
+        "current (spec.replicas).")
+    signal: Literal["Available", "Unavailable"] | None = Field(
+        None, description="Whether the load could be read; Unavailable never scales down.")
+    signal_message: str | None = Field(
+        None, max_length=1024, description="Why the load could not be read.")
+    decision_time: str | None = Field(
+        None, description="When this decision was made (RFC 3339).",
+        json_schema_extra={"format": "date-time"})
+    last_change_time: str | None = Field(
+        None, description="When the autoscaler last changed the size (RFC 3339); the "
+        "cool-down counts from it.", json_schema_extra={"format": "date-time"})
+    last_direction: Literal["Up", "Down"] | None = Field(
+        None, description="The direction of that change.")
+
+
 class PoolStatus(_WithConditions):
     """Observed state of the pool, written by the operator."""
 
@@ -146,6 +184,8 @@ class PoolStatus(_WithConditions):
     selector: str | None = Field(
         None, description="Label selector of the replica pods, in string form (for the scale "
         "subresource and HorizontalPodAutoscalers).")
+    autoscaler: AutoscalerStatus | None = Field(
+        None, description="With spec.stage.autoscaling: the autoscaler's last decision.")
 
 
 Status = PipelineStatus | PoolStatus
@@ -180,7 +220,8 @@ def _type_name(schema: dict[str, Any], defs: dict[str, Any]) -> str:
         return f"list of {_type_name(schema['items'], defs)}"
     if kind == "object":
         return f"map of name to {_type_name(schema['additionalProperties'], defs)}"
-    return {"integer": "int", "string": "string"}.get(str(kind), json.dumps(kind))
+    return {"integer": "int", "string": "string", "number": "number"}.get(
+        str(kind), json.dumps(kind))
 
 
 def field_table(model: type[BaseModel]) -> str:

@@ -151,8 +151,11 @@ def test_stagepool_scale_subresource_and_columns(crds: Cluster, namespace: str) 
     )  # fmt: skip
     out = crds.kubectl("get", "-n", namespace, "sp").stdout
     header, row = out.splitlines()[:2]
-    assert header.split() == ["NAME", "PIPELINE", "STAGE", "READY", "DRAINING", "AGE"]
-    assert row.split()[:5] == ["echo-a", "echo", "a", "2/3", "1"]
+    assert header.split() == ["NAME", "PIPELINE", "STAGE", "DESIRED", "CURRENT", "READY",
+                              "DRAINING", "AUTOSCALER", "AGE"]
+    # No autoscaling: the Autoscaler column is empty (8 words for 9 columns, Age last).
+    assert row.split()[:7] == ["echo-a", "echo", "a", "3", "3", "2/3", "1"]
+    assert len(row.split()) == 8
     scale = json.loads(
         crds.kubectl(
             "get", "--raw", f"/apis/omnistage.io/v1alpha1/namespaces/{namespace}/stagepools/"

@@ -35,6 +35,14 @@ NOT_REQUESTS: dict[Grant, str] = {
         "sets blockOwnerDeletion on a child; it is not a request of its own",
     ("omnistage.io", "stagepools/finalizers", "update"):
         "the same check, for the pods a StagePool owns",
+    # The autoscaler's (omni_operator/autoscaler.py): used only for stages with autoscaling,
+    # which the echo pipeline here has none of; tests/cluster/test_autoscaler.py drives them.
+    ("omnistage.io", "stagepools/scale", "patch"):
+        "the autoscaler writes spec.replicas as `kubectl scale` does (autoscaled stages only)",
+    ("", "services/proxy", "get"):
+        "the autoscaler reads an orchestrator's GET /v1/load (autoscaled stages only)",
+    ("autoscaling", "horizontalpodautoscalers", "list"):
+        "the autoscaler refuses pools an HPA scales (autoscaled stages only)",
 }
 
 

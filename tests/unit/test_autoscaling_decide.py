@@ -63,8 +63,9 @@ def test_littles_law_on_arrivals_and_service_time() -> None:
 def test_a_fraction_of_a_replica_rounds_up_but_float_noise_does_not() -> None:
     assert decide(spec(), Load(arrivals_per_s=2.1, service_s=1.0), 1, AutoscalerState(),
                   0).desired == 3
-    assert decide(spec(), Load(arrivals_per_s=0.1, service_s=30.0), 1, AutoscalerState(),
-                  0).desired == 3  # 3.0000000000000004 is 3, not 4
+    # 3/s x 0.1 s / 0.1 is 3.0000000000000004 in floats: 3 replicas, not 4
+    assert decide(spec(target={"inflightPerReplica": 0.1}),
+                  Load(arrivals_per_s=3, service_s=0.1), 1, AutoscalerState(), 0).desired == 3
 
 
 def test_before_any_completion_in_flight_and_held_count() -> None:

@@ -306,7 +306,8 @@ def test_names_subresources_and_columns() -> None:
     columns = [c["name"] for c in pipe_v["additionalPrinterColumns"]]
     assert columns == ["Phase", "Ready", "Reason", "Stages", "Endpoint", "Age"]
     columns = [c["name"] for c in pool_v["additionalPrinterColumns"]]
-    assert columns == ["Pipeline", "Stage", "Ready", "Draining", "Age"]
+    assert columns == ["Pipeline", "Stage", "Desired", "Current", "Ready", "Draining",
+                       "Autoscaler", "Age"]
     conditions = _schema(pipe)["properties"]["status"]["properties"]["conditions"]
     assert conditions["x-kubernetes-list-map-keys"] == ["type"]
     assert {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"} <= (

@@ -45,8 +45,8 @@ def wire(status: Status) -> dict[str, Any]:
 
 
 def pool_status(pool: dict[str, Any], pods: list[dict[str, Any]], template_hash: str,
-                now: str) -> dict[str, Any]:
-    return wire(typed.pool_status(pool, pods, template_hash, now))
+                now: str, autoscaler: Any = None) -> dict[str, Any]:
+    return wire(typed.pool_status(pool, pods, template_hash, now, autoscaler))
 
 
 def pipeline_status(*args: Any) -> dict[str, Any]:
@@ -254,6 +254,30 @@ def test_invalid_and_terminating_statuses() -> None:
 # ---------------------------------------------------------------------------- schema
 
 
+def autoscaled_statuses() -> list[tuple[str, dict[str, Any]]]:
+    """A pool with spec.stage.autoscaling, as the autoscaler explains it: a change with the
+    signal read, and one without it (omni_operator.autoscaler.status_of)."""
+    from omni_operator.autoscaler import status_of
+    from omnistage.autoscaling import AutoscalerState, Decision
+    from omnistage.spec import Autoscaling
+
+    scaling = Autoscaling(max_replicas=4)
+    p = pool(3)
+    p["spec"]["stage"]["autoscaling"] = {"maxReplicas": 4}
+    up = Decision(3, "scale up 1 -> 3: Little's law", {"current": 1.0, "inflight": 3.0}, 1, 2.5,
+                  "target", AutoscalerState(1, 1_700_000_000.0))
+    blind = Decision(3, "no signal: keep 3 (refused)", {"current": 3.0}, 0, 0.0, "signal",
+                     AutoscalerState(1, 1_700_000_000.0))
+    return [
+        ("pool-autoscaled", pool_status(p, [pod(0)], HASH, NOW,
+                                        status_of(up, scaling, 1_700_000_010.0, "Available",
+                                                  None))),
+        ("pool-autoscaled-blind", pool_status(p, [pod(0)], HASH, NOW,
+                                              status_of(blind, scaling, 1_700_000_020.0,
+                                                        "Unavailable", "refused"))),
+    ]
+
+
 def every_status() -> list[tuple[str, dict[str, Any]]]:
     """Every kind of status the status module writes, with every reason it can pick."""
     out: list[tuple[str, dict[str, Any]]] = []
@@ -269,6 +293,7 @@ def every_status() -> list[tuple[str, dict[str, Any]]]:
     }
     for name, (p, pods) in cases.items():
         out.append((f"pool-{name}", pool_status(p, pods, HASH, NOW)))
+    out.extend(autoscaled_statuses())
     ready_pool = settle(pool(1), [pod(0)])
     for name, pools, dep, prev, want in (
         ("pending", {"a": None}, None, None, 1),

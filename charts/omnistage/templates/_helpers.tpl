@@ -66,6 +66,17 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
 - apiGroups: [omnistage.io]
   resources: [stagepools]
   verbs: [list, watch, create, patch, delete]
+# The autoscaler writes a pool's size as `kubectl scale` does, reads each orchestrator's load
+# (GET /v1/load) through its Service's proxy, and refuses pools an HPA already scales.
+- apiGroups: [omnistage.io]
+  resources: [stagepools/scale]
+  verbs: [patch]
+- apiGroups: [""]
+  resources: [services/proxy]
+  verbs: [get]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list]
 # Status conditions, counts and the endpoint.
 - apiGroups: [omnistage.io]
   resources: [omnipipelines/status, stagepools/status]
