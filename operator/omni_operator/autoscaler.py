@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 from pydantic import ValidationError
 
 from omni_operator import builders
@@ -51,6 +52,7 @@ from omnistage.autoscaling import (
     decide,
 )
 from omnistage.kubeapi import ApiError, path, resource_path
+from omnistage.orchestrator.load import PipelineLoad, StageLoad
 from omnistage.spec import Autoscaling
 
 __all__ = [
@@ -58,7 +60,6 @@ __all__ = [
     "LOAD_URL_ENV",
     "Autoscaler",
     "LoadUnavailable",
-    "StageFigures",
     "hpa_targets",
     "stage_figures",
     "status_of",
@@ -84,38 +85,14 @@ WAKE_SLACK_SECONDS = 1.0
 _HPA_VERSION = "autoscaling/v2"
 
 
-@dataclass(frozen=True)
-class StageFigures:
-    """One stage's entry of GET /v1/load (the orchestrator's StageLoad, decoded by key)."""
-
-    replicas: int = 0
-    inflight: int = 0
-    held: int = 0
-    arrivals_per_s: float = 0.0
-    service_s: float = 0.0
-    queue_wait_p95_s: float = 0.0
-    ttfo_p95_s: float = 0.0
-    last_request_unix: float | None = None
-    wake_pending: bool = False
-
-
-def stage_figures(doc: Any, stage: str) -> StageFigures | None:
-    """The figures of stage in a /v1/load document; None when it has none for it."""
-    entry = ((doc or {}).get("stages") or {}).get(stage) if isinstance(doc, dict) else None
-    if not isinstance(entry, dict):
+def stage_figures(doc: Any, stage: str) -> StageLoad | None:
+    """The figures of stage in a /v1/load document (the orchestrator's own wire struct); None
+    when the document is not one, or has none for the stage."""
+    try:
+        load = msgspec.convert(doc, PipelineLoad)
+    except msgspec.ValidationError:
         return None
-    last = entry.get("last_request_unix")
-    return StageFigures(
-        replicas=int(entry.get("replicas") or 0),
-        inflight=int(entry.get("inflight") or 0),
-        held=int(entry.get("held") or 0),
-        arrivals_per_s=float(entry.get("arrivals_per_s") or 0.0),
-        service_s=float(entry.get("service_s") or 0.0),
-        queue_wait_p95_s=float(entry.get("queue_wait_p95_s") or 0.0),
-        ttfo_p95_s=float(entry.get("ttfo_p95_s") or 0.0),
-        last_request_unix=None if last is None else float(last),
-        wake_pending=bool(entry.get("wake_pending")),
-    )
+    return load.stages.get(stage)
 
 
 def hpa_targets(hpas: list[Obj]) -> dict[str, str]:

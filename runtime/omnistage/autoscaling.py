@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from omnistage.kube import ANNOTATION_WAKE_REQUESTED
+from omnistage.orchestrator.load import LOAD_PATH
 from omnistage.spec import Autoscaling
 
 __all__ = [
@@ -40,11 +42,6 @@ __all__ = [
     "decide",
 ]
 
-#: The orchestrator's load signal (GET, JSON: window_s, now, stages.<stage>.<figures>).
-LOAD_PATH = "/v1/load"
-#: On a StagePool: the orchestrator asks for a pool at zero to be woken (an RFC 3339 time, a
-#: merge patch on metadata.annotations, at most once a second per pool).
-ANNOTATION_WAKE_REQUESTED = "omnistage.io/wake-requested-at"
 
 #: A latency target's measured p95 below this fraction of the target lets the pool shrink by one.
 LATENCY_HEADROOM = 0.5

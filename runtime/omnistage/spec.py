@@ -344,9 +344,9 @@ class EngineOptions(_Model):
         16,
         ge=1,
         le=1024,
-        description="ar, diffusion: most requests that share one forward step (ar: continuous "
-        "batching; diffusion: requests of the same size and guidance). 1 runs requests one at "
-        "a time.",
+        description="ar, diffusion, talker, vocoder: most requests that share one forward step "
+        "(ar, talker: continuous batching; diffusion: requests of the same size and guidance; "
+        "vocoder: windows of the same length). 1 runs requests one at a time.",
     )
     max_batch_tokens: int | None = Field(
         None,

@@ -16,6 +16,7 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
 from omnistage.media import MEDIA_TYPES
+from omnistage.orchestrator.load import LOAD_PATH
 from omnistage.orchestrator.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -82,7 +83,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/pipelines/{name}/control", "pipeline_control", "Fan a control RPC "
           f"({', '.join(CONTROL_OPS)}) out to stage replicas", "generic", ControlRequest,
           ControlResponse, errors=(400, 404, 409, 500, 503)),
-    Route("GET", "/v1/load", "pipeline_load", "Per-stage load signal over a window (replicas, "
+    Route("GET", LOAD_PATH, "pipeline_load", "Per-stage load signal over a window (replicas, "
           "in flight, held, arrivals, service time, p95 queue wait and time to first output); "
           "the autoscaler reads it", response=LoadResponse),
     Route("GET", "/livez", "livez", "Liveness: the process serves HTTP"),
