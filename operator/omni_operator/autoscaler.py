@@ -33,10 +33,9 @@ import os
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import msgspec
 from pydantic import ValidationError
 
 from omni_operator import builders
@@ -52,7 +51,6 @@ from omnistage.autoscaling import (
     decide,
 )
 from omnistage.kubeapi import ApiError, path, resource_path
-from omnistage.orchestrator.load import PipelineLoad, StageLoad
 from omnistage.spec import Autoscaling
 
 __all__ = [
@@ -60,6 +58,7 @@ __all__ = [
     "LOAD_URL_ENV",
     "Autoscaler",
     "LoadUnavailable",
+    "StageFigures",
     "hpa_targets",
     "stage_figures",
     "status_of",
@@ -85,14 +84,44 @@ WAKE_SLACK_SECONDS = 1.0
 _HPA_VERSION = "autoscaling/v2"
 
 
-def stage_figures(doc: Any, stage: str) -> StageLoad | None:
-    """The figures of stage in a /v1/load document (the orchestrator's own wire struct); None
-    when the document is not one, or has none for the stage."""
-    try:
-        load = msgspec.convert(doc, PipelineLoad)
-    except msgspec.ValidationError:
+@dataclass(frozen=True)
+class StageFigures:
+    """One stage's entry of GET /v1/load. The orchestrator's wire struct is
+    omnistage.orchestrator.load.StageLoad (msgspec, a runtime-only package the operator image
+    lacks); a unit test keeps these fields equal to its fields."""
+
+    replicas: int = 0
+    inflight: int = 0
+    held: int = 0
+    arrivals_per_s: float = 0.0
+    service_s: float = 0.0
+    queue_wait_p95_s: float = 0.0
+    ttfo_p95_s: float = 0.0
+    last_request_unix: float | None = None
+    wake_pending: bool = False
+
+
+def stage_figures(doc: Any, stage: str) -> StageFigures | None:
+    """The figures of stage in a /v1/load document; None when it has none for it."""
+    entry = ((doc or {}).get("stages") or {}).get(stage) if isinstance(doc, dict) else None
+    if not isinstance(entry, dict):
         return None
-    return load.stages.get(stage)
+    try:
+        values = {f.name: _cast(f.type, entry[f.name])
+                  for f in fields(StageFigures) if entry.get(f.name) is not None}
+    except (TypeError, ValueError):
+        return None
+    return StageFigures(**values)
+
+
+def _cast(kind: Any, value: Any) -> Any:
+    """A JSON value as the field's declared type (the annotations are strings here)."""
+    kind = str(kind)
+    if kind.startswith("bool"):
+        return bool(value)
+    if kind.startswith("int"):
+        return int(value)
+    return float(value)
 
 
 def hpa_targets(hpas: list[Obj]) -> dict[str, str]:

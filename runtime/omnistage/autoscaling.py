@@ -28,8 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from omnistage.kube import ANNOTATION_WAKE_REQUESTED
-from omnistage.orchestrator.load import LOAD_PATH
+from omnistage.kube import ANNOTATION_WAKE_REQUESTED, LOAD_PATH
 from omnistage.spec import Autoscaling
 
 __all__ = [

@@ -35,6 +35,9 @@ READINESS_GATE = "omnistage.io/routable"  # pod condition the operator controls
 # On a StagePool: RFC 3339 time the orchestrator last asked to wake the pool from zero (a
 # request is held for it); the operator scales a pool at 0 with a newer wake at once.
 ANNOTATION_WAKE_REQUESTED = "omnistage.io/wake-requested-at"
+# The orchestrator's per-stage load signal (GET; orchestrator/load.py), which the operator's
+# autoscaler reads.
+LOAD_PATH = "/v1/load"
 
 WORKER_ZMQ_PORT = 5555
 WORKER_HTTP_PORT = 8080

@@ -6,6 +6,7 @@ API server in tests/cluster/test_autoscaler.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from omni_operator.autoscaler import (
     FIELD_MANAGER,
     Autoscaler,
     LoadUnavailable,
+    StageFigures,
     hpa_targets,
     stage_figures,
 )
@@ -427,3 +429,23 @@ def test_no_growth_while_a_replica_cannot_be_placed() -> None:
         assert rig.scale_writes()[0][2]["body"] == {"spec": {"replicas": 4}}
 
     asyncio.run(main())
+
+
+def test_the_operator_reads_every_figure_the_orchestrator_writes() -> None:
+    """The operator decodes /v1/load without msgspec (its image lacks the runtime extra): its
+    StageFigures must keep the orchestrator's StageLoad fields, and decode what it encodes.
+
+    Kills: a figure added to StageLoad (or renamed) that the autoscaler silently reads as 0."""
+    import dataclasses
+
+    import msgspec
+
+    from omnistage.orchestrator.load import PipelineLoad, StageLoad
+
+    assert [f.name for f in dataclasses.fields(StageFigures)] == list(StageLoad.__struct_fields__)
+    sent = StageLoad(replicas=2, inflight=3, held=1, arrivals_per_s=1.5, service_s=0.25,
+                     queue_wait_p95_s=0.5, ttfo_p95_s=0.75, last_request_unix=7.0,
+                     wake_pending=True)
+    doc = json.loads(msgspec.json.encode(PipelineLoad(window_s=60.0, now=T0,
+                                                      stages={"a": sent})))
+    assert stage_figures(doc, "a") == StageFigures(**msgspec.structs.asdict(sent))

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_WINDOW_S",
-    "LOAD_PATH",
     "RING_SIZE",
     "LoadTracker",
     "PipelineLoad",
@@ -38,8 +37,6 @@ __all__ = [
     "window_of",
 ]
 
-#: The orchestrator's route for this signal (the operator's autoscaler reads it).
-LOAD_PATH = "/v1/load"
 DEFAULT_WINDOW_S = 60.0
 RING_SIZE = 1024
 Clock = Callable[[], float]

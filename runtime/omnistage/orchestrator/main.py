@@ -31,7 +31,6 @@ from typing import Any
 from prometheus_client.registry import Collector
 
 from omnistage import kube
-from omnistage.orchestrator.load import LOAD_PATH
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.orchestrator.shutdown import drain_timeout
 from omnistage.orchestrator.wake import Waker, waker_for
@@ -108,7 +107,7 @@ def api_routes(pipeline: OmniPipeline) -> list[str]:
     routes += ["/v1/audio/speech"] if "speech" in api and speech_plan(pipeline.spec) else []
     routes += ["/v1/images/generations"] if "images" in api else []
     routes += [f"/v1/pipelines/{pipeline.metadata.name}/requests"] if "generic" in api else []
-    return [*routes, LOAD_PATH, "/readyz", "/metrics", "/openapi.json"]
+    return [*routes, kube.LOAD_PATH, "/readyz", "/metrics", "/openapi.json"]
 
 
 async def serve_orchestrator(

@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
+from omnistage.kube import LOAD_PATH
 from omnistage.media import MEDIA_TYPES
-from omnistage.orchestrator.load import LOAD_PATH
 from omnistage.orchestrator.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
