@@ -40,8 +40,8 @@ def _rate(text: str) -> float:
 
 
 #: Defaults of the limits that protect the API server, each also read from its environment
-#: variable (the flag wins). docs/cluster.md ("Operator concurrency and write limits") says how
-#: they were chosen; the chart's `operator:` values set them.
+#: variable (the flag wins). charts/omnistage/README.md ("Concurrency and write limits") says
+#: how they were chosen; the chart's `operator:` values set them.
 WORKERS, WRITE_QPS, WRITE_BURST = 32, 200.0, 400
 ENV_WORKERS = "OMNISTAGE_OPERATOR_WORKERS"
 ENV_WRITE_QPS = "OMNISTAGE_OPERATOR_WRITE_QPS"
@@ -59,8 +59,9 @@ def register(sub: Any) -> None:
                    help="serves /metrics (API write counts), /livez and /readyz")
     o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
                    help="how often every object is re-checked (writes only on drift)")
-    c = o.add_argument_group(
-        "API server protection", "how hard the operator may push the API server (docs/cluster.md)")
+    c = o.add_argument_group("API server protection",
+                             "how hard the operator may push the API server "
+                             "(charts/omnistage/README.md)")
     # String defaults: argparse runs them through `type`, so a bad variable fails like a bad flag.
     c.add_argument("--workers", type=_positive_int,
                    default=os.environ.get(ENV_WORKERS, str(WORKERS)),

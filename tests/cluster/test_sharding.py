@@ -1,5 +1,5 @@
-"""A fleet split across two operators by namespace sets (docs/cluster.md, "Sharding a fleet
-across operator releases"), on the real local control plane, under load.
+"""A fleet split across two operators by namespace sets (charts/omnistage/README.md,
+"Sharding a fleet across operator releases"), on the real local control plane, under load.
 
 Two `omnistage operator` processes run with the flags the chart passes for
 `watch.scope=namespaced` (one `--namespace=` per namespace of `watch.namespaces`); two helm

@@ -1,6 +1,6 @@
 """What protects the API server from a big fleet's ramp: the write token bucket
 (`kubeapi.WriteLimit`) and the controller's reconcile concurrency (`--workers`), both set by the
-chart (docs/cluster.md, "Operator concurrency and write limits")."""
+chart (charts/omnistage/README.md, "Concurrency and write limits")."""
 
 from __future__ import annotations
 
