@@ -42,7 +42,7 @@ def _rate(text: str) -> float:
 #: Defaults of the limits that protect the API server, each also read from its environment
 #: variable (the flag wins). charts/omnistage/README.md ("Concurrency and write limits") says
 #: how they were chosen; the chart's `operator:` values set them.
-WORKERS, WRITE_QPS, WRITE_BURST = 32, 200.0, 400
+WORKERS, WRITE_QPS, WRITE_BURST = 8, 200.0, 400
 ENV_WORKERS = "OMNISTAGE_OPERATOR_WORKERS"
 ENV_WRITE_QPS = "OMNISTAGE_OPERATOR_WRITE_QPS"
 ENV_WRITE_BURST = "OMNISTAGE_OPERATOR_WRITE_BURST"
