@@ -28,11 +28,11 @@ log = logging.getLogger("omnistage.operator")
 @dataclass(frozen=True)
 class Limits:
     """What protects the API server: reconciles at once, and the writes' token bucket
-    (write_qps 0: no limit). Defaults in command.py, where the flags are."""
+    (write_qps 0: no limit). No defaults here: the flags' are the only ones (command.py)."""
 
-    workers: int = 8
-    write_qps: float = 0.0
-    write_burst: int = 1
+    workers: int
+    write_qps: float
+    write_burst: int
 
 
 class OperatorCollector:
@@ -66,10 +66,9 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               resync_seconds: float, namespaces: list[str],
               lease: tuple[str, str, str] | None = None,
               admission: webhook.WebhookSettings | None = None,
-              context: str | None = None, limits: Limits | None = None) -> int:
+              context: str | None = None, *, limits: Limits) -> int:
     """Run the operator; with ``lease`` (namespace, name, identity) only while holding it."""
     admission = admission or webhook.WebhookSettings(enabled=False)
-    limits = limits or Limits()
     config = KubeConfig.load(kubeconfig, context)
     write_limit = (WriteLimit(limits.write_qps, limits.write_burst)
                    if limits.write_qps > 0 else None)
@@ -214,4 +213,4 @@ def main(args: Any) -> int:
     limits = Limits(workers=args.workers, write_qps=args.write_qps, write_burst=args.write_burst)
     return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
                            args.resync_seconds, list(args.namespace or []), lease, admission,
-                           args.context, limits))
+                           args.context, limits=limits))
