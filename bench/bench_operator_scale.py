@@ -372,6 +372,9 @@ class Bench:
         ]
         if self.cluster_dir is None:  # a shared cluster: watch only our namespace
             cmd.append(f"--namespace={self.ns}")
+        for flag in ("workers", "write_qps", "write_burst"):  # else the operator's defaults
+            if getattr(self.args, flag) is not None:
+                cmd.append(f"--{flag.replace('_', '-')}={getattr(self.args, flag)}")
         log(f"starting operator (log: {self.op_log}, metrics on 127.0.0.1:{self.metrics_port})")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(
@@ -832,6 +835,8 @@ class Bench:
             if n1 > n0:
                 latency[key] = {"n": n1 - n0, "mean_ms": round(1000 * (s1 - s0) / (n1 - n0), 1)}
         verbs_total = self.by_verb()
+        # Seconds writes waited for the operator's write rate limit (absent: no limit).
+        limit_wait = self.metrics().get("omnistage_operator_write_limit_wait_seconds_total")
         load_at_ready = [round(x, 1) for x in os.getloadavg()]
         writes_total = w_settled - w_start
         log(
@@ -877,6 +882,9 @@ class Bench:
             "idle": idle,
             "shared_cluster": self.cluster_dir is None,
             "tree": tree,
+            "operator_flags": {f: getattr(self.args, f)
+                               for f in ("workers", "write_qps", "write_burst")},
+            "write_limit_wait_s": None if limit_wait is None else round(limit_wait, 2),
         }
         if raw is not None:
             result["raw_baseline"] = raw
@@ -901,6 +909,8 @@ class Bench:
             f"idle_writes_{secs}s={idle['writes']} idle_reconciles_{secs}s={idle['reconciles']} "
             f"idle_api_gets_{secs}s={idle['apiserver_gets']} "
             f"operator_peak_rss={result['operator_memory_mib'].get('peak', 0):.0f}MiB"
+            f" workers={self.args.workers or 'default'}"
+            f" write_limit_wait={result['write_limit_wait_s']}s"
         )
         if "restart" in result:
             rs = result["restart"]
@@ -1054,6 +1064,12 @@ def main() -> int:
         "starting one; the operator then watches only --namespace",
     )
     ap.add_argument("--namespace", default="omnistage-scale")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="the operator's --workers (reconciles at once); default: its own")
+    ap.add_argument("--write-qps", type=float, default=None,
+                    help="the operator's --write-qps (0: no limit); default: its own")
+    ap.add_argument("--write-burst", type=int, default=None,
+                    help="the operator's --write-burst; default: its own")
     ap.add_argument(
         "--port-base",
         type=int,

@@ -8,6 +8,7 @@ missing operator extra is reported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -21,6 +22,32 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {text}")
+    return value
+
+
+#: Defaults of the limits that protect the API server, each also read from its environment
+#: variable (the flag wins). charts/omnistage/README.md ("Concurrency and write limits") says
+#: how they were chosen; the chart's `operator:` values set them.
+WORKERS, WRITE_QPS, WRITE_BURST = 8, 200.0, 400
+ENV_WORKERS = "OMNISTAGE_OPERATOR_WORKERS"
+ENV_WRITE_QPS = "OMNISTAGE_OPERATOR_WRITE_QPS"
+ENV_WRITE_BURST = "OMNISTAGE_OPERATOR_WRITE_BURST"
+
+
 def register(sub: Any) -> None:
     """Add the `operator` subcommand to the `omnistage` subparsers."""
     o = sub.add_parser("operator", help="run the Kubernetes operator (needs the operator extra)")
@@ -32,6 +59,21 @@ def register(sub: Any) -> None:
                    help="serves /metrics (API write counts), /livez and /readyz")
     o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
                    help="how often every object is re-checked (writes only on drift)")
+    c = o.add_argument_group("API server protection",
+                             "how hard the operator may push the API server "
+                             "(charts/omnistage/README.md)")
+    # String defaults: argparse runs them through `type`, so a bad variable fails like a bad flag.
+    c.add_argument("--workers", type=_positive_int,
+                   default=os.environ.get(ENV_WORKERS, str(WORKERS)),
+                   help=f"objects reconciled at once (env {ENV_WORKERS}; default {WORKERS})")
+    c.add_argument("--write-qps", type=_rate,
+                   default=os.environ.get(ENV_WRITE_QPS, str(WRITE_QPS)),
+                   help=f"API writes per second, sustained; 0: no limit "
+                        f"(env {ENV_WRITE_QPS}; default {WRITE_QPS:g})")
+    c.add_argument("--write-burst", type=_positive_int,
+                   default=os.environ.get(ENV_WRITE_BURST, str(WRITE_BURST)),
+                   help=f"API writes allowed at once above --write-qps "
+                        f"(env {ENV_WRITE_BURST}; default {WRITE_BURST})")
     w = o.add_argument_group(
         "admission webhook", "kubectl apply runs omnistage's validator (see docs/crds.md)")
     w.add_argument("--webhook", action=argparse.BooleanOptionalAction, default=True,

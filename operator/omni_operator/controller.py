@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -277,6 +278,10 @@ def permanent(exc: BaseException) -> PermanentError | None:
 #: Retries of a failed reconcile, per key: 1 s doubling to 5 minutes, each stretched by up to
 #: 20% so keys that failed together do not retry together. A success resets the key.
 RETRY_BASE, RETRY_CAP, RETRY_JITTER = 1.0, 300.0, 0.2
+#: How long a created pod is expected before its watch event (the view lags the API server
+#: under load); within it, a pool reconcile does not create that pod again. After it, the create
+#: is retried (a 409 if it exists), so a lost event never leaves a replica missing.
+CREATE_EXPECTED_SECONDS = 30.0
 
 
 class Controller:
@@ -319,6 +324,10 @@ class Controller:
         # The last status written per object, and the versions of it our view may still show
         # that are older than that write (read-your-writes, see patch_status).
         self._status_written: dict[Key, _StatusWrite] = {}
+        # Pods created whose first watch event has not arrived: (ns, name) -> created at (clock).
+        # Without it, with many workers a pool reconciled again before its new pods reach the
+        # view created all of them again: 648 extra POSTs (409s) in 600 pods at 32 workers.
+        self._expected: dict[tuple[str, str], float] = {}
         self.reconciles = 0
         self.autoscaler = Autoscaler(self)  # sizes pools with spec.stage.autoscaling
 
@@ -419,6 +428,7 @@ class Controller:
             return
         if _evicted(pod):
             self._evictions.add(meta.get("uid", ""))
+        self._expected.pop((ns, meta["name"]), None)
         if gone:
             pods = self.pods.get((ns, group), {})
             pods.pop(meta["name"], None)
@@ -1095,10 +1105,22 @@ class Controller:
                                          if o in by_ordinal or o not in wanted})
         # Create missing replicas (a lost replica returns under its name), all at once: each
         # create waits on the API server, and a pool's replicas do not depend on each other.
-        missing = [builders.pool_pod(pool, o) for o in wanted if o not in by_ordinal]
+        now = self.clock()
+        missing = [pod for pod in (builders.pool_pod(pool, o) for o in wanted
+                                   if o not in by_ordinal)
+                   if now - self._expected.get((ns, pod["metadata"]["name"]), -math.inf)
+                   > CREATE_EXPECTED_SECONDS]
         results = await _all(self.api.create(path("Pod", ns), pod, ignore=(409,),
                                              fieldManager=builders.FIELD_MANAGER)
                              for pod in missing)
+        awaited = False
+        for pod in missing:  # created, or there already (409): its watch event is coming
+            if (ns, pod["metadata"]["name"]) not in self._pod_group:
+                self._expected[(ns, pod["metadata"]["name"])] = now
+                awaited = True
+        if awaited:  # if an event never comes, look again once the expectation has lapsed
+            self.enqueue_later(("StagePool", ns, pool["metadata"]["name"]),
+                               CREATE_EXPECTED_SECONDS + 1.0)
         created = [pod["metadata"]["name"]
                    for pod, result in zip(missing, results, strict=True) if result is not None]
         if created:

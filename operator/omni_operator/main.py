@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -17,11 +18,21 @@ from omni_operator import webhook
 from omni_operator.controller import Controller
 from omni_operator.handlers import at_fleet_size, register
 from omni_operator.leader import LeaderElector
-from omnistage.kubeapi import KubeApi, KubeConfig, default_namespace
+from omnistage.kubeapi import KubeApi, KubeConfig, WriteLimit, default_namespace
 from omnistage.metrics import family, new_registry
 from omnistage.sideport import start_side_port
 
 log = logging.getLogger("omnistage.operator")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What protects the API server: reconciles at once, and the writes' token bucket
+    (write_qps 0: no limit). No defaults here: the flags' are the only ones (command.py)."""
+
+    workers: int
+    write_qps: float
+    write_burst: int
 
 
 class OperatorCollector:
@@ -44,18 +55,29 @@ class OperatorCollector:
                      [((verb,), n) for verb, n in sorted(api.writes_by_verb.items())], ["verb"])
         yield family(CounterMetricFamily, "omnistage_operator_reconciles_total",
                      "Reconcile passes", {}, [((), self.controller.reconciles)])
+        limit = getattr(api, "write_limit", None)  # a test's stand-in client may have none
+        if limit is not None:
+            yield family(CounterMetricFamily, "omnistage_operator_write_limit_wait_seconds_total",
+                         "Seconds API writes waited for the write rate limit, summed", {},
+                         [((), limit.waited)])
 
 
 async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               resync_seconds: float, namespaces: list[str],
               lease: tuple[str, str, str] | None = None,
               admission: webhook.WebhookSettings | None = None,
-              context: str | None = None) -> int:
+              context: str | None = None, *, limits: Limits) -> int:
     """Run the operator; with ``lease`` (namespace, name, identity) only while holding it."""
     admission = admission or webhook.WebhookSettings(enabled=False)
     config = KubeConfig.load(kubeconfig, context)
-    controller = Controller(KubeApi(config, user_agent="omnistage-operator"),
-                            resync_seconds=resync_seconds)
+    write_limit = (WriteLimit(limits.write_qps, limits.write_burst)
+                   if limits.write_qps > 0 else None)
+    controller = Controller(
+        KubeApi(config, user_agent="omnistage-operator", write_limit=write_limit,
+                pool_size=max(64, limits.workers * 2)),  # connections for the waves in flight
+        resync_seconds=resync_seconds, workers=limits.workers)
+    log.info("reconciling %d at once; writes limited to %s", limits.workers,
+             f"{limits.write_qps:g}/s, burst {limits.write_burst}" if write_limit else "nothing")
     if lease is None:
         return await _operate(config, controller, metrics_host, metrics_port, namespaces, None,
                               admission=admission)
@@ -188,6 +210,7 @@ def main(args: Any) -> int:
         host=args.webhook_host, service=args.webhook_service, cert_dir=args.webhook_cert_dir,
         failure_policy=args.webhook_failure_policy,
     )
+    limits = Limits(workers=args.workers, write_qps=args.write_qps, write_burst=args.write_burst)
     return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
                            args.resync_seconds, list(args.namespace or []), lease, admission,
-                           args.context))
+                           args.context, limits=limits))
