@@ -1,0 +1,194 @@
+"""Failover through the real engine, with real worker processes over real ZMQ and kill -9.
+
+A task whose replica is killed runs again on another replica of its stage (from what the
+orchestrator kept); a final AR stream resumes from the tokens the client already has; a
+streamed edge restarts from the chunks kept. The bounds: maxRetries (0 keeps today's
+replica_lost, which proves these tests can fail), the suspect rule, aborts. The same paths with
+fake replicas: tests/unit/test_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
+from tests.integration.test_orchestrator import _until, echo, held, pipeline
+from tests.integration.test_orchestrator import launch as launch  # the fixture
+from tests.integration.test_stage_streaming import TEXT, two_stage
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def retries(pipe: Any, n: int) -> Any:
+    pipe.spec.orchestrator.failover.max_retries = n
+    return pipe
+
+
+def proc_of(procs: dict[str, list[Any]], stage: str, name: str) -> Any:
+    return next(w for w in procs[stage] if w.name == name)
+
+
+@pytest.mark.parametrize("max_retries", [2, 0])
+async def test_kill_9_under_concurrency_fails_nothing_unless_retries_are_off(
+        launch, tmp_path: Path, max_retries: int) -> None:
+    """12 requests held on 3 replicas of a middle stage; one replica is killed while it holds
+    some. With failover none fails (each went on from a's output kept); with maxRetries 0
+    exactly the victim's fail with replica_lost: the test can fail."""
+    pipe = retries(pipeline(f"conc{max_retries}", [
+        echo("a"), echo("b", ("a",)), echo("c", ("b",), final=True)]), max_retries)
+    release = tmp_path / "release"
+    orch, procs, _ = await launch(pipe, {"a": [{}], "b": [held(release)] * 3, "c": [{}]},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    handles = [orch.submit(PipelineRequest(prompt=f"p{i}")) for i in range(12)]
+    await _until(lambda: sum(r.inflight for r in orch.pools["b"].replicas.values()) == 12,
+                 "12 requests held at b")
+    victim = orch.pools["b"].replicas[f"conc{max_retries}-b-0"]
+    bound = {t.child.request.id for t in victim.bound}
+    assert bound
+    proc_of(procs, "b", victim.name).proc.send_signal(signal.SIGKILL)
+    await _until(lambda: not victim.bound and victim.incarnation is None, "the loss seen")
+    release.touch()
+    outcomes = await asyncio.wait_for(asyncio.gather(*(h.outcome() for h in handles)), 120)
+    failed = {o.request_id: o.error.code for o in outcomes if o.status != "ok"}
+    if max_retries:
+        assert failed == {}
+        for h, o in zip(handles, outcomes, strict=True):
+            assert o.children[0].outputs["c"].fields["text"] == h._request.req.prompt
+        assert orch.failovers["retries"] == {"b": len(bound)}
+    else:
+        assert failed == dict.fromkeys(bound, "replica_lost")
+    assert sum(orch.outcomes.values()) == 12  # one terminal outcome each
+    assert orch.requests == {} and orch.tasks == {}
+
+
+def chat(name: str) -> Any:
+    return pipeline(name, [{"name": "llm", "kind": "ar", "model": "tiny-llama",
+                            "finalOutput": True, "engine": {"maxTokens": 160}}])
+
+
+async def stream(orch: Any, req: PipelineRequest, on_first: Any = None
+                 ) -> tuple[list[Delta], Outcome]:
+    deltas: list[Delta] = []
+    handle = orch.submit(req)
+    async for ev in handle.events():
+        if isinstance(ev, Delta):
+            deltas.append(ev)
+            if len(deltas) == 3 and on_first is not None:
+                on_first(handle)
+        elif isinstance(ev, Outcome):
+            return deltas, ev
+    raise AssertionError("no outcome")
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}],
+                         ids=["greedy", "seeded"])
+async def test_a_chat_stream_resumes_on_another_replica_byte_for_byte(
+        launch, sampling: dict[str, Any]) -> None:
+    """The replica streaming a chat answer is killed after three deltas: the stream goes on
+    from another replica; the client's text and tokens equal a fault-free run's, none
+    repeated or missing."""
+    pipe = chat("resume")
+    orch, procs, _ = await launch(pipe, {"llm": [{}, {}]},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    params = {"llm": {"ignore_eos": True, **sampling}}
+
+    def req() -> PipelineRequest:
+        return PipelineRequest(prompt="tell me a story", stream=True, params=params)
+
+    clean_deltas, clean = await stream(orch, req())
+    assert clean.status == "ok"
+    killed: list[str] = []
+
+    def kill(handle: Any) -> None:
+        task = handle._request.children[0].running[("llm", False)]
+        killed.append(task.replica.name)
+        proc_of(procs, "llm", task.replica.name).proc.send_signal(signal.SIGKILL)
+
+    deltas, out = await stream(orch, req(), on_first=kill)
+    assert out.status == "ok", out
+    assert orch.failovers["resumes"] == {"llm": 1}, "the kill came after the stream ended"
+    assert out.children[0].outputs["llm"].replica != killed[0]
+    assert "".join(d.text for d in deltas) == "".join(d.text for d in clean_deltas)
+    assert [t for d in deltas for t in d.token_ids] == \
+        [t for d in clean_deltas for t in d.token_ids]
+    fields, clean_fields = out.children[0].outputs["llm"].fields, \
+        clean.children[0].outputs["llm"].fields
+    assert fields["text"] == clean_fields["text"]
+    assert fields["token_ids"] == clean_fields["token_ids"]
+    assert fields["completion_tokens"] == 160
+
+
+async def test_a_request_that_kills_every_replica_fails_once_as_a_suspect(
+        launch, tmp_path: Path, caplog) -> None:
+    """Each replica the request reaches dies under it (the test plays the poison): after the
+    second loss it fails with replica_lost and is logged as a suspect; the third replica never
+    sees it, though retries were left."""
+    caplog.set_level(logging.WARNING, logger="omnistage.orchestrator")
+    release = tmp_path / "release"
+    pipe = retries(pipeline("poison", [echo("a", final=True)]), 5)
+    orch, procs, _ = await launch(pipe, {"a": [held(release)] * 3},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    handle = orch.submit(PipelineRequest(prompt="poison", request_id="poison-1"))
+    child = handle._request.children[0]
+    reached = []
+    for _ in range(2):
+        await _until(lambda: ("a", False) in child.running
+                     and child.running[("a", False)].replica is not None
+                     and child.running[("a", False)].replica.name not in reached,
+                     "the request on a new replica")
+        name = child.running[("a", False)].replica.name
+        reached.append(name)
+        proc_of(procs, "a", name).proc.send_signal(signal.SIGKILL)
+    events = [ev async for ev in handle.events()]
+    assert len(events) == 1 and isinstance(events[0], Outcome)
+    assert events[0].error.code == "replica_lost"
+    assert "request poison-1 is a suspect: it lost 2 replicas of stage a" in caplog.text
+    third = next(r for r in orch.pools["a"].replicas.values() if r.name not in reached)
+    assert third.served == 0
+    release.touch()
+
+
+async def test_an_aborted_request_is_not_retried(launch, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    pipe = pipeline("aborted", [echo("a", final=True)])
+    orch, procs, _ = await launch(pipe, {"a": [held(release)] * 2},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    handle = orch.submit(PipelineRequest(prompt="x"))
+    task = handle._request.children[0].running[("a", False)]
+    await _until(lambda: task.replica is not None, "sent")
+    lost = task.replica
+    # The abort and the kill cross: no loop turn between them, so the loss may well come
+    # before the worker's Aborted reply.
+    handle.abort()
+    proc_of(procs, "a", lost.name).proc.send_signal(signal.SIGKILL)
+    out = await asyncio.wait_for(handle.outcome(), 60)
+    assert out.status == "abort"
+    assert orch.failovers["retries"] == {}
+    assert all(r.served == 0 for r in orch.pools["a"].replicas.values() if r is not lost)
+    release.touch()
+
+
+@pytest.mark.parametrize("victim", ["a", "b"])
+async def test_a_streamed_edge_restarts_when_either_end_is_killed(launch, victim: str) -> None:
+    """a streams chunks to b. b killed: another b is fed every chunk kept; a killed: a runs
+    again elsewhere and b restarts on its new chunks. The output is whole either way."""
+    pipe = two_stage(f"edge{victim}", echoChunkChars=1, echoChunkDelayMs=60)
+    orch, procs, _ = await launch(pipe, {"a": [{}, {}], "b": [{}, {}]},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    handle = orch.submit(PipelineRequest(prompt=TEXT))
+    child = handle._request.children[0]
+    await _until(lambda: len(child.streams["a"].chunks) >= 3
+                 and ("b", False) in child.running, "b fed three chunks")
+    task = child.running[(victim, False)]
+    proc_of(procs, victim, task.replica.name).proc.send_signal(signal.SIGKILL)
+    out = await asyncio.wait_for(handle.outcome(), 120)
+    assert out.status == "ok", out
+    assert out.children[0].outputs["b"].fields["text"] == TEXT
+    assert orch.failovers["retries"] == {victim: 1}
+    assert orch.requests == {} and orch.tasks == {}
