@@ -15,11 +15,14 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
 from tests.integration.test_orchestrator import _until, echo, held, pipeline
 from tests.integration.test_orchestrator import launch as launch  # the fixture
+from tests.integration.test_speech_streaming import PROMPT, sink_env, speech
+from tests.integration.test_speech_streaming import sink_kind as sink_kind  # the fixture
 from tests.integration.test_stage_streaming import TEXT, two_stage
 
 pytestmark = pytest.mark.timeout(300)
@@ -192,3 +195,26 @@ async def test_a_streamed_edge_restarts_when_either_end_is_killed(launch, victim
     assert out.children[0].outputs["b"].fields["text"] == TEXT
     assert orch.failovers["retries"] == {victim: 1}
     assert orch.requests == {} and orch.tasks == {}
+
+
+async def test_speech_vocoder_killed_mid_stream_restarts_from_the_chunks_kept(
+        sink_kind, launch, tmp_path: Path) -> None:
+    """talker -> vocoder -> sink, chunk by chunk. The vocoder decoding one of two streams is
+    killed: another vocoder is fed every talker chunk kept, the sink it fed restarts on the new
+    vocoder's chunks, and both requests end with the same audio (the talker is seeded)."""
+    hold = tmp_path / "release"
+    sinks = [{"env": sink_env(hold)}] * 2
+    orch, procs, _ = await launch(speech("fospeech"), {
+        "talker": [{}, {}], "vocoder": [{}, {}], "sink": sinks},
+        heartbeat_interval=0.5, heartbeat_timeout=60)
+    handles = [orch.submit(PipelineRequest(prompt=PROMPT)) for _ in range(2)]
+    victim = orch.pools["vocoder"].replicas["fospeech-vocoder-0"]
+    other = orch.pools["vocoder"].replicas["fospeech-vocoder-1"]
+    await _until(lambda: victim.bound and other.bound, "both vocoder replicas fed")
+    proc_of(procs, "vocoder", victim.name).proc.send_signal(signal.SIGKILL)
+    await _until(lambda: orch.failovers["retries"] == {"vocoder": 1}, "the vocoder failed over")
+    hold.touch()
+    outs = await asyncio.wait_for(asyncio.gather(*(h.outcome() for h in handles)), 120)
+    assert [o.status for o in outs] == ["ok", "ok"], outs
+    audio = [o.children[0].outputs["sink"].tensors["audio"].numpy() for o in outs]
+    assert audio[0].shape[0] > 0 and np.array_equal(audio[0], audio[1])
