@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 
 from omnistage import protocol as p
 from omnistage.orchestrator.requests import AudioChunk, Delta, Outcome
+from omnistage.spec import SpecError, parse_pipeline
 from tests.harness.metrics import sample
 from tests.unit import test_engine
 from tests.unit.test_engine import ONE, TWO, Make, ar, events, outcome
@@ -145,3 +146,22 @@ async def test_a_stream_that_cannot_resume_fails_cleanly(make: Make) -> None:
     assert isinstance(got[0], Delta) and got[-1].error.code == "replica_lost"
     assert not any(isinstance(e, AudioChunk) for e in got)
     rig.clean()
+
+
+@pytest.mark.parametrize("value", [-1, 11, "two"])
+def test_max_retries_out_of_bounds_is_refused_by_name(value: object) -> None:
+    doc = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+           "metadata": {"name": "pl"},
+           "spec": {"orchestrator": {"failover": {"maxRetries": value}},
+                    "stages": [{"name": "a", "kind": "echo", "finalOutput": True}]}}
+    with pytest.raises(SpecError, match=r"spec\.orchestrator\.failover\.maxRetries"):
+        parse_pipeline(doc)
+
+
+def test_max_retries_bounds_accepted() -> None:
+    for value in (0, 10):
+        doc = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+               "metadata": {"name": "pl"},
+               "spec": {"orchestrator": {"failover": {"maxRetries": value}},
+                        "stages": [{"name": "a", "kind": "echo", "finalOutput": True}]}}
+        assert parse_pipeline(doc).spec.orchestrator.failover.max_retries == value
