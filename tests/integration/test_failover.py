@@ -21,6 +21,8 @@ import pytest
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
 from tests.integration.test_orchestrator import _until, echo, held, pipeline
 from tests.integration.test_orchestrator import launch as launch  # the fixture
+from tests.integration.test_shm import config, worker_state
+from tests.integration.test_shm import shm_dir as shm_dir  # the fixture
 from tests.integration.test_speech_streaming import PROMPT, sink_env, speech
 from tests.integration.test_speech_streaming import sink_kind as sink_kind  # the fixture
 from tests.integration.test_stage_streaming import TEXT, two_stage
@@ -218,3 +220,32 @@ async def test_speech_vocoder_killed_mid_stream_restarts_from_the_chunks_kept(
     assert [o.status for o in outs] == ["ok", "ok"], outs
     audio = [o.children[0].outputs["sink"].tensors["audio"].numpy() for o in outs]
     assert audio[0].shape[0] > 0 and np.array_equal(audio[0], audio[1])
+
+
+@pytest.mark.parametrize("victim", ["a", "b"])
+async def test_failover_on_shared_memory_gives_every_block_back(
+        launch, shm_dir, victim: str) -> None:
+    """Every chunk tensor lies in shared memory (min_bytes 0). Whichever end of the streamed
+    edge is killed, the request ends ok and, once it did, no live worker has a block lent and
+    the orchestrator's own segment is empty: keeping upstream outputs for a retry leaks
+    nothing."""
+    cfg = config(shm_dir, session=f"fo{victim}", min_bytes=0)
+    env = {"env": cfg.env()}
+    pipe = two_stage(f"shm{victim}", echoChunkChars=1, echoChunkDelayMs=60)
+    orch, procs, _ = await launch(pipe, {"a": [env, env], "b": [env, env]}, shm=cfg,
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    handle = orch.submit(PipelineRequest(prompt=TEXT))
+    child = handle._request.children[0]
+    await _until(lambda: len(child.streams["a"].chunks) >= 3
+                 and ("b", False) in child.running, "b fed three chunks")
+    killed = child.running[(victim, False)].replica.name
+    proc_of(procs, victim, killed).proc.send_signal(signal.SIGKILL)
+    out = await asyncio.wait_for(handle.outcome(), 120)
+    assert out.status == "ok", out
+    assert out.children[0].outputs["b"].fields["text"] == TEXT
+    assert orch.failovers["retries"] == {victim: 1}
+    live = [w for ws in procs.values() for w in ws if w.name != killed]
+    for w in live:
+        await _until(lambda w=w: worker_state(w)["shm"]["lent"] == 0, f"{w.name}: blocks back")
+        await _until(lambda w=w: worker_state(w)["in_flight"] == 0, f"{w.name}: idle")
+    assert orch.shm is not None and orch.shm.segment.live == 0
