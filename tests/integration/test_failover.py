@@ -219,7 +219,9 @@ async def test_speech_vocoder_killed_mid_stream_restarts_from_the_chunks_kept(
     outs = await asyncio.wait_for(asyncio.gather(*(h.outcome() for h in handles)), 120)
     assert [o.status for o in outs] == ["ok", "ok"], outs
     audio = [o.children[0].outputs["sink"].tensors["audio"].numpy() for o in outs]
-    assert audio[0].shape[0] > 0 and np.array_equal(audio[0], audio[1])
+    # Equal up to float rounding: the two streams were not decoded in the same batches.
+    assert audio[0].shape[0] > 0 and audio[0].shape == audio[1].shape
+    np.testing.assert_allclose(audio[0], audio[1], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("victim", ["a", "b"])
