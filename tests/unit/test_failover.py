@@ -18,6 +18,7 @@ from omnistage.spec import SpecError, parse_pipeline
 from tests.harness.metrics import sample
 from tests.unit import test_engine
 from tests.unit.test_engine import ONE, TWO, Make, ar, events, outcome
+from tests.unit.test_engine import echo as echo_stage
 
 pytestmark = pytest.mark.timeout(30)
 make = test_engine.make  # the rig's fixture
@@ -165,3 +166,42 @@ def test_max_retries_bounds_accepted() -> None:
                "spec": {"orchestrator": {"failover": {"maxRetries": value}},
                         "stages": [{"name": "a", "kind": "echo", "finalOutput": True}]}}
         assert parse_pipeline(doc).spec.orchestrator.failover.max_retries == value
+
+
+async def test_losses_at_two_stages_are_retried_and_follow_ups_go_to_the_new_replica(
+        make: Make) -> None:
+    """One loss at a, one at b: bad luck, not a suspect; both are retried (maxRetries 2). The
+    session's affinity and the abort follow the task to the replica it is bound to now
+    (STAGE-INV-100); a third loss has no retry left."""
+    rig = await make(TWO, {"a": 2, "b": 3})
+    h = rig.submit("x", session="s", request_id="r")
+    first_a = rig.task(h, "a").replica.name
+    rig.net.link(first_a).on_disconnect()
+    rig.answer(h, "a", text="x")
+    first_b = rig.task(h, "b").replica.name
+    rig.net.link(first_b).on_disconnect()
+    task = rig.task(h, "b")
+    assert task.replica.name != first_b and task.wire_id == "r/0/b~1"
+    assert rig.orch.pools["b"].sessions["s"] == task.replica.name
+    assert rig.orch.failovers["retries"] == {"a": 1, "b": 1}
+    assert rig.orch.counters["suspect_requests"] == 0
+    h.abort()
+    [abort] = rig.net.link(task.replica.name).of(p.Abort)
+    assert abort.id == "r/0/b~1"
+    rig.answer(h, "b", p.Aborted)
+    assert outcome(h).status == "abort"
+    rig.clean()
+
+
+async def test_a_third_loss_past_max_retries_fails(make: Make) -> None:
+    rig = await make([echo_stage("a"), echo_stage("b", ("a",)), echo_stage("c", ("b",), True)],
+                     {"a": 2, "b": 2, "c": 2})
+    h = rig.submit("x")
+    for stage in ("a", "b"):
+        rig.net.link(rig.task(h, stage).replica.name).on_disconnect()
+        rig.answer(h, stage, text="x")
+    rig.net.link(rig.task(h, "c").replica.name).on_disconnect()
+    out = outcome(h)
+    assert (out.error.code, out.error.stage) == ("replica_lost", "c")
+    assert rig.orch.failovers["retries"] == {"a": 1, "b": 1}
+    rig.clean()
