@@ -11,6 +11,12 @@ per-row attention mask (1 = a real token) and per-row position ids, so a padded 
 what it would alone. A joining sequence is prefilled on its own (its prompt pass is exactly the
 one-at-a-time pass) and its cache row is merged in; a leaving sequence's row is dropped and
 columns that are padding in every remaining row are trimmed.
+
+Failover resume (omnistage.orchestrator.engine._failover): `resume_token_ids` and `resume_text`
+are what a lost replica had already streamed to the client. The job starts with them generated:
+its prompt pass takes prompt + those tokens, its deltas go on after that text, and its final
+reply carries the whole answer. Sampling draws token i from a generator seeded with (seed, i)
+(_step_seed), so a resumed sequence samples exactly what the uninterrupted one would have.
 """
 
 from __future__ import annotations
