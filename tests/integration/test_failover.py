@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
-from tests.integration.test_orchestrator import _until, echo, held, pipeline
+from tests.integration.test_orchestrator import _until, collect, echo, held, pipeline
 from tests.integration.test_orchestrator import launch as launch  # the fixture
 from tests.integration.test_shm import config, worker_state
 from tests.integration.test_shm import shm_dir as shm_dir  # the fixture
@@ -251,3 +251,34 @@ async def test_failover_on_shared_memory_gives_every_block_back(
         await _until(lambda w=w: worker_state(w)["shm"]["lent"] == 0, f"{w.name}: blocks back")
         await _until(lambda w=w: worker_state(w)["in_flight"] == 0, f"{w.name}: idle")
     assert orch.shm is not None and orch.shm.segment.live == 0
+
+
+async def test_a_diffusion_sample_restarts_and_equals_the_fault_free_image(launch) -> None:
+    """The replica denoising a seeded sample is killed: the sample starts over on the other
+    replica from the encoder's hidden states kept (the encoder does not run again), and the
+    image equals a fault-free run's."""
+    pipe = pipeline("fot2i", [
+        {"name": "enc", "kind": "ar", "model": "tiny-llama", "engine": {"maxTokens": 2}},
+        {"name": "img", "kind": "diffusion", "model": "tiny-unet", "inputs": ["enc"],
+         "finalOutput": True},
+    ])
+    orch, procs, _ = await launch(pipe, {"enc": [{}], "img": [{}, {}]},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    # Enough steps that the kill surely lands while it denoises.
+    params = {"img": {"height": 32, "width": 32, "num_inference_steps": 25, "seed": 11}}
+    _, clean = await collect(orch, PipelineRequest(prompt="a cat", params=params))
+    assert clean.status == "ok", clean
+    enc_served = orch.pools["enc"].replicas["fot2i-enc-0"].served
+    handle = orch.submit(PipelineRequest(prompt="a cat", params=params))
+    child = handle._request.children[0]
+    await _until(lambda: ("img", False) in child.running
+                 and child.running[("img", False)].replica is not None, "img sent")
+    killed = child.running[("img", False)].replica.name
+    proc_of(procs, "img", killed).proc.send_signal(signal.SIGKILL)
+    out = await asyncio.wait_for(handle.outcome(), 120)
+    assert out.status == "ok", out
+    assert out.children[0].outputs["img"].replica != killed
+    assert orch.failovers["retries"] == {"img": 1}
+    assert orch.pools["enc"].replicas["fot2i-enc-0"].served == enc_served + 1
+    assert np.array_equal(out.children[0].outputs["img"].tensors["image"].numpy(),
+                          clean.children[0].outputs["img"].tensors["image"].numpy())
