@@ -862,6 +862,20 @@ def _field_error(message: str) -> PydanticCustomError:
 # --------------------------------------------------------------------------- pipeline
 
 
+class FailoverOptions(_Model):
+    """What the orchestrator does with a task whose replica was lost (kill, crash, restart)."""
+
+    max_retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Retries per request after a replica loss: the lost stage task runs again "
+        "on another replica of its stage from the outputs the orchestrator kept (an AR stream "
+        "resumes from the tokens already delivered). 0 fails the request with replica_lost at "
+        "once. A request that loses two replicas of the same stage fails as a suspect.",
+    )
+
+
 class OrchestratorSpec(_Model):
     """The API front door: it routes every request through the stage graph."""
 
@@ -888,6 +902,11 @@ class OrchestratorSpec(_Model):
     )
     request_timeout_seconds: float = Field(
         300.0, gt=0, le=86_400, description="Upper bound on a request's lifetime end to end."
+    )
+    failover: FailoverOptions = Field(
+        default_factory=FailoverOptions,
+        description="Retry of a stage task whose replica was lost (docs/architecture.md, "
+        "\"Failover\").",
     )
     shutdown_delay_seconds: float = Field(
         5.0,

@@ -262,6 +262,7 @@ async def test_orchestrator_fails_only_requests_bound_to_a_dead_replica(
     release = tmp_path / "release"
     monkeypatch.setenv(HOLD_FILE_ENV, str(release))
     p = pipeline(echo("a", 2, finalOutput=True))
+    p.spec.orchestrator.failover.max_retries = 0  # the no-retry path; failover: test_failover.py
     rt = make(runtimes, p, tmp_path, restart=RestartPolicy(base=60))  # stays down meanwhile
     rt.start()
     orch = Orchestrator(p, rt.membership)

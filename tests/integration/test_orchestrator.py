@@ -282,6 +282,7 @@ async def test_parallel_sampling_child_abort_drops_parent_when_none_remain(
 
 async def test_kill_9_one_replica_fails_only_its_bound_requests(launch, tmp_path: Path) -> None:
     pipe = pipeline("iso", [echo("a", final=True)])
+    pipe.spec.orchestrator.failover.max_retries = 0  # the no-retry path; failover: test_failover.py
     release = tmp_path / "release"
     # The socket monitor notices the kill; heartbeats a minute apart cannot drop the live
     # replica however loaded the machine is.

@@ -277,7 +277,9 @@ async def test_kill_9_vocoder_mid_stream_fails_only_its_requests_once(
 ) -> None:
     hold = tmp_path / "release"
     sinks = [{"env": sink_env(hold)}] * 2
-    orch, procs, _ = await launch(speech("kill"), {
+    pipe = speech("kill")
+    pipe.spec.orchestrator.failover.max_retries = 0  # the no-retry path; failover: test_failover.py
+    orch, procs, _ = await launch(pipe, {
         "talker": [{}, {}], "vocoder": [{}, {}], "sink": sinks},
         heartbeat_interval=0.5, heartbeat_timeout=3.0)
     handles = [orch.submit(PipelineRequest(prompt=PROMPT)) for _ in range(2)]

@@ -132,6 +132,7 @@ async def test_abort_mid_stream_stops_every_stage_and_frees_every_block(launch, 
 
 async def test_kill_9_downstream_mid_stream_fails_only_its_requests_once(launch) -> None:
     pipe = two_stage("kill", echoChunkChars=1, echoChunkDelayMs=100)  # 2.5 s per request
+    pipe.spec.orchestrator.failover.max_retries = 0  # the no-retry path; failover: test_failover.py
     orch, procs, _ = await launch(pipe, {"a": [{}, {}], "b": [{}, {}]},
                                   heartbeat_interval=0.5, heartbeat_timeout=3.0)
     handles = [orch.submit(PipelineRequest(prompt=TEXT)) for _ in range(4)]

@@ -1286,7 +1286,7 @@ async def test_a_closed_connection_fails_only_the_work_bound_to_that_replica(mak
 
     Kills: `_on_disconnect` ignored, the incarnation not cleared, the wrong tasks failed, the
     restart not counted, the new hello not making the replica routable."""
-    rig = await make(ONE, {"a": 2})
+    rig = await make(ONE, {"a": 2}, orch={"failover": {"maxRetries": 0}})
     rig.orch.pools["a"].sessions.update({"s0": "a-0", "s1": "a-1"})
     on0 = [rig.submit(str(i), session="s0") for i in range(2)]
     on1 = rig.submit("z", session="s1")
@@ -1375,7 +1375,7 @@ async def test_a_hello_after_a_reconnect_that_refuses_is_not_routed_to(make: Mak
 
     Kills: `_on_hello` accepting another version, the refused reason text, the restart on a
     refused hello, a same-incarnation hello treated as a restart."""
-    rig = await make(ONE, {"a": 2})
+    rig = await make(ONE, {"a": 2}, orch={"failover": {"maxRetries": 0}})
     link0, link1 = rig.net.link("a-0"), rig.net.link("a-1")
     a0 = rig.replica("a-0")
     link0.reply(link0.hello_reply("inc-1"))  # the same process again
@@ -1524,8 +1524,8 @@ async def test_missed_heartbeats_lose_the_replica_and_fail_its_work(make: Make) 
 
     Kills: `>` -> `>=` on the heartbeat timeout, pings not sent, a ping that cannot be sent
     ending the heartbeat, the loss not failing the bound work, probation not set."""
-    rig = await make(ONE, {"a": 0}, workers=[Worker("c", "a"), Worker("a-0", "a"),
-                                             Worker("a-1", "a")],
+    rig = await make(ONE, {"a": 0}, orch={"failover": {"maxRetries": 0}},
+                     workers=[Worker("c", "a"), Worker("a-0", "a"), Worker("a-1", "a")],
                      heartbeat_interval=0, heartbeat_timeout=3.0)
     rig.net.link("c").closed = True  # its pings raise: the others are pinged all the same
     link0 = rig.net.link("a-0")
@@ -1581,7 +1581,7 @@ async def test_membership_changes_route_and_unroute_replicas(make: Make) -> None
 
     Kills: state changes ignored, `gone` not losing the replica, a new endpoint not replacing
     the channel, replicas of unknown stages added, the new channel's endpoint or name."""
-    rig = await make(ONE, {"a": 2})
+    rig = await make(ONE, {"a": 2}, orch={"failover": {"maxRetries": 0}})
     e0, e1 = endpoint(rig, "a-0"), endpoint(rig, "a-1")
     link0 = rig.net.link("a-0")
     rig.membership.publish(ReplicaInfo("a", "a-0", e0, "draining"))
@@ -1833,7 +1833,8 @@ async def test_metrics_follow_outcomes_counters_and_latency(make: Make) -> None:
     latency sum's arithmetic."""
     rig = await make(ONE)
     assert rig.orch.counters == {"late_messages": 0, "late_aborts": 0, "replicas_lost": 0,
-                                 "replica_restarts": 0, "latency_sum": 0.0}
+                                 "replica_restarts": 0, "latency_sum": 0.0,
+                                 "suspect_requests": 0}
     assert rig.orch.name == "pl" and rig.orch.heartbeat_timeout == 3.0
     assert rig.orch.pipeline.metadata.name == "pl" and rig.orch.pools["a"].stage == "a"
     h = rig.submit("x")

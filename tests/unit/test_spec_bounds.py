@@ -276,7 +276,8 @@ def test_other_defaults() -> None:
     assert orchestrator == {
         "replicas": 1, "port": 8000, "api": ["chat", "images", "speech", "generic"],
         "served_model_name": None, "chat_stage": None, "request_timeout_seconds": 300.0,
-        "shutdown_delay_seconds": 5.0, "resources": {"cpu": "1", "memory": "1Gi"},
+        "shutdown_delay_seconds": 5.0, "failover": {"max_retries": 2},
+        "resources": {"cpu": "1", "memory": "1Gi"},
         "node_selector": {}, "tolerations": []}
     stage_a = parse_pipeline(one_stage()).spec
     assert stage_a.image == DEFAULT_IMAGE and stage_a.model_cache is None

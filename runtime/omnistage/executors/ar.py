@@ -11,6 +11,12 @@ per-row attention mask (1 = a real token) and per-row position ids, so a padded 
 what it would alone. A joining sequence is prefilled on its own (its prompt pass is exactly the
 one-at-a-time pass) and its cache row is merged in; a leaving sequence's row is dropped and
 columns that are padding in every remaining row are trimmed.
+
+Failover resume (omnistage.orchestrator.engine._failover): `resume_token_ids` and `resume_text`
+are what a lost replica had already streamed to the client. The job starts with them generated:
+its prompt pass takes prompt + those tokens, its deltas go on after that text, and its final
+reply carries the whole answer. Sampling draws token i from a generator seeded with (seed, i)
+(_step_seed), so a resumed sequence samples exactly what the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ class _ARRequest(StageParams):
     token_ids: list[int] | None = None
     stream: bool = False
     ignore_eos: bool = False
+    # A failover resumes a stream (omnistage.orchestrator.engine._failover): the tokens, and
+    # the text, the client already has. Generation goes on after them, as if never cut.
+    resume_token_ids: list[int] | None = None
+    resume_text: str | None = None
 
 
 ARParams = stage_params("ar", _ARRequest)
@@ -51,6 +61,7 @@ class ARJob:
     return_hidden: bool
     ignore_eos: bool
     generated: list[int] = field(default_factory=list)
+    resume_text: str = ""  # the text the client already has (a resumed stream)
     #: Extra keyword inputs of the prompt's forward pass (a thinker's image and audio features).
     prefill_inputs: dict[str, Any] = field(default_factory=dict)
 
@@ -64,6 +75,7 @@ class _Seq:
     gen: Any  # torch.Generator, seeded with the job's seed
     hidden: list[Any] = field(default_factory=list)
     emitted_text: str = ""
+    prefilled: int = 0  # tokens its prompt pass put in the cache (prompt + resumed)
     next_token: int = -1  # fed at the next decode step
     sent: int = 0  # entries of hidden handed on as chunks (a streaming thinker) ...
     rows_sent: int = 0  # ... and the token rows they held
@@ -108,6 +120,16 @@ class ARExecutor(BatchExecutor):
                              "only with a model that has a chat template)")
         if not ids:
             ids = [self.tokenizer.bos_token_id]
+        resume = list(req.resume_token_ids or ())
+        if resume:
+            vocab = len(self.tokenizer)
+            bad = next((i for i, t in enumerate(resume) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadRequest(f"params.resume_token_ids[{bad}] must be a token id in "
+                                 f"[0, {vocab}), got {resume[bad]}")
+            if len(resume) > opts.max_tokens:
+                raise BadRequest(f"params.resume_token_ids: {len(resume)} tokens resumed, "
+                                 f"more than max_tokens ({opts.max_tokens})")
         if len(ids) + opts.max_tokens > self.context_len:
             # Blame what the client sent: its max_tokens, else the prompt (the stage's default
             # max_tokens is not the client's to fix).
@@ -131,6 +153,8 @@ class ARExecutor(BatchExecutor):
             stream=req.stream,
             return_hidden=opts.return_hidden_states,
             ignore_eos=req.ignore_eos,
+            generated=resume,
+            resume_text=req.resume_text or "",
         )
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -186,6 +210,9 @@ class ARExecutor(BatchExecutor):
         if job.temperature > 0:
             import torch
 
+            # Token i draws from the generator seeded with (seed, i): a stream resumed after
+            # i tokens (a failover) draws exactly what the uninterrupted one would have.
+            seq.gen.manual_seed(_step_seed(job.seed, len(job.generated)))
             probs = torch.softmax(logits / job.temperature, dim=-1).cpu()
             tok = int(torch.multinomial(probs, 1, generator=seq.gen))
         if tok == self.eos and not job.ignore_eos:
@@ -463,7 +490,8 @@ class _ARBatch:
     def add(self, seq: int, job: ARJob, emit: Emit) -> None:
         import torch
 
-        self.joining[seq] = _Seq(job, emit, torch.Generator(device="cpu").manual_seed(job.seed))
+        self.joining[seq] = _Seq(job, emit, torch.Generator(device="cpu").manual_seed(job.seed),
+                                 emitted_text=job.resume_text)
 
     def abort(self, seq: int) -> Outcome:
         return self.ex._aborted(self._remove(seq).job)
@@ -496,7 +524,9 @@ class _ARBatch:
         ex, joined = self.ex, []
         joining, self.joining = self.joining, {}
         for sid, seq in joining.items():
-            ids = torch.tensor([seq.job.prompt_ids], device=ex.device)
+            # A resumed stream's prompt pass takes the tokens already delivered too.
+            seq.prefilled = len(seq.job.prompt_ids) + len(seq.job.generated)
+            ids = torch.tensor([seq.job.prompt_ids + seq.job.generated], device=ex.device)
             out = ex._forward(ids, None, None, None, seq.job.return_hidden,
                               **seq.job.prefill_inputs)
             logits = out.logits[0, -1].float()
@@ -548,7 +578,7 @@ class _ARBatch:
         if self.cache is None and len(joined) == 1:
             _, seq, cache = joined[0]  # a batch of one: adopt its cache as it is
             self.cache = cache
-            self.mask = torch.ones(1, len(seq.job.prompt_ids), dtype=torch.long,
+            self.mask = torch.ones(1, seq.prefilled, dtype=torch.long,
                                    device=self.ex.device)
             return
         old = _kv_layers(self.cache) if self.cache is not None else None
@@ -591,6 +621,11 @@ class _ARBatch:
                                      v.index_select(0, idx)[..., lead:, :])
                                     for k, v in _kv_layers(self.cache)])
         self.padded = bool((self.mask == 0).any())
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """The sampling seed of a sequence's token number `step` (a 63-bit mix of both)."""
+    return (seed * 1_000_003 + step * 7_919 + 1) % (1 << 63)
 
 
 def _plain_kv_cache(config: Any) -> bool:

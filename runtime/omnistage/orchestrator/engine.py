@@ -25,6 +25,14 @@ request keeps every reply it used until its outcome: then final outputs are copi
 its blocks go back to their workers, so no block outlives its request. A reply that is dropped
 (late) gives its blocks back at once.
 
+Failover: a task whose replica is lost (kill, crash, restart) runs again on another replica of
+its stage, from the upstream outputs the request still holds (see _failover and
+docs/architecture.md, "Failover"): at most spec.orchestrator.failover.maxRetries times per
+request, within its deadline, never once it was aborted, and never after the request lost two
+replicas of the same stage (a suspect: it may be what kills them). A final AR stage whose text
+already streamed to the client resumes from the tokens delivered; a stage whose output already
+reached the client and cannot resume (audio chunks) fails as before.
+
 A stage with `autoscaling` may have no routable replica (scaled to zero): a task that needs it
 is held in the stage's bounded FIFO (still under its request's deadline and aborts) and the
 stage is woken through the Waker; at admission every such stage the request will run is woken
@@ -97,6 +105,21 @@ class _Stream:
     ended: bool = False  # the upstream's final arrived (its last feed went out)
 
 
+# Executors that resume a stream from the tokens already delivered (params resume_token_ids
+# and resume_text; omnistage.executors.ar). Another kind whose text reached the client fails.
+RESUMABLE = frozenset({"omnistage.executors.ar:ARExecutor",
+                       "omnistage.executors.ar:ThinkerExecutor"})
+
+
+@dataclass(eq=False)
+class _Shown:
+    """What of one stage's output the client was handed (Delta and AudioChunk events)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    audio_chunks: int = 0
+
+
 @dataclass(eq=False)
 class _Task:
     """One stage of one child, bound to one replica at a time."""
@@ -112,6 +135,7 @@ class _Task:
     needed_at: float = 0.0  # when its inputs were complete (the load signal's clock)
     sent_at: float | None = None  # when it last went to a replica
     answered: bool = False  # the replica's first output came (ttfo measured)
+    attempt: int = 0  # failovers so far: each attempt has a wire id of its own
 
 
 @dataclass(eq=False)
@@ -124,6 +148,8 @@ class _Child:
     companion_done: dict[str, Result] = field(default_factory=dict)
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     streams: dict[str, _Stream] = field(default_factory=dict)  # by upstream stage
+    restarts: dict[str, int] = field(default_factory=dict)  # fed stages started afresh
+    shown: dict[str, _Shown] = field(default_factory=dict)  # by stage: what the client saw
     abort_requested: bool = False
     aborted: bool = False
     outcome: ChildOutcome | None = None
@@ -146,6 +172,8 @@ class _Request:
     timer: asyncio.TimerHandle | None = None
     held: list[Reply] = field(default_factory=list)  # replies whose blocks it still uses
     cold: list[str] = field(default_factory=list)  # stages it needs that are at zero (woken)
+    retries: int = 0  # failovers of its tasks so far (bounded by failover.maxRetries)
+    losses: dict[str, int] = field(default_factory=dict)  # replicas lost under it, by stage
 
 
 @dataclass(eq=False)
@@ -236,13 +264,19 @@ class Orchestrator:
             "replicas_lost": 0,
             "replica_restarts": 0,
             "latency_sum": 0.0,
+            "suspect_requests": 0,
         }
+        self.max_retries = self.spec.orchestrator.failover.max_retries
+        # Failovers by stage: "retries" (a lost task sent again), "resumes" (of which a stream
+        # went on from the tokens the client already had).
+        self.failovers: dict[str, dict[str, int]] = {"retries": {}, "resumes": {}}
         self.outcomes: dict[str, int] = {}
         self.load_tracker = LoadTracker(self.pools, window_s=window_of(self.spec))
         # The HTTP layer adds its own request metrics to this registry; /metrics serves it.
         self.registry = new_registry(OrchestratorCollector(
             pipeline=self.name, outcomes=self.outcomes, requests=self.requests,
-            pools=self.pools, counters=self.counters, load=self.load))
+            pools=self.pools, counters=self.counters, load=self.load,
+            failovers=self.failovers))
         self._zctx: zmq.asyncio.Context | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
@@ -454,12 +488,90 @@ class Orchestrator:
             if child.abort_requested:
                 child.aborted = True
                 self._settle(child)
-            else:
+            elif not self._failover(task, replica.name, reason):
                 self._fail_child(child, RequestError(
                     "replica_lost",
                     f"replica {replica.name} of stage {task.stage} was lost: {reason}",
                     task.stage,
                 ))
+
+    def _failover(self, task: _Task, lost: str, reason: str) -> bool:
+        """Send a task whose replica was lost to another replica of its stage; False when it
+        must fail instead (the caller fails it with replica_lost).
+
+        Its inputs are the upstream outputs the request still holds (child.done, and a fed
+        task's kept chunks, all sent again). A final AR stream the client already saw part of
+        resumes from the delivered tokens; audio the client already has cannot be resumed. A
+        lost upstream of a streamed edge restarts the downstream chain it fed, unless that
+        chain's output already reached the client.
+        """
+        child, request, stage = task.child, task.child.request, task.stage
+        losses = request.losses[stage] = request.losses.get(stage, 0) + 1
+        if losses >= 2:
+            self.counters["suspect_requests"] += 1
+            log.warning("request %s is a suspect: it lost %d replicas of stage %s (the last, "
+                        "%s: %s); not retried", request.id, losses, stage, lost, reason)
+            return False
+        if request.retries >= self.max_retries or time.monotonic() >= request.deadline:
+            return False
+        if not self.pools[stage].routable(task.tried | {lost}):
+            return False  # no other replica to go to: fail now rather than wait
+        chain = [] if task.companion else self._fed_chain(child, stage)
+        resume = False
+        for s in [] if task.companion else [stage, *chain]:
+            shown = child.shown.get(s)
+            if shown is None:
+                continue
+            if shown.audio_chunks or s != stage or self.rows[s].executor not in RESUMABLE:
+                return False  # the client has output of it that cannot be resumed
+            resume = bool(shown.token_ids or shown.text)
+        self._restart_chain(child, stage, chain)
+        request.retries += 1
+        for kind in ("retries", "resumes") if resume else ("retries",):  # a resume is a retry
+            self.failovers[kind][stage] = self.failovers[kind].get(stage, 0) + 1
+        base = task.wire_id.rsplit("~", 1)[0] if task.attempt else task.wire_id
+        task.attempt += 1
+        task.wire_id = f"{base}~{task.attempt}"
+        task.tried.add(lost)
+        log.info("request %s: stage %s failed over from %s (%s); retry %d of %d%s",
+                 request.id, stage, lost, reason, request.retries, self.max_retries,
+                 ", resuming its stream" if resume else "")
+        child.started.add((stage, task.companion))
+        self._send(task)
+        return True
+
+    def _fed_chain(self, child: _Child, stage: str) -> list[str]:
+        """The started stages that a streamed edge from `stage` feeds, in order down."""
+        chain = []
+        stream = child.streams.get(stage)
+        while stream is not None and (stream.downstream, False) in child.started:
+            chain.append(stream.downstream)
+            stream = child.streams.get(stream.downstream)
+        return chain
+
+    def _restart_chain(self, child: _Child, stage: str, chain: list[str]) -> None:
+        """Before a lost stage runs again: abort the downstream stages its chunks fed and
+        forget those chunks, so its first new chunk starts them afresh (a stage run again
+        need not make the same chunks: sampling). Their blocks stay in request.held until the
+        outcome: an aborted downstream may still be reading them."""
+        for s in [stage, *chain]:
+            stream = child.streams.get(s)
+            if stream is None:
+                continue
+            stream.chunks.clear()
+            stream.acked = 0
+            stream.ended = False
+        for s in chain:
+            child.started.discard((s, False))
+            child.restarts[s] = child.restarts.get(s, 0) + 1
+            down = child.running.get((s, False))
+            if down is None:
+                continue
+            self._detach(down)
+            if down.replica is not None and down.replica.alive:
+                with contextlib.suppress(Exception):
+                    down.replica.channel.send(p.Abort(id=down.wire_id,
+                                                      incarnation=down.incarnation))
 
     async def _probe(self, info: ReplicaInfo) -> None:
         channel = ReplicaChannel(info.endpoint, name=f"probe-{info.name}", zctx=self._zctx)
@@ -620,6 +732,8 @@ class Orchestrator:
         request = child.request
         child.started.add((stage, companion))
         suffix = "/neg" if companion else ""
+        again = child.restarts.get(stage) if not companion else None
+        suffix += f"~r{again}" if again else ""  # the aborted one may still be on its replica
         task = _Task(f"{request.id}/{child.index}/{stage}{suffix}", child, stage, companion,
                      fed=fed, needed_at=self.load_tracker.arrived(stage))
         self._send(task)
@@ -703,6 +817,11 @@ class Orchestrator:
         final = task.stage in request.finals and not task.companion
         # Streamed deltas are text: only a stage that emits text streams.
         params["stream"] = req.stream and final and Payload.TEXT in row.emits
+        shown = None if task.companion else child.shown.get(task.stage)
+        if shown is not None and (shown.token_ids or shown.text):
+            # A failover of a stream the client already saw part of: go on from there.
+            params["resume_token_ids"] = list(shown.token_ids)
+            params["resume_text"] = shown.text
         return params
 
     def _tensors(self, task: _Task) -> dict[str, Any]:
@@ -840,6 +959,9 @@ class Orchestrator:
         if child.outcome is not None or task.companion:
             self.counters["late_messages"] += 1
             return
+        shown = child.shown.setdefault(task.stage, _Shown())
+        shown.token_ids.extend(h.token_ids)
+        shown.text += h.text
         child.request.queue.put_nowait(Delta(child.index, task.stage, h.text, h.token_ids))
 
     # ---- streaming between stages ----------------------------------------------------------
@@ -888,6 +1010,7 @@ class Orchestrator:
             audio = audio.detached()
         finally:
             self._release(msg)
+        child.shown.setdefault(task.stage, _Shown()).audio_chunks += 1
         child.request.queue.put_nowait(AudioChunk(
             child.index, task.stage, h.seq, audio, sample_rate,
             partial(self._client_credit, task, h.seq)))
@@ -986,6 +1109,12 @@ class Orchestrator:
                 if replica is not None and replica.incarnation == task.incarnation:
                     self._restarted(replica, "refused a request for its previous incarnation")
                     replica.channel.hello()
+                if child.abort_requested:
+                    child.aborted = True
+                    self._settle(child)
+                    return
+                if self._failover(task, replica.name if replica else "", "restarted"):
+                    return
                 self._fail_child(child, RequestError(
                     "replica_lost", f"replica {replica.name if replica else '?'} of stage "
                     f"{stage} restarted: {message}", stage))

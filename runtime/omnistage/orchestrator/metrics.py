@@ -27,6 +27,13 @@ LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
      "p95 of the time from dispatch to the stage's first output, over the load window"),
 )
 
+# Failovers by stage (engine.Orchestrator.failovers): (kind, help).
+FAILOVER_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("retries", "Stage tasks sent again to another replica after their replica was lost"),
+    ("resumes", "Of those retries, streams that went on from the tokens the client already "
+                "had"),
+)
+
 
 class OrchestratorCollector:
     """Every family carries the label pipeline.
@@ -37,13 +44,15 @@ class OrchestratorCollector:
 
     def __init__(self, *, pipeline: str, outcomes: Mapping[str, int], requests: Sized,
                  pools: Mapping[str, StagePool], counters: Mapping[str, float],
-                 load: Callable[[], PipelineLoad] | None = None) -> None:
+                 load: Callable[[], PipelineLoad] | None = None,
+                 failovers: Mapping[str, Mapping[str, int]] | None = None) -> None:
         self.common = {"pipeline": pipeline}
         self.outcomes = outcomes
         self.requests = requests
         self.pools = pools
         self.counters = counters
         self.load = load
+        self.failovers = failovers or {}
 
     def collect(self) -> Iterator[Metric]:
         c, common = self.counters, self.common
@@ -76,6 +85,13 @@ class OrchestratorCollector:
                      "Replica processes seen gone (connection closed or a new incarnation); "
                      "the work bound to each failed at once", common,
                      [((), c["replica_restarts"])])
+        for kind, help_text in FAILOVER_COUNTERS:
+            yield family(counter, f"omnistage_orchestrator_{kind}_total", help_text, common,
+                         [((stage,), n) for stage, n in
+                          sorted(self.failovers.get(kind, {}).items())], ["stage"])
+        yield family(counter, "omnistage_orchestrator_suspect_requests_total",
+                     "Requests failed as suspects: they lost two replicas of one stage",
+                     common, [((), c.get("suspect_requests", 0))])
         yield summary("omnistage_orchestrator_request_seconds",
                       "Request latency, admission to terminal outcome", common,
                       sum(self.outcomes.values()), c["latency_sum"])
