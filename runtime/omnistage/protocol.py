@@ -230,8 +230,7 @@ class HelloReply(_Wire, tag="hello_reply"):
 # A task's first output (delta seq 1, chunk seq 1) and its final or aborted reply carry how long
 # the task waited in the worker's admission queue, admission to the executor taking it, in
 # seconds; absent from workers older than this field and for work that never started. The
-# orchestrator adds it to its own wait for the stage (GET /v1/load's queue_wait_p95_s) and
-# leaves it out of the stage's service time (service_s).
+# orchestrator adds it to its own wait for the stage (GET /v1/load's queue_wait_p95_s).
 QueueWait = Annotated[float, msgspec.Meta(ge=0)] | None
 
 

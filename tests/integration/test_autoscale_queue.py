@@ -64,9 +64,6 @@ async def test_worker_queue_wait_reaches_the_signal_and_the_target(start_worker)
     # less the spread of the three arrivals, which is far under DELAY_S).
     assert q["queue_wait_p95_s"] >= DELAY_S, q
     assert q["ttfo_p95_s"] >= q["queue_wait_p95_s"] - 0.05, q  # the queue precedes the output
-    # Service time is the work, not the queue: each request's DELAY_S (a queue counted in it
-    # would make the mean about 2 x DELAY_S).
-    assert DELAY_S * 0.9 <= q["service_s"] < DELAY_S * 1.5, q
     spec = pipe.spec.stage("q").autoscaling
     assert isinstance(spec, Autoscaling)
     load = StageLoad(**q)

@@ -84,16 +84,6 @@ def test_queue_wait_adds_the_replicas_admission_queue() -> None:
     assert figures(t2).queue_wait_p95_s == pytest.approx(0.1)
 
 
-def test_service_time_leaves_out_the_replicas_queue() -> None:
-    """Little's law sizes on the work: 2.5 s from dispatch to the final reply, 1.5 s of it in
-    the replica's queue, is 1 s of service."""
-    t, clock = tracker(window=10.0)
-    sent = t.dispatched("a", t.arrived("a"))
-    clock.t += 2.5
-    t.finished("a", sent, worker_queue_s=1.5)
-    assert figures(t).service_s == pytest.approx(1.0)
-
-
 def test_samples_leave_the_window() -> None:
     t, clock = tracker(window=10.0)
     clock.t += 100

@@ -948,8 +948,7 @@ class Orchestrator:
     def _on_terminal(self, task: _Task, msg: Reply) -> None:
         replica = task.replica
         if isinstance(msg.header, p.Final | p.Aborted) and task.sent_at is not None:
-            self.load_tracker.finished(task.stage, task.sent_at,
-                                       worker_queue_s=msg.header.queue_wait_s)
+            self.load_tracker.finished(task.stage, task.sent_at)
         self._detach(task)
         child, stage = task.child, task.stage
         if child.outcome is not None:

@@ -60,8 +60,7 @@ class StageLoad(msgspec.Struct, kw_only=True):
     arrivals_per_s: Annotated[float, _doc("Tasks that needed the stage, per second over the "
                                           "window.")]
     service_s: Annotated[float, _doc("Mean time from dispatch to the stage's last reply over "
-                                     "the window, less the wait in the replica's queue it "
-                                     "reports; 0 if none.")]
+                                     "the window; 0 if none.")]
     queue_wait_p95_s: Annotated[float, _doc("p95 of the time from needing the stage to a "
                                             "replica's executor taking it: held time, and the "
                                             "replica's admission queue as it reports it.")]
@@ -173,15 +172,10 @@ class LoadTracker:
             wait = max(0.0, sent_at - needed_at) + max(0.0, worker_queue_s or 0.0)
             tracker.queue_waits.append((now, wait))
 
-    def finished(self, stage: str, sent_at: float, *,
-                 worker_queue_s: float | None = None) -> None:
-        """The stage's work on the task ended (its final reply, or an abort's). The service
-        time leaves out the wait in the replica's admission queue that the reply reports:
-        Little's law sizes the pool on the work, and a queue counted as work would grow the
-        pool further the longer it queues (the queue shows in queue_wait_p95_s instead)."""
+    def finished(self, stage: str, sent_at: float) -> None:
+        """The stage's work on the task ended (its final reply, or an abort's)."""
         now = self.clock()
-        served = now - sent_at - max(0.0, worker_queue_s or 0.0)
-        self.stages[stage].services.append((now, max(0.0, served)))
+        self.stages[stage].services.append((now, max(0.0, now - sent_at)))
 
     # ---- reading ---------------------------------------------------------------------------
 
