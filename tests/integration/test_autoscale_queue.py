@@ -12,9 +12,10 @@ import aiohttp
 import pytest
 
 from omnistage.autoscaling import AutoscalerState, decide
+from omnistage.kube import LOAD_PATH
 from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.http_api import serve_http
-from omnistage.orchestrator.load import LOAD_PATH, StageLoad
+from omnistage.orchestrator.load import StageLoad
 from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
 from omnistage.spec import Autoscaling, parse_pipeline
 
