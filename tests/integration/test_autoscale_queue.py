@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from omnistage import protocol as p
 from omnistage.autoscaling import AutoscalerState, decide
 from omnistage.kube import LOAD_PATH
 from omnistage.orchestrator.engine import Orchestrator
@@ -71,3 +72,24 @@ async def test_worker_queue_wait_reaches_the_signal_and_the_target(start_worker)
     d = decide(spec, load, 1, AutoscalerState(), 0.0)
     # p95 over the target by a factor >= 2: the pool grows in proportion.
     assert d.desired >= 2 and d.direction == 1, d
+
+
+async def test_the_worker_reports_its_queue_on_the_first_delta_and_the_final(
+        start_worker, channels) -> None:
+    """On the wire: a streamed echo's first delta and its final carry queue_wait_s; the first
+    request of three (one runs at a time) waited for nothing, the third for two runs."""
+    w = start_worker("echo", engine={"echoDelayMs": int(DELAY_S * 1000)})
+    ch = channels(w)
+    replies = await asyncio.gather(*(ch.request(f"r{i}", {"prompt": f"p{i}", "stream": True})
+                                     for i in range(3)))
+    waits = []
+    for deltas, final in replies:
+        assert isinstance(final.header, p.Final), final.header
+        first, *rest = deltas
+        assert first.header.seq == 1 and first.header.queue_wait_s is not None
+        assert all(d.header.queue_wait_s is None for d in rest)  # the first output only
+        assert final.header.queue_wait_s == first.header.queue_wait_s
+        waits.append(final.header.queue_wait_s)
+    waits.sort()
+    assert waits[0] < DELAY_S / 2, waits  # it ran at once
+    assert waits[2] >= DELAY_S, waits  # two runs of DELAY_S ahead of it, less the arrivals' spread
