@@ -355,6 +355,9 @@ class ExecutionContext:
         self._lock = threading.Lock()
         self._permits: list[Permit] = list(permits)
         self._holders = 0
+        # time.monotonic() when a scheduler dispatched the work (None while it waits): the
+        # worker reports the wait in its admission queue from it (the load signal's queue wait).
+        self.started_at: float | None = None
 
     @classmethod
     def with_timeout(
@@ -723,6 +726,7 @@ class SerialScheduler:
         """Worker thread: last check right before `fn` (the pool may have been busy); hold ctx."""
         try:
             ctx.check()
+            ctx.started_at = time.monotonic()
             return self._call(fn, args)
         finally:
             hold.release()

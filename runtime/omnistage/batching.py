@@ -461,6 +461,7 @@ class BatchScheduler:
         died while queued, or that the batch refuses, ends alone."""
         for e in joiners:
             e.joined_at = time.perf_counter()
+            e.ctx.started_at = time.monotonic()  # the worker's queue wait ends here
             self._dispatched += 1
             try:
                 e.ctx.check()  # right before it runs: it may have died while queued

@@ -25,6 +25,8 @@ import numpy as np
 # any change an older peer would misread; hello, hello_reply and error keep their fields so any
 # two versions can tell each other apart. Version 4: streaming between stages (submit's
 # chunk_window and fed, the feed and credit requests, the chunk and credit replies).
+# Optional fields an older peer ignores (msgspec drops unknown keys) need no bump: queue_wait_s
+# on a task's outputs came that way.
 PROTOCOL_VERSION = 4
 
 MAX_HEADER_BYTES = 1 << 20
@@ -225,6 +227,13 @@ class HelloReply(_Wire, tag="hello_reply"):
     shm: ShmProbe | None = None  # the worker's segment, when it could read the client's
 
 
+# A task's first output (delta seq 1, chunk seq 1) and its final or aborted reply carry how long
+# the task waited in the worker's admission queue, admission to the executor taking it, in
+# seconds; absent from workers older than this field and for work that never started. The
+# orchestrator adds it to its own wait for the stage (GET /v1/load's queue_wait_p95_s).
+QueueWait = Annotated[float, msgspec.Meta(ge=0)] | None
+
+
 class Delta(_Wire, tag="delta"):
     """Streamed partial output; not terminal."""
 
@@ -232,6 +241,7 @@ class Delta(_Wire, tag="delta"):
     seq: int
     text: str = ""
     token_ids: list[int] = []
+    queue_wait_s: QueueWait = None
 
 
 class Chunk(_Wire, tag="chunk"):
@@ -242,6 +252,7 @@ class Chunk(_Wire, tag="chunk"):
     seq: Annotated[int, msgspec.Meta(ge=1)]
     text: str | None = None
     tensors: list[TensorDesc] = []
+    queue_wait_s: QueueWait = None
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -263,10 +274,12 @@ class _Result(_Wire):
     steps: int | None = None  # diffusion
     sample_rate: int | None = None  # vocoder: Hz of its "audio" tensor
     tensors: list[TensorDesc] = []
+    queue_wait_s: QueueWait = None  # the worker's, not the executor's: not in RESULT_FIELDS
 
 
 RESULT_FIELDS: tuple[str, ...] = tuple(
-    f for f in _Result.__struct_fields__ if f not in ("id", "replica", "seq", "tensors")
+    f for f in _Result.__struct_fields__
+    if f not in ("id", "replica", "seq", "tensors", "queue_wait_s")
 )
 
 

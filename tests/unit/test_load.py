@@ -48,7 +48,7 @@ def test_figures_over_the_window_and_engine_values_passed_through() -> None:
         clock.t += 0.1
         sent = t.dispatched("a", needed)
         clock.t += 0.2
-        t.first_output("a", sent)
+        t.first_output("a", sent, needed_at=needed)
         clock.t += 0.2  # 0.5 s per request in total
         t.finished("a", sent - 0.6)  # service 1.0 s
     clock.t += 0.25  # the window [now - 10, now] holds the last 19 arrivals, not the first
@@ -63,6 +63,25 @@ def test_figures_over_the_window_and_engine_values_passed_through() -> None:
     untouched = figures(t, "b")
     assert (untouched.arrivals_per_s, untouched.service_s, untouched.last_request_unix) == (
         0.0, 0.0, None)
+
+
+def test_queue_wait_adds_the_replicas_admission_queue() -> None:
+    """The sample is the orchestrator's wait plus what the replica reports; a replica that
+    reports nothing (an older worker) adds nothing."""
+    t, clock = tracker(window=10.0)
+    needed = t.arrived("a")
+    clock.t += 0.1
+    sent = t.dispatched("a", needed)
+    clock.t += 2.0
+    t.first_output("a", sent, needed_at=needed, worker_queue_s=1.5)
+    assert figures(t).queue_wait_p95_s == pytest.approx(1.6)
+    t2, clock2 = tracker(window=10.0)
+    needed = t2.arrived("a")
+    clock2.t += 0.1
+    sent = t2.dispatched("a", needed)
+    clock2.t += 2.0
+    t2.first_output("a", sent, needed_at=needed, worker_queue_s=None)
+    assert figures(t2).queue_wait_p95_s == pytest.approx(0.1)
 
 
 def test_samples_leave_the_window() -> None:
@@ -89,8 +108,8 @@ def test_rings_are_bounded_and_rate_covers_what_they_hold() -> None:
     t, clock = tracker(window=10.0, ring=8)
     clock.t += 50
     for _ in range(100):  # 10 per second: more than the ring holds in the window
-        t.arrived("a")
-        t.dispatched("a", clock.t)
+        needed = t.arrived("a")
+        t.first_output("a", t.dispatched("a", needed), needed_at=needed)
         clock.t += 0.1
     stage = t.stages["a"]
     assert len(stage.arrivals) == 8 and len(stage.queue_waits) == 8

@@ -941,7 +941,8 @@ class Orchestrator:
             return
         if not task.answered and isinstance(h, _OUTPUTS) and task.sent_at is not None:
             task.answered = True
-            self.load_tracker.first_output(task.stage, task.sent_at)
+            self.load_tracker.first_output(task.stage, task.sent_at, needed_at=task.needed_at,
+                                           worker_queue_s=h.queue_wait_s)
         if isinstance(h, p.Delta):
             self._on_delta(task, h)
         elif isinstance(h, p.Chunk):

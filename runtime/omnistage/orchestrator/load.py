@@ -5,7 +5,10 @@ Why here: the orchestrator is the one place that sees every request enter and le
 stage, so it measures; deciding is elsewhere (omnistage.autoscaling). The engine feeds a
 LoadTracker at four points of a task's life (it needs the stage, it is dispatched to a replica,
 the replica's first output, its end), and GET /v1/load and the `omnistage_stage_*` gauges read
-one PipelineLoad built from it.
+one PipelineLoad built from it. A task's queue wait has two parts: the orchestrator's (need to
+dispatch, held time included) and the worker's (its admission queue, which the worker reports
+on the first output, protocol `queue_wait_s`); the sample is their sum, taken at the first
+output, so a task that fails before any output leaves none.
 
 Cost is bounded whatever the traffic: each figure keeps a ring of its last RING_SIZE samples
 (time, value), read only when someone asks (once per autoscaler period). Under more than
@@ -58,10 +61,11 @@ class StageLoad(msgspec.Struct, kw_only=True):
                                           "window.")]
     service_s: Annotated[float, _doc("Mean time from dispatch to the stage's last reply over "
                                      "the window; 0 if none.")]
-    queue_wait_p95_s: Annotated[float, _doc("p95 of the time from needing the stage to "
-                                            "dispatch to a replica (held time included).")]
+    queue_wait_p95_s: Annotated[float, _doc("p95 of the time from needing the stage to a "
+                                            "replica's executor taking it: held time, and the "
+                                            "replica's admission queue as it reports it.")]
     ttfo_p95_s: Annotated[float, _doc("p95 of the time from dispatch to the stage's first "
-                                      "output.")]
+                                      "output (the replica's queue included).")]
     last_request_unix: Annotated[float | None, _doc("Unix time a task last needed the stage; "
                                                     "null if never.")]
     wake_pending: Annotated[bool, _doc("A wake was asked for and no replica is routable yet.")]
@@ -150,14 +154,23 @@ class LoadTracker:
         return now
 
     def dispatched(self, stage: str, needed_at: float) -> float:
-        """The task went to a replica; returns the time, from which ttfo and service count."""
-        now = self.clock()
-        self.stages[stage].queue_waits.append((now, max(0.0, now - needed_at)))
-        return now
+        """The task went to a replica; returns the time, from which ttfo and service count
+        (the queue-wait sample waits for the replica's part, at the first output)."""
+        del stage, needed_at  # the orchestrator's wait is sent_at - needed_at, see first_output
+        return self.clock()
 
-    def first_output(self, stage: str, sent_at: float) -> None:
+    def first_output(self, stage: str, sent_at: float, *, needed_at: float | None = None,
+                     worker_queue_s: float | None = None) -> None:
+        """The replica's first output for a task sent at sent_at. With needed_at, one
+        queue-wait sample: the orchestrator's wait (sent_at - needed_at) plus the replica's
+        admission-queue wait it reported (worker_queue_s; None from a replica that does not
+        report it, which then counts as service time, as before the field existed)."""
         now = self.clock()
-        self.stages[stage].ttfos.append((now, max(0.0, now - sent_at)))
+        tracker = self.stages[stage]
+        tracker.ttfos.append((now, max(0.0, now - sent_at)))
+        if needed_at is not None:
+            wait = max(0.0, sent_at - needed_at) + max(0.0, worker_queue_s or 0.0)
+            tracker.queue_waits.append((now, wait))
 
     def finished(self, stage: str, sent_at: float) -> None:
         """The stage's work on the task ended (its final reply, or an abort's)."""

@@ -73,6 +73,13 @@ class _Request:
     outbox: asyncio.Queue[tuple[int, str | None, dict[str, Any]] | None] | None = None
     sender: asyncio.Task[None] | None = None
     chunk_error: BaseException | None = None  # why a chunk could not be sent
+    admitted_at: float = 0.0  # time.monotonic() at admission: the queue wait counts from here
+
+    def queue_wait(self) -> float | None:
+        """Seconds the request waited in the admission queue before its executor took it
+        (what the first output and the final reply report); None if it never started."""
+        started = self.ctx.started_at
+        return None if started is None else max(0.0, started - self.admitted_at)
 
 
 class StageWorker:
@@ -423,7 +430,7 @@ class StageWorker:
         timeout = msg.timeout_s if msg.timeout_s is not None else self.default_deadline
         ctx = ExecutionContext.with_timeout(timeout, permits=[permit])
         borrower = msg.shm if self.shm is not None and msg.shm in self.shm.peers else None
-        req = _Request(ident, rid, ctx, borrower)
+        req = _Request(ident, rid, ctx, borrower, admitted_at=time.monotonic())
         req.io = StageIO(
             ctx, partial(self._delta, req), fed=msg.fed, window=msg.chunk_window or 0,
             send_chunk=partial(self._chunk, req) if msg.chunk_window else None,
@@ -437,7 +444,9 @@ class StageWorker:
     # ---- streaming between stages (the executor's StageIO calls these on its thread) -----
 
     def _delta(self, req: _Request, fields: dict[str, Any]) -> None:
-        delta = p.Delta(id=req.rid, seq=req.io.deltas, **fields)
+        seq = req.io.deltas
+        delta = p.Delta(id=req.rid, seq=seq, queue_wait_s=req.queue_wait() if seq == 1 else None,
+                        **fields)
         self._loop.call_soon_threadsafe(self._send, req.ident, delta)
 
     def _chunk(self, req: _Request, seq: int, text: str | None, tensors: dict[str, Any]) -> None:
@@ -461,8 +470,9 @@ class StageWorker:
             try:
                 if req.borrower is not None and tensors:
                     tensors = await self._lend(req, tensors)
-                frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text), tensors,
-                                  shm=req.borrower is not None)
+                wait = req.queue_wait() if seq == 1 else None
+                frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text, queue_wait_s=wait),
+                                  tensors, shm=req.borrower is not None)
             except Exception as exc:  # TimeoutError, WaitCancelled, an unencodable chunk
                 self._take_back(tensors)
                 req.chunk_error = exc
@@ -532,7 +542,8 @@ class StageWorker:
             try:
                 if req.borrower is not None and tensors:
                     tensors = await self._lend(req, tensors)
-                frames = p.encode(result(id=rid, replica=replica, seq=seq + 1, **outcome.fields),
+                frames = p.encode(result(id=rid, replica=replica, seq=seq + 1,
+                                         queue_wait_s=req.queue_wait(), **outcome.fields),
                                   tensors, shm=req.borrower is not None)
             except TimeoutError as exc:
                 self._reply(req.ident, p.Deadline(id=rid, replica=replica, message=str(exc)))
