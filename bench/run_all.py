@@ -48,6 +48,7 @@ def benches(args: argparse.Namespace) -> list[Bench]:
         Bench("http_framework", [py, str(BENCH / "bench_http_framework.py")], 600),
         Bench("speech", [py, str(BENCH / "bench_speech.py")], 900),
         Bench("failover", [py, str(BENCH / "bench_failover.py")], 1200),
+        Bench("autoscale", [py, str(BENCH / "bench_autoscale.py")], 1500),
         Bench("operator_scale", [py, str(BENCH / "bench_operator_scale.py"), "--lws",
                                  "--pipelines", str(args.scale_pipelines)], 3600),
     ]
