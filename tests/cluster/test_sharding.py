@@ -132,6 +132,11 @@ def test_two_operators_split_a_fleet_by_namespace(kube: Cluster, crds: None,
             for ns, pipes in names.items():
                 for name in pipes:
                     assert len(stage_pods(kube, ns, name)) == 4, (ns, name)
+            # Both shards' operators reconciled their objects: pools created (writes by A only
+            # in A's namespaces, by B only in B's, so each pool has exactly one writer).
+            for ns in (a1, a2, b1, b2):
+                pools = kube.kubectl("get", "stagepools", "-n", ns, "-o", "name").stdout.split()
+                assert len(pools) == 2 * PIPELINES_PER_NAMESPACE, (ns, pools)
 
             if kube.is_local:  # shard A's webhook validates shard B's namespaces too
                 def refused() -> str:  # a server-side dry run passes admission, stores nothing
@@ -142,12 +147,25 @@ def test_two_operators_split_a_fleet_by_namespace(kube: Cluster, crds: None,
                 denial = wait_for(refused, 60, "shard A's webhook refusing a cycle in " + b1)
                 assert "validation.omnistage.io" in denial and "cycle" in denial, denial
         finally:
-            shard_a.stop()
-            shard_b.stop()
-            if kube.is_local:  # kopf created it; the chart of a later test owns one that name
-                kube.kubectl("delete", "--ignore-not-found", "--wait=false",
-                             f"validatingwebhookconfigurations.admissionregistration.k8s.io/"
-                             f"{CONFIGURATION}")
+            # Each shard's operator releases its own pipelines (ordered shutdown, finalizers
+            # removed) before it stops: a pipeline left with its finalizer would outlive the
+            # namespace for every later test's operator to find.
+            try:
+                for ns in (a1, a2, b1, b2):
+                    kube.kubectl("delete", "omnipipelines", "--all", "-n", ns, "--wait=false",
+                                 check=False)
+                wait_for(lambda: not any(
+                    kube.kubectl("get", "omnipipelines", "-n", ns, "-o", "name",
+                                 check=False).stdout.split() for ns in (a1, a2, b1, b2)),
+                    300, "every pipeline of both shards released by its operator",
+                    lambda: f"A:\n{shard_a.log_tail()}\nB:\n{shard_b.log_tail()}")
+            finally:
+                shard_a.stop()
+                shard_b.stop()
+                if kube.is_local:  # kopf created it; a later test's chart owns one that name
+                    kube.kubectl("delete", "--ignore-not-found", "--wait=false",
+                                 f"validatingwebhookconfigurations.admissionregistration.k8s.io/"
+                                 f"{CONFIGURATION}")
 
         wrote_a, wrote_b = shard_a.written_namespaces(), shard_b.written_namespaces()
         # Exactly one writer per object: no operator wrote outside its own namespaces (nor
@@ -156,8 +174,3 @@ def test_two_operators_split_a_fleet_by_namespace(kube: Cluster, crds: None,
         assert set(wrote_b) <= {b1, b2}, wrote_b
         assert all(wrote_a.get(ns, 0) > 0 for ns in (a1, a2)), wrote_a
         assert all(wrote_b.get(ns, 0) > 0 for ns in (b1, b2)), wrote_b
-        # Both shards' operators reconciled their objects: pools created (writes by A only in
-        # A's namespaces, by B only in B's, so each pool has exactly one writer).
-        for ns in (a1, a2, b1, b2):
-            pools = kube.kubectl("get", "stagepools", "-n", ns, "-o", "name").stdout.split()
-            assert len(pools) == 2 * PIPELINES_PER_NAMESPACE, (ns, pools)
