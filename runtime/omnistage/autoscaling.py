@@ -16,7 +16,11 @@ The rules, in the order they apply (docs/architecture.md, "Autoscaling"):
    what grows a saturated pool whose arrivals are its throughput (closed loop), and it answers a
    step at once, before the window's rate has caught up; a target under 1 is a utilisation goal
    that only (a) can express, so (b) does not divide by it (one task in flight on an idle-ish
-   replica is not a reason for two). queueWaitSeconds and p95TimeToFirstOutputSeconds: the
+   replica is not a reason for two). (b) grows a running pool by one replica a period at
+   most: a backlog drains once replicas come, and an upstream that catches up hands its queue
+   on in one burst; sized on the burst, a pool overshot and the cool-down held it there (c went
+   1 -> 2 -> 5 for an optimum of 3 in the bench). A pool at zero takes what is held at once.
+   queueWaitSeconds and p95TimeToFirstOutputSeconds: the
    measured p95 over its target; above 1 the pool grows in proportion (ceil(current x ratio)),
    below LATENCY_HEADROOM it shrinks by one replica.
    **Dead band** (inflightPerReplica): a pool shrinks only to ceil(figure x (1 + DOWN_MARGIN)),
@@ -127,7 +131,11 @@ def _figure(spec: Autoscaling, load: StageLoadLike, current: int) -> tuple[float
         if service > 0 and rate >= now_figure:
             return rate, (f"Little's law {load.arrivals_per_s:.3g}/s x {service:.3g}s "
                           f"/ {target:g} per replica")
-        return now_figure, f"{present} in flight or held / {max(1.0, target):g} per replica"
+        how = f"{present} in flight or held / {max(1.0, target):g} per replica"
+        # 1c: what is in flight grows a running pool one replica a period
+        if current > 0 and now_figure > current + 1:
+            return max(rate, float(current + 1)), how + f"; +1 a period ({now_figure:.2f})"
+        return now_figure, how
     measured = load.queue_wait_p95_s if kind == "queueWaitSeconds" else load.ttfo_p95_s
     ratio = measured / target
     base = max(current, 1)

@@ -71,8 +71,19 @@ def test_a_fraction_of_a_replica_rounds_up_but_float_noise_does_not() -> None:
 
 
 def test_before_any_completion_in_flight_and_held_count() -> None:
-    d = decide(spec(), Load(inflight=4, held=1, arrivals_per_s=5), 1, AutoscalerState(), 0)
+    d = decide(spec(), Load(inflight=4, held=1, arrivals_per_s=5), 4, AutoscalerState(), 0)
     assert d.desired == 5
+
+
+def test_in_flight_grows_a_running_pool_one_replica_a_period() -> None:
+    """An upstream that catches up hands its backlog on in one burst: sized on it, c went
+    1 -> 2 -> 5 for an optimum of 3 and the cool-down held it there. What is in flight grows a
+    running pool one replica a period; the rate is not limited."""
+    burst = Load(inflight=5, arrivals_per_s=0.8, service_s=1.3, exec_s=1.3)
+    d = decide(spec(target={"inflightPerReplica": 0.8}), burst, 2, AutoscalerState(), 0)
+    assert (d.desired, d.direction) == (3, 1) and "+1 a period" in d.reason
+    fast = Load(inflight=5, arrivals_per_s=4.0, service_s=1.0, exec_s=1.0)
+    assert decide(spec(), fast, 1, AutoscalerState(), 0).desired == 4  # the rate: no limit
 
 
 def test_littles_law_reads_the_queue_free_service_time() -> None:
@@ -93,7 +104,7 @@ def test_in_flight_counts_so_a_saturated_pool_grows() -> None:
     more wait in the replicas' queues. What is in flight counts too, over the target."""
     saturated = Load(inflight=14, arrivals_per_s=8.0, service_s=2.75, exec_s=1.0)
     d = decide(spec(target={"inflightPerReplica": 4}), saturated, 2, AutoscalerState(), 0)
-    assert (d.desired, d.direction) == (4, 1) and "14 in flight" in d.reason
+    assert (d.desired, d.direction) == (3, 1) and "14 in flight" in d.reason  # one a period
 
 
 def test_in_flight_is_not_divided_by_a_target_under_one() -> None:
@@ -102,10 +113,10 @@ def test_in_flight_is_not_divided_by_a_target_under_one() -> None:
     idle_ish = Load(inflight=1, arrivals_per_s=0.3, service_s=1.5, exec_s=1.5)
     d = decide(spec(target={"inflightPerReplica": 0.8}), idle_ish, 1, AutoscalerState(), 0)
     assert d.desired == 1
-    # and a step shows at once, before the window's rate catches up: 3 in flight, 3 replicas
-    step = Load(inflight=3, arrivals_per_s=0.5, service_s=1.5, exec_s=1.5)
+    # and a step shows at once, before the window's rate catches up: 2 in flight, 2 replicas
+    step = Load(inflight=2, arrivals_per_s=0.5, service_s=1.5, exec_s=1.5)
     assert decide(spec(target={"inflightPerReplica": 0.8}), step, 1, AutoscalerState(),
-                  0).desired == 3
+                  0).desired == 2
 
 
 def test_a_shrink_keeps_a_dead_band() -> None:
