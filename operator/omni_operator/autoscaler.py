@@ -95,6 +95,7 @@ class StageFigures:
     held: int = 0
     arrivals_per_s: float = 0.0
     service_s: float = 0.0
+    exec_s: float = 0.0
     queue_wait_p95_s: float = 0.0
     ttfo_p95_s: float = 0.0
     last_request_unix: float | None = None

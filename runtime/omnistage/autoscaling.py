@@ -7,11 +7,25 @@ period with the state the previous call returned, and writes the size when it ch
 
 The rules, in the order they apply (docs/architecture.md, "Autoscaling"):
 
-1. **The figure.** inflightPerReplica: Little's law, the concurrency the stage carries is
-   arrivals/s x mean service time (before any completion in the window: what is in flight and
-   held), and needed = ceil(concurrency / target). queueWaitSeconds and
-   p95TimeToFirstOutputSeconds: the measured p95 over its target; above 1 the pool grows in
-   proportion (ceil(current x ratio)), below LATENCY_HEADROOM it shrinks by one replica.
+1. **The figure.** inflightPerReplica: the larger of two counts of the concurrency the stage
+   carries, over the target. (a) Little's law on the queue-free service time: arrivals/s x
+   exec_s (the service time less the replica's admission queue; service_s from a signal that
+   lacks it). Not service_s itself: a queue that built up while the pool was too small would
+   count as work and oversize the pool long after it drained. (b) What is there now: in flight
+   and held, over max(1, target), since a replica holds at least one task at a time. (b) is
+   what grows a saturated pool whose arrivals are its throughput (closed loop), and it answers a
+   step at once, before the window's rate has caught up; a target under 1 is a utilisation goal
+   that only (a) can express, so (b) does not divide by it (one task in flight on an idle-ish
+   replica is not a reason for two). (b) grows a running pool by one replica a period at
+   most: a backlog drains once replicas come, and an upstream that catches up hands its queue
+   on in one burst; sized on the burst, a pool overshot and the cool-down held it there (c went
+   1 -> 2 -> 5 for an optimum of 3 in the bench). A pool at zero takes what is held at once.
+   queueWaitSeconds and p95TimeToFirstOutputSeconds: the
+   measured p95 over its target; above 1 the pool grows in proportion (ceil(current x ratio)),
+   below LATENCY_HEADROOM it shrinks by one replica.
+   **Dead band** (inflightPerReplica): a pool shrinks only to ceil(figure x (1 + DOWN_MARGIN)),
+   so a figure that sits just over a whole number, and moves across it as the window's arrival
+   count moves, does not turn the pool once per cool-down.
 2. **Bounds**: within [minReplicas, maxReplicas] (and the replicas that can be placed, when the
    caller knows it). A pool outside its bounds is brought back at once, whatever the cool-down.
 3. **Zero** only with minReplicas 0, after idleSeconds with nothing in flight, held or
@@ -33,6 +47,7 @@ from omnistage.spec import Autoscaling
 
 __all__ = [
     "ANNOTATION_WAKE_REQUESTED",
+    "DOWN_MARGIN",
     "LATENCY_HEADROOM",
     "LOAD_PATH",
     "AutoscalerState",
@@ -44,6 +59,8 @@ __all__ = [
 
 #: A latency target's measured p95 below this fraction of the target lets the pool shrink by one.
 LATENCY_HEADROOM = 0.5
+#: inflightPerReplica's dead band: a shrink keeps this fraction of the figure spare.
+DOWN_MARGIN = 0.2
 
 
 class StageLoadLike(Protocol):
@@ -58,6 +75,8 @@ class StageLoadLike(Protocol):
     def arrivals_per_s(self) -> float: ...
     @property
     def service_s(self) -> float: ...
+    @property
+    def exec_s(self) -> float: ...
     @property
     def queue_wait_p95_s(self) -> float: ...
     @property
@@ -93,7 +112,7 @@ class Decision:
     direction: int
     #: The unbounded figure: replicas the target asks for (Little's law or the latency ratio).
     figure: float = 0.0
-    #: The rule that settled it: target, bounds, idle, wake, cool-down.
+    #: The rule that settled it: target, dead-band, bounds, idle, wake, cool-down.
     rule: str = "target"
     #: The state to pass to the next call.
     state: AutoscalerState = field(default_factory=AutoscalerState)
@@ -103,14 +122,20 @@ def _figure(spec: Autoscaling, load: StageLoadLike, current: int) -> tuple[float
     """The replicas the target asks for, unbounded, and how it was reached."""
     kind, target = spec.target.kind, spec.target.value
     if kind == "inflightPerReplica":
-        if load.service_s > 0:
-            concurrency = load.arrivals_per_s * load.service_s
-            how = (f"Little's law {load.arrivals_per_s:.3g}/s x {load.service_s:.3g}s "
-                   f"/ {target:g} per replica")
-        else:  # nothing finished in the window yet: what is there now is the concurrency
-            concurrency = float(load.inflight + load.held)
-            how = f"{load.inflight + load.held} in flight or held / {target:g} per replica"
-        return concurrency / target, how
+        # 1a: Little's law on the queue-free service time (service_s from an older signal)
+        service = load.exec_s if load.exec_s > 0 else load.service_s
+        rate = load.arrivals_per_s * service / target
+        # 1b: what is in flight and held now, each replica holding at least one
+        present = load.inflight + load.held
+        now_figure = present / max(1.0, target)
+        if service > 0 and rate >= now_figure:
+            return rate, (f"Little's law {load.arrivals_per_s:.3g}/s x {service:.3g}s "
+                          f"/ {target:g} per replica")
+        how = f"{present} in flight or held / {max(1.0, target):g} per replica"
+        # 1c: what is in flight grows a running pool one replica a period
+        if current > 0 and now_figure > current + 1:
+            return max(rate, float(current + 1)), how + f"; +1 a period ({now_figure:.2f})"
+        return now_figure, how
     measured = load.queue_wait_p95_s if kind == "queueWaitSeconds" else load.ttfo_p95_s
     ratio = measured / target
     base = max(current, 1)
@@ -146,12 +171,21 @@ def decide(
         "held": float(load.held),
         "arrivalsPerSecond": load.arrivals_per_s,
         "serviceSeconds": load.service_s,
+        "execSeconds": load.exec_s,
         "queueWaitP95Seconds": load.queue_wait_p95_s,
         "ttfoP95Seconds": load.ttfo_p95_s,
     }
     figure, how = _figure(spec, load, current)
     desired = math.ceil(round(figure, 9))  # 2.0000000001 from float noise is 2, not 3
     rule = "target"
+    # 1, dead band: a shrink keeps DOWN_MARGIN of the figure spare
+    if spec.target.kind == "inflightPerReplica" and desired < current:
+        banded = min(current, math.ceil(round(figure * (1 + DOWN_MARGIN), 9)))
+        if banded > desired:
+            rule = "dead-band"
+            how += (f"; {figure:.2f} x {1 + DOWN_MARGIN:g} needs {banded}"
+                    + (" (dead band)" if banded == current else ""))
+            desired = banded
     high = spec.max_replicas if placeable is None else min(spec.max_replicas, placeable)
     low = spec.min_replicas
 

@@ -61,7 +61,7 @@ async def test_load_and_metrics_follow_real_requests(start_worker, tmp_path: Pat
             assert idle["window_s"] == 60.0
             assert idle["stages"]["b"] == {
                 "replicas": 1, "inflight": 0, "held": 0, "arrivals_per_s": 0.0,
-                "service_s": 0.0, "queue_wait_p95_s": 0.0, "ttfo_p95_s": 0.0,
+                "service_s": 0.0, "exec_s": 0.0, "queue_wait_p95_s": 0.0, "ttfo_p95_s": 0.0,
                 "last_request_unix": None, "wake_pending": False}
 
             # One request held in stage b: the load shows it in flight there, not in a.
@@ -93,8 +93,10 @@ async def test_load_and_metrics_follow_real_requests(start_worker, tmp_path: Pat
         # Each of b's tasks takes its delay at least (the first also waited for the release).
         assert b["service_s"] >= DELAY_S
         assert DELAY_S <= b["ttfo_p95_s"] <= b["service_s"] * 4
+        assert DELAY_S <= b["exec_s"] <= b["service_s"]  # fed at the final reply
         assert b["queue_wait_p95_s"] < DELAY_S  # nothing waited for a replica
         for name, field in (("omnistage_stage_service_seconds", "service_s"),
+                            ("omnistage_stage_exec_seconds", "exec_s"),
                             ("omnistage_stage_ttfo_p95_seconds", "ttfo_p95_s"),
                             ("omnistage_stage_queue_wait_p95_seconds", "queue_wait_p95_s"),
                             ("omnistage_stage_held", "held"),

@@ -66,6 +66,9 @@ async def test_worker_queue_wait_reaches_the_signal_and_the_target(start_worker)
     # less the spread of the three arrivals, which is far under DELAY_S).
     assert q["queue_wait_p95_s"] >= DELAY_S, q
     assert q["ttfo_p95_s"] >= q["queue_wait_p95_s"] - 0.05, q  # the queue precedes the output
+    # exec_s, what Little's law sizes on, leaves the worker's queue out: service times of about
+    # 1, 2 and 3 x DELAY_S (mean 2) but each ran about DELAY_S.
+    assert DELAY_S * 0.9 <= q["exec_s"] <= q["service_s"] - DELAY_S / 2, q
     spec = pipe.spec.stage("q").autoscaling
     assert isinstance(spec, Autoscaling)
     load = StageLoad(**q)

@@ -259,7 +259,7 @@ def test_the_cool_down_survives_a_restart_through_the_status() -> None:
         assert report is not None
         stored = pool(3, rv="2")
         stored["status"] = {"autoscaler": report.wire()}
-        restarted = Rig(load(arrivals_per_s=1.0, service_s=1.0))  # asks 1: a change of direction
+        restarted = Rig(load(arrivals_per_s=0.5, service_s=1.0))  # asks 1: a change of direction
         restarted.see(stored)
         await restarted.step(30)  # within the 60 s cool-down of the change at 0
         assert restarted.scale_writes() == []
@@ -444,7 +444,7 @@ def test_the_operator_reads_every_figure_the_orchestrator_writes() -> None:
 
     assert [f.name for f in dataclasses.fields(StageFigures)] == list(StageLoad.__struct_fields__)
     sent = StageLoad(replicas=2, inflight=3, held=1, arrivals_per_s=1.5, service_s=0.25,
-                     queue_wait_p95_s=0.5, ttfo_p95_s=0.75, last_request_unix=7.0,
+                     exec_s=0.2, queue_wait_p95_s=0.5, ttfo_p95_s=0.75, last_request_unix=7.0,
                      wake_pending=True)
     doc = json.loads(msgspec.json.encode(PipelineLoad(window_s=60.0, now=T0,
                                                       stages={"a": sent})))

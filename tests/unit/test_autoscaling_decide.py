@@ -1,7 +1,8 @@
 """omnistage.autoscaling.decide, rule by rule, on a fake clock (the `now` each call passes).
 
 Each test pins one rule of the module docstring so that removing the rule fails it: the figure
-(Little's law; the latency ratios), bounds, zero after idle, wake at zero, the cool-down.
+(Little's law on the queue-free service time, what is in flight, the dead band; the latency
+ratios), bounds, zero after idle, wake at zero, the cool-down.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Load:
     held: int = 0
     arrivals_per_s: float = 0.0
     service_s: float = 0.0
+    exec_s: float = 0.0
     queue_wait_p95_s: float = 0.0
     ttfo_p95_s: float = 0.0
     last_request_unix: float | None = None
@@ -69,8 +71,68 @@ def test_a_fraction_of_a_replica_rounds_up_but_float_noise_does_not() -> None:
 
 
 def test_before_any_completion_in_flight_and_held_count() -> None:
-    d = decide(spec(), Load(inflight=4, held=1, arrivals_per_s=5), 1, AutoscalerState(), 0)
+    d = decide(spec(), Load(inflight=4, held=1, arrivals_per_s=5), 4, AutoscalerState(), 0)
     assert d.desired == 5
+
+
+def test_in_flight_grows_a_running_pool_one_replica_a_period() -> None:
+    """An upstream that catches up hands its backlog on in one burst: sized on it, c went
+    1 -> 2 -> 5 for an optimum of 3 and the cool-down held it there. What is in flight grows a
+    running pool one replica a period; the rate is not limited."""
+    burst = Load(inflight=5, arrivals_per_s=0.8, service_s=1.3, exec_s=1.3)
+    d = decide(spec(target={"inflightPerReplica": 0.8}), burst, 2, AutoscalerState(), 0)
+    assert (d.desired, d.direction) == (3, 1) and "+1 a period" in d.reason
+    fast = Load(inflight=5, arrivals_per_s=4.0, service_s=1.0, exec_s=1.0)
+    assert decide(spec(), fast, 1, AutoscalerState(), 0).desired == 4  # the rate: no limit
+
+
+def test_littles_law_reads_the_queue_free_service_time() -> None:
+    """After a step the replicas' queues make service_s (queue included) far longer than the
+    work; sizing on it held the pool at twice its optimum. exec_s, when the signal has it,
+    is what counts; a signal without it (an older orchestrator) falls back to service_s."""
+    queued = Load(arrivals_per_s=1.2, service_s=3.0, exec_s=1.5)
+    d = decide(spec(target={"inflightPerReplica": 0.8}), queued, 5, AutoscalerState(), 0)
+    assert d.figure == pytest.approx(2.25) and d.desired == 3  # not ceil(4.5) = 5
+    assert d.inputs["execSeconds"] == 1.5 and "x 1.5s" in d.reason
+    old = decide(spec(), Load(arrivals_per_s=2, service_s=1.5), 1, AutoscalerState(), 0)
+    assert old.desired == 3
+
+
+def test_in_flight_counts_so_a_saturated_pool_grows() -> None:
+    """A closed loop saturates a pool of 2 (each replica carrying its target of 4 tasks): its
+    arrivals are its throughput, so Little's law on the queue-free time says 2 replicas, yet 6
+    more wait in the replicas' queues. What is in flight counts too, over the target."""
+    saturated = Load(inflight=14, arrivals_per_s=8.0, service_s=2.75, exec_s=1.0)
+    d = decide(spec(target={"inflightPerReplica": 4}), saturated, 2, AutoscalerState(), 0)
+    assert (d.desired, d.direction) == (3, 1) and "14 in flight" in d.reason  # one a period
+
+
+def test_in_flight_is_not_divided_by_a_target_under_one() -> None:
+    """With a utilisation target (0.8) one task on a mostly idle replica is no reason for a
+    second replica: what is in flight counts one task per replica at most."""
+    idle_ish = Load(inflight=1, arrivals_per_s=0.3, service_s=1.5, exec_s=1.5)
+    d = decide(spec(target={"inflightPerReplica": 0.8}), idle_ish, 1, AutoscalerState(), 0)
+    assert d.desired == 1
+    # and a step shows at once, before the window's rate catches up: 2 in flight, 2 replicas
+    step = Load(inflight=2, arrivals_per_s=0.5, service_s=1.5, exec_s=1.5)
+    assert decide(spec(target={"inflightPerReplica": 0.8}), step, 1, AutoscalerState(),
+                  0).desired == 2
+
+
+def test_a_shrink_keeps_a_dead_band() -> None:
+    """A figure just over a whole number moves across it as the window's arrival count moves;
+    without a dead band the pool turned once per cool-down. A shrink goes only as far as
+    keeps DOWN_MARGIN of the figure spare; growth has no band."""
+    s = spec(target={"inflightPerReplica": 0.8})
+    near = Load(arrivals_per_s=1.17, service_s=1.3, exec_s=1.3)  # 1.90: ceil says 2
+    d = decide(s, near, 3, AutoscalerState(), 0)
+    assert (d.desired, d.direction, d.rule) == (3, 0, "dead-band")
+    assert "dead band" in d.reason
+    assert decide(s, near, 1, AutoscalerState(), 0).desired == 2  # growth: no band
+    low = Load(arrivals_per_s=0.9, service_s=1.3, exec_s=1.3)  # 1.46 x 1.2 = 1.76: 2
+    assert decide(s, low, 3, AutoscalerState(), 0).desired == 2
+    quiet = Load(arrivals_per_s=0.31, service_s=1.3, exec_s=1.3)
+    assert decide(s, quiet, 3, AutoscalerState(), 0).desired == 1
 
 
 def test_queue_wait_over_target_grows_in_proportion() -> None:
@@ -177,11 +239,11 @@ def test_a_wake_sizes_to_what_is_held() -> None:
 def test_one_change_of_direction_per_cool_down() -> None:
     c = Clock(spec(coolDownSeconds=120), current=1)
     assert c.at(0, Load(arrivals_per_s=3, service_s=1)).desired == 3
-    held = c.at(60, Load(arrivals_per_s=1, service_s=1))
+    held = c.at(60, Load(arrivals_per_s=0.5, service_s=1))
     assert (held.desired, held.rule, held.direction) == (3, "cool-down", 0)
     assert "cool-down, 60s left" in held.reason
-    assert c.at(119, Load(arrivals_per_s=1, service_s=1)).desired == 3
-    d = c.at(120, Load(arrivals_per_s=1, service_s=1))
+    assert c.at(119, Load(arrivals_per_s=0.5, service_s=1)).desired == 3
+    d = c.at(120, Load(arrivals_per_s=0.5, service_s=1))
     assert (d.desired, d.direction) == (1, -1)
     # and back up within the cool-down of that change: held again
     assert c.at(130, Load(arrivals_per_s=3, service_s=1)).desired == 1
@@ -198,7 +260,7 @@ def test_keeping_the_size_leaves_the_cool_down_clock_alone() -> None:
     c.at(0, Load(arrivals_per_s=3, service_s=1))
     c.at(100, Load(arrivals_per_s=3, service_s=1))  # keep: not a change
     assert c.state.last_change_at == 0
-    assert c.at(121, Load(arrivals_per_s=1, service_s=1)).desired == 1
+    assert c.at(121, Load(arrivals_per_s=0.5, service_s=1)).desired == 1
 
 
 # --------------------------------------------------------------------------- the explanation

@@ -43,6 +43,11 @@ def test_settle_time_is_from_the_last_entry_into_the_band(bench: Any) -> None:
     assert bench.settle_time([(0.0, 4), (5.0, 1)], 0.0, 10.0, 4) is None
 
 
+def test_a_step_reaches_the_next_stage_after_its_upstream_settles_and_serves(bench: Any) -> None:
+    assert bench.step_reaches(0.0, 0.5) == 0.5  # a never moved: b sees the step after a task
+    assert bench.step_reaches(2.3, 1.5) == pytest.approx(3.8)
+
+
 def test_direction_changes_count_turns_within_a_window(bench: Any) -> None:
     up_down = [(0.0, 1), (10.0, 2), (20.0, 4), (60.0, 2), (70.0, 1)]
     assert bench.direction_changes(up_down) == 1  # up, then down: one turn

@@ -84,6 +84,28 @@ def test_queue_wait_adds_the_replicas_admission_queue() -> None:
     assert figures(t2).queue_wait_p95_s == pytest.approx(0.1)
 
 
+def test_exec_is_the_service_time_less_the_replicas_queue() -> None:
+    """exec_s, what the autoscaler's Little's law reads, leaves out the replica's admission
+    queue (service_s keeps it); a replica that reports no queue wait gives exec_s == service_s,
+    and exec_s leaves the window with the other samples.
+
+    Kills: exec_s computed from service_s alone (an oversized pool after a step), or a queue
+    wait counted twice."""
+    t, clock = tracker(window=10.0)
+    clock.t += 20
+    for queue in (1.5, 0.5, None):
+        needed = t.arrived("a")
+        sent = t.dispatched("a", needed)
+        clock.t += 2.0
+        t.first_output("a", sent, needed_at=needed, worker_queue_s=queue)
+        t.finished("a", sent, worker_queue_s=queue)  # service 2.0 s each
+    f = figures(t)
+    assert f.service_s == pytest.approx(2.0)
+    assert f.exec_s == pytest.approx(((2.0 - 1.5) + (2.0 - 0.5) + 2.0) / 3)
+    clock.t += 10.5
+    assert figures(t).exec_s == 0.0
+
+
 def test_samples_leave_the_window() -> None:
     t, clock = tracker(window=10.0)
     clock.t += 100
@@ -140,6 +162,6 @@ def test_the_json_shape_is_the_contract() -> None:
     doc = msgspec.json.decode(msgspec.json.encode(load))
     assert set(doc) == {"window_s", "now", "stages"}
     assert set(doc["stages"]["a"]) == {
-        "replicas", "inflight", "held", "arrivals_per_s", "service_s", "queue_wait_p95_s",
+        "replicas", "inflight", "held", "arrivals_per_s", "service_s", "exec_s", "queue_wait_p95_s",
         "ttfo_p95_s", "last_request_unix", "wake_pending"}
     assert msgspec.json.decode(msgspec.json.encode(load), type=PipelineLoad) == load

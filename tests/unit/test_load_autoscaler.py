@@ -45,6 +45,7 @@ class FakeRuntime:
 
 def load(clock: Clock, **z: Any) -> PipelineLoad:
     figures = {"replicas": 0, "inflight": 0, "held": 0, "arrivals_per_s": 0.0, "service_s": 0.0,
+               "exec_s": 0.0,
                "queue_wait_p95_s": 0.0, "ttfo_p95_s": 0.0, "last_request_unix": None,
                "wake_pending": False, **z}
     return PipelineLoad(window_s=10, now=clock.t, stages={"z": StageLoad(**figures)})

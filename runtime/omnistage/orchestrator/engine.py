@@ -135,6 +135,7 @@ class _Task:
     needed_at: float = 0.0  # when its inputs were complete (the load signal's clock)
     sent_at: float | None = None  # when it last went to a replica
     answered: bool = False  # the replica's first output came (ttfo measured)
+    worker_queue_s: float | None = None  # the replica's reported queue wait (load: exec_s)
     attempt: int = 0  # failovers so far: each attempt has a wire id of its own
 
 
@@ -790,6 +791,7 @@ class Orchestrator:
         task.incarnation = replica.incarnation
         task.sent_at = self.load_tracker.dispatched(task.stage, task.needed_at)
         task.answered = False
+        task.worker_queue_s = None
         replica.inflight += 1
         replica.served += 1
         replica.bound.add(task)
@@ -941,6 +943,7 @@ class Orchestrator:
             return
         if not task.answered and isinstance(h, _OUTPUTS) and task.sent_at is not None:
             task.answered = True
+            task.worker_queue_s = h.queue_wait_s
             self.load_tracker.first_output(task.stage, task.sent_at, needed_at=task.needed_at,
                                            worker_queue_s=h.queue_wait_s)
         if isinstance(h, p.Delta):
@@ -1071,7 +1074,8 @@ class Orchestrator:
     def _on_terminal(self, task: _Task, msg: Reply) -> None:
         replica = task.replica
         if isinstance(msg.header, p.Final | p.Aborted) and task.sent_at is not None:
-            self.load_tracker.finished(task.stage, task.sent_at)
+            self.load_tracker.finished(task.stage, task.sent_at,
+                                       worker_queue_s=task.worker_queue_s)
         self._detach(task)
         child, stage = task.child, task.stage
         if child.outcome is not None:

@@ -8,7 +8,8 @@ the replica's first output, its end), and GET /v1/load and the `omnistage_stage_
 one PipelineLoad built from it. A task's queue wait has two parts: the orchestrator's (need to
 dispatch, held time included) and the worker's (its admission queue, which the worker reports
 on the first output, protocol `queue_wait_s`); the sample is their sum, taken at the first
-output, so a task that fails before any output leaves none.
+output, so a task that fails before any output leaves none. The service time less the worker's
+part is `exec_s`, the queue-free service time the autoscaler's Little's law needs.
 
 Cost is bounded whatever the traffic: each figure keeps a ring of its last RING_SIZE samples
 (time, value), read only when someone asks (once per autoscaler period). Under more than
@@ -61,6 +62,9 @@ class StageLoad(msgspec.Struct, kw_only=True):
                                           "window.")]
     service_s: Annotated[float, _doc("Mean time from dispatch to the stage's last reply over "
                                      "the window; 0 if none.")]
+    exec_s: Annotated[float, _doc("Mean queue-free service time over the window: service_s "
+                                  "less the replica's admission-queue wait it reported; 0 if "
+                                  "none.")]
     queue_wait_p95_s: Annotated[float, _doc("p95 of the time from needing the stage to a "
                                             "replica's executor taking it: held time, and the "
                                             "replica's admission queue as it reports it.")]
@@ -90,13 +94,14 @@ def p95(values: Iterable[float]) -> float:
 class StageTracker:
     """Bounded rings of one stage's recent samples, each (monotonic time, value)."""
 
-    __slots__ = ("arrivals", "last_arrival", "queue_waits", "services", "ttfos")
+    __slots__ = ("arrivals", "execs", "last_arrival", "queue_waits", "services", "ttfos")
 
     def __init__(self, size: int = RING_SIZE) -> None:
         self.arrivals: deque[float] = deque(maxlen=size)
         self.queue_waits: deque[tuple[float, float]] = deque(maxlen=size)
         self.ttfos: deque[tuple[float, float]] = deque(maxlen=size)
         self.services: deque[tuple[float, float]] = deque(maxlen=size)
+        self.execs: deque[tuple[float, float]] = deque(maxlen=size)
         self.last_arrival: float | None = None
 
     def arrival_rate(self, now: float, window: float, age: float) -> float:
@@ -172,10 +177,16 @@ class LoadTracker:
             wait = max(0.0, sent_at - needed_at) + max(0.0, worker_queue_s or 0.0)
             tracker.queue_waits.append((now, wait))
 
-    def finished(self, stage: str, sent_at: float) -> None:
-        """The stage's work on the task ended (its final reply, or an abort's)."""
+    def finished(self, stage: str, sent_at: float, *, worker_queue_s: float | None = None) -> None:
+        """The stage's work on the task ended (its final reply, or an abort's). worker_queue_s:
+        the replica's admission-queue wait it reported with the first output (None: not
+        reported, or no output), taken off the service time for the queue-free `exec_s` that
+        the autoscaler sizes on (a queue would otherwise count as work and oversize the pool)."""
         now = self.clock()
-        self.stages[stage].services.append((now, max(0.0, now - sent_at)))
+        service = max(0.0, now - sent_at)
+        tracker = self.stages[stage]
+        tracker.services.append((now, service))
+        tracker.execs.append((now, max(0.0, service - max(0.0, worker_queue_s or 0.0))))
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -186,11 +197,13 @@ class LoadTracker:
         tracker = self.stages[stage]
         since = now - self.window_s
         services = tracker.recent(tracker.services, since)
+        execs = tracker.recent(tracker.execs, since)
         last = tracker.last_arrival
         return StageLoad(
             replicas=replicas, inflight=inflight, held=held,
             arrivals_per_s=tracker.arrival_rate(now, self.window_s, now - self.started),
             service_s=sum(services) / len(services) if services else 0.0,
+            exec_s=sum(execs) / len(execs) if execs else 0.0,
             queue_wait_p95_s=p95(tracker.recent(tracker.queue_waits, since)),
             ttfo_p95_s=p95(tracker.recent(tracker.ttfos, since)),
             last_request_unix=None if last is None else self.wall() - (now - last),

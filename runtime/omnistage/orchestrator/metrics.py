@@ -21,6 +21,9 @@ LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
      "Tasks that needed the stage per second, over the load window"),
     ("omnistage_stage_service_seconds", "service_s",
      "Mean time from dispatch to the stage's last reply, over the load window"),
+    ("omnistage_stage_exec_seconds", "exec_s",
+     "Mean queue-free service time (service less the replica's admission queue), over the "
+     "load window"),
     ("omnistage_stage_queue_wait_p95_seconds", "queue_wait_p95_s",
      "p95 of the time from needing the stage to dispatch to a replica, over the load window"),
     ("omnistage_stage_ttfo_p95_seconds", "ttfo_p95_s",
