@@ -22,6 +22,7 @@ from omni_operator.autoscaler import FIELD_MANAGER, LOAD_URL_ENV
 from omnistage import kube as k
 from omnistage.autoscaling import ANNOTATION_WAKE_REQUESTED
 from omnistage.kubeapi import path, resource_path
+from tests.cluster.test_operator import KWOK
 from tests.cluster.test_operator_writes import _sa_kubeconfig
 from tests.harness.cluster import Cluster, pods
 from tests.harness.kubeclient import Kube
@@ -108,13 +109,18 @@ def _events(kube: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
 def test_a_pool_follows_its_load_1_3_1(kube: Cluster, namespace: str, operator: Operator,
                                        load: FakeLoad) -> None:
     load.set(arrivals_per_s=0.5)
-    stage = {"name": "a", "kind": "echo", "finalOutput": True,
+    # On the kwok nodes: a pool does not grow while a replica cannot be placed, and a fresh
+    # cluster may have no other node that takes pods.
+    stage = {"name": "a", "kind": "echo", "finalOutput": True, "placement": KWOK,
              "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "periodSeconds": 1,
                              "coolDownSeconds": 0}}
-    apply(kube, namespace, pipeline_doc(NAME, [stage]))
+    apply(kube, namespace, pipeline_doc(NAME, [stage], orchestrator=dict(KWOK)))
     wait_for(lambda: _pool(kube, namespace).get("status", {}).get("autoscaler"), 60,
              "the autoscaler's first decision", operator.log_tail)
     assert _replicas(kube, namespace)[0] == 1
+    wait_for(lambda: [p for p in pods(kube.kube, namespace, k.stage_selector(NAME))
+                      if k.condition_status(p, "PodScheduled") == "True"], 180,
+             "the first replica scheduled", operator.log_tail)
 
     load.set(arrivals_per_s=3.0)  # Little's law: 3/s x 1 s / 1 per replica = 3
     wait_for(lambda: _replicas(kube, namespace) == (3, 3), 60, "3 replicas", operator.log_tail)

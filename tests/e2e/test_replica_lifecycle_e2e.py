@@ -2,8 +2,8 @@
 runner), under bounded loopback load with every request counted (tests/harness/load.py):
 
 - `kill -9` of the worker in a stage pod: the pod runner restarts the container at the same
-  address, as a kubelet does with restartPolicy Always; each request in flight on it fails
-  within 2 s with replica_lost, none hangs, and the restarted replica takes work again;
+  address, as a kubelet does with restartPolicy Always; each request in flight on it is failed
+  over to the other replica (none fails, none hangs), and the restarted replica takes work again;
 - a deleted orchestrator pod: nothing admitted is lost; the gap until the Deployment's
   replacement serves is measured and reported.
 
@@ -114,13 +114,12 @@ def _kill_9_of_a_worker(kube: Cluster, podrunner: PodRunner, namespace: str) -> 
                       restarted_ready_s=round(back - killed, 3),
                       serving_again_s=round(serving - killed, 3))
     failed = [r for r in results if r.kind == "failed"]
-    # The requests in flight on the killed process, and only those: each failed at once.
-    assert failed, "no request was in flight on the killed worker"
-    assert all(r.code == "replica_lost" and r.status == 502 for r in failed), failed[:3]
-    # At once: sent before the kill, ended far inside the stage's 60 s default deadline a
-    # lost request would otherwise wait out (a far guard; tests/integration/test_orchestrator.py
-    # pins that the socket monitor, not a heartbeat, ends them).
-    assert all(r.sent < killed and r.sent + r.seconds - killed < 30 for r in failed), failed
+    # The requests in flight on the killed process were failed over to the other replica
+    # (docs/architecture.md, "Failover"): none failed, and the orchestrator counted the retries.
+    assert not failed, failed[:3]
+    retried = sample(podrunner.http_get(orch, ORCH_PORT, "/metrics")[1],
+                     "omnistage_orchestrator_retries_total", stage="a") or 0
+    assert retried >= 1, "no request was in flight on the killed worker"
     assert figures["hung"] == figures["reset"] == figures["refused"] == 0, figures
     assert figures["unreachable"] == figures["unavailable"] == 0, figures
 
