@@ -66,4 +66,10 @@ def at_fleet_size(settings: kopf.OperatorSettings) -> None:
     limit holds more objects, not fewer."""
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.chunk_size = LIST_PAGE
-    settings.queueing.idle_timeout = KOPF_IDLE_TIMEOUT
+    kopf_queueing(settings).idle_timeout = KOPF_IDLE_TIMEOUT
+
+
+def kopf_queueing(settings: kopf.OperatorSettings) -> Any:
+    """kopf's per-object worker settings: `queueing` since kopf 1.38, `batching` before (the
+    floor in pyproject.toml is 1.37)."""
+    return getattr(settings, "queueing", None) or settings.batching

@@ -188,13 +188,13 @@ def test_kopf_frees_each_object_soon_after_its_last_event() -> None:
     their events, which holds more. Kills: dropping the idle timeout from at_fleet_size."""
     import kopf
 
-    from omni_operator.handlers import KOPF_IDLE_TIMEOUT, at_fleet_size
+    from omni_operator.handlers import KOPF_IDLE_TIMEOUT, at_fleet_size, kopf_queueing
 
     settings = kopf.OperatorSettings()
-    assert settings.queueing.idle_timeout > KOPF_IDLE_TIMEOUT  # kopf's own default is longer
+    assert kopf_queueing(settings).idle_timeout > KOPF_IDLE_TIMEOUT  # kopf's own default is longer
     at_fleet_size(settings)
-    assert settings.queueing.idle_timeout == KOPF_IDLE_TIMEOUT <= 1.0
-    assert settings.queueing.worker_limit is None
+    assert kopf_queueing(settings).idle_timeout == KOPF_IDLE_TIMEOUT <= 1.0
+    assert kopf_queueing(settings).worker_limit is None
 
 
 def _operator_args(*values: str) -> list[str]:

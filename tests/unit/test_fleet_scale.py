@@ -10,6 +10,8 @@ import copy
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from omni_operator import builders
 from omni_operator.controller import FINALIZER, Controller, owners, viewed
 from omni_operator.models import API_VERSION
@@ -336,6 +338,8 @@ def test_kopf_builds_no_diff_base_for_the_operator_s_event_handlers(
         assert not registry._changing.has_handlers(resource=resource)
         assert not registry._spawning.has_handlers(resource=resource)
 
+    if not hasattr(processing, "_detect_causes"):  # the lowest kopf (1.37) lacks this hook
+        pytest.skip("this kopf has no processing._detect_causes to count the copies through")
     copies: list[int] = []  # sizes of the objects copied (kopf's modules share `copy`)
     real = diffbase.copy.deepcopy
     monkeypatch.setattr(diffbase.copy, "deepcopy",
