@@ -218,7 +218,7 @@ def _real_pool_and_pod() -> tuple[Obj, Obj]:
          "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:conditions": {}}}}])
     pod["spec"]["nodeName"] = "kwok-0"
     pod["status"] = {
-        "phase": "Running", "podIP": "10.0.0.9", "hostIP": "10.0.0.1", "qosClass": "Burstable",
+        "phase": "Running", "podIP": "127.1.0.9", "hostIP": "127.0.0.1", "qosClass": "Burstable",
         "conditions": [{"type": "ContainersReady", "status": "True"},
                        {"type": "Ready", "status": "False"},
                        {"type": "PodScheduled", "status": "True"}],
