@@ -16,6 +16,7 @@ CLUSTER_SUITES = tuple(TESTS / d for d in ("cluster", "e2e"))
 HARNESS_MODULES = frozenset(TESTS / f for f in (
     "unit/test_harness_images.py",  # the pod runner's image rules (tests/harness/images.py)
     "unit/test_build_images.py",  # hack/build_images.py
+    "unit/test_harness_load.py",  # the emulated Service endpoints (tests/harness/load.py)
     "cluster/test_podrunner.py",  # the local "kubelet" (tests/harness/podrunner.py)
     "cluster/test_scale.py",  # kwok and the control plane carry 500 pods
 ))

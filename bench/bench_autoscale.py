@@ -45,12 +45,17 @@ request's latency (its time to first output: d adds nothing) <= max(u's start-up
 d's start-up) + 0.5 s, where the sum of the two start-ups is what waking d only when the request
 reaches it would cost.
 
-Part B of the issue (the operator's CPU with and without autoscaling at 500 pipelines on kwok)
-is not in this bench yet.
+Part B, the autoscaler at fleet size (bench/autoscale_fleet.py): --fleet-pipelines pipelines
+(default 500) of three autoscaled stages on the real control plane with kwok nodes and the real
+operator; the operator's CPU over the same idle window with --no-autoscaler and with the
+autoscaler (goal: it adds <= 10%), its writes with no desired size changed (goal: 0), and with
+the load of --fleet-changed pools raised (goal: no write to any other pool). Runs last;
+--fleet-pipelines 0 leaves it out.
 
 Prints progress, one line per figure, then one summary line with PASS/MISS per goal (goals.py);
 `--check` exits 1 on a MISS. Run from the repository root: `python bench/bench_autoscale.py`
-(about 17 minutes: 5 minutes a phase) or `--quick` (about 4 minutes: 1 minute a phase).
+(about 30 minutes: 5 minutes a phase, then the 500-pipeline fleet) or `--quick` (about 7
+minutes: 1 minute a phase, 50 pipelines).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import autoscale_fleet
 from goals import Goal, add_check_flag, exit_status, verdicts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,12 +188,14 @@ class Figures:
     warm_first_s: float | None = None
     warm_bound_s: float | None = None
     warm_sum_s: float | None = None  # the two start-ups one after the other, for the reason
+    fleet: autoscale_fleet.FleetFigures | None = None  # part B; None: left out
     notes: list[str] = field(default_factory=list)  # why a figure is missing, or what missed
 
 
-def summary(f: Figures) -> tuple[str, list[Goal]]:
-    """The summary line and its goals; reasons for misses follow the verdicts."""
-    goals = [
+def summary(f: Figures, *, fleet_only: bool = False) -> tuple[str, list[Goal]]:
+    """The summary line and its goals; reasons for misses follow the verdicts. fleet_only:
+    part B's goals alone (--only-fleet)."""
+    goals = [] if fleet_only else [
         Goal("settle worst", f.settle_worst_s, f.settle_bound_s or 0.0, at_least=False,
              unit="s", digits=1),
         Goal("latency objective met", f.objective_pct, OBJECTIVE_SHARE, unit="%", digits=1),
@@ -205,9 +213,12 @@ def summary(f: Figures) -> tuple[str, list[Goal]]:
         Goal("warm-up first output", f.warm_first_s, f.warm_bound_s or 0.0, at_least=False,
              unit="s", digits=1),
     ]
+    if f.fleet is not None:
+        goals += f.fleet.goals()
     line = "summary: " + verdicts(goals)
-    if f.notes:
-        line += "; " + "; ".join(f.notes)
+    notes = [*f.notes, *(f.fleet.notes if f.fleet is not None else [])]
+    if notes:
+        line += "; " + "; ".join(notes)
     return line, goals
 
 
@@ -542,17 +553,31 @@ async def main_async(args: argparse.Namespace) -> int:
     f = Figures()
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-autoscale-") as tmp_name:
         tmp = Path(tmp_name)
-        print(f"-- scale from zero: {args.cold_cycles} cycle(s) of {args.cold_burst} requests",
+        if not args.only_fleet:
+            await serve_parts(args, tmp, f)
+    if args.fleet_pipelines:
+        print(f"-- the autoscaler at fleet size: {args.fleet_pipelines} pipelines on kwok",
               flush=True)
-        startup = await scale_from_zero(args, tmp, f)
-        print("-- warm-up along the pipeline: two stages at zero", flush=True)
-        await warm_up(args, tmp, f)
-        if startup is None:
-            f.notes.append("settle: no start-up measured, bound without it")
-        await step_load(args, tmp, f, startup or 0.0)
-    line, goals = summary(f)
+        f.fleet = await asyncio.to_thread(autoscale_fleet.run, args.fleet_pipelines,
+                                          args.fleet_window, args.fleet_changed)
+        print(autoscale_fleet.report(f.fleet), flush=True)
+    else:
+        f.notes.append("fleet part left out (--fleet-pipelines 0)")
+    line, goals = summary(f, fleet_only=args.only_fleet)
     print(line, flush=True)
     return exit_status(goals, args.check)
+
+
+async def serve_parts(args: argparse.Namespace, tmp: Path, f: Figures) -> None:
+    """Parts C, D and A, with `omnistage serve`."""
+    print(f"-- scale from zero: {args.cold_cycles} cycle(s) of {args.cold_burst} requests",
+          flush=True)
+    startup = await scale_from_zero(args, tmp, f)
+    print("-- warm-up along the pipeline: two stages at zero", flush=True)
+    await warm_up(args, tmp, f)
+    if startup is None:
+        f.notes.append("settle: no start-up measured, bound without it")
+    await step_load(args, tmp, f, startup or 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -574,12 +599,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-burst", type=int, default=5,
                         help="requests sent at once to a stage at zero")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--fleet-pipelines", type=int, default=None,
+                        help="part B's pipelines on kwok (default 500, --quick 50; 0: skip)")
+    parser.add_argument("--fleet-window", type=float, default=None,
+                        help="part B's CPU window in seconds (default 90, --quick 45)")
+    parser.add_argument("--fleet-changed", type=int, default=None,
+                        help="part B's pools whose load is raised (default 10, --quick 3)")
+    parser.add_argument("--only-fleet", action="store_true", help="run part B alone")
     add_check_flag(parser)
     args = parser.parse_args(argv)
     args.phase = args.phase or (60.0 if args.quick else 300.0)
     args.cool_down = args.cool_down if args.cool_down is not None else (
         30.0 if args.quick else 60.0)
     args.cold_cycles = args.cold_cycles or (1 if args.quick else 3)
+    if args.fleet_pipelines is None:
+        args.fleet_pipelines = 50 if args.quick else 500
+    args.fleet_window = args.fleet_window or (45.0 if args.quick else 90.0)
+    if args.fleet_changed is None:
+        args.fleet_changed = 3 if args.quick else 10
+    if args.fleet_pipelines < 0 or not 0 <= args.fleet_changed <= args.fleet_pipelines:
+        parser.error("--fleet-pipelines must be >= 0 and --fleet-changed within 0..it")
+    if args.only_fleet and not args.fleet_pipelines:
+        parser.error("--only-fleet needs --fleet-pipelines > 0")
     for name in ("phase", "rate", "period", "window", "idle"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be > 0, got {getattr(args, name)}")

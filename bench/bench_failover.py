@@ -1,26 +1,44 @@
-"""Failover under load: kill -9 replicas of `omnistage serve` while requests run (issue 22).
+"""Failover under load: kill -9 replicas of `omnistage serve`, or of stage pods on the cluster,
+while requests run (issue 22).
 
 Why: a killed replica must cost no request (docs/architecture.md, "Failover"). Two phases, each
-its own `omnistage serve` on loopback, REQUESTS requests from CONCURRENCY closed-loop clients:
+its own pipeline on loopback, REQUESTS requests from CONCURRENCY closed-loop clients:
 
   plain     echo a -> echo b (4 replicas each, echoDelayMs 100), POST
             /v1/pipelines/<name>/requests, not streamed. Goal: 0 failed.
-  streamed  one `ar` stage (tiny-llama, 6 replicas, 48 tokens), /v1/chat/completions with
-            stream: true and temperature 0. Goals: >= 99.5% of the streams complete, and
-            every complete one equal to a fault-free run of its prompt (no token repeated or
-            missing).
+  streamed  one `ar` stage (tiny-llama, 8 replicas, --stream-tokens 192 tokens),
+            /v1/chat/completions with stream: true and temperature 0. Goals: >= 99.5% of the
+            streams complete, and every complete one equal to a fault-free run of its prompt
+            (no token repeated or missing).
 
 During each phase, KILLS rounds: after every REQUESTS/(KILLS+1) answers, one random routable
-replica of each stage gets SIGKILL, while at least one other is routable (the local runtime
-starts a killed one again; it is routable once the log shows its new handshake). Goal: every
-round ran. A request counts as failed over when the orchestrator's log says so for its
-X-Request-Id. Goal: the added p99 of those failed over once (each one's latency minus the
-median of the clean requests that ended within a second of it, which ran under the same
-reduced capacity) <= loss detection (the slowest kill -> "connection closed" log line) + one
-service time (the clean p50, end to end).
+replica of each stage gets SIGKILL, while at least one other is routable (the local runtime, or
+the pod runner, starts a killed one again; it is routable once the orchestrator's log shows its
+new handshake). Goal: every round ran. A restarted tiny-llama replica takes 16-35 s to load on a
+loaded 2-CPU machine, so the streamed phase has 8 replicas and streams long enough (about a
+minute for the phase) for killed replicas to come back between rounds. A request counts as
+failed over when the orchestrator's log says so for its X-Request-Id. Goal: the added p99 of
+those failed over once (each one's latency minus the median of the clean requests that ended
+within a second of it, which ran under the same reduced capacity) <= loss detection (the
+slowest kill -> the orchestrator's first sign of that loss: "connection closed" from the socket
+monitor, or "lost" when the membership said so first) + one service time (the clean p50, end
+to end).
+
+Every stage has a dispatch window (stage.dispatch.perReplica: 2 for echo, which serves one
+request at a time, maxBatchSize + 1 for ar): the orchestrator keeps at most that many tasks on
+a replica and the rest wait in it, so a failed-over task goes first to the next free slot
+instead of queueing again behind a survivor's queue (docs/architecture.md, "Failover").
+--no-window runs the same phases without one, to compare.
+
+With --cluster the phases run on a private local control plane (hack/cluster.sh), with the
+operator as a process and the local pod runner in process mode (tests/harness): the same
+manifests as OmniPipelines, requests to the orchestrator pod's loopback IP, and the SIGKILL goes
+to the worker process of a stage pod (its pid from the worker's /state); the pod runner restarts
+it in place, as a kubelet does.
 
 Prints one line per phase and one summary line with PASS/MISS per goal; `--check` exits 1 on a
-MISS. Run from the repository root: `python bench/bench_failover.py [--requests 500] [-c 16]`.
+MISS. Run from the repository root: `python bench/bench_failover.py [--requests 500] [-c 16]
+[--cluster] [--no-window]`.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -47,19 +66,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import Server, free_port
 from goals import Goal, add_check_flag, exit_status, verdicts
 
+from omnistage.spec import EngineOptions
+
+REPO = str(Path(__file__).resolve().parents[1])
 PROMPTS = [f"tell me about the number {i}" for i in range(8)]
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
-def manifest(name: str, streamed: bool) -> dict[str, Any]:
+#: The stages' dispatch windows (stage.dispatch.perReplica): what the worker runs at once plus
+#: one prefetched, so a replica never idles while work waits in the orchestrator. The echo
+#: worker serves one request at a time; the ar worker batches up to engine.maxBatchSize.
+ECHO_WINDOW = 2
+AR_WINDOW = EngineOptions.model_fields["max_batch_size"].default + 1
+
+
+def manifest(name: str, streamed: bool, tokens: int, window: bool = True) -> dict[str, Any]:
+    """The phase's pipeline; window: the stages get a dispatch window (--no-window: none, every
+    task goes to a replica at once and queues there)."""
     admission = {"maxRequests": 256, "maxQueue": 1024}
     if streamed:
-        stages = [{"name": "llm", "kind": "ar", "model": "tiny-llama", "replicas": 6,
-                   "finalOutput": True, "engine": {"maxTokens": 48}, "admission": admission}]
+        stages = [{"name": "llm", "kind": "ar", "model": "tiny-llama", "replicas": 8,
+                   "finalOutput": True, "engine": {"maxTokens": tokens},
+                   "admission": admission}]
+        if window:
+            stages[0]["dispatch"] = {"perReplica": AR_WINDOW}
         api = ["chat"]
     else:
         echo = {"kind": "echo", "replicas": 4, "engine": {"echoDelayMs": 100},
                 "admission": admission}
+        if window:
+            echo["dispatch"] = {"perReplica": ECHO_WINDOW}
         stages = [{"name": "a", **echo}, {"name": "b", "inputs": ["a"], "finalOutput": True,
                                           **echo}]
         api = ["generic"]
@@ -78,29 +114,11 @@ class Phase:
     mismatched: int = 0
     total: int = 0
     kills: list[tuple[str, float]] = field(default_factory=list)  # (replica, time.time())
-    log: Path = Path()  # the server's log
-
-
-def replica_pids(pipeline: str, stage: str) -> dict[str, int]:
-    """Live replica processes of one stage: the local runtime names them on the command line."""
-    pids = {}
-    prefix = f"{pipeline}-{stage}-"
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "--replica-id" in cmd:
-            name = cmd[cmd.index("--replica-id") + 1]
-            if name.startswith(prefix):
-                pids[name] = int(entry.name)
-    return pids
+    log: Path = Path()  # the orchestrator's log
 
 
 def log_times(log: Path, pattern: str) -> list[float]:
-    """Wall-clock times of the server log lines that contain `pattern`."""
+    """Wall-clock times of the orchestrator log lines that contain `pattern`."""
     out = []
     for line in log.read_text(errors="replace").splitlines():
         m = LOG_TIME.match(line)
@@ -109,17 +127,81 @@ def log_times(log: Path, pattern: str) -> list[float]:
     return out
 
 
-async def killer(phase: Phase, pipeline: str, stages: list[str], log: Path, every: int,
-                 kills: int, done: asyncio.Event) -> None:
-    """A round of kills after every `every` answers: in each stage, a random replica that is
-    routable, while at least one other is (a killed replica is routable again once the log
-    shows its new process's handshake)."""
-    handshakes = {}  # killed replica -> its handshake lines at the kill
+class Fleet:
+    """Where the replicas run and how to find their processes: `omnistage serve`'s local
+    runtime here, stage pods of the pod runner in ClusterFleet."""
 
-    def routable(names: list[str]) -> list[str]:
-        return [n for n in names if n not in handshakes
-                or len(log_times(log, f"replica {n}: handshake done")) > handshakes[n]]
+    def __init__(self, pipeline: str, log: Path) -> None:
+        self.pipeline, self.log = pipeline, log
+        self.handshakes: dict[str, int] = {}  # killed replica -> its handshake lines at the kill
 
+    def pids(self, stage: str) -> dict[str, int]:
+        """Live replica processes of one stage: the local runtime names them on the command
+        line."""
+        pids = {}
+        prefix = f"{self.pipeline}-{stage}-"
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if "--replica-id" in cmd:
+                name = cmd[cmd.index("--replica-id") + 1]
+                if name.startswith(prefix):
+                    pids[name] = int(entry.name)
+        return pids
+
+    def routable(self, stage: str) -> dict[str, int]:
+        """The stage's replicas the orchestrator routes to, by name, with their pids: a killed
+        one again once the orchestrator's log shows its new process's handshake."""
+        return {n: pid for n, pid in self.pids(stage).items() if n not in self.handshakes
+                or len(log_times(self.log, f"replica {n}: handshake done")) > self.handshakes[n]}
+
+    def kill(self, name: str, pid: int) -> None:
+        self.handshakes[name] = len(log_times(self.log, f"replica {name}: handshake done"))
+        os.kill(pid, signal.SIGKILL)
+
+
+class ClusterFleet(Fleet):
+    """Stage pods of the local pod runner: a Ready pod's worker pid from its /state."""
+
+    def __init__(self, pipeline: str, log: Path, cluster: Any, namespace: str) -> None:
+        super().__init__(pipeline, log)
+        self.cluster, self.namespace = cluster, namespace
+
+    def pids(self, stage: str) -> dict[str, int]:
+        from tests.harness.cluster import pods
+
+        from omnistage import kube as k
+
+        out = {}
+        selector = f"{k.stage_selector(self.pipeline)},{k.LABEL_STAGE}={stage}"
+        for pod in pods(self.cluster.kube, self.namespace, selector):
+            if pod["metadata"].get("deletionTimestamp") or \
+                    k.condition_status(pod, "Ready") != "True":
+                continue
+            try:
+                state = json.loads(http_get(
+                    f"http://{pod['status']['podIP']}:{k.WORKER_HTTP_PORT}/state"))
+            except (OSError, ValueError):
+                continue
+            out[pod["metadata"]["name"]] = int(state["pid"])
+        return out
+
+
+def http_get(url: str, timeout: float = 5) -> str:
+    """GET on loopback, never through an environment's proxy."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=timeout) as resp:
+        return str(resp.read().decode(errors="replace"))
+
+
+async def killer(phase: Phase, fleet: Fleet, stages: list[str], every: int, kills: int,
+                 done: asyncio.Event) -> None:
+    """A round of kills after every `every` answers: in each stage, a random routable replica,
+    while at least one other is routable."""
     rounds = 0
     while rounds < kills and not done.is_set():
         if phase.total < every * (rounds + 1):
@@ -127,69 +209,132 @@ async def killer(phase: Phase, pipeline: str, stages: list[str], log: Path, ever
             continue
         for stage in stages:
             while not done.is_set():
-                pids = replica_pids(pipeline, stage)
-                up = routable(sorted(pids))
+                up = await asyncio.to_thread(fleet.routable, stage)
                 if len(up) >= 2:
                     break
                 await asyncio.sleep(0.2)
             else:
                 return
-            name = random.choice(up)
-            handshakes[name] = len(log_times(log, f"replica {name}: handshake done"))
-            os.kill(pids[name], signal.SIGKILL)
+            name = random.choice(sorted(up))
+            fleet.kill(name, up[name])
             phase.kills.append((name, time.time()))
         rounds += 1
 
 
+async def drive(args: argparse.Namespace, phase: Phase, fleet: Fleet, url: str, name: str,
+                streamed: bool) -> None:
+    """The fault-free references (streamed), then REQUESTS requests with the kill rounds."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        refs = {}
+        if streamed:  # the fault-free answers, before any kill
+            for prompt in PROMPTS:
+                ok, text, _ = await chat(session, url, name, prompt, args.stream_tokens)
+                assert ok, f"fault-free stream failed: {text}"
+                refs[prompt] = text
+        done = asyncio.Event()
+        stages = ["llm"] if streamed else ["a", "b"]
+        kill = asyncio.ensure_future(killer(phase, fleet, stages,
+                                            args.requests // (args.kills + 1), args.kills, done))
+        counter = iter(range(args.requests))
+
+        async def client() -> None:
+            for i in counter:
+                start = time.monotonic()
+                if streamed:
+                    prompt = PROMPTS[i % len(PROMPTS)]
+                    ok, text, rid = await chat(session, url, name, prompt, args.stream_tokens)
+                    if ok:
+                        phase.complete += 1
+                        phase.mismatched += text != refs[prompt]
+                else:
+                    ok, text, rid = await plain(session, url, name, f"p{i}")
+                phase.total += 1
+                if ok:
+                    phase.ends[rid] = time.monotonic()
+                    phase.latencies[rid] = phase.ends[rid] - start
+                else:
+                    phase.failed.append(text)
+
+        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+        done.set()
+        await kill
+
+
 async def run_phase(args: argparse.Namespace, tmp: Path, streamed: bool) -> Phase:
+    """One phase on its own `omnistage serve`."""
     name = "fochat" if streamed else "foecho"
     phase = Phase("streamed" if streamed else "plain", log=tmp / f"{name}.log")
     path = tmp / f"{name}.json"
-    path.write_text(json.dumps(manifest(name, streamed)))
+    path.write_text(json.dumps(manifest(name, streamed, args.stream_tokens, args.window)))
     port = free_port()
-    log = phase.log
     server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(path), "--host",
                      "127.0.0.1", "--port", str(port), "--log-dir", str(tmp / f"{name}-logs")],
-                    r"ready at (http://\S+)", log)
+                    r"ready at (http://\S+)", phase.log)
     try:
         url = server.wait_ready(300).group(1)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            refs = {}
-            if streamed:  # the fault-free answers, before any kill
-                for prompt in PROMPTS:
-                    ok, text, _ = await chat(session, url, name, prompt)
-                    assert ok, f"fault-free stream failed: {text}"
-                    refs[prompt] = text
-            done = asyncio.Event()
-            stages = ["llm"] if streamed else ["a", "b"]
-            kill = asyncio.ensure_future(killer(phase, name, stages, log,
-                                                args.requests // (args.kills + 1), args.kills,
-                                                done))
-            counter = iter(range(args.requests))
-
-            async def client() -> None:
-                for i in counter:
-                    start = time.monotonic()
-                    if streamed:
-                        prompt = PROMPTS[i % len(PROMPTS)]
-                        ok, text, rid = await chat(session, url, name, prompt)
-                        if ok:
-                            phase.complete += 1
-                            phase.mismatched += text != refs[prompt]
-                    else:
-                        ok, text, rid = await plain(session, url, name, f"p{i}")
-                    phase.total += 1
-                    if ok:
-                        phase.ends[rid] = time.monotonic()
-                        phase.latencies[rid] = phase.ends[rid] - start
-                    else:
-                        phase.failed.append(text)
-
-            await asyncio.gather(*(client() for _ in range(args.concurrency)))
-            done.set()
-            await kill
+        await drive(args, phase, Fleet(name, phase.log), url, name, streamed)
     finally:
         server.stop()
+    return phase
+
+
+class ControlPlane:
+    """A private local control plane, the local pod runner in process mode and the operator as
+    a process (tests/harness, the cluster tests' own): started once for every cluster phase."""
+
+    def __init__(self, tmp: Path) -> None:
+        os.environ["OMNISTAGE_POD_MODE"] = "process"  # read when tests.harness.cluster loads
+        from tests.harness.cluster import start_local_cluster, start_podrunner
+        from tests.harness.operator import Operator, apply_crds
+
+        self.cluster = start_local_cluster()
+        self.runner = self.operator = None
+        try:
+            self.runner = start_podrunner(self.cluster)
+            apply_crds(self.cluster)
+            self.operator = Operator(self.cluster, tmp / "operator.log", webhook=False)
+            self.operator.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        from tests.harness.cluster import stop_local_cluster, stop_podrunner
+
+        if self.operator is not None:
+            self.operator.stop()
+        if self.runner is not None:
+            stop_podrunner(self.runner)
+        stop_local_cluster(self.cluster)
+
+
+async def run_cluster_phase(args: argparse.Namespace, plane: ControlPlane, tmp: Path,
+                            streamed: bool) -> Phase:
+    """One phase as an OmniPipeline in a namespace of its own on the control plane."""
+    from tests.harness.cluster import pods, temp_namespace
+    from tests.harness.operator import apply, get, wait_for
+
+    from omnistage import kube as k
+
+    name = "fochat" if streamed else "foecho"
+    with temp_namespace(plane.cluster.kube, prefix="bench-fo-") as ns:
+        apply(plane.cluster, ns, manifest(name, streamed, args.stream_tokens, args.window))
+
+        def ready() -> bool:
+            cond = k.condition(get(plane.cluster, ns, "omnipipe", name), "Ready")
+            return bool(cond and cond["status"] == "True")
+
+        await asyncio.to_thread(wait_for, ready, 600, f"{name} Ready",
+                                plane.operator.log_tail, 1)
+        [orch] = [p for p in pods(plane.cluster.kube, ns,
+                                  f"{k.LABEL_PIPELINE}={name},{k.LABEL_COMPONENT}=orchestrator")
+                  if not p["metadata"].get("deletionTimestamp")]
+        log = plane.runner.log_path(ns, orch["metadata"]["name"], "orchestrator")
+        phase = Phase(("streamed" if streamed else "plain") + " cluster", log=log)
+        await drive(args, phase, ClusterFleet(name, log, plane.cluster, ns),
+                    f"http://{orch['status']['podIP']}:8000", name, streamed)
+        phase.log = tmp / f"{name}-cluster.log"  # a copy: the pod's goes with its namespace
+        phase.log.write_bytes(log.read_bytes())
     return phase
 
 
@@ -205,11 +350,11 @@ async def plain(session: aiohttp.ClientSession, url: str, name: str,
         return False, repr(exc), ""
 
 
-async def chat(session: aiohttp.ClientSession, url: str, name: str,
-               prompt: str) -> tuple[bool, str, str]:
+async def chat(session: aiohttp.ClientSession, url: str, name: str, prompt: str,
+               tokens: int) -> tuple[bool, str, str]:
     """A streamed chat completion: (completed with [DONE], its text, its request id)."""
     body = {"model": name, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "temperature": 0, "max_tokens": 48}
+            "temperature": 0, "max_tokens": tokens}
     text, finished = [], False
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -248,7 +393,11 @@ def judge(phase: Phase) -> tuple[str, float | None, float | None]:
     p50 = statistics.median(clean) if clean else float("nan")
     detect = []
     for name, at in phase.kills:
-        seen = [t - at for t in log_times(log, f"replica {name}: connection closed")
+        # Whichever sign reached the orchestrator first: under load the runtime's "gone" can
+        # beat the socket monitor, and the close of a replica already gone is not logged.
+        signs = log_times(log, f"replica {name}: connection closed") + \
+            log_times(log, f"replica {name} lost (")
+        seen = [t - at for t in signs
                 if t >= at - 0.01]
         if seen:
             detect.append(max(0.0, min(seen)))
@@ -273,7 +422,7 @@ def judge(phase: Phase) -> tuple[str, float | None, float | None]:
             f"detection max {0 if detection is None else detection * 1000:.0f} ms, added p99 "
             f"(failed over once) "
             f"{'n/a' if added is None else f'{added * 1000:.0f} ms'}")
-    if phase.name == "streamed":
+    if phase.name.startswith("streamed"):
         line += f"; complete {phase.complete}, differing from fault-free {phase.mismatched}"
     if phase.failed:
         line += f"; first failure: {phase.failed[0]}"
@@ -284,26 +433,51 @@ async def main_async(args: argparse.Namespace) -> list[Goal]:
     with tempfile.TemporaryDirectory(prefix="bench-failover-") as name:
         tmp = Path(args.keep) if args.keep else Path(name)
         tmp.mkdir(parents=True, exist_ok=True)
-        goals = []
-        for streamed in [p == "streamed" for p in args.phases.split(",")]:
-            phase = await run_phase(args, tmp, streamed)
-            line, added, bound = judge(phase)
-            print(line, flush=True)
-            if streamed:
-                goals.append(Goal("streamed_complete_pct", 100.0 * phase.complete
-                                  / max(1, phase.total), 99.5, unit="%", digits=1))
-                goals.append(Goal("streamed_differing", float(phase.mismatched), 0,
-                                  at_least=False, unit="", digits=0))
-            else:
-                goals.append(Goal("plain_failed", float(len(phase.failed)), 0, at_least=False,
-                                  unit="", digits=0))
-            goals.append(Goal(f"{phase.name}_kills", float(len(phase.kills)),
-                              args.kills * (1 if streamed else 2), unit="", digits=0))
-            goals.append(Goal(f"{phase.name}_added_p99_ms",
-                              None if added is None else added * 1000,
-                              float("nan") if bound is None else bound * 1000,
-                              at_least=False, unit="ms", digits=0))
+        goals: list[Goal] = []
+        streams = [p == "streamed" for p in args.phases.split(",")]
+        if not args.cluster:
+            for streamed in streams:
+                goals += judged(await run_phase(args, tmp, streamed), args)
+            return goals
+        sys.path.insert(0, REPO)  # tests.harness
+        plane = await asyncio.to_thread(ControlPlane, tmp)
+        try:
+            for streamed in streams:
+                phase = await run_cluster_phase(args, plane, tmp, streamed)
+                goals += judged(phase, args)
+        finally:
+            await asyncio.to_thread(plane.stop)
         return goals
+
+
+def judged(phase: Phase, args: argparse.Namespace) -> list[Goal]:
+    """Print the phase's line; its goals."""
+    line, added, bound = judge(phase)
+    print(line, flush=True)
+    if args.keep:  # every request's figures, to read a tail afterwards
+        kept = Path(args.keep) / f"{phase.name.replace(' ', '-')}-requests.json"
+        kept.write_text(json.dumps({
+            "kills": phase.kills,  # (replica, unix time)
+            "requests": {rid: {"seconds": phase.latencies[rid], "ended": phase.ends[rid]}
+                         for rid in phase.latencies},  # ended: time.monotonic()
+        }, indent=1))
+    label = phase.name.replace(" ", "_")
+    streamed = phase.name.startswith("streamed")
+    goals = []
+    if streamed:
+        goals.append(Goal(f"{label}_complete_pct", 100.0 * phase.complete
+                          / max(1, phase.total), 99.5, unit="%", digits=1))
+        goals.append(Goal(f"{label}_differing", float(phase.mismatched), 0, at_least=False,
+                          unit="", digits=0))
+    else:
+        goals.append(Goal(f"{label}_failed", float(len(phase.failed)), 0, at_least=False,
+                          unit="", digits=0))
+    goals.append(Goal(f"{label}_kills", float(len(phase.kills)),
+                      args.kills * (1 if streamed else 2), unit="", digits=0))
+    goals.append(Goal(f"{label}_added_p99_ms", None if added is None else added * 1000,
+                      float("nan") if bound is None else bound * 1000, at_least=False,
+                      unit="ms", digits=0))
+    return goals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,9 +487,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=10, help="kill rounds per phase")
     parser.add_argument("--phases", default="plain,streamed",
                         help="comma-separated: plain, streamed")
-    parser.add_argument("--keep", default="", help="keep the servers' logs in this folder")
+    parser.add_argument("--stream-tokens", type=int, default=192,
+                        help="tokens per stream in the streamed phase")
+    parser.add_argument("--cluster", action="store_true",
+                        help="run the phases on a private local control plane with the operator "
+                             "and the local pod runner in process mode")
+    parser.add_argument("--keep", default="", help="keep the servers' logs and each phase's "
+                        "per-request figures (PHASE-requests.json) in this folder")
+    parser.add_argument("--no-window", dest="window", action="store_false",
+                        help="no dispatch window on the stages (every task goes to a replica at "
+                             "once and queues there), to compare with the default window")
     add_check_flag(parser)
     args = parser.parse_args(argv)
+    print("dispatch window (perReplica): " + (f"echo {ECHO_WINDOW}, ar {AR_WINDOW}"
+                                              if args.window else "none (--no-window)"),
+          flush=True)
     goals = asyncio.run(main_async(args))
     print(f"summary: {verdicts(goals)}", flush=True)
     return exit_status(goals, args.check)

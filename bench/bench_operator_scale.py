@@ -375,6 +375,7 @@ class Bench:
         for flag in ("workers", "write_qps", "write_burst"):  # else the operator's defaults
             if getattr(self.args, flag) is not None:
                 cmd.append(f"--{flag.replace('_', '-')}={getattr(self.args, flag)}")
+        cmd.extend(getattr(self.args, "operator_args", None) or [])  # e.g. --no-autoscaler
         log(f"starting operator (log: {self.op_log}, metrics on 127.0.0.1:{self.metrics_port})")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(
@@ -588,6 +589,15 @@ class Bench:
             "log_offset": self.op_log.stat().st_size if self.op_log.exists() else 0,
         }
 
+    def log_since(self, offset: int) -> str:
+        """The operator's log from byte `offset` on ("" when it cannot be read)."""
+        try:
+            with open(self.op_log, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def write_log(self, offset: int) -> dict[str, int]:
         """Writes the operator logged since `offset`, by verb and resource.
 
@@ -595,13 +605,7 @@ class Bench:
         writes an idle window or a restart made.
         """
         out: dict[str, int] = {}
-        try:
-            with open(self.op_log, "rb") as f:
-                f.seek(offset)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return out
-        for m in WRITE_LINE.finditer(text):
+        for m in WRITE_LINE.finditer(self.log_since(offset)):
             res = re.sub(r"^/apis?/(?:[^/]+/)?v\w+/namespaces/[^/]+/", "", m.group("path"))
             parts = res.split("/")
             key = f"{m.group('verb')} {parts[0]}" + (f"/{parts[2]}" if len(parts) > 2 else "")

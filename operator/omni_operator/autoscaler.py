@@ -6,7 +6,9 @@ omnistage.autoscaling.decide (the same maths `omnistage serve` uses) and, when t
 changes, writes spec.replicas through the scale subresource, as `kubectl scale` does: the pool's
 reconcile then creates replicas, or drains one before deleting it. A pool at zero whose
 orchestrator asks for a wake (the annotation omnistage.io/wake-requested-at) is scaled at once,
-on the pool's watch event, not on the next period.
+on the pool's watch event, not on the next period. The same reader answers the pool reconcile's
+question about all of a pipeline's requests (Autoscaler.orchestrator_loads: every running
+orchestrator pod's load, for the pin wait of a leaving revision's last replica, drain.py).
 
 What it writes, and when (docs/architecture.md, "Autoscaling"):
 - spec.replicas (field manager omnistage-autoscaler, subresource scale) and one Event, only
@@ -27,11 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import heapq
 import json
 import logging
 import os
 import time
-import urllib.request
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -39,6 +42,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_operator import builders
+from omni_operator.loadclient import LoadClient
 from omni_operator.models import desired_replicas
 from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import is_ready
@@ -50,7 +54,7 @@ from omnistage.autoscaling import (
     Decision,
     decide,
 )
-from omnistage.kubeapi import ApiError, path, resource_path
+from omnistage.kubeapi import ApiError, gather_all, path, resource_path
 from omnistage.spec import Autoscaling
 
 __all__ = [
@@ -81,6 +85,12 @@ TICK_SECONDS = 1.0
 HPA_REFRESH_SECONDS = 30.0
 #: An RFC 3339 annotation has whole seconds: a wake within a second of a scale-down counts.
 WAKE_SLACK_SECONDS = 1.0
+#: Load reads in flight at once: a fleet's reads are spread over the period (due_after), and
+#: this bounds a burst (a restart, many wakes) on the API server's proxy or the orchestrators.
+MAX_READS_IN_FLIGHT = 32
+#: Consecutive failed reads before the status says the signal is Unavailable: one lost read (a
+#: timeout on a busy node) keeps the size and writes nothing.
+MISSES_BEFORE_UNAVAILABLE = 2
 _HPA_VERSION = "autoscaling/v2"
 
 
@@ -102,27 +112,32 @@ class StageFigures:
     wake_pending: bool = False
 
 
+def _caster(kind: Any) -> Callable[[Any], Any]:
+    """The cast of a JSON value to the field's declared type (the annotations are strings)."""
+    kind = str(kind)
+    if kind.startswith("bool"):
+        return bool
+    if kind.startswith("int"):
+        return int
+    return float
+
+
+#: (field, cast) of StageFigures, worked out once: a fleet decodes thousands a period.
+_FIGURE_FIELDS: tuple[tuple[str, Callable[[Any], Any]], ...] = tuple(
+    (f.name, _caster(f.type)) for f in fields(StageFigures))
+
+
 def stage_figures(doc: Any, stage: str) -> StageFigures | None:
     """The figures of stage in a /v1/load document; None when it has none for it."""
     entry = ((doc or {}).get("stages") or {}).get(stage) if isinstance(doc, dict) else None
     if not isinstance(entry, dict):
         return None
     try:
-        values = {f.name: _cast(f.type, entry[f.name])
-                  for f in fields(StageFigures) if entry.get(f.name) is not None}
+        values = {name: cast(entry[name]) for name, cast in _FIGURE_FIELDS
+                  if entry.get(name) is not None}
     except (TypeError, ValueError):
         return None
     return StageFigures(**values)
-
-
-def _cast(kind: Any, value: Any) -> Any:
-    """A JSON value as the field's declared type (the annotations are strings here)."""
-    kind = str(kind)
-    if kind.startswith("bool"):
-        return bool(value)
-    if kind.startswith("int"):
-        return int(value)
-    return float(value)
 
 
 def hpa_targets(hpas: list[Obj]) -> dict[str, str]:
@@ -148,13 +163,6 @@ def _unix(text: str | None) -> float | None:
         return None
 
 
-def _get_json(url: str, timeout: float) -> Any:
-    """GET url straight (never through an http_proxy of the environment) and parse JSON."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
 class LoadUnavailable(Exception):
     """The pipeline's load could not be read (orchestrator down, proxy refused, bad body)."""
 
@@ -170,6 +178,9 @@ class _Tracked:
     # A size written and the pool's resourceVersion before it, until the view shows the write.
     written: tuple[int, str] | None = None
     refused_by: str | None = None  # the HPA this pool was refused for (one Warning each)
+    # The pool's autoscaling, parsed, and the metadata.generation it was parsed at.
+    scaling: tuple[int, Autoscaling] | None = None
+    misses: int = 0  # consecutive reads that gave no figures for this pool
 
 
 ReadLoad = Callable[[str, str], Awaitable[Any]]
@@ -189,6 +200,19 @@ class Autoscaler:
         self._kick = asyncio.Event()
         self._hpas: dict[str, tuple[float, dict[str, str]]] = {}  # ns -> (read at, targets)
         self.reads = 0  # load reads, for tests and the bench
+        # (due time, pool) of every tracked pool; stale entries are skipped when they come up.
+        self._due: list[tuple[float, PoolKey]] = []
+        self._new_pools = True  # an autoscaled pool not tracked yet was seen: scan once
+        self._reading = asyncio.Semaphore(MAX_READS_IN_FLIGHT)
+        # Reads straight from an orchestrator pod (or the test hook): kept-alive connections,
+        # no thread per read (500 pipelines are 33 reads a second at the default period).
+        self._client = LoadClient(LOAD_TIMEOUT)
+        # Pipelines whose orchestrator the operator cannot reach straight (another network,
+        # a policy): read through the API server's service proxy first.
+        self._proxied: set[tuple[str, str]] = set()
+
+    async def close(self) -> None:
+        await self._client.close()
 
     # ---- hooks the controller calls --------------------------------------------------------
 
@@ -200,8 +224,10 @@ class Autoscaler:
             self._tracked.pop(key, None)
             self._wakes.discard(key)
             return
-        if not ((pool.get("spec") or {}).get("stage") or {}).get("autoscaling"):
+        if not _autoscaling(pool):
             return
+        if key not in self._tracked:
+            self._new_pools = True
         wake = (meta.get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED)
         if not wake or desired_replicas(pool) != 0:
             return
@@ -239,28 +265,35 @@ class Autoscaler:
 
     async def step(self) -> None:
         """Decide for every autoscaled pool that is due (or woken): one load read per
-        pipeline, concurrently."""
+        pipeline, concurrently. Due pools come off a heap of due times, so a step costs what
+        is due, not a scan of every pool (1,500 at 500 pipelines, some due every second once
+        their reads are spread over the period); a scan runs only when a pool not yet tracked
+        was seen."""
         now = self.clock()
         wakes, self._wakes = self._wakes, set()
+        keys = set(wakes)
+        while self._due and self._due[0][0] <= now:
+            keys.add(heapq.heappop(self._due)[1])
+        if self._new_pools:
+            self._new_pools = False
+            keys.update(k for k, pool in self.controller.pools.items()
+                        if k not in self._tracked and _autoscaling(pool))
         groups: dict[tuple[str, str], list[tuple[Obj, Autoscaling, bool]]] = {}
-        seen: set[PoolKey] = set()
-        for key, pool in list(self.controller.pools.items()):
-            doc = ((pool.get("spec") or {}).get("stage") or {}).get("autoscaling")
-            if not doc or self._deleting(pool):
+        for key in keys:
+            pool = self.controller.pools.get(key)
+            doc = _autoscaling(pool) if pool is not None else None
+            if pool is None or not doc or self._deleting(pool):
+                self._tracked.pop(key, None)
                 continue
-            seen.add(key)
             tracked = self._tracked.get(key)
             woken = key in wakes
             if not woken and tracked is not None and tracked.due > now:
-                continue
-            try:
-                scaling = Autoscaling.model_validate(doc)
-            except ValidationError:
-                continue  # the pool's reconcile reports it (InvalidSpec)
+                continue  # an older entry of the heap: the pool is due later
+            scaling = self._scaling(pool, doc, tracked)
+            if scaling is None:
+                continue  # the pool's reconcile reports it (InvalidSpec); a fix is seen anew
             groups.setdefault((key[0], pool["spec"]["pipeline"]), []).append(
                 (pool, scaling, woken))
-        for key in set(self._tracked) - seen:
-            del self._tracked[key]
         if not groups:
             return
         items = list(groups.items())
@@ -268,11 +301,31 @@ class Autoscaler:
         for ((ns, _), members), (doc, error) in zip(items, loads, strict=True):
             targets = await self._external(ns)
             for pool, scaling, woken in members:
+                key = _key(pool)
                 try:
                     await self._settle(pool, scaling, doc, error, now, woken,
                                        targets.get(pool["metadata"]["name"]))
                 except Exception:
                     log.exception("autoscaling %s/%s failed", ns, pool["metadata"]["name"])
+                tracked = self._tracked.get(key)
+                if tracked is not None:
+                    if tracked.due <= now:  # it failed before it set its next time
+                        tracked.due = now + scaling.period_seconds
+                    heapq.heappush(self._due, (tracked.due, key))
+
+    def _scaling(self, pool: Obj, doc: Any, tracked: _Tracked | None) -> Autoscaling | None:
+        """The pool's autoscaling, parsed once per generation of the pool."""
+        generation = int(pool["metadata"].get("generation") or 0)
+        if tracked is not None and tracked.scaling is not None and generation \
+                and tracked.scaling[0] == generation:
+            return tracked.scaling[1]
+        try:
+            scaling = Autoscaling.model_validate(doc)
+        except ValidationError:
+            return None
+        if tracked is not None and generation:
+            tracked.scaling = (generation, scaling)
+        return scaling
 
     # ---- one pool --------------------------------------------------------------------------
 
@@ -282,7 +335,7 @@ class Autoscaler:
         key = (meta["namespace"], meta["name"])
         tracked = self._tracked.get(key) or self._restore(pool)
         self._tracked[key] = tracked
-        tracked.due = now + scaling.period_seconds
+        tracked.due = due_after(now, scaling.period_seconds, key[0], pool["spec"]["pipeline"])
         current = desired_replicas(pool)
         if tracked.written is not None:
             size, version = tracked.written
@@ -315,8 +368,12 @@ class Autoscaler:
             reason = "Woken" if decision.rule == "wake" else "Autoscaled"
             self.controller._event(pool, "Normal", reason, decision.reason)
         tracked.state = decision.state
+        tracked.misses = 0 if figures is not None else tracked.misses + 1
         signal = "Available" if figures is not None else "Unavailable"
         last = tracked.report
+        if (signal == "Unavailable" and last is not None and last.signal == "Available"
+                and tracked.misses < MISSES_BEFORE_UNAVAILABLE and decision.desired == current):
+            return  # one lost read: nothing changed, nothing to say yet
         if (last is None or decision.desired != current or last.signal != signal
                 or last.rule == "external"):
             tracked.report = status_of(decision, scaling, now, signal, error)
@@ -384,40 +441,109 @@ class Autoscaler:
         """(the /v1/load document, None) or (None, why it could not be read)."""
         self.reads += 1
         try:
-            return await self.read_load(ns, pipeline), None
+            async with self._reading:
+                return await self.read_load(ns, pipeline), None
         except Exception as exc:  # any failure means no signal, never a crash of the loop
-            log.info("load of %s/%s unavailable: %s", ns, pipeline, exc)
-            return None, f"{type(exc).__name__}: {exc}"[:512]
+            why = f"{type(exc).__name__}: {exc}"[:512]
+            log.info("load of %s/%s unavailable: %s", ns, pipeline, why)
+            return None, why
 
     async def _read_load(self, ns: str, pipeline: str) -> Any:
-        """GET /v1/load of the pipeline's orchestrator Service through the API server's
-        service proxy; where the proxy cannot reach it (it refuses loopback endpoints, as
-        with the local pod runner), from a ready orchestrator pod straight."""
+        """GET /v1/load of the pipeline's orchestrator: from a ready orchestrator pod straight
+        (no load on the API server), else through the API server's service proxy (an operator
+        outside the pods' network). The way that worked last is tried first."""
         template = os.environ.get(LOAD_URL_ENV)
         if template:
-            return await asyncio.to_thread(
-                _get_json, template.format(namespace=ns, pipeline=pipeline), LOAD_TIMEOUT)
+            return await self._client.get_json(template.format(namespace=ns, pipeline=pipeline))
+        key = (ns, pipeline)
+        ways = (self._proxy, self._straight) if key in self._proxied else (
+            self._straight, self._proxy)
+        failures: list[str] = []
+        for way in ways:
+            try:
+                doc = await way(ns, pipeline)
+            except Exception as exc:
+                failures.append(f"{way.__name__.strip('_')}: {type(exc).__name__}: {exc}")
+                continue
+            if way == self._proxy:
+                self._proxied.add(key)
+            else:
+                self._proxied.discard(key)
+            return doc
+        raise LoadUnavailable(f"GET {LOAD_PATH} of {builders.orchestrator_name(pipeline)}: "
+                              + "; ".join(failures))
+
+    async def _straight(self, ns: str, pipeline: str) -> Any:
         oname = builders.orchestrator_name(pipeline)
-        proxy = f"{path('Service', ns, oname)}:http/proxy{LOAD_PATH}"
-        try:
-            text = await self.controller.api.request("GET", proxy, raw=True,
-                                                     timeout=LOAD_TIMEOUT)
-            return json.loads(text)
-        except Exception as exc:
-            failure: Exception = exc
-        service = self.controller.children.get(("Service", ns, oname)) or {}
-        ports = (service.get("spec") or {}).get("ports") or []
-        port = ports[0].get("port") if ports else None
+        port = self._port(ns, oname)
+        failure = "no ready orchestrator pod"
         for pod in (self.controller.pods.get((ns, oname)) or {}).values():
             ip = (pod.get("status") or {}).get("podIP")
             if ip and port and is_ready(pod):
-                host = f"[{ip}]" if ":" in ip else ip
                 try:
-                    return await asyncio.to_thread(_get_json, f"http://{host}:{port}{LOAD_PATH}",
-                                                   LOAD_TIMEOUT)
+                    return await self._client.get_json(_load_url(ip, port))
                 except Exception as exc:
-                    failure = exc
-        raise LoadUnavailable(f"GET {LOAD_PATH} of {oname}: {failure}")
+                    failure = str(exc)
+        raise LoadUnavailable(failure)
+
+    def _port(self, ns: str, oname: str) -> int | None:
+        """The orchestrator's HTTP port, from its Service (port == targetPort, builders)."""
+        service = self.controller.children.get(("Service", ns, oname)) or {}
+        ports = (service.get("spec") or {}).get("ports") or []
+        return ports[0].get("port") if ports else None
+
+    async def orchestrator_loads(self, ns: str, pipeline: str) -> list[Any]:
+        """GET /v1/load of EVERY running orchestrator pod of the pipeline (podIP, phase
+        Running: two during an orchestrator rollout, a terminating one still finishing its
+        requests included). The autoscaler's signal needs one orchestrator; a question about
+        all of the pipeline's requests in flight (drain.pinned_in_flight) needs each. Each pod
+        straight; where that fails, through the service proxy only while that pod is the one
+        running (the proxy answers for a Ready pod of its choosing; the operator's RBAC has no
+        pod proxy). Raises LoadUnavailable, naming the pod, when one cannot be read; no running
+        orchestrator pod: no document (nothing is in flight)."""
+        template = os.environ.get(LOAD_URL_ENV)
+        if template:  # the test hook stands for the pipeline's one orchestrator
+            return [await self._client.get_json(template.format(namespace=ns, pipeline=pipeline))]
+        oname = builders.orchestrator_name(pipeline)
+        port = self._port(ns, oname)
+        running = [pod for pod in (self.controller.pods.get((ns, oname)) or {}).values()
+                   if (pod.get("status") or {}).get("podIP")
+                   and (pod.get("status") or {}).get("phase") == "Running"]
+        return await gather_all(self._pod_load(ns, pipeline, pod, port, alone=len(running) == 1)
+                                for pod in running)
+
+    async def _pod_load(self, ns: str, pipeline: str, pod: Obj, port: int | None, *,
+                        alone: bool) -> Any:
+        """One orchestrator pod's /v1/load: straight, else (`alone`: the one running) through
+        the service proxy, in the order that worked last for the pipeline (as _read_load)."""
+        name = pod["metadata"]["name"]
+
+        async def straight() -> Any:
+            if not port:
+                raise LoadUnavailable("the orchestrator Service has no port")
+            return await self._client.get_json(_load_url(pod["status"]["podIP"], port))
+
+        async def proxy() -> Any:
+            return await self._proxy(ns, pipeline)
+
+        ways = [straight, proxy] if alone else [straight]
+        if alone and (ns, pipeline) in self._proxied:
+            ways.reverse()
+        failures: list[str] = []
+        for way in ways:
+            try:
+                return await way()
+            except Exception as exc:
+                failures.append(f"{way.__name__}: {type(exc).__name__}: {exc}")
+        if not alone:
+            failures.append("proxy: not tried (the service proxy may answer for another pod)")
+        raise LoadUnavailable(f"GET {LOAD_PATH} of {name}: " + "; ".join(failures))
+
+    async def _proxy(self, ns: str, pipeline: str) -> Any:
+        oname = builders.orchestrator_name(pipeline)
+        proxy = f"{path('Service', ns, oname)}:http/proxy{LOAD_PATH}"
+        text = await self.controller.api.request("GET", proxy, raw=True, timeout=LOAD_TIMEOUT)
+        return json.loads(text)
 
     async def _external(self, ns: str) -> dict[str, str]:
         """Pools of ns that a HorizontalPodAutoscaler targets (listed at most every
@@ -434,6 +560,26 @@ class Autoscaler:
             targets = {}
         self._hpas[ns] = (now, targets)
         return targets
+
+
+def _load_url(ip: str, port: int) -> str:
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}{LOAD_PATH}"
+
+
+def due_after(now: float, period: float, namespace: str, pipeline: str) -> float:
+    """When a pipeline's pools are decided next: on the pipeline's own phase of the period
+    (a hash of its name), between half a period and one and a half from now the first time,
+    then every period. Why: pools decided in one step (a fleet created at once, an operator
+    restart) would otherwise read their loads in one burst every period, forever."""
+    phase = zlib.crc32(f"{namespace}/{pipeline}".encode()) % 10_000 / 10_000 * period
+    due = now + (phase - now) % period
+    return due + period if due - now < period / 2 else due
+
+
+def _autoscaling(pool: Obj) -> Any:
+    """The pool's spec.stage.autoscaling document, or None."""
+    return ((pool.get("spec") or {}).get("stage") or {}).get("autoscaling")
 
 
 def _key(pool: Obj) -> PoolKey:

@@ -10,10 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from omni_operator.models import API_VERSION, desired_replicas
 from omni_operator.placement import pod_scheduling, tolerations
+from omni_operator.release import (
+    ANNOTATION_SURGE,
+    doc_revision,
+    format_order,
+    pool_order,
+    release_order,
+    stored_orders,
+)
 from omnistage import kube
 from omnistage.orchestrator.shutdown import shutdown_seconds
 from omnistage.spec import ModelCache, OmniPipeline, Stage, engine_for_kind
@@ -159,8 +168,8 @@ WORKER_READINESS_FAILURES = 3
 #: Stage fields only the stage runtime reads (engine, pool size, resources, scheduling,
 #: budgets). The orchestrator's copy of the pipeline leaves them out, so changing one of them
 #: rolls the stage's replicas and never the orchestrator. The orchestrator reads a stage's name,
-#: kind, model, inputs, finalOutput, drainTimeoutSeconds, admission.defaultDeadlineSeconds and
-#: streaming (which only the orchestrator reads: pool_stage leaves it out).
+#: kind, model, inputs, finalOutput, drainTimeoutSeconds, admission.defaultDeadlineSeconds,
+#: streaming and dispatch (which only the orchestrator reads: pool_stage leaves them out).
 STAGE_RUNTIME_ONLY = ("engine", "replicas", "resources", "placement", "maxUnavailable")
 ADMISSION_ORCHESTRATOR_READS = ("defaultDeadlineSeconds",)
 #: Orchestrator fields no orchestrator process reads: how many of them run is the Deployment's
@@ -191,20 +200,28 @@ def pipeline_manifest(pipeline: OmniPipeline) -> Obj:
 
 def pool_stage(stage: Stage) -> Obj:
     """The stage as a pool stores it: only the engine options its kind reads, and no
-    streaming options (the orchestrator's alone: turning streaming off rolls no replica)."""
+    streaming or dispatch options (the orchestrator's alone: changing them rolls no replica)."""
     doc = stage.model_dump(by_alias=True, exclude_none=True, mode="json")
     doc["engine"] = engine_for_kind(stage.engine, stage.kind)
     doc.pop("streaming", None)
+    doc.pop("dispatch", None)
     return doc
 
 
-def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage) -> Obj:
+def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage,
+               current: Obj | None = None) -> Obj:
+    """The stage's StagePool. `current`: the live pool, whose release order is kept while its
+    revision stays (omni_operator.release); a new revision gets the pipeline's generation."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     meta = _meta(kube.pool_name(name, stage.name), ns, labels(name, "stage", stage.name), owner)
+    stored = pool_stage(stage)
+    revision = doc_revision(stored)
+    order = release_order(current, revision, int(owner["metadata"].get("generation") or 0))
     meta["annotations"] = {
         ANNOTATION_SEED_REPLICAS: str(stage.replicas),
         # Always written, "false" included, so turning it off reaches the pool too.
         kube.ANNOTATION_SHARED_MEMORY: str(shared_memory(pipeline.metadata.annotations)).lower(),
+        kube.ANNOTATION_REVISION_ORDER: format_order(revision, order, stored_orders(current)),
     }
     return {
         "apiVersion": API_VERSION,
@@ -212,7 +229,7 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage) -> Obj:
         "metadata": meta,
         "spec": {
             "pipeline": name,
-            "stage": pool_stage(stage),
+            "stage": stored,
             "replicas": stage.replicas,
             "image": pipeline.spec.image,
             **({"modelCache": pipeline.spec.model_cache.model_dump(
@@ -238,8 +255,10 @@ def _wake_rules(pipeline: OmniPipeline) -> list[Obj]:
              "resourceNames": names}]
 
 
-def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
-    """Everything an OmniPipeline owns, in creation order."""
+def pipeline_children(owner: Obj, pipeline: OmniPipeline,
+                      pools: Mapping[str, Obj | None] | None = None) -> list[Obj]:
+    """Everything an OmniPipeline owns, in creation order. `pools`: the live StagePools by
+    stage name (their release orders are kept; see stage_pool)."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     orch = pipeline.spec.orchestrator
     oname = orchestrator_name(name)
@@ -338,8 +357,9 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline) -> list[Obj]:
             "ports": [{"name": "http", "port": orch.port, "targetPort": orch.port}],
         },
     }
-    pools = [stage_pool(owner, pipeline, s) for s in pipeline.spec.stages]
-    return [config, account, role, binding, service, deployment, *pools]
+    children = [stage_pool(owner, pipeline, s, (pools or {}).get(s.name))
+                for s in pipeline.spec.stages]
+    return [config, account, role, binding, service, deployment, *children]
 
 
 def endpoint(pipeline: OmniPipeline, namespace: str) -> str:
@@ -486,11 +506,19 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
     return pod_spec, digest(pod_spec)
 
 
-def pool_pod(pool: Obj, ordinal: int) -> Obj:
+def pool_pod(pool: Obj, ordinal: int, *, surge: bool = False) -> Obj:
+    """Replica `ordinal` of the pool, labelled with its revision and annotated with its release
+    order (metadata only: neither is in the spec hash). surge: a release's extra replica
+    (omni_operator.release.ANNOTATION_SURGE)."""
     pod_spec, spec_hash = pod_template(pool)
     meta = pool["metadata"]
     pipeline, stage = pool["spec"]["pipeline"], pool["spec"]["stage"]["name"]
-    lbls = {**labels(pipeline, "stage", stage), kube.LABEL_ORDINAL: str(ordinal)}
+    lbls = {**labels(pipeline, "stage", stage), kube.LABEL_ORDINAL: str(ordinal),
+            kube.LABEL_REVISION: doc_revision(pool["spec"]["stage"])}
+    annotations = {kube.ANNOTATION_SPEC_HASH: spec_hash,
+                   kube.ANNOTATION_REVISION_ORDER: str(pool_order(pool))}
+    if surge:
+        annotations[ANNOTATION_SURGE] = "true"
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -498,7 +526,7 @@ def pool_pod(pool: Obj, ordinal: int) -> Obj:
             "name": kube.replica_name(meta["name"], ordinal),
             "namespace": meta["namespace"],
             "labels": lbls,
-            "annotations": {kube.ANNOTATION_SPEC_HASH: spec_hash},
+            "annotations": annotations,
             "ownerReferences": [owner_ref(pool)],
         },
         "spec": {**pod_spec, "hostname": kube.replica_name(meta["name"], ordinal)},

@@ -59,6 +59,9 @@ def register(sub: Any) -> None:
                    help="serves /metrics (API write counts), /livez and /readyz")
     o.add_argument("--resync-seconds", type=_positive_float, default=30.0,
                    help="how often every object is re-checked (writes only on drift)")
+    o.add_argument("--autoscaler", action=argparse.BooleanOptionalAction, default=True,
+                   help="size pools whose stage has `autoscaling` (--no-autoscaler: leave every "
+                        "pool's size to kubectl scale, an HPA or KEDA)")
     c = o.add_argument_group("API server protection",
                              "how hard the operator may push the API server "
                              "(charts/omnistage/README.md)")

@@ -26,11 +26,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from omni_operator import builders, drain, retirement
+from omni_operator import builders, drain, release, retirement
 from omni_operator.autoscaler import Autoscaler
 from omni_operator.events import EventRecorder, now_iso
 from omni_operator.placement import unschedulable_message
@@ -53,6 +54,7 @@ from omnistage.kubeapi import (
     Fields,
     KubeApi,
     Resource,
+    gather_all,
     namespace_terminating,
     path,
     project,
@@ -149,6 +151,18 @@ def _compared(intent: Obj) -> Obj:
     meta = intent["metadata"]
     out["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences")
                        if k in meta}
+    return out
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: `new`, with a null for every
+    key `old` has and `new` leaves out, at every depth. A status written as `new` alone would
+    keep what it no longer says (a release's candidate revision, a revision gone from a map)
+    and differ from what was computed on every reconcile."""
+    if not isinstance(new, dict) or not isinstance(old, dict):
+        return new
+    out = {k: merge_patch(old.get(k), v) for k, v in new.items()}
+    out.update({k: None for k in old if k not in new})
     return out
 
 
@@ -286,7 +300,7 @@ CREATE_EXPECTED_SECONDS = 30.0
 
 class Controller:
     def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8,
-                 retry: Backoff | None = None,
+                 autoscaler: bool = True, retry: Backoff | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.api = api
         self.retry = retry or Backoff(RETRY_BASE, RETRY_CAP, RETRY_JITTER)
@@ -328,8 +342,14 @@ class Controller:
         # Without it, with many workers a pool reconciled again before its new pods reach the
         # view created all of them again: 648 extra POSTs (409s) in 600 pods at 32 workers.
         self._expected: dict[tuple[str, str], float] = {}
+        # (ns, pipeline) -> the release gate as last computed (omni_operator.release): when it
+        # opens or closes, the pipeline's other pools are reconciled, since their next step
+        # (retire an old-revision replica or wait) follows from it.
+        self._gates: dict[tuple[str, str], bool] = {}
         self.reconciles = 0
         self.autoscaler = Autoscaler(self)  # sizes pools with spec.stage.autoscaling
+        # Off (--no-autoscaler): pools keep the size they have; HPA/KEDA may drive them.
+        self.autoscaling = autoscaler
 
     # ---- event intake ----------------------------------------------------------------------
 
@@ -345,6 +365,8 @@ class Controller:
             self._status_written.pop((kind, *key), None)
         if kind == "OmniPipeline":
             self._store(self.pipelines, key, obj, gone)
+            if gone:
+                self._gates.pop(key, None)
             self.enqueue(("OmniPipeline", *key))
         elif kind == "StagePool":
             self._index_pool(key, self.pools.get(key), None if gone else obj)
@@ -492,8 +514,9 @@ class Controller:
 
     def _present(self, pool: Obj, by_ordinal: dict[int, Obj]) -> list[int]:
         """The ordinals that keep their place in the pool: replicas not retiring (_staying)
-        and replicas gone unasked that have not come back yet, so a lost or evicted replica
-        returns under its own name even when a lower ordinal is free."""
+        nor a release's surge, and replicas gone unasked that have not come back yet, so a
+        lost or evicted replica returns under its own name even when a lower ordinal is
+        free."""
         meta = pool["metadata"]
         return sorted({*_staying(by_ordinal),
                        *self._returning.get((meta["namespace"], meta["name"]), ())})
@@ -606,7 +629,8 @@ class Controller:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._workers)]
         self._tasks.append(asyncio.create_task(self._resync()))
-        self._tasks.append(asyncio.create_task(self.autoscaler.run()))
+        if self.autoscaling:
+            self._tasks.append(asyncio.create_task(self.autoscaler.run()))
 
     async def stop(self) -> None:
         for handle in self._timers.values():
@@ -618,6 +642,7 @@ class Controller:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.autoscaler.close()
         await self.api.close()
 
     async def _worker(self) -> None:
@@ -819,7 +844,8 @@ class Controller:
             return False
         patched = await self._write(
             obj["kind"], ns, name,
-            self.api.patch(path(obj["kind"], ns, name, "status"), {"status": status}))
+            self.api.patch(path(obj["kind"], ns, name, "status"),
+                           {"status": merge_patch(obj.get("status") or {}, status)}))
         if patched is not None:
             stale = {version}
             if last is not None and version in last.stale | {last.result}:
@@ -864,9 +890,11 @@ class Controller:
         # Children that differ are applied together, in two waves (each apply waits on the API
         # server; a first reconcile made nine in a row, and the pools' pods waited on them):
         # what the workloads reference (config, account, RBAC, Service), then the workloads.
-        children = builders.pipeline_children(obj, pipeline)
+        children = builders.pipeline_children(obj, pipeline, {
+            s.name: self.pools.get((ns, kube.pool_name(name, s.name)))
+            for s in pipeline.spec.stages})
         for wave in (False, True):
-            await _all(self._ensure_child(obj, child) for child in children
+            await gather_all(self._ensure_child(obj, child) for child in children
                        if (child["kind"] in WORKLOADS) == wave)
         await self._prune_pools(pipeline, ns)
         pools = {
@@ -1033,7 +1061,7 @@ class Controller:
         # Readiness gates of several replicas flip together: patch them concurrently.
         gates = [(pod["metadata"]["name"], gate_patch(pod, now))
                  for pod in ([] if deleting else pods.values())]
-        await _all(self._write("Pod", ns, pname, self.api.patch(
+        await gather_all(self._write("Pod", ns, pname, self.api.patch(
             path("Pod", ns, pname, "status"), patch, kind="strategic",
             fieldManager=builders.FIELD_MANAGER))
             for pname, patch in gates if patch is not None)
@@ -1049,34 +1077,37 @@ class Controller:
                 self._warned.add(f"{uid}/model")
                 self._event(pool, "Warning", *failure)
 
-        # Retirements in progress: delete once drained (or the drain timeout passed).
+        # Retirements in progress: delete once drained (or the drain timeout passed); the last
+        # replica of a leaving revision also once no request is pinned to it (drain.py).
         retiring = [
             p
             for p in pods.values()
             if is_draining(p) and not p["metadata"].get("deletionTimestamp")
         ]
         for pod in retiring:
-            progress = await drain.finished(pod, pool)
+            pins = None if deleting else drain.pinned_revision(
+                pod, pods.values(), release.pool_revision(pool), pool["spec"]["stage"]["name"])
+            progress = await drain.finished(pod, pool, None if pins is None else partial(
+                self._pinned, ns, pool["spec"]["pipeline"], *pins))
             if progress.done:
                 pname = pod["metadata"]["name"]
                 if progress.timed_out:
-                    cut = "an unknown number of" if progress.cut is None else str(progress.cut)
                     self._event(pool, "Warning", "DrainTimeout",
-                                f"{pname}: drain timed out with {cut} request(s) in flight; "
-                                "stopping it: what is still running after its SIGTERM drain "
-                                "is cut (each gets a terminal drain_timeout error)")
+                                drain.timeout_message(pname, progress, pins))
                 self._intended.add(pod["metadata"].get("uid", ""))
                 await self._delete("Pod", ns, pname)
             else:
                 self.enqueue_later(key, drain.POLL_SECONDS)
 
-        if not deleting and retirement.expired(pool):
-            # A scale-up freed the retired ordinals: forget them (one write, then none). The
-            # annotation is `omnistage drain`'s (its own field manager), not in the operator's
-            # intent, so an apply cannot remove it: a merge patch does.
+        changed, annotation = retirement.rewrite(pool)
+        if not deleting and changed:
+            # A scale-up freed retired ordinals (one per added replica): write what is left, or
+            # remove the annotation (one write, then none). It is `omnistage drain`'s (its own
+            # field manager), not in the operator's intent, so an apply cannot change it: a
+            # merge patch does.
             await self._write("StagePool", ns, name, self.api.patch(
                 path("StagePool", ns, name),
-                {"metadata": {"annotations": {retirement.ANNOTATION_RETIRED: None}}},
+                {"metadata": {"annotations": {retirement.ANNOTATION_RETIRED: annotation}}},
                 fieldManager=builders.FIELD_MANAGER))
 
         if not deleting:
@@ -1088,6 +1119,16 @@ class Controller:
                              self.autoscaler.report(pool))
         await self.patch_status(pool, status)
 
+    async def _pinned(self, ns: str, pipeline: str, stage: str, revision: str) -> int | None:
+        """Requests pinned to `revision` at `stage` in flight at the pipeline's running
+        orchestrators (drain.pinned_in_flight); None when one cannot be read."""
+        try:
+            loads = await self.autoscaler.orchestrator_loads(ns, pipeline)
+        except Exception as exc:  # unreadable: the retirement waits (the drain timeout bounds it)
+            log.info("pinned requests of %s/%s unknown: %s", ns, pipeline, exc)
+            return None
+        return drain.pinned_in_flight(loads, stage, revision)
+
     async def _converge_pods(
         self, pool: Obj, pods: dict[str, Obj], template_hash: str, retiring: bool
     ) -> None:
@@ -1095,7 +1136,12 @@ class Controller:
         out-of-date replicas that serve nothing are replaced at once (a fixed spec converges
         from any state); replicas leaving the pool (scale-down, `--retire`) drain; a
         `--replace`d replica drains once every wanted replica is Ready; then the rollout drains
-        one out-of-date replica while all are Ready."""
+        one out-of-date replica while all are Ready.
+
+        A release (replicas of another revision than the spec's, omni_operator.release) adds
+        one surge replica of the new revision, and retires an old-revision replica only while
+        the pipeline's release gate is open and the surge is Ready; the surge leaves once no
+        old-revision replica is left and every wanted replica is Ready."""
         ns = pool["metadata"]["namespace"]
         by_ordinal = {retirement.ordinal_of(p): p for p in pods.values()}
         wanted = retirement.wanted_ordinals(pool, self._present(pool, by_ordinal))
@@ -1103,14 +1149,30 @@ class Controller:
         if returning:  # back (or no longer wanted): nothing left to remember
             returning.difference_update({o for o in returning
                                          if o in by_ordinal or o not in wanted})
+        live = {o: p for o, p in by_ordinal.items() if not p["metadata"].get("deletionTimestamp")}
+        target = release.pool_revision(pool)
+        old = sorted((o for o in wanted if o in live and release.outdated(target, live[o])),
+                     reverse=True)
+        surges = sorted(o for o, p in live.items()
+                        if o not in wanted and release.is_surge(p) and not is_draining(p))
+        surge = next((o for o in surges if release.pod_revision(live[o]) == target),
+                     None) if old else None
+        gate = self._release_gate(pool) if old else True
         # Create missing replicas (a lost replica returns under its name), all at once: each
         # create waits on the API server, and a pool's replicas do not depend on each other.
+        # In a release without a surge replica of the new revision, it is created with them,
+        # at the lowest ordinal nobody holds (the same one until it is in the view); not while
+        # a surge of another revision (a reverted release's) still serves: at most one extra.
         now = self.clock()
-        missing = [pod for pod in (builders.pool_pod(pool, o) for o in wanted
-                                   if o not in by_ordinal)
+        wanting = [builders.pool_pod(pool, o) for o in wanted if o not in by_ordinal]
+        if old and surge is None and not surges:
+            taken = {*by_ordinal, *wanted, *retirement.retired(pool).ordinals, *(returning or ())}
+            wanting.append(builders.pool_pod(
+                pool, min(o for o in range(len(taken) + 1) if o not in taken), surge=True))
+        missing = [pod for pod in wanting
                    if now - self._expected.get((ns, pod["metadata"]["name"]), -math.inf)
                    > CREATE_EXPECTED_SECONDS]
-        results = await _all(self.api.create(path("Pod", ns), pod, ignore=(409,),
+        results = await gather_all(self.api.create(path("Pod", ns), pod, ignore=(409,),
                                              fieldManager=builders.FIELD_MANAGER)
                              for pod in missing)
         awaited = False
@@ -1126,11 +1188,15 @@ class Controller:
         if created:
             self._event(pool, "Normal", "ReplicasCreated",
                         f"created {', '.join(created)} (replicas {len(wanted)})")
-        live = {o: p for o, p in by_ordinal.items() if not p["metadata"].get("deletionTimestamp")}
+        # The release's surge too: one made from a template since fixed (say unschedulable)
+        # would otherwise hold the release forever. Not an old-revision replica while the
+        # release gate is closed: one that blinked unready under load (or restarts) would be
+        # replaced by a new-revision replica the pipeline cannot yet serve with, capacity
+        # lost to a release that is held; it is replaced at once when the gate opens.
         stale_idle = [
             p for o, p in sorted(live.items())
-            if o in wanted and not is_draining(p) and not is_ready(p)
-            and _spec_hash(p) != template_hash
+            if (o in wanted or o == surge) and not is_draining(p) and not is_ready(p)
+            and _spec_hash(p) != template_hash and (gate or not release.outdated(target, p))
         ]
         if stale_idle:
             names = [p["metadata"]["name"] for p in stale_idle]
@@ -1142,7 +1208,8 @@ class Controller:
         if retiring:
             return  # one retirement at a time keeps us within the disruption budget
         replacing = retirement.retired(pool).replace
-        leaving = sorted((o for o in live if o not in wanted and o not in replacing),
+        leaving = sorted((o for o in live
+                          if o not in wanted and o not in replacing and o not in surges),
                          reverse=True)
         if leaving:
             victim = live[leaving[0]]
@@ -1151,6 +1218,15 @@ class Controller:
                         f"retiring {victim['metadata']['name']} (replicas -> {len(wanted)})")
             return
         all_ready = all(o in live and is_ready(live[o]) for o in wanted)
+        # A surge replica no longer needed (the release is over, or reverted past it) leaves
+        # once every wanted replica is Ready; at once when it serves nothing.
+        done = [o for o in surges if o != surge]
+        if done and (all_ready or not is_ready(live[done[0]])):
+            victim = live[done[0]]
+            await drain.begin(self.api, victim)
+            self._event(pool, "Normal", "ReleaseSurgeRetired",
+                        f"retiring {victim['metadata']['name']}: the release's extra replica")
+            return
         replaced = sorted(o for o in live if o not in wanted and o in replacing)
         if replaced and all_ready:
             victim = live[replaced[0]]
@@ -1160,29 +1236,52 @@ class Controller:
             return
         stale = sorted((o for o in wanted if o in live and _spec_hash(live[o]) != template_hash),
                        reverse=True)
+        if old:
+            # A release: old-revision replicas first, and only once every changed pool of the
+            # pipeline serves the new revision (the gate) and this pool's surge is Ready.
+            if not (gate and surge is not None and is_ready(live[surge])):
+                return
+            stale = old
         if stale and all_ready and not replaced:
             victim = live[stale[0]]
             await drain.begin(self.api, victim)
             self._event(pool, "Normal", "RollingUpdate",
-                        f"replacing {victim['metadata']['name']} with the new spec")
+                        f"replacing {victim['metadata']['name']} with the new spec"
+                        + (f" (revision {target})" if old else ""))
 
-
-async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
-    """Await independent API calls together; once all have ended, raise the first failure (so
-    none is left running unobserved), else return their results in order."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
+    def _release_gate(self, pool: Obj) -> bool:
+        """The pipeline's release gate (release.gate_open) over its pools in the view. When it
+        opens or closes, the pipeline's other pools are reconciled: a pool waiting on it has
+        no event of its own to wake it."""
+        ns, name = _meta_key(pool)
+        pipeline = pool["spec"]["pipeline"]
+        members: list[release.PoolRelease] = []
+        for pname in self.pools_of(ns, pipeline):
+            sibling = self.pools.get((ns, pname))
+            if sibling is None:
+                continue
+            try:
+                target = release.pool_revision(sibling)
+            except (ValueError, KeyError, TypeError):
+                continue  # an invalid pool is refused on its own reconcile
+            members.append(release.PoolRelease(
+                target, list(self.pods.get((ns, pname), {}).values())))
+        gate = release.gate_open(members)
+        if self._gates.get((ns, pipeline)) != gate:
+            self._gates[(ns, pipeline)] = gate
+            for pname in self.pools_of(ns, pipeline):
+                if pname != name:
+                    self.enqueue(("StagePool", ns, pname))
+        return gate
 
 
 def _staying(by_ordinal: dict[int, Obj]) -> list[int]:
     """Ordinals of replicas that are not retiring (the drain mark). A replica terminating
     without it (evicted, deleted by hand, or replaced by the operator while it served nothing)
-    keeps its ordinal: its replacement takes its name once it is gone."""
+    keeps its ordinal: its replacement takes its name once it is gone. A release's surge
+    replica is extra, outside the ordinals the pool keeps (see _converge_pods)."""
     return [o for o, p in by_ordinal.items()
-            if not kube.marked_draining(p)]
+            if not kube.marked_draining(p) and not release.is_surge(p)]
 
 
 def _spec_hash(pod: Obj) -> str | None:

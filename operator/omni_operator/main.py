@@ -66,7 +66,7 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               resync_seconds: float, namespaces: list[str],
               lease: tuple[str, str, str] | None = None,
               admission: webhook.WebhookSettings | None = None,
-              context: str | None = None, *, limits: Limits) -> int:
+              context: str | None = None, *, limits: Limits, autoscaler: bool = True) -> int:
     """Run the operator; with ``lease`` (namespace, name, identity) only while holding it."""
     admission = admission or webhook.WebhookSettings(enabled=False)
     config = KubeConfig.load(kubeconfig, context)
@@ -75,7 +75,9 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
     controller = Controller(
         KubeApi(config, user_agent="omnistage-operator", write_limit=write_limit,
                 pool_size=max(64, limits.workers * 2)),  # connections for the waves in flight
-        resync_seconds=resync_seconds, workers=limits.workers)
+        resync_seconds=resync_seconds, workers=limits.workers, autoscaler=autoscaler)
+    if not autoscaler:
+        log.info("the built-in autoscaler is off (--no-autoscaler): pools keep their size")
     log.info("reconciling %d at once; writes limited to %s", limits.workers,
              f"{limits.write_qps:g}/s, burst {limits.write_burst}" if write_limit else "nothing")
     if lease is None:
@@ -213,4 +215,4 @@ def main(args: Any) -> int:
     limits = Limits(workers=args.workers, write_qps=args.write_qps, write_burst=args.write_burst)
     return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
                            args.resync_seconds, list(args.namespace or []), lease, admission,
-                           args.context, limits=limits))
+                           args.context, limits=limits, autoscaler=args.autoscaler))

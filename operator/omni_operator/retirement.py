@@ -8,8 +8,11 @@ The state lives on the StagePool (one annotation), so a restarted operator resum
   in this set, so a retired replica never comes back under its name.
 - `replace`: those of them retired with `--replace`. Such a replica keeps serving until every
   wanted replica (its replacement included) is Ready, so capacity never dips.
-- `atReplicas`: spec.replicas when the set was written. A scale-up past it frees the ordinals
-  again (lowest first), as KubeRay's workersToDelete is forgotten once processed.
+- `atReplicas`: spec.replicas when the set was written. A scale-up past it frees retired
+  ordinals one by one, lowest first: each replica added takes back one retired ordinal, and
+  the rest stay retired (the controller writes the shrunk set, at the new count; the
+  annotation goes once the set is empty). A scale from 2 to 3 after retiring 1 and 2 brings
+  back 1 only, so a replica retired for a bad node does not return with an unrelated scale-up.
 
 Pure functions: the CLI and the controller share them.
 """
@@ -55,18 +58,33 @@ def stored(pool: Obj) -> Retired | None:
 
 
 def retired(pool: Obj) -> Retired:
-    """The retirement in force: none once the pool was scaled up past atReplicas."""
+    """The retirement in force: a scale-up past atReplicas frees as many retired ordinals as
+    it adds replicas, lowest first; the rest stay retired at the new count."""
     state = stored(pool)
-    if state is None or desired_replicas(pool) > state.at_replicas:
+    if state is None:
         return Retired()
-    return state
+    want = desired_replicas(pool)
+    added = want - state.at_replicas
+    if added <= 0:
+        return state
+    kept = frozenset(sorted(state.ordinals)[added:])
+    if not kept:
+        return Retired()
+    return Retired(kept, state.replace & kept, want)
 
 
-def expired(pool: Obj) -> bool:
-    """The annotation exists but no longer applies (a scale-up freed its ordinals)."""
-    state = stored(pool)
+def rewrite(pool: Obj) -> tuple[bool, str | None]:
+    """Whether the stored annotation differs from the retirement in force, and the value to
+    write (None: remove it). A scale-up that freed ordinals, or an unreadable annotation,
+    needs one write; after it, none."""
     text = ((pool.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RETIRED)
-    return bool(text) and (state is None or desired_replicas(pool) > state.at_replicas)
+    if not text:
+        return False, None
+    state = stored(pool)
+    now = retired(pool)
+    if state is not None and now == state:
+        return False, text
+    return True, (now.to_annotation() if now.ordinals else None)
 
 
 def wanted_ordinals(pool: Obj, present: Iterable[int] = ()) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_operator import release
 from omni_operator.models import desired_replicas
 from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import is_draining, is_ready
@@ -28,8 +29,10 @@ from omni_operator.status_models import (
     PHASES,
     AutoscalerStatus,
     Condition,
+    PipelineRevisions,
     PipelineStatus,
     PoolStatus,
+    RevisionReplicas,
     StageStatus,
     Status,
     status_model,
@@ -132,6 +135,10 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str,
         if (p["metadata"].get("annotations") or {}).get(kube.ANNOTATION_SPEC_HASH) == template_hash
     )
     unschedulable = [(p["metadata"]["name"], m) for p in live if (m := unschedulable_message(p))]
+    target = release.pool_revision(pool)
+    revisions = revision_replicas(pods)
+    behind = [p for p in live if release.outdated(target, p)]
+    surging = sum(1 for p in live if release.is_surge(p) and not is_draining(p))
     settled_now = len(live) == desired and updated == desired and ready >= desired
     settled = desired if settled_now else int(old.settled_replicas or 0)
     minimum = stage_minimum(desired, settled, max_unavailable)
@@ -153,7 +160,15 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str,
     else:
         ok, reason, message = False, "ReplicasNotReady", f"{counts} (minimum {minimum})"
 
-    if len(live) > desired:
+    if behind:
+        new_ready = sum(r.ready or 0 for r in revisions if r.revision == target)
+        moving, m_reason, m_msg = True, "Release", (
+            f"revision {target}: {new_ready} ready; {len(behind)} replica(s) of "
+            f"{', '.join(sorted({str(release.pod_revision(p)) for p in behind}))} left")
+    elif surging and len(live) - surging <= desired:
+        moving, m_reason, m_msg = True, "Release", (
+            f"revision {target}: the release's extra replica leaves once all are ready")
+    elif len(live) > desired:
         moving, m_reason, m_msg = True, "ScalingDown", f"retiring {len(live) - desired} replica(s)"
     elif unschedulable:
         name, msg = unschedulable[0]
@@ -184,9 +199,28 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str,
         ready=f"{min(ready, desired)}/{desired}",
         selector=f"{kube.LABEL_POOL}={meta['name']}",
         autoscaler=scaler,
+        revision=target,
+        revisions=revisions or None,
         observed_generation=gen,
         conditions=conditions,
     )
+
+
+def revision_replicas(pods: list[Obj]) -> list[RevisionReplicas]:
+    """Replicas per revision among those not retiring (pods without the label left out),
+    newest release order first."""
+    counts: dict[str, list[int]] = {}  # revision -> [order, replicas, ready]
+    for pod in pods:
+        revision = release.pod_revision(pod)
+        if revision is None or is_draining(pod):
+            continue
+        entry = counts.setdefault(revision, [0, 0, 0])
+        entry[0] = max(entry[0], release.pod_order(pod))
+        entry[1] += 1
+        entry[2] += int(is_ready(pod))
+    return [RevisionReplicas(revision=rev, order=order, replicas=n, ready=ready)
+            for rev, (order, n, ready) in sorted(counts.items(),
+                                                  key=lambda kv: (-kv[1][0], kv[0]))]
 
 
 def _wakes_on_demand(spec: Obj) -> bool:
@@ -250,13 +284,23 @@ def pipeline_status(
     per_stage: dict[str, StageStatus] = {}
     down: list[tuple[str, str]] = []  # (reason, message) of stages below their minimum
     moving: list[tuple[str, str]] = []
+    stable: dict[str, str] = {}
+    candidate: dict[str, str] = {}
     for name in stages:
         pool = pools.get(name)
         st = PoolStatus.stored(pool)
         desired = desired_replicas(pool) if pool else 0
+        routable = {r.revision: int(r.ready or 0) for r in st.revisions or [] if r.revision}
         per_stage[name] = StageStatus(pool=kube.pool_name(pipeline["metadata"]["name"], name),
                                       ready=min(int(st.ready_replicas or 0), desired),
-                                      desired=desired)
+                                      desired=desired, revision=st.revision,
+                                      routable=dict(sorted(routable.items())) or None)
+        if st.revision:
+            candidate[name] = st.revision
+            # The stage's previous revision: the newest other one that still has replicas.
+            others = [r.revision for r in st.revisions or []
+                      if r.revision and r.revision != st.revision and (r.replicas or 0) > 0]
+            stable[name] = others[0] if others else st.revision
         serving, why_down, why_moving = _stage_view(pool)
         if not serving and why_down:
             down.append((why_down[0], f"stage {name}: {why_down[1]}"))
@@ -306,6 +350,7 @@ def pipeline_status(
         endpoint=endpoint,
         stages_ready=f"{ready_n}/{len(stages)}",
         stages=per_stage,
+        revisions=_revisions(stable, candidate),
         conditions=[
             condition("Ready", ok, r_reason, r_msg, gen, previous, now),
             condition("Progressing", bool(moving), p_reason, p_msg, gen, previous, now),
@@ -313,6 +358,17 @@ def pipeline_status(
             condition("OrchestratorReady", orch_ok, o_reason, o_msg, gen, previous, now),
         ],
     )
+
+
+def _revisions(stable: dict[str, str], candidate: dict[str, str]) -> PipelineRevisions | None:
+    """stable and candidate pipeline revisions from the stages' (candidate only while some
+    stage still runs another revision); None before any pool reports one."""
+    if not candidate:
+        return None
+    if stable == candidate:
+        return PipelineRevisions(stable=release.pipeline_revision(candidate))
+    return PipelineRevisions(stable=release.pipeline_revision(stable),
+                             candidate=release.pipeline_revision(candidate))
 
 
 def invalid_status(obj: Obj, errors: list[tuple[str, str]], now: str) -> Status:

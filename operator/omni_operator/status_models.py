@@ -29,8 +29,10 @@ __all__ = [
     "Condition",
     "ConditionStatus",
     "Phase",
+    "PipelineRevisions",
     "PipelineStatus",
     "PoolStatus",
+    "RevisionReplicas",
     "StageStatus",
     "Status",
     "field_table",
@@ -106,12 +108,31 @@ class _WithConditions(_Model):
         return next((c for c in self.conditions or [] if c.type == ctype), None)
 
 
+def _revision(description: str) -> Any:
+    """A payload revision (omnistage.revision.stage_revision, or a pipeline's digest of them)."""
+    return Field(None, max_length=64, description=description)
+
+
 class StageStatus(_Model):
     """Replica counts of one stage."""
 
     pool: str | None = Field(None, description="Name of the stage's StagePool.")
     desired: int | None = _count("Desired replicas.")
     ready: int | None = _count("Replicas that are ready and routable; never above desired.")
+    revision: str | None = _revision("The stage revision its spec asks for.")
+    routable: dict[str, int] | None = Field(
+        None, description="Routable replicas per stage revision; two revisions during a "
+        "release.")
+
+
+class PipelineRevisions(_Model):
+    """The pipeline revisions that serve: each a digest of every stage's revision."""
+
+    stable: str | None = _revision(
+        "The revision that served before the release in progress (the current one when none "
+        "is).")
+    candidate: str | None = _revision(
+        "The revision a release in progress moves to; absent when no release is in progress.")
 
 
 class PipelineStatus(_WithConditions):
@@ -128,6 +149,9 @@ class PipelineStatus(_WithConditions):
         "(column Stages).")
     stages: dict[str, StageStatus] | None = Field(
         None, description="Per-stage replica counts, keyed by stage name.")
+    revisions: PipelineRevisions | None = Field(
+        None, description="The stable and the candidate pipeline revision (a release across "
+        "stages, docs/architecture.md).")
 
 
 class AutoscalerStatus(_Model):
@@ -167,6 +191,17 @@ class AutoscalerStatus(_Model):
         None, description="The direction of that change.")
 
 
+class RevisionReplicas(_Model):
+    """The replicas of one stage revision."""
+
+    revision: str | None = _revision("The stage revision (label omnistage.io/revision).")
+    order: int | None = _generation(
+        "Its release order (annotation omnistage.io/revision-order): the pipeline generation "
+        "that released it (a revert keeps it); the highest is the newest.")
+    replicas: int | None = _count("Replica pods of this revision that are not retiring.")
+    ready: int | None = _count("Those of them ready and routable.")
+
+
 class PoolStatus(_WithConditions):
     """Observed state of the pool, written by the operator."""
 
@@ -186,6 +221,11 @@ class PoolStatus(_WithConditions):
         "subresource and HorizontalPodAutoscalers).")
     autoscaler: AutoscalerStatus | None = Field(
         None, description="With spec.stage.autoscaling: the autoscaler's last decision.")
+    revision: str | None = _revision(
+        "The stage revision the spec asks for.")
+    revisions: list[RevisionReplicas] | None = Field(
+        None, max_length=16, description="Replicas per revision, newest first; more than one "
+        "while a release is in progress.")
 
 
 Status = PipelineStatus | PoolStatus

@@ -23,6 +23,9 @@ LABEL_STAGE = "omnistage.io/stage"
 LABEL_POOL = "omnistage.io/pool"
 LABEL_ORDINAL = "omnistage.io/ordinal"
 LABEL_COMPONENT = "omnistage.io/component"  # "stage" | "orchestrator"
+# On a stage pod: its payload revision (omnistage.revision.stage_revision of its stage).
+LABEL_REVISION = "omnistage.io/revision"
+ANNOTATION_REVISION_ORDER = "omnistage.io/revision-order"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "omnistage-operator"
 

@@ -28,7 +28,7 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,6 +73,16 @@ class ApiError(RuntimeError):
             str(body.get("message", body)) if isinstance(body, dict) else str(body)[:500]
         )
         super().__init__(f"{method} {path}: HTTP {status} {self.reason}: {self.message}")
+
+
+async def gather_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await independent calls together; once all have ended, raise the first failure (so
+    none is left running unobserved), else return their results in order."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def namespace_terminating(exc: BaseException) -> bool:

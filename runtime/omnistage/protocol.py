@@ -26,7 +26,10 @@ import numpy as np
 # two versions can tell each other apart. Version 4: streaming between stages (submit's
 # chunk_window and fed, the feed and credit requests, the chunk and credit replies).
 # Optional fields an older peer ignores (msgspec drops unknown keys) need no bump: queue_wait_s
-# on a task's outputs came that way.
+# on a task's outputs came that way, and so did the revision fields (the revision of
+# hello_reply and of the worker state; submit's revision, upstream_revisions and
+# payload_revisions; the revision stamp on feed, chunk, final and aborted; docs/protocol.md,
+# "Revisions").
 PROTOCOL_VERSION = 4
 
 MAX_HEADER_BYTES = 1 << 20
@@ -77,6 +80,12 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 # shm.NAME_RE before it opens anything, so it never names a path; a regex here would cost every
 # message about 2 us.
 SegmentName = Annotated[str, msgspec.Meta(min_length=1, max_length=80)]
+
+# A stage's payload revision (omnistage.revision.stage_revision): absent means "no check", so a
+# peer older than revisions is served as before.
+Revision = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+# Producer stage -> revision, as submit's upstream_revisions and payload_revisions carry them.
+RevisionMap = Annotated[dict[Id, Revision], msgspec.Meta(max_length=256)]
 
 
 class _TensorDesc(msgspec.Struct, frozen=True, gc=False, tag_field="in"):
@@ -147,6 +156,15 @@ class Submit(_Wire, tag="submit"):
     # in feed messages after this submit (the last one has last=true), not in this message.
     chunk_window: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_WINDOW)] | None = None
     fed: bool = False
+    # Revisions (docs/architecture.md, "Revisions"): the revision this stage must be for the
+    # request's pinned pipeline revision; the revision expected of each producer stage whose
+    # payload the request brings (attached or fed); and the revision each attached payload
+    # was stamped with by its producer (a negative-prompt companion's as "<stage>/neg"). A
+    # worker of another revision, or a stamp other than expected, is refused with
+    # error/revision_mismatch. Absent: no check.
+    revision: Revision | None = None
+    upstream_revisions: RevisionMap = {}
+    payload_revisions: RevisionMap = {}
 
 
 class Feed(_Wire, tag="feed"):
@@ -159,6 +177,7 @@ class Feed(_Wire, tag="feed"):
     tensors: list[TensorDesc] = []
     last: bool = False
     incarnation: str | None = None  # as in submit: another process drops it
+    revision: Revision | None = None  # the producer's stamp on the chunk (the chunk's revision)
 
 
 class Credit(_Wire, tag="credit"):
@@ -214,6 +233,7 @@ class WorkerState(msgspec.Struct, kw_only=True, gc=False):
     in_flight: int  # admitted and not yet answered, queued ones included
     queued: int  # of those, not dispatched yet (so never more than in_flight)
     pid: int
+    revision: str | None = None  # the stage's payload revision (absent from older workers)
 
 
 class HelloReply(_Wire, tag="hello_reply"):
@@ -225,6 +245,7 @@ class HelloReply(_Wire, tag="hello_reply"):
     kind: str
     incarnation: str  # a new random id at every process start
     shm: ShmProbe | None = None  # the worker's segment, when it could read the client's
+    revision: Revision | None = None  # its stage's payload revision: what it stamps and checks
 
 
 # A task's first output (delta seq 1, chunk seq 1) and its final or aborted reply carry how long
@@ -253,6 +274,7 @@ class Chunk(_Wire, tag="chunk"):
     text: str | None = None
     tensors: list[TensorDesc] = []
     queue_wait_s: QueueWait = None
+    revision: Revision | None = None  # the producer's revision stamp
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -275,11 +297,12 @@ class _Result(_Wire):
     sample_rate: int | None = None  # vocoder: Hz of its "audio" tensor
     tensors: list[TensorDesc] = []
     queue_wait_s: QueueWait = None  # the worker's, not the executor's: not in RESULT_FIELDS
+    revision: Revision | None = None  # the producer's revision stamp: not in RESULT_FIELDS
 
 
 RESULT_FIELDS: tuple[str, ...] = tuple(
     f for f in _Result.__struct_fields__
-    if f not in ("id", "replica", "seq", "tensors", "queue_wait_s")
+    if f not in ("id", "replica", "seq", "tensors", "queue_wait_s", "revision")
 )
 
 
@@ -316,8 +339,11 @@ class Draining(_Wire, tag="draining"):
     replica: str = ""
 
 
+# revision_mismatch: the request was pinned to another revision of this stage, or brings a
+# payload stamped with a revision other than the one it expects (a cross-revision hop). It is
+# the request's terminal error, never a lost replica: the replica is fine, the routing was not.
 ErrorCode = Literal["bad_request", "not_ready", "malformed", "internal", "version_mismatch",
-                    "stale_incarnation", "drain_timeout"]
+                    "stale_incarnation", "drain_timeout", "revision_mismatch"]
 
 
 class Error(_Wire, tag="error"):

@@ -64,6 +64,7 @@ __all__ = [
     "AdmissionOptions",
     "Autoscaling",
     "AutoscalingTarget",
+    "DispatchOptions",
     "EngineOptions",
     "Metadata",
     "ModelCache",
@@ -577,6 +578,24 @@ class StreamingOptions(_Model):
     )
 
 
+class DispatchOptions(_Model):
+    """How the orchestrator hands this stage's tasks to its replicas (docs/architecture.md,
+    "Failover"): all at once (the default), or through a window per replica."""
+
+    per_replica: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Most tasks the orchestrator keeps on each replica of this stage (running "
+        "and queued there); more wait in the orchestrator, in order, and go to the first replica "
+        "with room. Why: a task queued on a replica that dies is retried at the tail of another "
+        "replica's queue; one waiting in the orchestrator loses no place, and a retried task "
+        "goes first. Set it to what the worker runs at once plus 1 (2 for a serial stage). "
+        "Null: every task goes to a replica at once and waits in its admission queue, whose "
+        "limits answer 429 (back-pressure). Tasks of a session ignore it.",
+    )
+
+
 AUTOSCALING_TARGETS = ("inflightPerReplica", "queueWaitSeconds", "p95TimeToFirstOutputSeconds")
 AUTOSCALING_ONE_TARGET = "set exactly one of " + ", ".join(AUTOSCALING_TARGETS)
 AUTOSCALING_MIN_MAX = "minReplicas must be at most maxReplicas"
@@ -744,6 +763,10 @@ class Stage(_Model):
     )
     streaming: StreamingOptions = Field(
         default_factory=StreamingOptions, description="Streaming between stages."
+    )
+    dispatch: DispatchOptions = Field(
+        default_factory=DispatchOptions,
+        description="How the orchestrator hands tasks to the replicas (a window per replica).",
     )
     drain_timeout_seconds: int = Field(
         30,

@@ -360,14 +360,23 @@ def test_named_drain_replace_and_retire_under_load(
         row = next(line for line in lines if f" {replica}  " in line)
         assert "Ready  in-flight=" in row and "in-flight=?" not in row and "node=local-" in row
 
-    # A scale-up frees the retired ordinals, lowest first; the retirement record goes.
+    # A scale-up frees the retired ordinals one by one, lowest first: +1 brings back 1 and
+    # keeps 2 retired; the next +1 frees 2 and the retirement record goes.
     kube.kubectl("scale", "stagepool", pool, "-n", namespace, "--replicas=3")
     wait_for(lambda: _pool_settled(kube, namespace, pool, 3), 300, "scaled to 3",
              operator.log_tail)
     names = sorted(p["metadata"]["name"] for p in _replicas(kube, namespace, name))
     assert names == [f"{pool}-0", f"{pool}-1", f"{pool}-3"], names
-    annotations = get(kube, namespace, "stagepool", pool)["metadata"].get("annotations") or {}
-    assert ANNOTATION_RETIRED not in annotations
+    wait_for(lambda: json.loads((get(kube, namespace, "stagepool", pool)["metadata"].get(
+        "annotations") or {}).get(ANNOTATION_RETIRED, "{}")).get("ordinals") == [2], 60,
+        "the retirement record keeps ordinal 2", operator.log_tail)
+    kube.kubectl("scale", "stagepool", pool, "-n", namespace, "--replicas=4")
+    wait_for(lambda: _pool_settled(kube, namespace, pool, 4), 300, "scaled to 4",
+             operator.log_tail)
+    names = sorted(p["metadata"]["name"] for p in _replicas(kube, namespace, name))
+    assert names == [f"{pool}-{o}" for o in range(4)], names
+    wait_for(lambda: ANNOTATION_RETIRED not in (get(kube, namespace, "stagepool", pool)[
+        "metadata"].get("annotations") or {}), 60, "the retirement record gone", operator.log_tail)
 
     # Idle: a resync of the settled world writes nothing.
     before = operator.settled()

@@ -91,7 +91,9 @@ def test_apply_creates_pools_pods_orchestrator_and_reaches_ready(
     )
     apply(kube, namespace, doc)
     obj = wait_ready(kube, namespace, "t2i", operator)
-    assert obj["status"]["stages"]["enc"] == {"pool": "t2i-enc", "ready": 2, "desired": 2}
+    enc = obj["status"]["stages"]["enc"]
+    assert enc == {"pool": "t2i-enc", "ready": 2, "desired": 2, "revision": enc["revision"],
+                   "routable": {enc["revision"]: 2}}  # one revision, both replicas routable
     assert obj["status"]["stagesReady"] == "2/2"
     assert obj["status"]["phase"] == "Ready"
     assert obj["status"]["endpoint"] == f"http://t2i-orchestrator.{namespace}.svc:8000"

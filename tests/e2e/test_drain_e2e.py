@@ -141,7 +141,10 @@ class _Held(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        body = json.dumps({"prompt": "held", "params": {"a": {"delay_ms": self.delay_ms}}})
+        # Its own deadline, well past the delay: the stage's default (60 s) equals the longest
+        # hold here, so under load a held request that ran its full time missed it (a 504).
+        body = json.dumps({"prompt": "held", "params": {"a": {"delay_ms": self.delay_ms}},
+                           "timeout_s": self.delay_ms / 1000 + 240})
         req = urllib.request.Request(self.url + ECHO_ROUTE, body.encode(),
                                      {"Content-Type": "application/json"})
         try:

@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,17 @@ def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Rel
     assert png.size == (32, 32)
 
     encoders = [stage_pods["text-to-image-encoder-0"], stage_pods["text-to-image-encoder-1"]]
+
+    def both_routable() -> bool:
+        # The pods' Ready says the workers are; the orchestrator routes to a replica once its
+        # membership saw it and the handshake answered, a moment later: spread is checked then.
+        url = f"{str(client.base_url).rstrip('/')}/load"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=10) as answer:
+            load = json.loads(answer.read())
+        return bool(load["stages"]["encoder"]["replicas"] == 2)
+
+    wait_for(both_routable, 60, "both encoders routable in the orchestrator")
     before = [_admitted(podrunner, p) for p in encoders]
     for i in range(8):
         client.chat.completions.create(

@@ -101,8 +101,8 @@ def _settled(kube: Cluster, ns: str, a_ready: int) -> dict[str, Any] | None:
     st = (obj or {}).get("status") or {}
     if (obj and st.get("phase") == "Ready"
             and st.get("observedGeneration") == obj["metadata"]["generation"]
-            and st["stages"]["a"] == {"pool": f"{NAME}-a", "ready": a_ready,
-                                      "desired": a_ready}):
+            and {k: st["stages"]["a"].get(k) for k in ("pool", "ready", "desired")}
+            == {"pool": f"{NAME}-a", "ready": a_ready, "desired": a_ready}):
         return obj
     return None
 

@@ -82,23 +82,43 @@ def longest_gap(results: Sequence[Result]) -> float:
 
 
 def ready(url: str, timeout: float = 1.0) -> bool:
+    return probe(url, timeout) is True
+
+
+def probe(url: str, timeout: float = 1.0) -> bool | None:
+    """GET /readyz: True on 200, False when the backend answered otherwise or refused the
+    connection, None when it did not answer within `timeout` (a busy machine, not an answer)."""
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=timeout) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError):
+    except urllib.error.HTTPError:
         return False
+    except urllib.error.URLError as exc:
+        return None if isinstance(exc.reason, TimeoutError) else False
+    except TimeoutError:
+        return None
+    except OSError:
+        return False
+
+
+#: Polls in a row without an answer before a ready backend is dropped, as a readiness probe's
+#: failureThreshold: a loaded machine's slow answer is not a "not ready".
+SILENT_POLLS = 3
 
 
 class Endpoints:
     """A Service's endpoints, emulated: a poller checks each backend's /readyz every `period`
     seconds, and `pick()` returns a ready one at random (None when none is). Like kube-proxy,
     it only decides where new connections go; a client keeps using its open connection until
-    the server closes it."""
+    the server closes it. A backend that answers not ready (or refuses) leaves at once; one that
+    was ready and does not answer in time stays until SILENT_POLLS polls in a row go unanswered,
+    as the kubelet's probe would keep it."""
 
     def __init__(self, backends: Callable[[], Sequence[str]], period: float = 0.1) -> None:
         self.backends = backends
         self.period = period
         self.ready: list[str] = []
+        self._silent: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True, name="endpoints")
 
@@ -112,7 +132,16 @@ class Endpoints:
         self._thread.join(5)
 
     def _refresh(self) -> None:
-        self.ready = [b for b in list(self.backends()) if ready(b, timeout=1.0)]
+        before, ready, silent = set(self.ready), [], {}
+        for backend in list(self.backends()):
+            answer = probe(backend, timeout=1.0)
+            if answer is None:
+                silent[backend] = self._silent.get(backend, 0) + 1
+                if backend in before and silent[backend] < SILENT_POLLS:
+                    ready.append(backend)
+            elif answer:
+                ready.append(backend)
+        self._silent, self.ready = silent, ready
 
     def _poll(self) -> None:
         while not self._stop.wait(self.period):

@@ -282,3 +282,53 @@ async def test_a_diffusion_sample_restarts_and_equals_the_fault_free_image(launc
     assert orch.pools["enc"].replicas["fot2i-enc-0"].served == enc_served + 1
     assert np.array_equal(out.children[0].outputs["img"].tensors["image"].numpy(),
                           clean.children[0].outputs["img"].tensors["image"].numpy())
+
+
+@pytest.mark.parametrize("window", [2, None], ids=["window", "no-window"])
+async def test_with_a_dispatch_window_a_failed_over_request_goes_first(
+        launch, tmp_path: Path, window: int | None) -> None:
+    """Two serial echo replicas, 8 requests held by the workers, a dispatch window of 2 (one
+    running, one queued on each replica, four waiting in the orchestrator). kill -9 of the
+    replica holding the oldest request: nothing fails, and each failed-over request finishes
+    before every request admitted after the ones then on replicas (its retry went to the front
+    of the orchestrator's queue). Without a window (the default) every task is on a replica
+    at once and the retries queue behind the survivor's: some later request finishes first,
+    which proves the test can fail."""
+    stage = {**echo("a", final=True), "dispatch": {"perReplica": window}}
+    pipe = pipeline(f"win{window or 0}", [stage])
+    release = tmp_path / "release"
+    orch, procs, _ = await launch(pipe, {"a": [held(release)] * 2},
+                                  heartbeat_interval=0.5, heartbeat_timeout=60)
+    handles = [orch.submit(PipelineRequest(prompt=f"p{i}", request_id=f"r{i}"))
+               for i in range(8)]
+    replicas = orch.pools["a"].replicas
+    await _until(lambda: sum(r.inflight for r in replicas.values()) == (4 if window else 8),
+                 "the requests placed")
+    assert orch.load().stages["a"].held == (4 if window else 0)
+    victim = next(r for r in replicas.values() if any(
+        t.child.request.id == "r0" for t in r.bound))
+    bound = {t.child.request.id for t in victim.bound}
+    later = {f"r{i}" for i in range(4, 8)} - bound  # admitted after those on replicas
+    order: list[str] = []
+
+    async def ended(h: Any) -> Outcome:
+        out = await h.outcome()
+        order.append(h.id)
+        return out
+
+    waits = [asyncio.ensure_future(ended(h)) for h in handles]
+    proc_of(procs, "a", victim.name).proc.send_signal(signal.SIGKILL)
+    await _until(lambda: not victim.bound and victim.incarnation is None, "the loss seen")
+    release.touch()
+    outcomes = await asyncio.wait_for(asyncio.gather(*waits), 120)
+    assert [o.status for o in outcomes] == ["ok"] * 8, outcomes
+    assert [o.children[0].outputs["a"].fields["text"] for o in outcomes] == \
+        [f"p{i}" for i in range(8)]
+    assert orch.failovers["retries"] == {"a": len(bound)}
+    last_retried = max(order.index(rid) for rid in bound)
+    first_later = min(order.index(rid) for rid in later)
+    if window:
+        assert last_retried < first_later, order
+    else:
+        assert first_later < last_retried, order
+    assert orch.requests == {} and orch.tasks == {}

@@ -126,7 +126,9 @@ async def test_two_replicas_ready_publish_membership_and_gone(runtimes, tmp_path
     gone = [i for i in seen if i.state == "gone"]
     assert [i.name for i in gone] == [f"{name}-a-1"], seen
     assert gone[0].endpoint == infos[f"{name}-a-1"].endpoint
-    assert any("exited unexpectedly (code -9)" in n for n in notes)
+    # The supervisor publishes "gone", then says why (its own thread): wait for the note.
+    await until(lambda: any("exited unexpectedly (code -9)" in n for n in notes),
+                f"{w.name}'s exit reported")
     # Supervision starts it again under the same name, as a new process on a new address.
     await until(lambda: seen[-1].name == w.name and seen[-1].state == "ready",
                 f"{w.name} back in membership")

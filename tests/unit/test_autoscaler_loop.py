@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -125,14 +127,21 @@ class Rig:
     def scale_writes(self) -> list[tuple[str, str, Any]]:
         return self.api.writes("/scale")
 
+    def due(self) -> float:
+        """When the pool p-a is decided next, in seconds from T0."""
+        return self.scaler._tracked[("ns", "p-a")].due - T0
+
 
 def test_a_steady_pool_costs_one_read_per_period_and_no_write() -> None:
     async def main() -> None:
         rig = Rig()
         rig.see(pool(2))
-        for at in (0, 5, 14, 15, 29, 30, 45):
+        await rig.step(0)
+        first = rig.due()  # on the pipeline's phase: half a period to one and a half away
+        assert 7.5 <= first <= 22.5
+        for at in (5, first - 1, first, first + 14, first + 15, first + 29.9, first + 30):
             await rig.step(at)
-        assert rig.reads == [("ns", "p")] * 4  # at 0, 15, 30, 45: once per period
+        assert rig.reads == [("ns", "p")] * 4  # at 0, then once per period
         assert rig.scale_writes() == [] and rig.api.events() == []
         report = rig.scaler.report(pool(2))
         assert report is not None and report.decision == "keep 2"
@@ -182,7 +191,7 @@ def test_the_status_explains_the_decision_and_says_when_the_signal_is_missing() 
         assert status["autoscaler"]["decision"] == "no signal: keep 4"
         # Below minReplicas it still comes up, without a signal.
         rig.see(pool(1, rv="2", minReplicas=2))
-        await rig.step(15)
+        await rig.step(rig.due())
         [(_, _, call)] = rig.scale_writes()
         assert call["body"] == {"spec": {"replicas": 2}}
 
@@ -219,11 +228,13 @@ def test_a_wake_older_than_the_scale_down_is_ignored() -> None:
         rig = Rig(load())
         rig.see(pool(1, minReplicas=0, idleSeconds=10))
         await rig.step(0)
-        await rig.step(15)  # idle 15 s >= 10 s: down to 0
+        down = rig.due()
+        assert down >= 10
+        await rig.step(down)  # idle >= 10 s: down to 0
         assert rig.scale_writes()[-1][2]["body"] == {"spec": {"replicas": 0}}
         old = {ANNOTATION_WAKE_REQUESTED: "2027-01-15T08:00:05Z"}  # T0 + 5, before the down
         rig.see(pool(0, rv="2", minReplicas=0, idleSeconds=10, annotations=old))
-        await rig.step(16)
+        await rig.step(down + 1)
         assert len(rig.scale_writes()) == 1
 
     asyncio.run(main())
@@ -322,19 +333,17 @@ def test_a_pool_at_zero_that_wakes_on_demand_is_ready() -> None:
         assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
 
 
-def test_the_load_is_read_through_the_service_proxy_else_from_a_ready_orchestrator_pod() -> None:
-    """The proxy first (its path names the orchestrator Service's http port); when it refuses
-    (loopback endpoints with the local pod runner), a Ready orchestrator pod straight; neither:
-    no signal, with the reason."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    body = json.dumps(load(inflight=2)).encode()
+def _serve(doc: Any, served: list[str] | None = None) -> ThreadingHTTPServer:
+    """A loopback orchestrator stand-in answering every GET with `doc` (keep-alive, as the
+    LoadClient expects); the paths asked are appended to `served`."""
+    body = json.dumps(doc).encode()
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_GET(self) -> None:
-            assert self.path == LOAD_PATH
+            if served is not None:
+                served.append(self.path)
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -344,16 +353,28 @@ def test_the_load_is_read_through_the_service_proxy_else_from_a_ready_orchestrat
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_load_is_read_from_a_ready_orchestrator_pod_else_through_the_service_proxy() -> None:
+    """Straight from a Ready orchestrator pod first (no load on the API server); when no pod
+    answers, through the API server's service proxy (its path names the orchestrator
+    Service's http port), which is then tried first for that pipeline; neither: no signal, with
+    the reason."""
+    served: list[str] = []
+    server = _serve(load(inflight=2), served)
+    proxy_path = "/api/v1/namespaces/ns/services/p-orchestrator:http/proxy/v1/load"
     try:
         async def main() -> None:
             api = CountingApi()
             controller = Controller(api)  # type: ignore[arg-type]
             scaler = controller.autoscaler
-            with pytest.raises(LoadUnavailable, match="GET /v1/load of p-orchestrator"):
+            with pytest.raises(LoadUnavailable, match=r"GET /v1/load of p-orchestrator: "
+                               r"straight: .*no ready orchestrator pod.*; proxy: ApiError"):
                 await scaler._read_load("ns", "p")
-            assert api.calls == [("GET", "/api/v1/namespaces/ns/services/p-orchestrator:http/"
-                                         "proxy/v1/load", None)]
+            assert api.calls == [("GET", proxy_path, None)]
             controller.children[("Service", "ns", "p-orchestrator")] = {
                 "spec": {"ports": [{"name": "http", "port": server.server_address[1]}]}}
             orchestrator = {"metadata": {"name": "p-orchestrator-x", "namespace": "ns"},
@@ -362,11 +383,45 @@ def test_the_load_is_read_through_the_service_proxy_else_from_a_ready_orchestrat
             not_ready = {"metadata": {"name": "p-orchestrator-y", "namespace": "ns"},
                          "status": {"podIP": "127.0.0.2", "conditions": []}}
             controller.pods[("ns", "p-orchestrator")] = {"y": not_ready, "x": orchestrator}
-            assert await scaler._read_load("ns", "p") == load(inflight=2)
+            api.calls.clear()
+            assert await scaler._read_load("ns", "p") == load(inflight=2)  # straight
+            assert await scaler._read_load("ns", "p") == load(inflight=2)  # kept alive
+            assert served == [LOAD_PATH, LOAD_PATH] and api.calls == []  # not the proxy
+            await scaler.close()
 
         asyncio.run(main())
     finally:
         server.shutdown()
+        server.server_close()
+
+
+def test_a_pipeline_read_through_the_proxy_tries_the_proxy_first_next_time() -> None:
+    async def main() -> None:
+        api = CountingApi()
+        answers = [json.dumps(load(inflight=1))]
+
+        async def request(method: str, url: str, *_: Any, **__: Any) -> Any:
+            api.calls.append((method, url, None))
+            return answers[0]
+
+        api.request = request  # type: ignore[method-assign]
+        controller = Controller(api)  # type: ignore[arg-type]
+        scaler = controller.autoscaler
+        straight: list[str] = []
+        real = scaler._straight
+
+        async def counted(ns: str, pipeline: str) -> Any:
+            straight.append(pipeline)
+            return await real(ns, pipeline)
+
+        scaler._straight = counted  # type: ignore[method-assign]
+        assert await scaler._read_load("ns", "p") == load(inflight=1)
+        assert straight == ["p"]  # tried first, no pod: then the proxy
+        assert await scaler._read_load("ns", "p") == load(inflight=1)
+        assert straight == ["p"] and len(api.calls) == 2  # the proxy first now
+        await scaler.close()
+
+    asyncio.run(main())
 
 
 def test_re_applying_a_manifest_leaves_the_autoscalers_count_alone() -> None:
@@ -425,7 +480,7 @@ def test_no_growth_while_a_replica_cannot_be_placed() -> None:
         report = rig.scaler.report(pool(2))
         assert report is not None and report.rule == "bounds"
         rig.controller.pods[("ns", "p-a")] = {}  # placed after all
-        await rig.step(15)
+        await rig.step(rig.due())
         assert rig.scale_writes()[0][2]["body"] == {"spec": {"replicas": 4}}
 
     asyncio.run(main())
@@ -449,3 +504,199 @@ def test_the_operator_reads_every_figure_the_orchestrator_writes() -> None:
     doc = json.loads(msgspec.json.encode(PipelineLoad(window_s=60.0, now=T0,
                                                       stages={"a": sent})))
     assert stage_figures(doc, "a") == StageFigures(**msgspec.structs.asdict(sent))
+
+
+def test_no_autoscaler_reads_no_load_and_leaves_the_size_alone() -> None:
+    """`omnistage operator --no-autoscaler` (chart value operator.autoscaler=false): the loop
+    never starts, so an autoscaled pool is neither read for nor scaled; the flag parses, and the
+    chart passes it only when the value is false."""
+    import argparse
+
+    from omni_operator import command
+
+    parser = argparse.ArgumentParser()
+    command.register(parser.add_subparsers())
+    assert parser.parse_args(["operator"]).autoscaler is True
+    assert parser.parse_args(["operator", "--no-autoscaler"]).autoscaler is False
+
+    async def main(enabled: bool) -> int:
+        api = CountingApi()
+        controller = Controller(api, autoscaler=enabled)  # type: ignore[arg-type]
+        reads: list[str] = []
+
+        async def read(ns: str, pipeline: str) -> Obj:
+            reads.append(pipeline)
+            return load(arrivals_per_s=6.0, service_s=1.0)
+
+        controller.autoscaler = Autoscaler(controller, read_load=read, tick=0.01)
+        controller.observe("StagePool", "ADDED", pool(1))
+        controller.start()
+        try:
+            for _ in range(200):  # the loop's first step comes at its first tick
+                await asyncio.sleep(0.01)
+                if reads:
+                    break
+        finally:
+            await controller.stop()
+        assert enabled or not api.writes("/scale")
+        return len(reads)
+
+    assert asyncio.run(main(True)) >= 1  # the same rig does read when the loop runs
+    assert asyncio.run(main(False)) == 0
+
+    from tests.harness.helm import helm_binary, render
+
+    if helm_binary() is None:
+        return
+
+    def args(*values: str) -> list[str]:
+        deploy = next(o for o in render(*values) if o["kind"] == "Deployment")
+        return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    assert "--no-autoscaler" not in args()
+    assert "--no-autoscaler" in args("--set=operator.autoscaler=false")
+
+
+def test_a_fleets_reads_are_spread_over_the_period_and_bounded_in_flight() -> None:
+    """500 pipelines decided in one step (created at once, or an operator restart) read their
+    loads on their own phases afterwards, not in one burst a period; reads in flight at once
+    are bounded; a tick before anything is due does not even scan the pools."""
+    from omni_operator.autoscaler import MAX_READS_IN_FLIGHT, due_after
+
+    period = 15.0
+    dues = [due_after(T0, period, "ns", f"p{i}") - T0 for i in range(500)]
+    assert all(period / 2 <= d <= 1.5 * period for d in dues)
+    buckets = [sum(1 for d in dues if b <= d % period < b + 1) for b in range(int(period))]
+    assert max(buckets) <= 3 * 500 / period, buckets  # roughly even, no burst
+    again = [due_after(T0 + d, period, "ns", f"p{i}") - T0 - d for i, d in enumerate(dues)]
+    assert all(abs(g - period) < 1e-6 for g in again)  # then exactly a period apart
+
+    async def main() -> None:
+        rig = Rig()
+        in_flight = peak = 0
+
+        async def read(ns: str, pipeline: str) -> Obj:
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            await asyncio.sleep(0.001)
+            in_flight -= 1
+            rig.reads.append((ns, pipeline))
+            return load(arrivals_per_s=2.0, service_s=1.0)
+
+        rig.scaler.read_load = read
+        for i in range(100):
+            p = pool(2)
+            p["metadata"].update(name=f"p{i}-a", uid=f"u{i}")
+            p["spec"]["pipeline"] = f"p{i}"
+            rig.see(p)
+        await rig.step(0)
+        assert len(rig.reads) == 100 and 1 < peak <= MAX_READS_IN_FLIGHT
+
+        class Counting(dict):  # type: ignore[type-arg]
+            scans = 0
+
+            def items(self) -> Any:
+                Counting.scans += 1
+                return super().items()
+
+        rig.controller.pools = Counting(rig.controller.pools)
+        await rig.step(1)  # nothing due: no scan, no read
+        assert Counting.scans == 0 and len(rig.reads) == 100
+        await rig.step(1.5 * 15)  # every pipeline due by now: off the heap, still no scan
+        assert Counting.scans == 0 and len(rig.reads) == 200
+        late = pool(2)
+        late["metadata"].update(name="late-a", uid="u-late")
+        late["spec"]["pipeline"] = "late"
+        rig.see(late)  # a pool not tracked yet: one scan finds it at the next tick
+        await rig.step(1.5 * 15 + 1)
+        assert Counting.scans == 1 and rig.reads[200:] == [("ns", "late")]
+        rig.controller.observe("StagePool", "DELETED", late)
+        await rig.step(3 * 15 + 1)  # its heap entry comes up and is dropped
+        assert ("ns", "late-a") not in rig.scaler._tracked and ("ns", "late") not in rig.reads[201:]
+
+    asyncio.run(main())
+
+
+def test_one_lost_read_writes_nothing_two_say_unavailable() -> None:
+    async def main() -> None:
+        rig = Rig()
+        rig.see(pool(2))
+        await rig.step(0)
+        report = rig.scaler.report(pool(2))
+        assert report is not None and report.signal == "Available"
+        queued = len(rig.controller._queued)
+        rig.doc = TimeoutError()
+        await rig.step(rig.due())  # one lost read: the size and the status stay
+        assert rig.scaler.report(pool(2)) is report and len(rig.controller._queued) == queued
+        await rig.step(rig.due())  # the second in a row: now the status says so
+        report = rig.scaler.report(pool(2))
+        assert report is not None and report.signal == "Unavailable"
+        assert report.signal_message and report.signal_message.startswith("TimeoutError")
+        assert rig.scale_writes() == []
+
+    asyncio.run(main())
+
+
+def test_every_running_orchestrator_pod_is_read_and_the_proxy_only_for_the_one_running() -> None:
+    """What a question about all of a pipeline's requests reads (the pin wait of a retiring
+    replica, omni_operator.drain): each Running orchestrator pod's own /v1/load, straight; one
+    not Running is not asked. Where the straight read fails, the service proxy only while one
+    orchestrator pod runs (it answers for a pod of its choosing: with two, it could answer
+    for the wrong one). Kills: reading one pod of two, reading a pod not running, and a
+    service proxy read standing for one of two pods."""
+    import socket
+
+    serve = _serve
+    first = serve({"revisions": {"b": {"r": {"pinned": 1}}}})
+    port = first.server_address[1]
+    proxied = "/api/v1/namespaces/ns/services/p-orchestrator:http/proxy/v1/load"
+
+    def orchestrator(name: str, ip: str, phase: str = "Running") -> Obj:
+        return {"metadata": {"name": name, "namespace": "ns"},
+                "status": {"phase": phase, "podIP": ip}}
+
+    async def main() -> None:
+        api = CountingApi()
+        answers: dict[str, Any] = {}
+
+        async def request(method: str, url: str, *_: Any, **__: Any) -> Any:
+            api.calls.append((method, url, None))
+            if url not in answers:
+                raise ApiError(503, {"message": "no endpoints available"}, method, url)
+            return answers[url]
+
+        api.request = request  # type: ignore[method-assign]
+        controller = Controller(api)  # type: ignore[arg-type]
+        scaler = controller.autoscaler
+        assert await scaler.orchestrator_loads("ns", "p") == []  # none runs: nothing in flight
+        controller.children[("Service", "ns", "p-orchestrator")] = {
+            "spec": {"ports": [{"name": "http", "port": port}]}}
+        with socket.socket() as refused:  # 127.0.0.2 at that port: bound, never listening
+            refused.bind(("127.0.0.2", port))
+            pods = controller.pods[("ns", "p-orchestrator")] = {
+                "x": orchestrator("p-orchestrator-x", "127.0.0.1"),
+                "y": orchestrator("p-orchestrator-y", "127.0.0.2"),
+                "z": orchestrator("p-orchestrator-z", "127.0.0.3", "Pending")}
+            answers[proxied] = json.dumps({"revisions": {}})
+            with pytest.raises(LoadUnavailable, match=r"GET /v1/load of p-orchestrator-y: "
+                               r"straight: LoadReadError.*; proxy: not tried"):
+                await scaler.orchestrator_loads("ns", "p")
+            assert api.calls == []  # two run: the service proxy could answer for either
+            del pods["x"]  # y alone runs: its read through the service proxy stands for it
+            assert await scaler.orchestrator_loads("ns", "p") == [{"revisions": {}}]
+            assert [url for _, url, _ in api.calls] == [proxied]
+        pods["y"] = orchestrator("p-orchestrator-y", "127.0.0.1")  # reachable straight again
+        pods["x"] = orchestrator("p-orchestrator-x", "127.0.0.1")
+        api.calls.clear()
+        del answers[proxied]
+        assert await scaler.orchestrator_loads("ns", "p") == [
+            {"revisions": {"b": {"r": {"pinned": 1}}}}] * 2
+        assert api.calls == []
+        await scaler.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        first.shutdown()
+        first.server_close()

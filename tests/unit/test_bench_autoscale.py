@@ -100,3 +100,91 @@ def test_a_figure_not_measured_is_a_miss(bench: Any) -> None:
     assert "cold first latency=n/a (goal <= 0s: MISS)" in line
     assert "latency objective met=n/a (goal >= 95%: MISS)" in line
     assert bench.exit_status(goals, check=True) == 1
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Any:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("autoscale_fleet")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_fleet_loads_size_steady_pools_at_one_and_raised_ones_at_three(fleet: Any) -> None:
+    """Part B's premise: with the fleet's autoscaling, the steady figures keep a pool at its 1
+    replica (no write is due) and the raised ones ask for 3, by the operator's own decide."""
+    from omni_operator.autoscaler import stage_figures
+    from omnistage.autoscaling import AutoscalerState, decide
+    from omnistage.spec import Autoscaling
+
+    scaling = Autoscaling.model_validate(fleet.AUTOSCALING)
+    assert scaling.period_seconds == fleet.PERIOD_S
+    import json
+    import urllib.request
+
+    load = fleet.FleetLoad()
+    load.raised = {"p2"}
+    try:
+        def read(pipeline: str) -> Any:
+            url = load.url.format(namespace="ns", pipeline=pipeline)
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return json.loads(resp.read())
+
+        for pipeline, stage, want in (("p1", "b", 1), ("p2", "a", 1), ("p2", "b", 3)):
+            doc = read(pipeline)
+            figures = stage_figures(doc, stage)
+            assert figures is not None
+            got = decide(scaling, figures, 1, AutoscalerState(), doc["now"],
+                         load_now=doc["now"]).desired
+            assert got == want, (pipeline, stage, got)
+        assert load.reads == 3
+    finally:
+        load.stop()
+
+
+def test_fleet_writes_are_told_apart_by_pipeline(fleet: Any) -> None:
+    ns = "/apis/omnistage.io/v1alpha1/namespaces/autoscale-fleet"
+    assert fleet._pipeline_of(f"{ns}/stagepools/fleet-007-b/scale") == "fleet-007"
+    assert fleet._pipeline_of(f"{ns}/stagepools/fleet-007-b/status") == "fleet-007"
+    assert fleet._pipeline_of(f"{ns}/omnipipelines/fleet-007/status") == "fleet-007"
+    assert fleet._pipeline_of("/api/v1/namespaces/autoscale-fleet/pods/fleet-007-b-2") == \
+        "fleet-007"
+    assert fleet._pipeline_of("/api/v1/namespaces/autoscale-fleet/pods") is None  # a create
+    assert fleet._pipeline_of("/api/v1/namespaces/autoscale-fleet/events") is None
+    # Events (named <object>.<hash>) are counted from the API, by their involvedObject.
+    assert fleet._pipeline_of("/api/v1/namespaces/autoscale-fleet/events/fleet-001.cef9") is None
+    assert fleet._owner("StagePool", "fleet-001-b") == "fleet-001"
+    assert fleet._owner("OmniPipeline", "fleet-001") == "fleet-001"
+    assert fleet._owner("Pod", "fleet-001-b-3") == "fleet-001"
+
+
+def test_fleet_goals(fleet: Any) -> None:
+    f = fleet.FleetFigures(pipelines=500, cpu_off_s=10.0, cpu_on_s=10.8, steady_writes=0,
+                           other_writes=0)
+    cpu, writes = f.goals()
+    assert cpu.met and round(cpu.value, 1) == 8.0 and writes.met
+    f.cpu_on_s = 11.5
+    assert not f.goals()[0].met
+    f.other_writes = 2
+    assert not f.goals()[1].met
+    assert not fleet.FleetFigures(pipelines=500).goals()[0].met  # not measured: a MISS
+
+
+def test_fleet_writes_are_read_from_the_operators_log_since_an_offset(
+        fleet: Any, tmp_path: Path) -> None:
+    import bench_operator_scale as scale
+
+    bench = scale.Bench.__new__(scale.Bench)  # only its log is read
+    bench.op_log = tmp_path / "operator.log"
+    before = "x INFO omnistage.kubeapi.writes: PATCH /apis/omnistage.io/v1alpha1/namespaces/f/" \
+             "stagepools/fleet-009-a/status\n"
+    after = ("x INFO omnistage.kubeapi.writes: PATCH /apis/omnistage.io/v1alpha1/namespaces/f/"
+             "stagepools/fleet-001-b/scale\n"
+             "x INFO omnistage.kubeapi.writes: POST /api/v1/namespaces/f/pods\n"
+             "x INFO omnistage.kubeapi.writes: PATCH /api/v1/namespaces/f/pods/fleet-001-b-2\n")
+    bench.op_log.write_text(before + after)
+    assert fleet._writes_by_pipeline(bench, len(before)) == {"fleet-001": 2}
+    assert bench.write_log(len(before)) == {"PATCH stagepools/scale": 1, "POST pods": 1,
+                                            "PATCH pods": 1}
+    assert bench.log_since(10**6) == ""

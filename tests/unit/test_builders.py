@@ -146,3 +146,19 @@ def test_streaming_is_the_orchestrator_s_alone() -> None:
     assert "streaming" not in b.pool_stage(off.spec.stages[0])
     assert b.pipeline_manifest(off)["spec"]["stages"][0]["streaming"] == {
         "enabled": False, "window": 3}
+
+
+def test_the_dispatch_window_is_the_orchestrator_s_alone() -> None:
+    """Setting a stage's dispatch window changes the orchestrator's copy of the pipeline and
+    not the pools' (so it rolls no stage replica)."""
+    def doc(window: int | None) -> Any:
+        return parse_pipeline({
+            "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+            "metadata": {"name": "p"},
+            "spec": {"stages": [{"name": "a", "kind": "echo", "finalOutput": True,
+                                 "dispatch": {"perReplica": window}}]}})
+
+    on, off = doc(2), doc(None)
+    assert b.pool_stage(on.spec.stages[0]) == b.pool_stage(off.spec.stages[0])
+    assert "dispatch" not in b.pool_stage(on.spec.stages[0])
+    assert b.pipeline_manifest(on)["spec"]["stages"][0]["dispatch"] == {"perReplica": 2}

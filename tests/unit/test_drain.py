@@ -258,3 +258,104 @@ def test_status_counts_queued_work_once() -> None:
     assert got == 2
     assert replicas_cli._inflight(Proxy(b'{"in_flight": "many"}'), replica) is None
     assert replicas_cli._inflight(Proxy(b'[]'), replica) is None
+
+
+# ---- the last replica of a leaving revision (issue 22) -------------------------------------
+
+
+def replica(name: str, revision: str | None, *, draining: bool = False,
+            deleted: bool = False) -> Obj:
+    meta: Obj = {"name": name, "namespace": "ns", "labels": {}, "annotations": {}}
+    if revision is not None:
+        meta["labels"][kube.LABEL_REVISION] = revision
+    if draining:
+        meta["annotations"][kube.ANNOTATION_DRAINING] = "true"
+    if deleted:
+        meta["deletionTimestamp"] = "2027-01-01T00:00:00Z"
+    return {"metadata": meta, "status": {}}
+
+
+def test_only_the_last_live_replica_of_a_leaving_revision_waits_for_pins() -> None:
+    """Kills: waiting on a replica of the target revision (a scale-down held by pins), on one
+    whose revision still has a live replica that is not retiring, and counting a draining or
+    terminating one of its revision as 'somewhere to go'."""
+    x = replica("x", "old", draining=True)
+    assert drain.pinned_revision(x, [x], "new", "b") == ("b", "old")
+    assert drain.pinned_revision(x, [x, replica("y", "old")], "new", "b") is None
+    for gone in (replica("y", "old", draining=True), replica("y", "old", deleted=True)):
+        assert drain.pinned_revision(x, [x, gone, replica("z", "new")], "new", "b") == (
+            "b", "old")
+    assert drain.pinned_revision(x, [x], "old", "b") is None  # the target: scale-down, --retire
+    unlabelled = replica("x", None, draining=True)
+    assert drain.pinned_revision(unlabelled, [unlabelled], "new", "b") is None
+
+
+def load(revisions: Obj) -> Obj:
+    return {"window_s": 60.0, "now": 0.0, "stages": {}, "revisions": revisions}
+
+
+def test_pinned_counts_add_up_over_orchestrators_and_absent_reads_as_zero() -> None:
+    entry = {"order": 1, "newest": False, "replicas": 1, "routable": 0}
+    docs = [load({"b": {"old": {**entry, "pinned": 2}, "new": {**entry, "pinned": 9}}}),
+            load({"b": {"old": {**entry, "pinned": 1}}, "a": {"old": {**entry, "pinned": 5}}})]
+    assert drain.pinned_in_flight(docs, "b", "old") == 3
+    assert drain.pinned_in_flight(docs, "a", "old") == 5
+    assert drain.pinned_in_flight([], "b", "old") == 0  # no orchestrator runs: none in flight
+    # An older orchestrator (no field), a stage or revision not listed, no revisions at all.
+    assert drain.pinned_in_flight([load({"b": {"old": entry}})], "b", "old") == 0
+    assert drain.pinned_in_flight([load({"a": {"old": entry}})], "b", "old") == 0
+    assert drain.pinned_in_flight([{"stages": {}}], "b", "old") == 0
+
+
+@pytest.mark.parametrize("bad", [
+    [], "x", load({"b": {"old": {"pinned": "many"}}}), load({"b": {"old": {"pinned": -1}}}),
+    load({"b": {"old": {"pinned": 1.5}}}), load({"b": {"old": {"pinned": True}}}),
+    load({"b": {"old": [1]}}),
+])
+def test_a_pinned_count_that_cannot_be_read_is_unknown(bad: Any) -> None:
+    """Kills: a garbled count read as 0 (the last replica deleted under pinned requests)."""
+    assert drain.pinned_in_flight([load({}), bad], "b", "old") is None
+
+
+class _Pins:
+    """A pinned-count reader answering the counts it is given, one per call."""
+
+    def __init__(self, *answers: int | None) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    async def __call__(self) -> int | None:
+        self.calls += 1
+        return self.answers.pop(0)
+
+
+async def test_an_idle_last_replica_waits_for_its_pins_within_the_drain_timeout(state) -> None:
+    """Its own work 0: done only when the pinned count is 0; unknown (None) means wait; past
+    the timeout it goes, reporting the count. Its own work first: the count is not read while
+    the replica is busy. Kills: deleting with pinned > 0 or unknown, and a pin wait the
+    timeout does not end."""
+    state.answer({"in_flight": 0})
+    for count, done in ((1, False), (None, False), (0, True)):
+        pins = _Pins(count)
+        assert (await drain.finished(pod(since=now()), pool(), pins)).done is done
+        assert pins.calls == 1
+    old = now() - dt.timedelta(seconds=100)
+    progress = await drain.finished(pod(since=old), pool(timeout=30), _Pins(4))
+    assert (progress.done, progress.timed_out, progress.cut, progress.pinned) == (True, True, 0, 4)
+    state.answer({"in_flight": 2})
+    pins = _Pins()
+    assert (await drain.finished(pod(since=now()), pool(), pins)).done is False
+    assert pins.calls == 0
+    progress = await drain.finished(pod(since=old), pool(timeout=30), _Pins(None))
+    assert (progress.done, progress.cut, progress.pinned) == (True, 2, None)
+
+
+def test_the_drain_timeout_event_names_the_pinned_count() -> None:
+    plain = drain.timeout_message("p-b-0", drain.Progress(True, True, 2), None)
+    assert plain.startswith("p-b-0: drain timed out with 2 request(s) in flight; stopping it")
+    assert "pinned" not in plain
+    pinned = drain.timeout_message("p-b-0", drain.Progress(True, True, 0, 3), ("b", "old"))
+    assert "with 0 request(s) in flight; 3 request(s) pinned to its revision old" in pinned
+    unknown = drain.timeout_message("p-b-0", drain.Progress(True, True, None, None), ("b", "o"))
+    assert "an unknown number of request(s) in flight; an unknown number of request(s) " \
+           "pinned to its revision o" in unknown

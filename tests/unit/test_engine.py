@@ -278,9 +278,11 @@ class Rig:
         raise KeyError(name)
 
     def clean(self) -> None:
-        """Nothing of any request is left: no request, task, binding or in-flight count."""
+        """Nothing of any request is left: no request, task, binding, in-flight count or pin to
+        a revision (GET /v1/load `pinned`)."""
         assert self.orch.requests == {}
         assert self.orch.tasks == {}
+        assert self.orch.pinned == {}
         for pool in self.orch.pools.values():
             for r in pool.replicas.values():
                 assert r.inflight == 0 and r.bound == set(), r.name
@@ -1834,7 +1836,7 @@ async def test_metrics_follow_outcomes_counters_and_latency(make: Make) -> None:
     rig = await make(ONE)
     assert rig.orch.counters == {"late_messages": 0, "late_aborts": 0, "replicas_lost": 0,
                                  "replica_restarts": 0, "latency_sum": 0.0,
-                                 "suspect_requests": 0}
+                                 "suspect_requests": 0, "revision_refusals": 0}
     assert rig.orch.name == "pl" and rig.orch.heartbeat_timeout == 3.0
     assert rig.orch.pipeline.metadata.name == "pl" and rig.orch.pools["a"].stage == "a"
     h = rig.submit("x")

@@ -9,6 +9,7 @@ from omnistage.orchestrator.load import (
     DEFAULT_WINDOW_S,
     LoadTracker,
     PipelineLoad,
+    RevisionLoad,
     StageLoad,
     p95,
     window_of,
@@ -160,8 +161,18 @@ def test_the_json_shape_is_the_contract() -> None:
     t, _ = tracker()
     load = PipelineLoad(window_s=10.0, now=1.0, stages={"a": figures(t)})
     doc = msgspec.json.decode(msgspec.json.encode(load))
-    assert set(doc) == {"window_s", "now", "stages"}
+    assert set(doc) == {"window_s", "now", "stages", "revisions"}
     assert set(doc["stages"]["a"]) == {
         "replicas", "inflight", "held", "arrivals_per_s", "service_s", "exec_s", "queue_wait_p95_s",
         "ttfo_p95_s", "last_request_unix", "wake_pending"}
     assert msgspec.json.decode(msgspec.json.encode(load), type=PipelineLoad) == load
+
+
+def test_a_revision_says_how_many_requests_are_pinned_to_it_and_old_readers_get_0() -> None:
+    """`pinned` is in every revision's JSON (the operator retires a leaving revision's last
+    replica on it); a document from an orchestrator older than the field reads as 0."""
+    rev = RevisionLoad(order=2, newest=False, replicas=1, routable=0, pinned=3)
+    doc = msgspec.json.decode(msgspec.json.encode(rev))
+    assert doc == {"order": 2, "newest": False, "replicas": 1, "routable": 0, "pinned": 3}
+    del doc["pinned"]
+    assert msgspec.json.decode(msgspec.json.encode(doc), type=RevisionLoad).pinned == 0

@@ -1,7 +1,8 @@
 """Replica selection and the per-request stage plan: the orchestrator's hot path.
 
 Both were made cheaper per request (no set built when nothing is excluded, the DAG walk done
-once per distinct `finals`); these tests pin the answers, which must not change.
+once per distinct `finals`); these tests pin the answers, which must not change. And the last
+resort of a task whose revision a release leaves: a draining replica of it (issue 22).
 """
 
 from __future__ import annotations
@@ -47,6 +48,51 @@ def test_has_routable_is_false_without_a_routable_replica() -> None:
     assert not _pool().has_routable()
     assert not _pool(_replica("s", "r1", ready=False), _replica("s", "r2", shaken=False)
                      ).has_routable()
+
+
+def _rev(name: str, revision: str | None, order: int, *, said: str | None = None,
+         state: str = "ready", incarnation: str | None = "i", refused: str = "") -> Replica:
+    """A replica of stage s with a revision (membership label, or `said` in its hello)."""
+    r = Replica(ReplicaInfo("s", name, "tcp://127.0.0.1:1", state, revision, order))  # type: ignore[arg-type]
+    r.said_revision, r.incarnation, r.refused = said, incarnation, refused
+    return r
+
+
+def test_the_last_resort_is_a_draining_replica_of_the_revision_while_another_serves() -> None:
+    """A task pinned to A1 with no routable A1 replica goes to the least busy draining A1
+    replica, only while a replica of another revision is routable (a release is under way);
+    never to a dead, refused, not handshaken, tried or other-revision replica, and never to
+    a joining one (the engine holds for that)."""
+    d1, d2 = _rev("d1", "A1", 1, state="draining"), _rev("d2", "A1", 1, state="draining")
+    d1.inflight, d2.inflight = 2, 1
+    new = _rev("n", "A2", 2)
+    pool = _pool(d1, d2, new)
+    assert pool.pick(revision="A1") is None and pool.routable(revision="A1") == []
+    assert pool.last_resort("A1") is d2  # the least in flight
+    assert pool.last_resort("A1", exclude={"d2"}) is d1  # tried: never again
+    assert pool.last_resort("A1", exclude={"d1", "d2"}) is None
+    assert pool.last_resort("A2") is None  # A2 is routable: no other revision serves
+    d2.inflight = 5
+    assert pool.last_resort("A1") is d1
+    # Not a release: no routable replica of another revision (it drains too, joins, or has
+    # no known revision) -> nothing, as before the rule.
+    for other in (_rev("n", "A2", 2, state="draining"), _rev("n", "A2", 2,
+                                                                     state="joining"),
+                  _rev("n", "A2", 2, incarnation=None), _rev("n", None, 0)):
+        assert _pool(d1, d2, other).last_resort("A1") is None, other
+    # Never one that cannot take it: dead, refused our protocol, not handshaken, joining, or
+    # of another revision.
+    dead = _rev("x", "A1", 1, state="draining")
+    dead.alive = False
+    for bad in (dead, _rev("x", "A1", 1, state="draining", refused="version 9"),
+                _rev("x", "A1", 1, state="draining", incarnation=None),
+                _rev("x", "A1", 1, state="joining"),
+                _rev("x", "A0", 1, state="draining"),
+                _rev("x", None, 1, state="draining")):
+        assert _pool(bad, new).last_resort("A1") is None, bad
+    # The hello's revision counts, as for routing.
+    assert _pool(_rev("x", "A0", 1, said="A1", state="draining"), new
+                 ).last_resort("A1").name == "x"
 
 
 def test_stage_plan_per_finals_is_reused_and_matches_the_dag() -> None:

@@ -60,10 +60,55 @@ def test_retire_lowers_replicas_and_keeps_the_ordinal_free_until_a_scale_up() ->
     after = _apply(pool, patch)
     assert retirement.wanted_ordinals(after, [0, 2]) == [0, 2]  # 1 does not come back
     assert retirement.wanted_ordinals(after, [0]) == [0, 2]
-    assert not retirement.expired(after)
+    assert retirement.rewrite(after)[0] is False
     scaled = {**after, "spec": {**after["spec"], "replicas": 3}}
-    assert retirement.expired(scaled)
+    assert retirement.rewrite(scaled) == (True, None)  # the set is empty: the annotation goes
     assert retirement.wanted_ordinals(scaled, [0, 2]) == [0, 1, 2]  # the scale-up reuses it
+
+
+def _scaled(pool: Obj, replicas: int) -> Obj:
+    return {**pool, "spec": {**pool["spec"], "replicas": replicas}}
+
+
+def _rewritten(pool: Obj) -> Obj:
+    changed, value = retirement.rewrite(pool)
+    assert changed
+    annotations = {**(pool["metadata"].get("annotations") or {})}
+    if value is None:
+        annotations.pop(retirement.ANNOTATION_RETIRED, None)
+    else:
+        annotations[retirement.ANNOTATION_RETIRED] = value
+    return {**pool, "metadata": {**pool["metadata"], "annotations": annotations}}
+
+
+def test_a_scale_up_frees_retired_ordinals_one_by_one_lowest_first() -> None:
+    pool = _pool(4)
+    pool = _apply(pool, retirement.drain_patch(pool, _pod(1), "retire"))
+    pool = _apply(pool, retirement.drain_patch(pool, _pod(2), "retire"))
+    assert desired_replicas(pool) == 2
+    assert retirement.retired(pool).ordinals == {1, 2}
+    assert retirement.wanted_ordinals(pool, [0, 3]) == [0, 3]
+
+    up = _scaled(pool, 3)  # one more replica: 1 comes back, 2 stays retired
+    assert retirement.retired(up) == retirement.Retired(frozenset({2}), frozenset(), 3)
+    assert retirement.wanted_ordinals(up, [0, 3]) == [0, 1, 3]
+    up = _rewritten(up)  # the controller's one write; then none
+    assert json.loads(up["metadata"]["annotations"][retirement.ANNOTATION_RETIRED]) == {
+        "ordinals": [2], "replace": [], "atReplicas": 3}
+    assert retirement.rewrite(up)[0] is False
+    # A lost replica does not come back under the ordinal that is still retired.
+    assert retirement.wanted_ordinals(up, [0, 1]) == [0, 1, 3]
+
+    up = _rewritten(_scaled(up, 4))  # the next one frees 2, and the annotation goes
+    assert retirement.ANNOTATION_RETIRED not in up["metadata"]["annotations"]
+    assert retirement.wanted_ordinals(up, [0, 1, 3]) == [0, 1, 2, 3]
+
+
+def test_a_scale_up_by_two_frees_two_ordinals_and_keeps_the_replace_mark_of_the_rest() -> None:
+    pool = _pool(4, json.dumps({"ordinals": [1, 2, 5], "replace": [5], "atReplicas": 1}))
+    up = _scaled(pool, 3)
+    assert retirement.retired(up) == retirement.Retired(frozenset({5}), frozenset({5}), 3)
+    assert retirement.wanted_ordinals(up, [0]) == [0, 1, 2]
 
 
 def test_replace_keeps_replicas_and_moves_the_replica_to_a_new_ordinal() -> None:
@@ -93,7 +138,7 @@ def test_drain_refusals_say_why(pool: Obj, pod: Obj, message: str) -> None:
 def test_an_unreadable_annotation_is_ignored_and_then_cleared() -> None:
     pool = _pool(2, "{not json")
     assert retirement.wanted_ordinals(pool, [0, 1]) == [0, 1]
-    assert retirement.expired(pool)
+    assert retirement.rewrite(pool) == (True, None)
 
 
 def _pipeline(**stage: Any) -> Any:

@@ -159,7 +159,7 @@ def test_a_map_key_is_a_field_not_an_index() -> None:
      "unknown field 'max_unavailable' (did you mean 'maxUnavailable'? keys are camelCase)"),
     ("stage", "zzzzzz", "spec.stages[0].zzzzzz",
      "unknown field 'zzzzzz' (allowed: name, kind, model, engine, inputs, finalOutput, "
-     "replicas, resources, placement, admission, streaming, drainTimeoutSeconds, "
+     "replicas, resources, placement, admission, streaming, dispatch, drainTimeoutSeconds, "
      "maxUnavailable, autoscaling)"),
     ("placement", "nodeSelectr", "spec.stages[0].placement.nodeSelectr",
      "unknown field 'nodeSelectr' (did you mean 'nodeSelector'?)"),

@@ -19,14 +19,17 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from omni_operator import release
 from omni_operator import status as typed
 from omni_operator.controller import Controller
 from omni_operator.crd import omnipipeline_crd, stagepool_crd
 from omni_operator.status import PHASES, model_failure, reported_invalid, stage_minimum
 from omni_operator.status_models import (
     Condition,
+    PipelineRevisions,
     PipelineStatus,
     PoolStatus,
+    RevisionReplicas,
     StageStatus,
     Status,
     field_table,
@@ -99,6 +102,28 @@ def pool(replicas: int, *, max_unavailable: int | None = 1, generation: int = 1,
         "spec": {"pipeline": "p", "replicas": replicas, "stage": stage_doc},
         "status": status or {},
     }
+
+
+#: The stage revision of every pool() above (the stage's name is not part of it).
+REV = release.pool_revision(pool(1))
+#: The pipeline revision of pipelines whose stages all run REV (a, b, s, z...).
+PREV = {n: release.pipeline_revision(dict.fromkeys(n, REV)) for n in ("a", "ab", "asz")}
+
+
+def revised(p: dict[str, Any], revision: str, order: int, *, surge: bool = False
+            ) -> dict[str, Any]:
+    """The pod labelled with a stage revision and its release order, as the operator makes it."""
+    p["metadata"]["labels"][kube.LABEL_REVISION] = revision
+    p["metadata"]["annotations"][kube.ANNOTATION_REVISION_ORDER] = str(order)
+    if surge:
+        p["metadata"]["annotations"][release.ANNOTATION_SURGE] = "true"
+    return p
+
+
+def in_release() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A pool of 2 in a release: one old-revision replica left, one new, the surge (new)."""
+    return pool(2), [revised(pod(0, spec_hash="old"), "0000000000", 1), revised(pod(1), REV, 2),
+                     revised(pod(2), REV, 2, surge=True)]
 
 
 def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
@@ -228,7 +253,7 @@ def test_pipeline_stage_counts_are_capped_at_desired() -> None:
     p = settle(pool(3), [pod(0), pod(1), pod(2)])
     p = settle({**p, "spec": {**p["spec"], "replicas": 1}}, [pod(0), pod(1), pod(2)])
     st = run({"a": p}, deployment(1))
-    assert st["stages"]["a"] == {"pool": "p-a", "ready": 1, "desired": 1}
+    assert st["stages"]["a"] == {"pool": "p-a", "ready": 1, "desired": 1, "revision": REV}
 
 
 def test_invalid_and_terminating_statuses() -> None:
@@ -290,6 +315,7 @@ def every_status() -> list[tuple[str, dict[str, Any]]]:
         "capacity": (pool(1), [pod(0, ready=False, unschedulable=True)]),
         "zero": (pool(0), []),
         "down": (pool(2, status={"settledReplicas": 2}), [pod(0, ready=False)]),
+        "release": in_release(),
     }
     for name, (p, pods) in cases.items():
         out.append((f"pool-{name}", pool_status(p, pods, HASH, NOW)))
@@ -301,6 +327,7 @@ def every_status() -> list[tuple[str, dict[str, Any]]]:
         ("degraded", {"a": settle(pool(1), [pod(0, ready=False)])}, deployment(1),
          {"phase": "Ready"}, 1),
         ("no-orchestrator", {"a": ready_pool}, deployment(0, 0), None, 0),
+        ("release", {"a": settle(*in_release())}, deployment(1), None, 1),
     ):
         out.append((f"pipeline-{name}", run(pools, dep, prev, want=want)))
     out.append(("pipeline-invalid", invalid_status(pipeline(), [("spec", "x" * 5000)], NOW)))
@@ -454,7 +481,8 @@ def test_a_stored_status_reads_back_and_writes_back_unchanged() -> None:
 def test_docs_carry_the_generated_field_tables() -> None:
     """docs/crds.md shows each status field with its type and the schema's description."""
     text = DOCS.read_text(encoding="utf-8")
-    for model in (PipelineStatus, PoolStatus, StageStatus, Condition):
+    for model in (PipelineStatus, PoolStatus, StageStatus, Condition, PipelineRevisions,
+                  RevisionReplicas):
         table = field_table(model)
         assert table in text, (
             f"docs/crds.md lacks the {model.__name__} table; paste field_table("
@@ -708,7 +736,7 @@ def test_pool_status_is_exactly_what_kubectl_shows(
     """
     st = pool_status(p, pods, HASH, NOW)
     assert st == {**counts, "selector": "omnistage.io/pool=p-a", "observedGeneration": 1,
-                  "conditions": [ready, progressing]}
+                  "revision": REV, "conditions": [ready, progressing]}
 
 
 def test_pool_conditions_keep_their_transition_time_until_their_status_flips() -> None:
@@ -776,7 +804,8 @@ def test_a_serving_pipeline_status_is_exactly_what_kubectl_shows() -> None:
     st = pstatus({"a": serving_pool()}, converged(1), generation=3)
     assert st == {
         "observedGeneration": 3, "phase": "Ready", "endpoint": ENDPOINT, "stagesReady": "1/1",
-        "stages": {"a": {"pool": "p-a", "ready": 2, "desired": 2}},
+        "stages": {"a": {"pool": "p-a", "ready": 2, "desired": 2, "revision": REV}},
+        "revisions": {"stable": PREV["a"]},
         "conditions": pconds(SERVING, UP_TO_DATE,
                              (True, "AllStagesServing", "1/1 stages at or above their minimum"),
                              ORCH_1, gen=3),
@@ -872,9 +901,10 @@ def test_stages_ready_counts_stages_at_or_above_their_desired_replicas() -> None
     short = settle(pool(2, stage="s"), [pod(0, stage="s"), pod(1, ready=False, stage="s")])
     st = pstatus({"a": serving_pool(), "z": zero, "s": short}, converged(1))
     assert st["stagesReady"] == "1/3"
-    assert st["stages"] == {"a": {"pool": "p-a", "ready": 2, "desired": 2},
-                            "z": {"pool": "p-z", "ready": 0, "desired": 0},
-                            "s": {"pool": "p-s", "ready": 1, "desired": 2}}
+    assert st["stages"] == {"a": {"pool": "p-a", "ready": 2, "desired": 2, "revision": REV},
+                            "z": {"pool": "p-z", "ready": 0, "desired": 0, "revision": REV},
+                            "s": {"pool": "p-s", "ready": 1, "desired": 2, "revision": REV}}
+    assert st["revisions"] == {"stable": PREV["asz"]}
     assert st["conditions"][0] == c("Ready", False, "ScaledToZero",
                                     "stage z: replicas is 0: the stage cannot serve")
 

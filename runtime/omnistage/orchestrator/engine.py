@@ -33,6 +33,22 @@ replicas of the same stage (a suspect: it may be what kills them). A final AR st
 already streamed to the client resumes from the tokens delivered; a stage whose output already
 reached the client and cannot resume (audio chunks) fails as before.
 
+Revisions: at admission a request is pinned, per stage, to one stage revision (revisions.pin:
+newest or previous, in proportion to the new revision's routable capacity), and every hop and
+every failover retry goes only to replicas of it. Each submit says the revision it expects and
+the revisions of the payloads it brings, so a worker refuses a cross-revision hop
+(error/revision_mismatch): that ends the request with that error and is never taken for a lost
+replica. A request counts as pinned to each of its stage revisions from admission to its one
+terminal outcome (`pinned`, GET /v1/load): the operator keeps the last replica of a revision a
+release leaves while requests are pinned to it, and a task whose revision has no routable
+replica left goes to that draining one (StagePool.last_resort). See docs/architecture.md,
+"Revisions".
+
+Dispatch window (opt-in, stage.dispatch.perReplica): at most that many tasks on each replica of
+the stage; the rest wait in the orchestrator, in order, and a task retried after a lost replica
+or a refusal goes first, so a failover waits for the next free slot instead of a survivor's
+whole queue. Without it every task goes to a replica at once (see _wait_for_room).
+
 A stage with `autoscaling` may have no routable replica (scaled to zero): a task that needs it
 is held in the stage's bounded FIFO (still under its request's deadline and aborts) and the
 stage is woken through the Waker; at admission every such stage the request will run is woken
@@ -46,10 +62,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import random
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -62,7 +79,7 @@ from omnistage.client import ChannelClosed, ReplicaChannel
 from omnistage.executors.kinds import Payload, StageKind
 from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import new_registry
-from omnistage.orchestrator.load import LoadTracker, PipelineLoad, window_of
+from omnistage.orchestrator.load import LoadTracker, PipelineLoad, RevisionLoad, window_of
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
 from omnistage.orchestrator.metrics import OrchestratorCollector
 from omnistage.orchestrator.pools import Replica, StagePool
@@ -80,6 +97,7 @@ from omnistage.orchestrator.requests import (
     RequestError,
     StageOutput,
 )
+from omnistage.orchestrator.revisions import NEWEST, Track, count_revisions, newest, pin
 from omnistage.orchestrator.wake import WAKE_INTERVAL_S, Waker
 from omnistage.shm import SegmentManager, ShmConfig, start_segment_manager
 from omnistage.spec import OmniPipeline
@@ -137,6 +155,7 @@ class _Task:
     answered: bool = False  # the replica's first output came (ttfo measured)
     worker_queue_s: float | None = None  # the replica's reported queue wait (load: exec_s)
     attempt: int = 0  # failovers so far: each attempt has a wire id of its own
+    waiting: bool = False  # in its stage's queue for a free slot of the dispatch window
 
 
 @dataclass(eq=False)
@@ -175,6 +194,12 @@ class _Request:
     cold: list[str] = field(default_factory=list)  # stages it needs that are at zero (woken)
     retries: int = 0  # failovers of its tasks so far (bounded by failover.maxRetries)
     losses: dict[str, int] = field(default_factory=dict)  # replicas lost under it, by stage
+    # The revision it runs at each stage it needs (None: any replica, unchecked), and whether
+    # that is the newest or the previous pipeline revision (revisions.pin).
+    pins: dict[str, str | None] = field(default_factory=dict)
+    track: Track = NEWEST
+    # The (stage, revision) pins it holds in Orchestrator.pinned: admitted, not yet terminal.
+    counted: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(eq=False)
@@ -223,10 +248,12 @@ class Orchestrator:
         notes: Callable[[], Sequence[str]] | None = None,
         shm: ShmConfig | None = None,
         waker: Waker | None = None,
+        revision_rng: random.Random | None = None,
     ) -> None:
         """notes() adds lines to /readyz's reason, for what the placement knows and the
         orchestrator cannot (a local replica crash-looping). waker: asked to start a stage
-        that is at zero replicas while a request is held for it (see _hold)."""
+        that is at zero replicas while a request is held for it (see _hold). revision_rng:
+        the random source of the newest/previous choice at admission (tests seed it)."""
         self.pipeline = pipeline
         self.shm_config = shm
         self.shm: SegmentManager | None = None
@@ -251,6 +278,13 @@ class Orchestrator:
         self.autoscaling = {s.name: s.autoscaling for s in self.spec.stages
                             if s.autoscaling is not None}
         self.holds: dict[str, deque[_Task]] = {s: deque() for s in self.autoscaling}
+        self.revision_holds = 0  # tasks held for a replica of their revision on its way
+        # Dispatch windows (spec stage.dispatch.perReplica): at most this many tasks on each
+        # replica of the stage; more wait, in order, in the stage's hold queue (_wait_for_room).
+        self.windows = {s.name: s.dispatch.per_replica for s in self.spec.stages
+                        if s.dispatch.per_replica is not None}
+        self._drains: set[str] = set()  # windowed stages whose queue a loop turn will drain
+        self._dispatching: _Task | None = None  # the waiting task _drain is sending now
         self.waker = waker
         self.wakes: dict[str, _Wake] = {}  # stages asked to wake and not routable yet
         self.startup_s: dict[str, float] = {}  # the last measured wake -> routable, per stage
@@ -266,7 +300,14 @@ class Orchestrator:
             "replica_restarts": 0,
             "latency_sum": 0.0,
             "suspect_requests": 0,
+            "revision_refusals": 0,  # tasks a worker refused with revision_mismatch
         }
+        self._draw = (revision_rng or random.Random()).random
+        # Requests admitted, by stage and the revision they were pinned to there.
+        self.admissions: dict[tuple[str, str], int] = {}
+        # Requests in flight (admitted, not terminal), by stage and the revision they are pinned
+        # to there: GET /v1/load's `pinned`. A key leaves when its count is back to 0.
+        self.pinned: dict[tuple[str, str], int] = {}
         self.max_retries = self.spec.orchestrator.failover.max_retries
         # Failovers by stage: "retries" (a lost task sent again), "resumes" (of which a stream
         # went on from the tokens the client already had).
@@ -277,7 +318,7 @@ class Orchestrator:
         self.registry = new_registry(OrchestratorCollector(
             pipeline=self.name, outcomes=self.outcomes, requests=self.requests,
             pools=self.pools, counters=self.counters, load=self.load,
-            failovers=self.failovers))
+            failovers=self.failovers, admissions=self.admissions))
         self._zctx: zmq.asyncio.Context | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
@@ -400,6 +441,7 @@ class Orchestrator:
             return
         replica.last_seen = time.monotonic()
         replica.incarnation = hello.incarnation
+        self._said_revision(replica, hello.revision)
         log.info("replica %s: handshake done (protocol %d, incarnation %s)", replica.name,
                  hello.version, hello.incarnation)
         self._routable(replica.info.stage)
@@ -439,10 +481,20 @@ class Orchestrator:
                                      f"{hello.incarnation}")
         if replica.incarnation is None:
             replica.incarnation = hello.incarnation
+            self._said_revision(replica, hello.revision)
             replica.refused = ""
             log.info("replica %s: handshake done (incarnation %s); routable again",
                      replica.name, hello.incarnation)
             self._routable(replica.info.stage)
+
+    def _said_revision(self, replica: Replica, revision: str | None) -> None:
+        """Record the revision a replica's hello named: what it checks submits against, so
+        what routing goes by. A membership label that disagrees is logged (the label lies)."""
+        label = replica.info.revision
+        if revision is not None and label is not None and revision != label:
+            log.warning("replica %s says it is revision %s but its membership says %s; "
+                        "routing by what it says", replica.name, revision, label)
+        replica.said_revision = revision
 
     def _restarted(self, replica: Replica, reason: str) -> None:
         """The process behind a replica is gone: fail the work bound to it at once and route
@@ -515,8 +567,10 @@ class Orchestrator:
             return False
         if request.retries >= self.max_retries or time.monotonic() >= request.deadline:
             return False
-        if not self.pools[stage].routable(task.tried | {lost}):
-            return False  # no other replica to go to: fail now rather than wait
+        pool, revision = self.pools[stage], request.pins.get(stage)
+        if not pool.routable(task.tried | {lost}, revision) and (
+                revision is None or pool.last_resort(revision, task.tried | {lost}) is None):
+            return False  # no other replica of its revision to go to: fail now, not wait
         chain = [] if task.companion else self._fed_chain(child, stage)
         resume = False
         for s in [] if task.companion else [stage, *chain]:
@@ -618,6 +672,10 @@ class Orchestrator:
             self._finish_early(request, error)
             return handle
         self.requests[rid] = request
+        request.counted = tuple((s, rev) for s, rev in request.pins.items() if rev is not None)
+        for key in request.counted:
+            self.admissions[key] = self.admissions.get(key, 0) + 1
+            self.pinned[key] = self.pinned.get(key, 0) + 1
         request.timer = asyncio.get_running_loop().call_later(timeout, self._on_deadline, request)
         request.children = [_Child(request, i) for i in range(req.n)]
         for stage in request.cold:  # warm-up: every stage this request needs, at once
@@ -655,6 +713,9 @@ class Orchestrator:
             if refusal is not None:
                 return refusal
             request.cold.append(stage)
+        request.track, request.pins = pin(
+            {s: count_revisions(self.pools[s].replicas.values()) for s in request.order},
+            self._draw)
         if req.negative_prompt is not None:
             request.companions = {
                 s for s in request.order if self._feeds_hidden_states(s, needed)}
@@ -740,16 +801,32 @@ class Orchestrator:
         self._send(task)
 
     def _send(self, task: _Task) -> None:
+        if self._wait_for_room(task):
+            return
         child, request = task.child, task.child.request
-        replica = self.pools[task.stage].pick(request.req.session, exclude=task.tried)
-        if replica is None and task.stage in self.autoscaling \
-                and not self.pools[task.stage].has_routable():
+        revision = request.pins.get(task.stage)
+        pool = self.pools[task.stage]
+        replica = self._pick(task, revision)
+        if replica is None and task.stage in self.autoscaling and not pool.has_routable():
             self._hold(task)
+            return
+        if replica is None and revision is not None:
+            # A release or a revert left its revision no routable replica here: a draining
+            # one of it still finishes work, and the operator keeps it while we pin to it.
+            replica = pool.last_resort(revision, task.tried)
+            if replica is not None:
+                log.info("request %s: stage %s has no routable replica of revision %s (the "
+                         "request's); sent to draining %s", request.id, task.stage, revision,
+                         replica.name)
+        if replica is None and revision is not None and not task.tried \
+                and pool.coming(revision):
+            self._hold_for_revision(task)
             return
         if replica is None:
             code = "draining" if task.tried else "no_replica"
+            of = "" if revision is None else f" of revision {revision} (the request's)"
             self._fail_child(child, RequestError(
-                code, f"stage {task.stage!r} has no live replica", task.stage))
+                code, f"stage {task.stage!r} has no live replica{of}", task.stage))
             return
         remaining = request.deadline - time.monotonic()
         if remaining <= 0:
@@ -770,7 +847,8 @@ class Orchestrator:
         submit = p.Submit(id=task.wire_id, params=params, timeout_s=remaining,
                           incarnation=replica.incarnation, shm=replica.channel.borrower,
                           chunk_window=window,
-                          fed=task.fed is not None)
+                          fed=task.fed is not None, revision=revision,
+                          **self._revision_fields(task))
         try:
             replica.channel.send(submit, {} if task.fed is not None else self._tensors(task))
             if task.fed is not None:  # a resent downstream gets every chunk so far again
@@ -797,6 +875,25 @@ class Orchestrator:
         replica.bound.add(task)
         self.tasks[task.wire_id] = task
         child.running[(task.stage, task.companion)] = task
+
+    def _revision_fields(self, task: _Task) -> dict[str, dict[str, str]]:
+        """Submit's upstream_revisions (what the request's pins expect of each producer whose
+        payload the task brings) and payload_revisions (the stamps of the results attached; a
+        fed task's chunks carry theirs in each feed). A companion brings no payload."""
+        if task.companion:
+            return {}
+        child, pins = task.child, task.child.request.pins
+        ins = self.inputs[task.stage]
+        expected = {up: rev for up in ins if (rev := pins.get(up)) is not None}
+        stamps: dict[str, str] = {}
+        if task.fed is None:
+            for up in ins:
+                done, neg = child.done.get(up), child.companion_done.get(up)
+                if done is not None and done.header.revision is not None:
+                    stamps[up] = done.header.revision
+                if neg is not None and neg.header.revision is not None:
+                    stamps[f"{up}/neg"] = neg.header.revision
+        return {"upstream_revisions": expected, "payload_revisions": stamps}
 
     def _params(self, task: _Task) -> dict[str, Any]:
         request, child = task.child.request, task.child
@@ -884,11 +981,28 @@ class Orchestrator:
         if refusal is not None:
             self._fail_child(child, refusal)
             return
-        task.replica = None
         task.tried.clear()  # a replica that comes back under the same name is a new process
-        self.holds[task.stage].append(task)
-        child.running[(task.stage, task.companion)] = task
+        self._park(task)
         self._wake(task.stage)
+
+    def _hold_for_revision(self, task: _Task) -> None:
+        """Keep a task whose pinned revision has a replica on its way (a release or a revert
+        brings it up) until it is routable, instead of failing it while replicas of another
+        revision serve; its request's deadline and aborts still apply. Nothing is woken."""
+        self._park(task)
+        self.revision_holds += 1
+
+    def _park(self, task: _Task, at: int | None = None) -> None:
+        """Queue a task in its stage's hold queue (FIFO; `at`: at that place instead of the
+        end); it counts as running, so its request's deadline timer and aborts still reach it
+        (_detach takes it out)."""
+        task.replica = None
+        held = self.holds.setdefault(task.stage, deque())
+        if at is None:
+            held.append(task)
+        else:
+            held.insert(at, task)
+        task.child.running[(task.stage, task.companion)] = task
 
     def _wake(self, stage: str) -> None:
         """Ask the waker to start a replica of a stage at zero (at most once per
@@ -915,6 +1029,7 @@ class Orchestrator:
     def _routable(self, stage: str) -> None:
         """A replica of the stage may have become routable: dispatch its held tasks in order."""
         pool = self.pools.get(stage)
+        self._drain_soon(stage)  # room may have come, or gone with the last replica
         if pool is None or not pool.has_routable():
             return
         wake = self.wakes.pop(stage, None)
@@ -923,8 +1038,96 @@ class Orchestrator:
             log.info("stage %s woke in %.1fs; %d held request(s) go on", stage,
                      self.startup_s[stage], len(self.holds.get(stage, ())))
         held = self.holds.get(stage)
-        while held and pool.has_routable():
-            self._send(held.popleft())
+        for task in list(held or ()):  # in order; a task waits for a replica of its revision
+            pinned = task.child.request.pins.get(stage)
+            if held and task in held and not task.waiting and pool.has_routable(pinned):
+                held.remove(task)
+                self._send(task)
+
+    # ---- the dispatch window (stage.dispatch.perReplica) --------------------------------------
+    #
+    # Why: a task queued in a replica's admission queue is lost with it, and its retry queues
+    # again at the tail of a survivor's queue. With a window, at most perReplica tasks are on
+    # each replica (running and queued there); the rest wait here in the stage's hold queue
+    # (the one held tasks use, so deadlines, aborts and GET /v1/load's `held` cover them), in
+    # order, and a retried task goes to the front. Room comes when a task leaves a replica
+    # (_detach: an end, an abort, a lost replica's tasks) and when a replica becomes routable
+    # (_routable, which also runs when one stops being routable): a drain (a loop turn later,
+    # coalesced, so never inside another operation) then sends waiting tasks in order while
+    # there is room. Until it ran, a new task waits behind them (FIFO). A waiting task only
+    # waits for a replica that is full, so one of its tasks ends and drains again: none is
+    # stranded.
+
+    def _window(self, task: _Task) -> int | None:
+        """The task's dispatch window per replica; None: none (a session's task goes to its
+        replica, as without one)."""
+        if task.child.request.req.session is not None:
+            return None
+        return self.windows.get(task.stage)
+
+    def _wait_for_room(self, task: _Task) -> bool:
+        """Whether the task waits for a free slot (queued, True) instead of going now."""
+        limit = self._window(task)
+        if limit is None or task is self._dispatching:
+            return False
+        revision = task.child.request.pins.get(task.stage)
+        candidates = self.pools[task.stage].routable(task.tried, revision)
+        if not candidates:
+            return False  # no replica to wait for: _send's own rules (hold, or fail)
+        retry = bool(task.tried)  # after a lost replica or a refusal: its request is older
+        if _room(candidates, limit) and (retry or task.stage not in self._drains):
+            return False
+        at = None
+        if retry:  # to the front, behind the retries needed before it
+            at = 0
+            for other in self.holds.get(task.stage, ()):
+                if not (other.waiting and other.tried and other.needed_at <= task.needed_at):
+                    break
+                at += 1
+        self._park(task, at)
+        task.waiting = True
+        return True
+
+    def _pick(self, task: _Task, revision: str | None) -> Replica | None:
+        """The replica for a task: with a window, only among those with a free slot."""
+        pool, limit = self.pools[task.stage], self._window(task)
+        if limit is None:
+            return pool.pick(task.child.request.req.session, exclude=task.tried,
+                             revision=revision)
+        candidates = pool.routable(task.tried, revision)
+        room = _room(candidates, limit)
+        full = {r.name for r in candidates if r not in room}
+        return pool.pick(None, exclude=task.tried | full, revision=revision)
+
+    def _drain_soon(self, stage: str) -> None:
+        """Drain a windowed stage's waiting tasks on the next loop turn (once per turn)."""
+        if stage not in self.windows or stage in self._drains:
+            return
+        if not any(t.waiting for t in self.holds.get(stage, ())):
+            return
+        self._drains.add(stage)
+        asyncio.get_running_loop().call_soon(self._drain, stage)
+
+    def _drain(self, stage: str) -> None:
+        """Send a stage's waiting tasks, in order, each one a replica it may go to has room
+        for; one that no replica may take any more (they left) goes through _send's own
+        rules (held for a replica on its way, or failed), so none is stranded."""
+        self._drains.discard(stage)
+        held, limit, pool = self.holds.get(stage), self.windows[stage], self.pools[stage]
+        for task in list(held or ()):
+            if not task.waiting or task.child.running.get((stage, task.companion)) is not task:
+                continue
+            candidates = pool.routable(task.tried, task.child.request.pins.get(stage))
+            if candidates and not _room(candidates, limit):
+                continue
+            with contextlib.suppress(ValueError):
+                held.remove(task)  # type: ignore[union-attr]
+            task.waiting = False
+            self._dispatching = task
+            try:
+                self._send(task)
+            finally:
+                self._dispatching = None
 
     # ---- replies ---------------------------------------------------------------------------
 
@@ -1038,7 +1241,8 @@ class Orchestrator:
         h = chunk.header
         assert isinstance(h, p.Chunk)
         replica.channel.send(p.Feed(id=task.wire_id, seq=h.seq, text=h.text,
-                                    incarnation=replica.incarnation), chunk.tensors)
+                                    incarnation=replica.incarnation, revision=h.revision),
+                             chunk.tensors)
 
     def _end_stream(self, child: _Child, upstream: str) -> None:
         """The upstream finished: its fed downstream (if it started) gets the end of input.
@@ -1135,6 +1339,15 @@ class Orchestrator:
                 else:
                     self._fail_child(child, RequestError(
                         "drain_timeout", f"stage {stage}: {message}", stage))
+            case p.Error(code="revision_mismatch", message=message):
+                # A cross-revision hop refused: the request ends with it (never retried, and
+                # the replica is fine: it is no lost replica).
+                self.counters["revision_refusals"] += 1
+                log.error("request %s: replica %s refused a cross-revision hop at stage %s: "
+                          "%s", child.request.id, replica.name if replica else "?", stage,
+                          message)
+                self._fail_child(child, RequestError(
+                    "revision_mismatch", f"stage {stage}: {message}", stage))
             case p.Error(code=code, message=message):
                 kind = "bad_request" if code == "bad_request" else "stage_failed"
                 self._fail_child(child, RequestError(kind, f"stage {stage}: {message}", stage))
@@ -1162,6 +1375,7 @@ class Orchestrator:
         if task.replica is not None:
             task.replica.bound.discard(task)
             task.replica.inflight = max(0, task.replica.inflight - 1)
+            self._drain_soon(task.stage)  # a slot of its dispatch window freed
 
     # ---- terminal states -------------------------------------------------------------------
 
@@ -1213,6 +1427,7 @@ class Orchestrator:
 
     def _emit_outcome(self, request: _Request, outcome: Outcome) -> None:
         request.outcome = outcome
+        self._unpin(request)
         self._release(*request.held)  # no block outlives its request
         request.held.clear()
         if request.timer is not None:
@@ -1223,6 +1438,16 @@ class Orchestrator:
         self.outcomes[outcome.status] = self.outcomes.get(outcome.status, 0) + 1
         self.counters["latency_sum"] += time.monotonic() - request.started
         request.queue.put_nowait(outcome)
+
+    def _unpin(self, request: _Request) -> None:
+        """Its terminal outcome: it no longer holds its revisions (once, whatever the path)."""
+        counted, request.counted = request.counted, ()
+        for key in counted:
+            left = self.pinned.get(key, 0) - 1
+            if left > 0:
+                self.pinned[key] = left
+            else:
+                self.pinned.pop(key, None)
 
     def _on_deadline(self, request: _Request) -> None:
         for child in request.children:
@@ -1305,14 +1530,22 @@ class Orchestrator:
 
     def load(self) -> PipelineLoad:
         """The load signal (GET /v1/load and the omnistage_stage_* gauges read this)."""
-        stages = {}
+        stages, revisions = {}, {}
         for stage, pool in self.pools.items():
             stages[stage] = self.load_tracker.figures(
                 stage, replicas=len(pool.routable()),
                 inflight=sum(r.inflight for r in pool.replicas.values()),
                 held=len(self.holds.get(stage, ())), wake_pending=stage in self.wakes)
+            counts = count_revisions(pool.replicas.values())
+            top = newest(counts)
+            if counts:
+                revisions[stage] = {
+                    rev: RevisionLoad(order=c.order, newest=rev == top, replicas=c.replicas,
+                                      routable=c.routable,
+                                      pinned=self.pinned.get((stage, rev), 0))
+                    for rev, c in counts.items()}
         return PipelineLoad(window_s=self.load_tracker.window_s, now=self.load_tracker.wall(),
-                            stages=stages)
+                            stages=stages, revisions=revisions)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -1324,3 +1557,8 @@ class Orchestrator:
             ]
             for stage, pool in self.pools.items()
         }
+
+
+def _room(replicas: Iterable[Replica], limit: int) -> list[Replica]:
+    """The replicas with a free slot of a dispatch window of `limit` tasks each."""
+    return [r for r in replicas if r.inflight < limit]

@@ -48,24 +48,44 @@ def replica_from_pod(
     gone: deleted, or the pod finished (Succeeded/Failed) and will never serve again.
     draining: terminating (deletionTimestamp) or marked by the operator; it finishes bound work
     but takes no new requests. ready: the Ready condition is True. Anything else with an IP is
-    joining. A pod without an IP cannot be reached, so it is not reported at all.
+    joining. A pod without an IP cannot be reached, so it is not reported at all. The pod's
+    revision label and revision-order annotation (the operator's) come along.
     """
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    stage = (meta.get("labels") or {}).get(kube.LABEL_STAGE)
+    labels = meta.get("labels") or {}
+    stage = labels.get(kube.LABEL_STAGE)
     name = meta.get("name")
     if not stage or not name:
         return None
     ip = status.get("podIP") or ""
     endpoint = _endpoint(ip, zmq_port) if ip else ""
+    revision = labels.get(kube.LABEL_REVISION) or None
+    order = revision_order(pod)
     if deleted or status.get("phase") in ("Succeeded", "Failed"):
-        return ReplicaInfo(stage, name, endpoint, "gone")
+        return ReplicaInfo(stage, name, endpoint, "gone", revision, order)
     if not ip:
         return None
     if kube.is_draining(pod):
-        return ReplicaInfo(stage, name, endpoint, "draining")
+        return ReplicaInfo(stage, name, endpoint, "draining", revision, order)
     ready = kube.condition_status(pod, "Ready") == "True"
-    return ReplicaInfo(stage, name, endpoint, "ready" if ready else "joining")
+    return ReplicaInfo(stage, name, endpoint, "ready" if ready else "joining", revision, order)
+
+
+def revision_order(pod: Mapping[str, Any]) -> int:
+    """The pod's release order (annotation ANNOTATION_REVISION_ORDER, a non-negative integer);
+    0 when absent or not one, so a pod of an older operator sorts as the oldest."""
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(
+        kube.ANNOTATION_REVISION_ORDER)
+    try:
+        order = int(str(value))
+    except ValueError:
+        if value is not None:
+            log.warning("pod %s: annotation %s=%r is not an integer; order 0",
+                        (pod.get("metadata") or {}).get("name"), kube.ANNOTATION_REVISION_ORDER,
+                        value)
+        return 0
+    return max(0, order)
 
 
 @dataclass(frozen=True)

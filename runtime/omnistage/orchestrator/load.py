@@ -35,6 +35,7 @@ __all__ = [
     "RING_SIZE",
     "LoadTracker",
     "PipelineLoad",
+    "RevisionLoad",
     "StageLoad",
     "StageTracker",
     "p95",
@@ -50,6 +51,19 @@ def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
+class RevisionLoad(msgspec.Struct, kw_only=True):
+    """One revision of a stage (docs/architecture.md, "Revisions")."""
+
+    order: Annotated[int, _doc("Its release order: the highest among its replicas.")]
+    newest: Annotated[bool, _doc("It is the stage's newest revision (the highest order).")]
+    replicas: Annotated[int, _doc("Replicas of it the orchestrator knows (joining, ready or "
+                                  "draining).")]
+    routable: Annotated[int, _doc("Of those, the routable ones.")]
+    pinned: Annotated[int, _doc("Requests in flight pinned to this revision (admitted, not yet "
+                                "terminal): the operator retires the last replica of a "
+                                "revision a release leaves only once this is 0.")] = 0
+
+
 class StageLoad(msgspec.Struct, kw_only=True):
     """One stage's figures (the JSON keys of GET /v1/load, per stage)."""
 
@@ -57,7 +71,8 @@ class StageLoad(msgspec.Struct, kw_only=True):
     inflight: Annotated[int, _doc("Tasks admitted to the stage's replicas (queued in workers "
                                   "included).")]
     held: Annotated[int, _doc("Tasks the orchestrator holds because the stage has no routable "
-                              "replica (scaled to zero).")]
+                              "replica (scaled to zero), or because every replica they may go "
+                              "to is full (dispatch.perReplica).")]
     arrivals_per_s: Annotated[float, _doc("Tasks that needed the stage, per second over the "
                                           "window.")]
     service_s: Annotated[float, _doc("Mean time from dispatch to the stage's last reply over "
@@ -81,6 +96,10 @@ class PipelineLoad(msgspec.Struct, kw_only=True):
     window_s: Annotated[float, _doc("The window the rates and percentiles cover, seconds.")]
     now: Annotated[float, _doc("Unix time of this snapshot.")]
     stages: dict[str, StageLoad]
+    # Apart from `stages`: the operator's autoscaler mirrors StageLoad field by field.
+    revisions: Annotated[dict[str, dict[str, RevisionLoad]], _doc(
+        "Per stage, its payload revisions among its replicas, by revision (docs/architecture.md, "
+        "\"Revisions\"); a stage whose replicas say no revision is left out.")] = {}
 
 
 def p95(values: Iterable[float]) -> float:

@@ -22,6 +22,11 @@ class ReplicaInfo:
     name: str  # stable replica identity (pod name locally and on Kubernetes)
     endpoint: str  # ZMQ endpoint, tcp://ip:port
     state: ReplicaState = "ready"
+    # Its stage's payload revision and that revision's release order (docs/architecture.md,
+    # "Revisions"): on Kubernetes the pod's label and annotation; None where the source does
+    # not know it (the replica's hello then says). The highest order of a stage is its newest.
+    revision: str | None = None
+    order: int = 0
 
     @property
     def routable(self) -> bool:

@@ -16,7 +16,8 @@ LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("omnistage_stage_inflight", "inflight",
      "Tasks admitted to the stage's replicas (queued in workers included)"),
     ("omnistage_stage_held", "held",
-     "Tasks held by the orchestrator while the stage has no routable replica"),
+     "Tasks held by the orchestrator while the stage has no routable replica, or no free "
+     "slot of its dispatch window"),
     ("omnistage_stage_arrivals_per_second", "arrivals_per_s",
      "Tasks that needed the stage per second, over the load window"),
     ("omnistage_stage_service_seconds", "service_s",
@@ -48,7 +49,8 @@ class OrchestratorCollector:
     def __init__(self, *, pipeline: str, outcomes: Mapping[str, int], requests: Sized,
                  pools: Mapping[str, StagePool], counters: Mapping[str, float],
                  load: Callable[[], PipelineLoad] | None = None,
-                 failovers: Mapping[str, Mapping[str, int]] | None = None) -> None:
+                 failovers: Mapping[str, Mapping[str, int]] | None = None,
+                 admissions: Mapping[tuple[str, str], int] | None = None) -> None:
         self.common = {"pipeline": pipeline}
         self.outcomes = outcomes
         self.requests = requests
@@ -56,6 +58,7 @@ class OrchestratorCollector:
         self.counters = counters
         self.load = load
         self.failovers = failovers or {}
+        self.admissions = admissions if admissions is not None else {}
 
     def collect(self) -> Iterator[Metric]:
         c, common = self.counters, self.common
@@ -95,12 +98,33 @@ class OrchestratorCollector:
         yield family(counter, "omnistage_orchestrator_suspect_requests_total",
                      "Requests failed as suspects: they lost two replicas of one stage",
                      common, [((), c.get("suspect_requests", 0))])
+        yield family(counter, "omnistage_orchestrator_revision_admissions_total",
+                     "Requests admitted, by stage and the stage revision each was pinned to",
+                     common, [(key, n) for key, n in sorted(self.admissions.items())],
+                     ["stage", "revision"])
+        yield family(counter, "omnistage_orchestrator_revision_refusals_total",
+                     "Tasks a worker refused as a cross-revision hop (revision_mismatch); "
+                     "each failed its request", common, [((), c.get("revision_refusals", 0))])
         yield summary("omnistage_orchestrator_request_seconds",
                       "Request latency, admission to terminal outcome", common,
                       sum(self.outcomes.values()), c["latency_sum"])
         if self.load is not None:
-            stages = self.load().stages
+            load = self.load()
+            stages = load.stages
             for name, field, help_text in LOAD_GAUGES:
                 yield family(gauge, name, help_text, common,
                              [((stage,), float(getattr(fig, field)))
                               for stage, fig in stages.items()], ["stage"])
+            yield family(gauge, "omnistage_stage_revision_replicas",
+                         "Routable replicas of each stage revision", common,
+                         [((stage, rev, "true" if r.newest else "false"), float(r.routable))
+                          for stage, revs in load.revisions.items()
+                          for rev, r in sorted(revs.items())],
+                         ["stage", "revision", "newest"])
+            yield family(gauge, "omnistage_stage_revision_pinned",
+                         "Requests in flight pinned to each stage revision (admitted, not yet "
+                         "terminal)", common,
+                         [((stage, rev), float(r.pinned))
+                          for stage, revs in load.revisions.items()
+                          for rev, r in sorted(revs.items())],
+                         ["stage", "revision"])

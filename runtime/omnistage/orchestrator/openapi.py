@@ -108,7 +108,8 @@ _ERRORS: dict[int, str] = {
     429: "A stage replica refused the request at admission (`overloaded`). Retry-After says "
          "when to retry.",
     500: "Internal error; for control, a worker-side exception (`exception_type`, `replica`).",
-    502: "A stage failed or its replica was lost (`stage_failed`, `replica_lost`).",
+    502: "A stage failed or its replica was lost (`stage_failed`, `replica_lost`), or a "
+         "worker refused a hop of another pipeline revision (`revision_mismatch`).",
     503: "No live replica for a stage (`no_replica`), not ready, draining, shutting down, "
          "the request was aborted (`aborted`), or a retiring replica cut it when its drain "
          "timeout passed (`drain_timeout`). Retry-After when the server suggests a delay.",

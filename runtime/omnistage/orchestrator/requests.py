@@ -30,12 +30,13 @@ HTTP_STATUS: dict[str, int] = {
     "internal": 500,
     "shutting_down": 503,
     "drain_timeout": 503,  # a retiring replica cut it (its drainTimeoutSeconds passed)
+    "revision_mismatch": 502,  # a worker refused a cross-revision hop (docs: "Revisions")
 }
 
 # Codes that mean a stage failed rather than something about this request.
 FATAL_CODES = frozenset(
     {"no_replica", "replica_lost", "stage_failed", "internal", "draining", "shutting_down",
-     "not_ready", "drain_timeout"}
+     "not_ready", "drain_timeout", "revision_mismatch"}
 )
 
 

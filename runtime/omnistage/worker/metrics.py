@@ -55,6 +55,10 @@ class WorkerCollector:
         yield family(counter, "omnistage_worker_stale_messages_total",
                      "Submits and aborts for a previous process at this address, refused",
                      common, [((), c["stale_messages"])])
+        yield family(counter, "omnistage_worker_revision_refusals_total",
+                     "Submits and fed chunks of another payload revision than this replica's "
+                     "or than the request expects, refused with revision_mismatch", common,
+                     [((), c.get("revision_refusals", 0))])
         yield family(counter, "omnistage_worker_replies_total", "Terminal replies, by type",
                      common, [((kind,), n) for kind, n in sorted(self.outcomes.items())],
                      ["type"])

@@ -52,6 +52,7 @@ from omnistage.executors import (
 from omnistage.executors.base import InputChunk, StageIO
 from omnistage.executors.kinds import get as get_kind
 from omnistage.metrics import new_registry
+from omnistage.revision import stage_revision
 from omnistage.shm import SegmentManager, ShmConfig, WaitCancelled, start_segment_manager
 from omnistage.sideport import start_side_port
 from omnistage.spec import Stage
@@ -74,6 +75,9 @@ class _Request:
     sender: asyncio.Task[None] | None = None
     chunk_error: BaseException | None = None  # why a chunk could not be sent
     admitted_at: float = 0.0  # time.monotonic() at admission: the queue wait counts from here
+    # Revisions a fed chunk may be stamped with (submit.upstream_revisions); empty: no check.
+    fed_revisions: frozenset[str] = frozenset()
+    mismatch: str | None = None  # why a fed chunk was refused (error/revision_mismatch)
 
     def queue_wait(self) -> float | None:
         """Seconds the request waited in the admission queue before its executor took it
@@ -96,6 +100,8 @@ class StageWorker:
         self.admission = BoundedAdmission(stage.admission.max_requests, stage.admission.max_cost)
         self.scheduler = new_scheduler(stage, executor)
         self.default_deadline = stage.admission.default_deadline_seconds
+        # What this replica stamps on its outputs and checks submits and fed chunks against.
+        self.revision = stage_revision(stage)
         self.drain_timeout = float(stage.drain_timeout_seconds)
         self.requests: dict[tuple[bytes, str], _Request] = {}
         self.loaded = False
@@ -116,6 +122,7 @@ class StageWorker:
             "chunks_fed": 0,
             "window_waits": 0,  # emit_chunk calls that waited for credit (back-pressure)
             "chunks_outstanding_peak": 0,  # the most chunks of one request out at once
+            "revision_refusals": 0,  # submits and fed chunks of another revision, refused
         }
         self.outcomes: dict[str, int] = {}
         self.registry = new_registry(WorkerCollector(
@@ -351,7 +358,7 @@ class StageWorker:
         shared = self.shm is not None and self.shm.verify(probe)
         self._send(ident, p.HelloReply(version=p.PROTOCOL_VERSION, replica=cfg.replica_id,
                                        stage=cfg.stage.name, kind=cfg.stage.kind,
-                                       incarnation=self.incarnation,
+                                       incarnation=self.incarnation, revision=self.revision,
                                        shm=self.shm.probe() if shared else None))  # type: ignore[union-attr]
 
     def _streamed(self, ident: bytes, rid: str, incarnation: str | None) -> _Request | None:
@@ -373,11 +380,41 @@ class StageWorker:
         if not req.io.fed:
             return self._misused(req, f"feed: request {feed.id!r} was not submitted "
                                                "with fed=true")
+        if (feed.revision is not None and req.fed_revisions
+                and feed.revision not in req.fed_revisions):
+            return self._refuse_feed(req, feed)
         if req.io.feed(InputChunk(feed.seq, feed.text, tensors), feed.last):
             if feed.text is not None or tensors:  # not a bare end of input
                 self.counters["chunks_fed"] += 1
         else:
             self.counters["late_feeds"] += 1
+
+    def _refuse_feed(self, req: _Request, feed: p.Feed) -> None:
+        """A fed chunk of another revision than the request expects: the request ends with
+        error/revision_mismatch (its one terminal reply, from _run), and the chunk is dropped.
+        Later feeds of a refused request are dropped and not counted again."""
+        if req.mismatch is not None:
+            return
+        self.counters["revision_refusals"] += 1
+        expected = ", ".join(sorted(req.fed_revisions))
+        req.mismatch = (f"feed {feed.seq}: the chunk is of revision {feed.revision}; the request "
+                        f"expects its upstream at revision {expected}")
+        log.warning("request %s: %s", req.rid, req.mismatch)
+        req.ctx.cancel()
+
+    def _revision_refusal(self, msg: p.Submit) -> str | None:
+        """Why a submit must not run on this replica's revision, or None. Absent fields are
+        not checked (a client older than revisions)."""
+        if msg.revision is not None and msg.revision != self.revision:
+            return (f"revision: the request is pinned to revision {msg.revision} of stage "
+                    f"{self.cfg.stage.name}; replica {self.cfg.replica_id} is revision "
+                    f"{self.revision}")
+        for producer, stamp in sorted(msg.payload_revisions.items()):
+            expected = msg.upstream_revisions.get(producer.split("/", 1)[0])
+            if expected is not None and stamp != expected:
+                return (f"payload_revisions.{producer}: the payload of stage {producer} is of "
+                        f"revision {stamp}; the request expects revision {expected}")
+        return None
 
     def _misused(self, req: _Request, message: str) -> None:
         """A protocol misuse on a running request: log it and cancel the request (its one
@@ -396,6 +433,12 @@ class StageWorker:
                 code="stale_incarnation", id=rid, replica=replica,
                 message=f"request was for incarnation {msg.incarnation} of replica {replica}; "
                         f"this process is {self.incarnation} (the replica restarted)"))
+        mismatch = self._revision_refusal(msg)
+        if mismatch is not None:  # a cross-revision hop: never run, whatever else holds
+            self.counters["revision_refusals"] += 1
+            log.warning("request %s refused: %s", rid, mismatch)
+            return self._reply(ident, p.Error(code="revision_mismatch", id=rid, replica=replica,
+                                              message=mismatch))
         if self.draining:
             self.counters["rejected_draining"] += 1
             return self._reply(ident, p.Draining(id=rid, replica=replica,
@@ -430,7 +473,9 @@ class StageWorker:
         timeout = msg.timeout_s if msg.timeout_s is not None else self.default_deadline
         ctx = ExecutionContext.with_timeout(timeout, permits=[permit])
         borrower = msg.shm if self.shm is not None and msg.shm in self.shm.peers else None
-        req = _Request(ident, rid, ctx, borrower, admitted_at=time.monotonic())
+        req = _Request(ident, rid, ctx, borrower, admitted_at=time.monotonic(),
+                       fed_revisions=frozenset(msg.upstream_revisions.values()) if msg.fed
+                       else frozenset())
         req.io = StageIO(
             ctx, partial(self._delta, req), fed=msg.fed, window=msg.chunk_window or 0,
             send_chunk=partial(self._chunk, req) if msg.chunk_window else None,
@@ -471,7 +516,8 @@ class StageWorker:
                 if req.borrower is not None and tensors:
                     tensors = await self._lend(req, tensors)
                 wait = req.queue_wait() if seq == 1 else None
-                frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text, queue_wait_s=wait),
+                frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text, queue_wait_s=wait,
+                                          revision=self.revision),
                                   tensors, shm=req.borrower is not None)
             except Exception as exc:  # TimeoutError, WaitCancelled, an unencodable chunk
                 self._take_back(tensors)
@@ -533,6 +579,10 @@ class StageWorker:
                 self._reply(req.ident, p.Error(code="internal", id=rid, replica=replica,
                                                message=f"{type(exc).__name__}: {exc}"))
                 return self._finish(req)
+            if req.mismatch is not None:  # a fed chunk was refused: the output lacks it
+                self._reply(req.ident, p.Error(code="revision_mismatch", id=rid,
+                                               replica=replica, message=req.mismatch))
+                return self._finish(req)
             if outcome.aborted and req.cut is not None:
                 self._reply(req.ident, self._cut_reply(req))
                 return self._finish(req)
@@ -543,7 +593,8 @@ class StageWorker:
                 if req.borrower is not None and tensors:
                     tensors = await self._lend(req, tensors)
                 frames = p.encode(result(id=rid, replica=replica, seq=seq + 1,
-                                         queue_wait_s=req.queue_wait(), **outcome.fields),
+                                         queue_wait_s=req.queue_wait(), revision=self.revision,
+                                         **outcome.fields),
                                   tensors, shm=req.borrower is not None)
             except TimeoutError as exc:
                 self._reply(req.ident, p.Deadline(id=rid, replica=replica, message=str(exc)))
@@ -700,6 +751,7 @@ class StageWorker:
             in_flight=len(self.requests),
             queued=self.scheduler.queued,
             pid=os.getpid(),
+            revision=self.revision,
         )
 
     def state(self) -> dict[str, Any]:
@@ -715,6 +767,7 @@ class StageWorker:
                                      *(io.peak_outstanding for io in live)]),
             "outstanding": sum(io.sent - io.acked for io in live),
         }
+        state["revision_refusals"] = c["revision_refusals"]
         if self.shm is not None:
             state["shm"] = {"segment": self.shm.name, **self.shm.stats()}
         return state
