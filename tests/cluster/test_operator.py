@@ -90,7 +90,13 @@ def test_apply_creates_pools_pods_orchestrator_and_reaches_ready(
         "t2i", [stage("enc", gpus=1), {**img_stage, "placement": {**KWOK, "colocateWith": ["enc"]}}]
     )
     apply(kube, namespace, doc)
-    obj = wait_ready(kube, namespace, "t2i", operator)
+    wait_ready(kube, namespace, "t2i", operator)
+    # Ready comes once every stage is at its minimum (1 of 2 with maxUnavailable 1); the phase
+    # turns Ready once every replica is updated and ready.
+    obj = wait_for(lambda: (o := get(kube, namespace, "omnipipe", "t2i"))
+                   and o["status"].get("phase") == "Ready" and o,
+                   90, "t2i phase Ready",
+                   lambda: f"{get(kube, namespace, 'omnipipe', 't2i')}\n{operator.log_tail()}")
     enc = obj["status"]["stages"]["enc"]
     assert enc == {"pool": "t2i-enc", "ready": 2, "desired": 2, "revision": enc["revision"],
                    "routable": {enc["revision"]: 2}}  # one revision, both replicas routable

@@ -199,9 +199,19 @@ def _held_pipeline(kube: Cluster, namespace: str, operator: Release | Operator,
 
     wait_for(ready, 300, f"{ECHO} Ready", operator.log_tail, interval=1)
     [orch] = _live(kube, namespace, f"{k.LABEL_PIPELINE}={ECHO},{k.LABEL_COMPONENT}=orchestrator")
+    url = f"http://{orch['status']['podIP']}:8000"
+
+    def routable() -> int:
+        # Ready pods are ready workers; the orchestrator routes to a replica a moment later,
+        # once its membership saw it and the handshake answered. Until then every request goes
+        # to the one replica it knows, and the callers need one held request on each.
+        with _opener().open(url + "/v1/load", timeout=10) as answer:
+            return int(json.loads(answer.read())["stages"]["a"]["replicas"])
+
+    wait_for(lambda: routable() == 2, 60, "both replicas routable in the orchestrator",
+             lambda: f"routable: {routable()}")
     by_name = {p["metadata"]["name"]: p for p in _live(kube, namespace, k.stage_selector(ECHO))}
-    return f"http://{orch['status']['podIP']}:8000", by_name[f"{ECHO}-a-0"], \
-        by_name[f"{ECHO}-a-1"]
+    return url, by_name[f"{ECHO}-a-0"], by_name[f"{ECHO}-a-1"]
 
 
 def _hold_one_on_each(podrunner: PodRunner, url: str, replicas: list[dict[str, Any]],

@@ -30,9 +30,12 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text-to-image.yaml
 
 
 def _ready(kube: Cluster, ns: str) -> dict[str, Any] | None:
+    """The pipeline with every replica updated and ready: the Ready condition alone comes once
+    each stage is at its minimum (1 of 2 encoders with maxUnavailable 1), the phase after."""
     obj = get(kube, ns, "omnipipe", "text-to-image")
     cond = k.condition(obj, "Ready")
-    return obj if cond and cond["status"] == "True" else None
+    done = cond and cond["status"] == "True" and obj["status"].get("phase") == "Ready"
+    return obj if done else None
 
 
 def _pod(kube: Cluster, ns: str, selector: str) -> list[dict[str, Any]]:
