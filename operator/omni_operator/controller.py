@@ -38,6 +38,7 @@ from omni_operator.placement import unschedulable_message
 from omni_operator.readiness import gate_patch, is_draining, is_ready
 from omni_operator.status import (
     invalid_status,
+    milestone,
     model_failure,
     pipeline_status,
     pool_status,
@@ -296,6 +297,13 @@ RETRY_BASE, RETRY_CAP, RETRY_JITTER = 1.0, 300.0, 0.2
 #: under load); within it, a pool reconcile does not create that pod again. After it, the create
 #: is retried (a 409 if it exists), so a lost event never leaves a replica missing.
 CREATE_EXPECTED_SECONDS = 30.0
+#: A pool's or pipeline's status change that is no milestone (status.milestone: counts,
+#: routable figures, messages) is written at most this often per object, trailing edge: held
+#: back, the latest value is written by a delayed reconcile. Every write costs on a busy API
+#: server, and a ramp changed a pool's counts once per pod (docs/architecture.md).
+STATUS_COALESCE_SECONDS = 2.0
+#: Names an event lists of the objects it is about (the rest are counted).
+EVENT_NAMES = 3
 
 
 class Controller:
@@ -328,8 +336,11 @@ class Controller:
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Future[Any]] = set()  # events in flight (a set: O(1) done)
-        # reported: unschedulable (uid), model (uid/model), deletion (pipeline uid/terminating)
+        # reported: model (uid/model), deletion (pipeline uid/terminating)
         self._warned: set[str] = set()
+        # (ns, pool) -> the scheduler messages its InsufficientCapacity events said, while some
+        # replica still shows them: one event per message per pool, not one per pod.
+        self._unschedulable: dict[tuple[str, str], set[str]] = {}
         self._intended: set[str] = set()  # pod uids the operator deleted itself (retired, stale)
         self._evictions: set[str] = set()  # pod uids evicted through the Eviction API
         # (ns, pool) -> ordinals of replicas gone unasked, until they are back under their name
@@ -371,6 +382,8 @@ class Controller:
         elif kind == "StagePool":
             self._index_pool(key, self.pools.get(key), None if gone else obj)
             self._store(self.pools, key, obj, gone)
+            if gone:
+                self._unschedulable.pop(key, None)
             self.autoscaler.observe(obj, gone)
             self.enqueue(("StagePool", *key))
             pipeline = (obj.get("spec") or {}).get("pipeline")
@@ -484,7 +497,6 @@ class Controller:
         evicted = uid in self._evictions or _evicted(pod)
         self._intended.discard(uid)
         self._evictions.discard(uid)
-        self._warned.discard(uid)
         self._warned.discard(f"{uid}/model")
         ns, pool_name = meta["namespace"], meta["labels"][kube.LABEL_POOL]
         pool = self.pools.get((ns, pool_name))
@@ -823,7 +835,7 @@ class Controller:
         if applied is not None and applied.created and on_create is not None:
             await on_create()
 
-    async def patch_status(self, obj: Obj, typed: Status) -> bool:
+    async def patch_status(self, obj: Obj, typed: Status, *, coalesce: bool = False) -> bool:
         """Write status (its wire form) if it differs from the stored one; True when it wrote.
 
         Read-your-writes: until the watch delivers our own write, the view still holds an older
@@ -831,6 +843,10 @@ class Controller:
         the same status again. Two writes in a row against one stale version (shutdown steps)
         make the first write's result stale too, when the watch delivers it. So a status equal
         to our last one is not written again while the view shows a version older than it.
+
+        coalesce: a change that is no milestone (status.milestone) within
+        STATUS_COALESCE_SECONDS of our last write to the object is held back, and the object
+        reconciled again when that time is up, which writes what is true then.
         """
         status = typed.wire()
         if subset(status, obj.get("status") or {}) and subset(obj.get("status") or {}, status):
@@ -842,6 +858,12 @@ class Controller:
         if last is not None and version in last.stale and _timeless(last.status) == _timeless(
                 status):
             return False
+        if coalesce and last is not None:
+            wait = last.at + STATUS_COALESCE_SECONDS - self.clock()
+            shown = last.status if version in last.stale else obj.get("status") or {}
+            if wait > 0 and not milestone(shown, status):
+                self.enqueue_later(key, wait)
+                return False
         patched = await self._write(
             obj["kind"], ns, name,
             self.api.patch(path(obj["kind"], ns, name, "status"),
@@ -852,7 +874,8 @@ class Controller:
                 stale |= last.stale | {last.result}
             result = ((patched.get("metadata") or {}).get("resourceVersion", "")
                       if isinstance(patched, dict) else "")
-            self._status_written[key] = _StatusWrite(frozenset(stale), status, result)
+            self._status_written[key] = _StatusWrite(frozenset(stale), status, result,
+                                                     self.clock())
         return patched is not None
 
     async def _refused(self, obj: Obj, exc: SpecError) -> None:
@@ -893,9 +916,14 @@ class Controller:
         children = builders.pipeline_children(obj, pipeline, {
             s.name: self.pools.get((ns, kube.pool_name(name, s.name)))
             for s in pipeline.spec.stages})
-        for wave in (False, True):
-            await gather_all(self._ensure_child(obj, child) for child in children
-                       if (child["kind"] in WORKLOADS) == wave)
+        created: list[tuple[str, str]] = []  # (kind, name) of the workloads this pass created
+        try:
+            for wave in (False, True):
+                await gather_all(self._ensure_child(obj, child, created) for child in children
+                                 if (child["kind"] in WORKLOADS) == wave)
+        finally:  # one event for the pass, also when an apply after the creates failed
+            if created:
+                self._event(obj, "Normal", "Created", created_message(created))
         await self._prune_pools(pipeline, ns)
         pools = {
             s.name: self.pools.get((ns, kube.pool_name(name, s.name))) for s in pipeline.spec.stages
@@ -916,10 +944,14 @@ class Controller:
         """Write the status; when the phase or the Ready reason changed, say so in one event on
         the pipeline, so `kubectl describe omnipipe` tells the story without the pools'."""
         before = PipelineStatus.stored(obj)
-        if await self.patch_status(obj, status) and (event := transition_event(before, status)):
+        if await self.patch_status(obj, status, coalesce=True) and (
+                event := transition_event(before, status)):
             self._event(obj, *event)
 
-    async def _ensure_child(self, owner: Obj, child: Obj) -> None:
+    async def _ensure_child(self, owner: Obj, child: Obj,
+                            created: list[tuple[str, str]] | None = None) -> None:
+        """Apply one child of a pipeline; a workload it creates is added to `created` (the
+        caller says so in one event per reconcile, not one per child)."""
         kind, meta = child["kind"], child["metadata"]
         key = (meta["namespace"], meta["name"])
         if kind == "StagePool":
@@ -955,11 +987,11 @@ class Controller:
         else:
             current = self.children.get((kind, *key))
 
-        async def created() -> None:
-            if kind in ("StagePool", "Deployment"):
-                self._event(owner, "Normal", "Created", f"created {kind} {meta['name']}")
+        async def on_create() -> None:
+            if kind in WORKLOADS and created is not None:
+                created.append((kind, meta["name"]))
 
-        await self.ensure(child, current, created)
+        await self.ensure(child, current, on_create)
 
     async def _prune_pools(self, pipeline: OmniPipeline, ns: str) -> None:
         name = pipeline.metadata.name
@@ -1065,13 +1097,10 @@ class Controller:
             path("Pod", ns, pname, "status"), patch, kind="strategic",
             fieldManager=builders.FIELD_MANAGER))
             for pname, patch in gates if patch is not None)
+        if not deleting:
+            self._warn_unschedulable(pool, pods)
         for pod in [] if deleting else pods.values():
-            pname = pod["metadata"]["name"]
-            msg = unschedulable_message(pod)
             uid = pod["metadata"].get("uid", "")
-            if msg and uid not in self._warned:
-                self._warned.add(uid)
-                self._event(pool, "Warning", "InsufficientCapacity", f"{pname}: {msg}")
             failure = model_failure(pod)
             if failure and f"{uid}/model" not in self._warned:
                 self._warned.add(f"{uid}/model")
@@ -1117,7 +1146,28 @@ class Controller:
             return  # the pool is going away: its status is of no use to anyone
         status = pool_status(pool, list(self.pods.get((ns, name), {}).values()), template_hash, now,
                              self.autoscaler.report(pool))
-        await self.patch_status(pool, status)
+        await self.patch_status(pool, status, coalesce=True)
+
+    def _warn_unschedulable(self, pool: Obj, pods: dict[str, Obj]) -> None:
+        """One Warning `InsufficientCapacity` per distinct scheduler message per pool, naming
+        a few of the replicas it holds back: a shape no node fits left every replica of a big
+        pool pending, one event (one write) each. A message is said again only after no
+        replica of the pool showed it for a reconcile."""
+        held: dict[str, list[str]] = {}
+        for pod in pods.values():
+            if not pod["metadata"].get("deletionTimestamp") and (
+                    msg := unschedulable_message(pod)):
+                held.setdefault(msg, []).append(pod["metadata"]["name"])
+        key = _meta_key(pool)
+        said = self._unschedulable.get(key, set())
+        for msg, names in held.items():
+            if msg not in said:
+                self._event(pool, "Warning", "InsufficientCapacity",
+                            f"{few(sorted(names, key=lambda n: (len(n), n)))}: {msg}")
+        if held:
+            self._unschedulable[key] = set(held)
+        else:
+            self._unschedulable.pop(key, None)
 
     async def _pinned(self, ns: str, pipeline: str, stage: str, revision: str) -> int | None:
         """Requests pinned to `revision` at `stage` in flight at the pipeline's running
@@ -1175,14 +1225,18 @@ class Controller:
         results = await gather_all(self.api.create(path("Pod", ns), pod, ignore=(409,),
                                              fieldManager=builders.FIELD_MANAGER)
                              for pod in missing)
-        awaited = False
         for pod in missing:  # created, or there already (409): its watch event is coming
             if (ns, pod["metadata"]["name"]) not in self._pod_group:
                 self._expected[(ns, pod["metadata"]["name"])] = now
-                awaited = True
-        if awaited:  # if an event never comes, look again once the expectation has lapsed
+        # If an event never comes, look again once the expectation has lapsed. Armed by every
+        # reconcile that still awaits a pod, not only the one that created it: a key keeps one
+        # delayed reconcile (the earliest), so a sooner one (a coalesced status write) takes
+        # this one's place, and the reconcile it brings must arm it again.
+        since = [self._expected[(ns, pod["metadata"]["name"])] for pod in wanting
+                 if (ns, pod["metadata"]["name"]) in self._expected]
+        if since:
             self.enqueue_later(("StagePool", ns, pool["metadata"]["name"]),
-                               CREATE_EXPECTED_SECONDS + 1.0)
+                               min(since) + CREATE_EXPECTED_SECONDS + 1.0 - now)
         created = [pod["metadata"]["name"]
                    for pod, result in zip(missing, results, strict=True) if result is not None]
         if created:
@@ -1275,6 +1329,22 @@ class Controller:
         return gate
 
 
+def few(names: list[str], limit: int = EVENT_NAMES) -> str:
+    """Up to `limit` names, the rest counted: an event about many objects stays short."""
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def created_message(created: list[tuple[str, str]]) -> str:
+    """The one `Created` event of a pipeline reconcile: counts by kind, a few names of each."""
+    by_kind: dict[str, list[str]] = {}
+    for kind, name in created:
+        by_kind.setdefault(kind, []).append(name)
+    return "created " + ", ".join(
+        f"{len(names)} {kind}{'' if len(names) == 1 else 's'} ({few(sorted(names))})"
+        for kind, names in sorted(by_kind.items()))
+
+
 def _staying(by_ordinal: dict[int, Obj]) -> list[int]:
     """Ordinals of replicas that are not retiring (the drain mark). A replica terminating
     without it (evicted, deleted by hand, or replaced by the operator while it served nothing)
@@ -1303,6 +1373,7 @@ class _StatusWrite:
     stale: frozenset[str]
     status: Obj
     result: str
+    at: float  # when (Controller.clock): coalesced changes wait STATUS_COALESCE_SECONDS from it
 
 
 def _timeless(status: Obj) -> Obj:

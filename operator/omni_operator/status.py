@@ -46,6 +46,7 @@ __all__ = [
     "PHASES",
     "condition",
     "invalid_status",
+    "milestone",
     "model_failure",
     "pipeline_status",
     "pool_status",
@@ -369,6 +370,22 @@ def _revisions(stable: dict[str, str], candidate: dict[str, str]) -> PipelineRev
         return PipelineRevisions(stable=release.pipeline_revision(candidate))
     return PipelineRevisions(stable=release.pipeline_revision(stable),
                              candidate=release.pipeline_revision(candidate))
+
+
+def milestone(before: Obj, after: Obj) -> bool:
+    """Whether going from status `before` to `after` (wire forms) is a milestone to write at
+    once: a first status, a new phase or observed generation, a condition that appears, goes or
+    flips its status. Anything else (counts, routable figures, messages, reasons) the controller
+    may hold back and coalesce (controller.STATUS_COALESCE_SECONDS)."""
+    if not before:
+        return True
+    if any(before.get(k) != after.get(k) for k in ("phase", "observedGeneration")):
+        return True
+
+    def flags(status: Obj) -> dict[Any, Any]:
+        return {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+
+    return flags(before) != flags(after)
 
 
 def invalid_status(obj: Obj, errors: list[tuple[str, str]], now: str) -> Status:

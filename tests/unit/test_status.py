@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from omni_operator import release
 from omni_operator import status as typed
-from omni_operator.controller import Controller
+from omni_operator.controller import STATUS_COALESCE_SECONDS, Controller
 from omni_operator.crd import omnipipeline_crd, stagepool_crd
 from omni_operator.status import PHASES, model_failure, reported_invalid, stage_minimum
 from omni_operator.status_models import (
@@ -506,9 +506,12 @@ class _RecordingApi:
 async def test_the_controller_writes_only_changes_and_one_event_per_transition() -> None:
     """Kills: patch_status writing the model instead of its wire form, writing an unchanged
     status (stored, or written against the same resourceVersion before the watch delivered
-    it), and an event for a write whose phase and Ready reason did not change."""
+    it), and an event for a write whose phase and Ready reason did not change. Changes that
+    flip no condition are coalesced (tests/unit/test_status_coalescing.py): the clock moves
+    past STATUS_COALESCE_SECONDS before each."""
     api = _RecordingApi()
-    ctl = Controller(api=api)  # type: ignore[arg-type]
+    clock = [100.0]
+    ctl = Controller(api=api, clock=lambda: clock[0])  # type: ignore[arg-type]
     events: list[tuple[str, ...]] = []
     ctl._event = lambda obj, *event: events.append(event)  # type: ignore[method-assign]
     url = "/apis/omnistage.io/v1alpha1/namespaces/ns/omnipipelines/p/status"
@@ -529,12 +532,14 @@ async def test_the_controller_writes_only_changes_and_one_event_per_transition()
     assert len(api.patches) == 1 and len(events) == 1
     # The pool appears, starting: a new Ready reason, one event.
     starting = compute(stored, {"a": settle(pool(1), [pod(0, ready=False)])}, None, LATER)
+    clock[0] += STATUS_COALESCE_SECONDS
     await ctl._pipeline_status(stored, starting)
     assert len(api.patches) == 2
     assert events[1:] == [("Normal", "Pending", "stage a: 0/1 replicas ready (minimum 1)")]
     # Scaled up while starting: a new message, the same phase and reason: a write, no event.
     stored = {**stored, "status": starting.wire()}
     moved = compute(stored, {"a": settle(pool(2), [pod(0, ready=False)])}, None, LATER)
+    clock[0] += STATUS_COALESCE_SECONDS
     await ctl._pipeline_status(stored, moved)
     assert len(api.patches) == 3 and len(events) == 2
     assert typed.transition_event(PipelineStatus.stored(stored), moved) is None
@@ -548,6 +553,7 @@ async def test_the_controller_writes_only_changes_and_one_event_per_transition()
     refused = typed.invalid_status(pool(1), [("spec.image", "bad")], NOW)
     assert await ctl.patch_status(pool(1), refused)
     assert api.patches[-1][1] == {"status": refused.wire()} and "phase" not in refused.wire()
+    assert not ctl._timers
 
 
 class _VersioningApi(_RecordingApi):
