@@ -31,8 +31,11 @@ class RecordingApi:
         return body
 
     async def get(self, url: str, **kwargs: Any) -> Obj:
+        """Lists only (the chart grants list and watch, no get): a list that finds nothing."""
         self.calls.append(("get", url, None, kwargs))
-        raise ApiError(404, {"kind": "Status", "reason": "NotFound"}, "GET", url)
+        if url.rsplit("/", 1)[-1] != "omnipipelines":
+            raise ApiError(403, {"kind": "Status", "reason": "Forbidden"}, "GET", url)
+        return {"items": []}
 
     async def close(self) -> None:
         pass
@@ -173,7 +176,7 @@ async def test_the_finalizer_is_released_by_apply_or_by_a_patch_when_an_old_oper
 
 class GoneApi(RecordingApi):
     """The pipeline was deleted after the view saw it: the API server refuses an apply that
-    names its uid with 409 (no object with that uid), and a read finds nothing."""
+    names its uid with 409 (no object with that uid), and a list by name finds nothing."""
 
     async def apply(self, url: str, obj: Obj, **kwargs: Any) -> Applied:
         self.calls.append(("apply", url, obj, kwargs))
@@ -192,7 +195,9 @@ async def test_a_finalizer_apply_on_a_stale_view_of_a_deleted_pipeline_is_not_in
     obj = _deleting([_entry(MANAGER, "Apply", item)])
     c.observe("OmniPipeline", "ADDED", obj)
     await c.shutdown_pipeline(obj)
-    (verb, _, intent, _), (read, *_) = api.calls
+    (verb, _, intent, _), (read, url, _, params) = api.calls
     assert verb == "apply" and intent["metadata"]["uid"] == "u0" and read == "get"
+    assert url.endswith("/namespaces/ns/omnipipelines")  # a list: the chart grants no get
+    assert params == {"fieldSelector": "metadata.name=p"}
     assert c.view("OmniPipeline", "ns", "p") is None  # forgotten, as for a 404
     assert not c._invalid
