@@ -20,8 +20,10 @@ own Nodes, keeps their Leases and Ready condition fresh, and for every pod bound
 * resolves env (value with $(VAR) expansion, fieldRef, resourceFieldRef, configMapKeyRef,
   secretKeyRef, envFrom), and gives the pod a unique loopback IP (``status.podIP``);
 * runs startup, readiness and liveness probes (httpGet, tcpSocket, exec), restarts containers per
-  restartPolicy, and sets the Ready condition only when all containers are ready AND every
-  ``readinessGates`` condition is True (conditions owned by others are never overwritten);
+  restartPolicy with the kubelet's crash-loop back-off scaled down (``restart_delay``: at once,
+  then 1 s doubling to 10 s; forgotten after a 20 s run), and sets the Ready condition only when
+  all containers are ready AND every ``readinessGates`` condition is True (conditions owned by
+  others are never overwritten);
 * on deletion runs preStop hooks, sends SIGTERM, waits up to the deletion grace period, sends
   SIGKILL, then removes the pod (grace 0), so eviction and PDB-aware drains work as on a kubelet.
 
@@ -94,6 +96,23 @@ PAUSE_CMD = [
     "while True: time.sleep(3600)",
 ]
 VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
+#: The kubelet's CrashLoopBackOff, scaled down: it restarts a container at once after its first
+#: exit, then waits 10 s doubling to 300 s; here 1 s doubling to 10 s, so tests see crash loops
+#: in seconds. It forgets a streak once the container ran long enough (here STABLE_RUN_S).
+RESTART_BASE_S, RESTART_CAP_S = 1.0, 10.0
+STABLE_RUN_S = 20.0
+
+
+def restart_delay(streak: int) -> float:
+    """The wait before restarting a container that exited `streak` times in a row (1: its
+    first exit): none, then 1 s, 2 s, 4 s ... at most 10 s."""
+    return 0.0 if streak <= 1 else backoff.delay(streak - 2, RESTART_BASE_S, RESTART_CAP_S)
+
+
+def next_streak(streak: int, ran_s: float) -> int:
+    """The crash streak after an exit, given how long the run that ended lasted: a run of
+    STABLE_RUN_S or more starts a new streak."""
+    return 1 if ran_s >= STABLE_RUN_S else streak + 1
 
 
 def now_iso() -> str:
@@ -154,7 +173,9 @@ class Container:
     proc: subprocess.Popen[bytes] | None = None
     started_at: str | None = None
     started_mono: float = 0.0
-    restart_count: int = 0
+    restart_count: int = 0  # restartCount: every restart, never reset
+    crash_streak: int = 0  # exits since the last stable run (next_streak): the back-off step
+    last_run_s: float = 0.0  # how long the run that ended last lasted (0: it never started)
     last_terminated: Obj | None = None
     terminated: Obj | None = None
     backoff_until: float = 0.0
@@ -435,7 +456,7 @@ class PodWorker(threading.Thread):
                 out.write(f"podrunner: cannot start: {e}\n".encode())
                 c.proc = None
                 c.terminated = {"exitCode": 128, "reason": "StartError", "message": str(e)}
-                c.last_terminated = c.terminated
+                c.last_terminated, c.last_run_s = c.terminated, 0.0
                 if self.pod["spec"].get("restartPolicy", "Always") != "Never":
                     self._schedule_restart(c)
                 return
@@ -607,6 +628,7 @@ class PodWorker(threading.Thread):
             c.terminated["message"] = self._log_tail_since(c)
         c.last_terminated = c.terminated
         c.ready = False
+        c.last_run_s = time.monotonic() - c.started_mono
         self.runner.record(
             {
                 "namespace": self.ns,
@@ -616,7 +638,7 @@ class PodWorker(threading.Thread):
                 "exitCode": exit_code,
                 "signal": signal.Signals(-code).name if code < 0 else None,
                 "sentSignal": c.kill_signal or None,
-                "runSeconds": round(time.monotonic() - c.started_mono, 3),
+                "runSeconds": round(c.last_run_s, 3),
             }
         )
         c.proc = None
@@ -644,10 +666,11 @@ class PodWorker(threading.Thread):
         return text[-limit:]
 
     def _schedule_restart(self, c: Container) -> None:
+        """Restart after the crash-loop back-off (restart_delay), which the last run's length
+        may reset."""
         c.restart_count += 1
-        # The kubelet's CrashLoopBackOff, scaled down: 1 s after the first exit, up to 10 s.
-        delay = backoff.delay(c.restart_count, 0.5, 10.0)
-        c.backoff_until = time.monotonic() + delay
+        c.crash_streak = next_streak(c.crash_streak, c.last_run_s)
+        c.backoff_until = time.monotonic() + restart_delay(c.crash_streak)
         c.terminated = None
 
     # ---- probes ------------------------------------------------------------------------------
