@@ -17,6 +17,7 @@ HARNESS_MODULES = frozenset(TESTS / f for f in (
     "unit/test_harness_images.py",  # the pod runner's image rules (tests/harness/images.py)
     "unit/test_build_images.py",  # hack/build_images.py
     "unit/test_harness_load.py",  # the emulated Service endpoints (tests/harness/load.py)
+    "unit/test_podrunner_backoff.py",  # the pod runner's crash-loop back-off
     "cluster/test_podrunner.py",  # the local "kubelet" (tests/harness/podrunner.py)
     "cluster/test_scale.py",  # kwok and the control plane carry 500 pods
 ))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from tests.harness.podrunner import (
     STABLE_RUN_S,
     Container,
@@ -19,8 +17,7 @@ from tests.harness.podrunner import (
     restart_delay,
 )
 
-# A harness test (conftest.py: HARNESS_MODULES names the others).
-pytestmark = pytest.mark.harness
+# A harness test: conftest.py names it in HARNESS_MODULES.
 
 
 def test_the_first_restart_is_at_once_then_one_second_doubling_to_ten() -> None:
