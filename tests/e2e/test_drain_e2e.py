@@ -24,7 +24,7 @@ from omni_operator.drain import ANNOTATION_DRAINING_SINCE
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
-from tests.harness.metrics import sample
+from tests.harness.metrics import routable, sample
 from tests.harness.operator import (
     Operator,
     apply,
@@ -201,15 +201,10 @@ def _held_pipeline(kube: Cluster, namespace: str, operator: Release | Operator,
     [orch] = _live(kube, namespace, f"{k.LABEL_PIPELINE}={ECHO},{k.LABEL_COMPONENT}=orchestrator")
     url = f"http://{orch['status']['podIP']}:8000"
 
-    def routable() -> int:
-        # Ready pods are ready workers; the orchestrator routes to a replica a moment later,
-        # once its membership saw it and the handshake answered. Until then every request goes
-        # to the one replica it knows, and the callers need one held request on each.
-        with _opener().open(url + "/v1/load", timeout=10) as answer:
-            return int(json.loads(answer.read())["stages"]["a"]["replicas"])
-
-    wait_for(lambda: routable() == 2, 60, "both replicas routable in the orchestrator",
-             lambda: f"routable: {routable()}")
+    # Until the orchestrator routes to both, every request goes to the one replica it knows,
+    # and the callers need one held request on each.
+    wait_for(lambda: routable(url, "a") == 2, 60, "both replicas routable in the orchestrator",
+             lambda: f"routable: {routable(url, 'a')}")
     by_name = {p["metadata"]["name"]: p for p in _live(kube, namespace, k.stage_selector(ECHO))}
     return url, by_name[f"{ECHO}-a-0"], by_name[f"{ECHO}-a-1"]
 

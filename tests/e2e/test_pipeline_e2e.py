@@ -11,7 +11,6 @@ import base64
 import io
 import json
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from PIL import Image
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
+from tests.harness.metrics import routable
 from tests.harness.operator import apply, get, pod_url, wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -102,16 +102,9 @@ def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Rel
 
     encoders = [stage_pods["text-to-image-encoder-0"], stage_pods["text-to-image-encoder-1"]]
 
-    def both_routable() -> bool:
-        # The pods' Ready says the workers are; the orchestrator routes to a replica once its
-        # membership saw it and the handshake answered, a moment later: spread is checked then.
-        url = f"{str(client.base_url).rstrip('/')}/load"
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(url, timeout=10) as answer:
-            load = json.loads(answer.read())
-        return bool(load["stages"]["encoder"]["replicas"] == 2)
-
-    wait_for(both_routable, 60, "both encoders routable in the orchestrator")
+    orchestrator = str(client.base_url).rstrip("/").removesuffix("/v1")
+    wait_for(lambda: routable(orchestrator, "encoder") == 2, 60,
+             "both encoders routable in the orchestrator")  # spread is checked then
     before = [_admitted(podrunner, p) for p in encoders]
     for i in range(8):
         client.chat.completions.create(
