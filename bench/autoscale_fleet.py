@@ -28,14 +28,16 @@ import argparse
 import concurrent.futures
 import json
 import os
-import threading
+import sys
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import bench_operator_scale as scale
 from goals import Goal
+
+sys.path.insert(0, str(scale.REPO))  # tests/harness
+from tests.harness.jsonhttp import JsonServer
 
 LOAD_URL_ENV = "OMNISTAGE_AUTOSCALER_LOAD_URL"  # omni_operator.autoscaler.LOAD_URL_ENV
 OPERATOR = "omnistage-operator"  # the reportingComponent of the operator's events
@@ -54,47 +56,26 @@ class FleetLoad:
 
     def __init__(self) -> None:
         self.raised: set[str] = set()
-        self.reads = 0
-        self._lock = threading.Lock()
-        outer = self
+        self.server = JsonServer(self._document)
+        self.url = self.server.base_url + "/{namespace}/{pipeline}/v1/load"
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    @property
+    def reads(self) -> int:
+        return self.server.reads
 
-            def do_GET(self) -> None:
-                parts = self.path.strip("/").split("/")
-                pipeline = parts[1] if len(parts) > 2 else ""
-                with outer._lock:
-                    outer.reads += 1
-                b = RAISED if pipeline in outer.raised else STEADY
-                body = json.dumps({"window_s": 60.0, "now": time.time(), "stages": {
-                    "a": {**STEADY, "last_request_unix": time.time()},
-                    "b": {**b, "last_request_unix": time.time()},
-                    "c": {**STEADY, "last_request_unix": time.time()},
-                }}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                pass  # a reader that gave up (its timeout) closed the connection: not news
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.url = (f"http://127.0.0.1:{self.server.server_address[1]}"
-                    "/{namespace}/{pipeline}/v1/load")
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _document(self, path: str) -> tuple[int, dict[str, Any]]:
+        parts = path.strip("/").split("/")
+        pipeline = parts[1] if len(parts) > 2 else ""
+        b = RAISED if pipeline in self.raised else STEADY
+        now = time.time()
+        return 200, {"window_s": 60.0, "now": now, "stages": {
+            "a": {**STEADY, "last_request_unix": now},
+            "b": {**b, "last_request_unix": now},
+            "c": {**STEADY, "last_request_unix": now},
+        }}
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 @dataclass

@@ -104,7 +104,7 @@ else
 fi
 
 # The lowest declared versions of every direct dependency (uv --resolution lowest-direct, in a
-# venv of its own): the unit and integration suites again. Last, since it repeats suites that
-# already passed on the main environment's versions.
-phase "the lowest declared dependency versions: unit and integration suites (hack/lowest-deps.sh)"
+# venv of its own): the unit suite and the integration files that reach each floored library
+# again. Last, since it repeats tests that already passed on the main environment's versions.
+phase "the lowest declared dependency versions: unit and floored integration (hack/lowest-deps.sh)"
 hack/lowest-deps.sh

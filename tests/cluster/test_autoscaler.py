@@ -10,9 +10,7 @@ the pool's reconcile (pods created, and removed on scale-down), the status and t
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from omnistage.kubeapi import path, resource_path
 from tests.cluster.test_operator import KWOK
 from tests.cluster.test_operator_writes import _sa_kubeconfig
 from tests.harness.cluster import Cluster, pods
+from tests.harness.jsonhttp import JsonServer
 from tests.harness.kubeclient import Kube
 from tests.harness.operator import Operator, apply, pipeline_doc, wait_for
 
@@ -37,27 +36,13 @@ class FakeLoad:
 
     def __init__(self) -> None:
         self.figures: dict[str, Any] = {}
-        self.reads = 0
-        outer = self
+        self.server = JsonServer(lambda _path: (200, {"window_s": 60.0, "now": 0.0,
+                                                      "stages": {"a": self.figures}}))
+        self.url = self.server.base_url + "/{namespace}/{pipeline}/v1/load"
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer.reads += 1
-                body = json.dumps({"window_s": 60.0, "now": 0.0,
-                                   "stages": {"a": outer.figures}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/{{namespace}}/{{pipeline}}" \
-                   "/v1/load"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    @property
+    def reads(self) -> int:
+        return self.server.reads
 
     def set(self, arrivals_per_s: float, service_s: float = 1.0) -> None:
         self.figures = {"replicas": 1, "inflight": round(arrivals_per_s * service_s), "held": 0,
@@ -70,7 +55,7 @@ class FakeLoad:
 def load() -> Iterator[FakeLoad]:
     fake = FakeLoad()
     yield fake
-    fake.server.shutdown()
+    fake.server.close()
 
 
 @pytest.fixture(scope="module")

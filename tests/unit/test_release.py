@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-import http.server
-import json
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +22,7 @@ from omni_operator.readiness import is_ready
 from omnistage import kube
 from omnistage.kubeapi import Applied
 from omnistage.spec import parse_pipeline
+from tests.harness.jsonhttp import JsonServer
 
 Obj = dict[str, Any]
 NEW, OLD = "aaaaaaaaaa", "bbbbbbbbbb"
@@ -480,29 +478,14 @@ class FakeOrchestrator:
         self.pinned: dict[tuple[str, str], int] = {}
         self.with_field = True
         self.broken = False
-        self.hits = 0
-        outer = self
+        self.server = JsonServer(
+            lambda path: (500 if self.broken or path != "/v1/load" else 200, self.document()),
+            host, port)
+        self.host, self.port = host, self.server.port
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                outer.hits += 1
-                code = 500 if outer.broken or self.path != "/v1/load" else 200
-                body = json.dumps(outer.document()).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self.host, self.port = host, self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    @property
+    def hits(self) -> int:
+        return self.server.reads
 
     def document(self) -> Obj:
         revisions: Obj = {}
@@ -514,8 +497,7 @@ class FakeOrchestrator:
         return {"window_s": 60.0, "now": 0.0, "stages": {}, "revisions": revisions}
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.close()
 
 
 @pytest.fixture
