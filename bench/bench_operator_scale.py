@@ -27,7 +27,9 @@ Run from the repository root:  python bench/bench_operator_scale.py
 It prints progress every ~5 s, ONE line starting with `operator_scale:` with the figures and a
 `summary:` line with each goal and PASS/MISS (`--check` exits 1 on a MISS):
   - idle writes 0, restart writes 0 and restart Ready flips 0 (when measured);
-  - with --raw-baseline: apply_to_ready <= 1.5x the bare pods' (issue 24);
+  - the operator's writes per stage pod <= 4 (issue 24);
+  - with --raw-baseline: apply_to_ready <= 1.5x the bare pods', and (with the teardown)
+    delete_to_gone <= 1.5x the bare pods' delete (issue 24);
   - at 6,000 stage pods or more (the tenfold fleet of issue 13): apply_to_ready <= 60 s, and
     the operator's peak RSS <= 300 MiB (issue 24);
   - with --lws: Omnistage's apply_to_ready and controller writes per pod <= LWS's.
@@ -36,6 +38,11 @@ It prints progress every ~5 s, ONE line starting with `operator_scale:` with the
 pods (same placement, no controller, no readiness gate), created by the bench itself 64 at a
 time, until kwok has them all Running and Ready; then it deletes them and runs the fleet.
 Everything listens on and connects to 127.0.0.1 only (kwok pod IPs are never contacted).
+
+Every process of this machine's control plane shares its CPUs, so the ramps are bound by the
+CPU seconds they cost: the bench logs them by process (kube-apiserver, etcd, kwok, the
+scheduler, the controller-manager, the operator, the bench) for the bare pods and for the fleet
+(`cpu_s` and `cpu_s_to_ready_by_process` in --json).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ from omnistage.kubeapi import ApiError, SyncKubeApi, path, resource_path  # noqa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goals import Goal, add_check_flag, exit_status, verdicts  # noqa: E402
-from lws_baseline import LwsBaseline  # noqa: E402
+from lws_baseline import LwsBaseline, proc_cpu  # noqa: E402
 from write_counts import Obj, apiserver_writes, controller_writes  # noqa: E402
 
 HACK = REPO / "hack"
@@ -180,6 +187,12 @@ def tree_state() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{head or 'unknown'}{'+dirty' if dirty else ''}"
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per-process CPU seconds between two `component_cpu` readings, largest first."""
+    delta = {k: round(after[k] - before.get(k, 0.0), 1) for k in after}
+    return dict(sorted(delta.items(), key=lambda kv: -kv[1]))
 
 
 def pipeline_ready(obj: Obj) -> bool:
@@ -461,13 +474,26 @@ class Bench:
 
     def operator_cpu(self) -> float:
         """CPU seconds (user + system) the operator process has used so far."""
-        if self.op is None:
-            return 0.0
         try:
-            fields = Path(f"/proc/{self.op.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return 0.0 if self.op is None else proc_cpu(self.op.pid)
         except OSError:
             return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def component_cpu(self) -> dict[str, float]:
+        """CPU seconds so far of each control-plane process (hack/cluster.sh's pid files), the
+        operator and this bench: where a ramp's CPU goes on a machine its API server shares."""
+        out: dict[str, float] = {}
+        if self.cluster_dir is not None:
+            for pidfile in sorted((self.cluster_dir / "pids").glob("*.pid")):
+                try:
+                    out[pidfile.stem] = proc_cpu(int(pidfile.read_text().split()[0]))
+                except (OSError, ValueError, IndexError):
+                    continue
+        if self.op is not None:
+            out["operator"] = self.operator_cpu()
+        t = os.times()
+        out["bench"] = t.user + t.system
+        return out
 
     def operator_memory(self) -> dict[str, float]:
         """The operator's resident memory now and at its peak (VmRSS, VmHWM), in MiB."""
@@ -808,8 +834,12 @@ class Bench:
         self.make_namespace()
         raw = None
         if self.args.raw_baseline:
+            cpu0 = self.component_cpu()
             raw = self.raw_pods_baseline(
                 self.args.pipelines * len(STAGES) * self.args.replicas)
+            raw["cpu_s"] = cpu_delta(cpu0, self.component_cpu())
+            log(f"raw baseline: CPU seconds by process, create to Ready and deleted: "
+                f"{raw['cpu_s']}")
         tree = tree_state()
         log(f"operator under test: this tree at {tree}")
         self.start_operator()
@@ -823,10 +853,13 @@ class Bench:
             f"(+{p} orchestrator pods) in namespace {self.ns}"
         )
         api_w0 = apiserver_writes(self.k)
+        cpu0 = self.component_cpu()
         t0 = time.monotonic()
         t_created = self.create_pipelines()
         log(f"  {p} OmniPipelines created in {t_created - t0:.2f}s")
         t_ready = self.wait_ready(t0)
+        ramp_cpu = cpu_delta(cpu0, self.component_cpu())
+        log(f"CPU seconds by process, apply to Ready: {ramp_cpu}")
         w_ready, _ = self.counters()
         settle_s = self.settle()
         w_settled, r_settled = self.counters()
@@ -878,6 +911,7 @@ class Bench:
             "reconciles_to_ready": r_settled - r_start,
             "apiserver_gets_to_ready": sum(g_settled.values()) - sum(g_start.values()),
             "operator_cpu_to_ready_s": round(c_settled - c_start, 2),
+            "cpu_s_to_ready_by_process": ramp_cpu,
             "operator_memory_mib": self.operator_memory(),
             "apiserver_latency_to_ready": latency,
             "loadavg_at_ready": load_at_ready,
@@ -979,12 +1013,16 @@ TENFOLD_PODS = 6000  # issue 13: the tenfold fleet's apply -> Ready goal
 TENFOLD_READY_S = 60.0
 RAW_RATIO = 1.5  # issue 24: apply -> Ready at most this many times the bare pods' (any size)
 TENFOLD_PEAK_RSS_MIB = 300.0  # issue 24: the operator's peak RSS at 6,000 pods
+WRITES_PER_POD = 4.0  # issue 24: the operator's writes per stage pod, apply to settled
+DELETE_RATIO = 1.5  # issue 24: delete -> gone at most this many times the bare pods' delete
 
 
 def scale_goals(result: Obj, idle_s: int) -> list[Goal]:
     """The goals this run measured (see the module docstring)."""
     goals = [Goal(f"idle_writes_{idle_s}s", result["idle"]["writes"], 0, at_least=False,
-                  unit="", digits=0)]
+                  unit="", digits=0),
+             Goal("writes_per_pod", result["writes_per_pod"], WRITES_PER_POD, at_least=False,
+                  unit="", digits=2)]
     if "restart" in result:
         rs = result["restart"]
         goals += [Goal("restart_writes", rs["writes"], 0, at_least=False, unit="", digits=0),
@@ -994,6 +1032,11 @@ def scale_goals(result: Obj, idle_s: int) -> list[Goal]:
         goals.append(Goal("apply_to_ready/raw_pods",
                           result["apply_to_ready_s"] / result["raw_baseline"]["apply_to_ready_s"],
                           RAW_RATIO, at_least=False))
+    raw_delete = result.get("raw_baseline", {}).get("delete_s")
+    if "teardown" in result and raw_delete:
+        goals.append(Goal("delete_to_gone/raw_pods",
+                          result["teardown"]["delete_to_gone_s"] / raw_delete, DELETE_RATIO,
+                          at_least=False))
     if result["pods"] >= TENFOLD_PODS:
         goals.append(Goal("apply_to_ready", result["apply_to_ready_s"], TENFOLD_READY_S,
                           at_least=False, unit="s", digits=1))

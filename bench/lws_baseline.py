@@ -274,5 +274,6 @@ class LwsBaseline:
 
 
 def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
