@@ -472,6 +472,13 @@ class Bench:
     def apiserver_gets(self) -> dict[str, int]:
         return self.apiserver_metrics()[0]
 
+    def count(self, url_path: str) -> int:
+        """How many objects a collection holds, without listing them all: one item and the API
+        server's remainingItemCount (which it leaves out when a selector is given)."""
+        doc = self.k.get(url_path, limit=1)
+        return len(doc.get("items") or []) + int(
+            (doc.get("metadata") or {}).get("remainingItemCount") or 0)
+
     def operator_cpu(self) -> float:
         """CPU seconds (user + system) the operator process has used so far."""
         try:
@@ -721,10 +728,11 @@ class Bench:
         deadline = t0 + self.args.teardown_timeout
         last_print = 0.0
         while True:
-            pipes = len(self.k.list(self.pipelines_path()))
-            pools = len(self.k.list(self.pipelines_path("stagepools")))
-            pods = len(self.k.list(path("Pod", self.ns), labelSelector=LABEL_COMPONENT,
-                                   resourceVersion="0"))
+            # Counted, not listed: decoding 6,000 pods a second was most of this loop's CPU.
+            # The namespace holds only the fleet's objects, so no selector is needed.
+            pipes = self.count(self.pipelines_path())
+            pools = self.count(self.pipelines_path("stagepools"))
+            pods = self.count(path("Pod", self.ns))
             now = time.monotonic()
             if pipes == pools == pods == 0:
                 break
@@ -816,7 +824,7 @@ class Bench:
             list(pool.map(lambda c: self.k.delete(
                 path("Pod", ns), {"gracePeriodSeconds": 0},
                 labelSelector=f"{selector},omnistage.io/chunk={c}"), range(count // 200 + 1)))
-        while self.k.list(path("Pod", ns), labelSelector=selector, resourceVersion="0"):
+        while self.count(path("Pod", ns)):  # its namespace holds only these pods
             if time.monotonic() > t_ready + self.args.timeout:
                 raise BenchError("raw baseline: its pods were not deleted in time")
             time.sleep(1.0)

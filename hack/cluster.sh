@@ -27,6 +27,8 @@
 #                          with a notice
 #   OMNISTAGE_IMAGE_INDEX  the image index of image mode (default: this checkout's,
 #                          `hack/build-images.sh --print-index`)
+#   OMNISTAGE_APISERVER_PROFILING  true: the API server serves /debug/pprof to cluster
+#                          admins (default false), for a CPU profile of a benchmark's ramp
 #
 # Everything listens on 127.0.0.1 only. Pod IPs are loopback (kwok: 127.192.0.0/10; the local pod
 # runner: a /20 of 127.128.0.0/10 per cluster) and the service range (198.18.0.0/16, RFC 2544
@@ -258,7 +260,7 @@ EOF
     --service-account-signing-key-file="$PKI/sa.key" \
     --service-cluster-ip-range="$SERVICE_CIDR" \
     --endpoint-reconciler-type=none \
-    --allow-privileged=true --profiling=false --event-ttl=30m \
+    --allow-privileged=true --profiling="${OMNISTAGE_APISERVER_PROFILING:-false}" --event-ttl=30m \
     --max-requests-inflight=1000 --max-mutating-requests-inflight=500 \
     --audit-policy-file="$STATE/audit-policy.yaml" --audit-log-path="$LOGS/audit.log" \
     --audit-log-maxsize=200 --audit-log-maxbackup=1

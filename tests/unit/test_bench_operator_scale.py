@@ -70,3 +70,23 @@ def test_cpu_is_read_for_each_pid_file_of_the_cluster(scale: Any, tmp_path: Path
     assert set(cpu) == {"kube-apiserver", "bench"}  # the unreadable pid file left out
     assert cpu["kube-apiserver"] > 0.0
     assert cpu["kube-apiserver"] == pytest.approx(cpu["bench"], abs=0.1)  # the same process
+
+
+def test_a_collection_is_counted_from_one_item_and_the_remaining_count(scale: Any) -> None:
+    asked: list[tuple[str, dict[str, Any]]] = []
+
+    class Api:
+        def get(self, url_path: str, **params: Any) -> dict[str, Any]:
+            asked.append((url_path, params))
+            if url_path.endswith("/pods"):
+                return {"items": [{}], "metadata": {"remainingItemCount": 5999}}
+            if url_path.endswith("/stagepools"):
+                return {"items": [{}], "metadata": {}}  # the last page: no remaining count
+            return {"items": [], "metadata": {}}
+
+    bench = scale.Bench.__new__(scale.Bench)
+    bench.kube = Api()
+    assert bench.count("/api/v1/namespaces/n/pods") == 6000
+    assert bench.count("/apis/omnistage.io/v1alpha1/namespaces/n/stagepools") == 1
+    assert bench.count("/apis/omnistage.io/v1alpha1/namespaces/n/omnipipelines") == 0
+    assert all(params == {"limit": 1} for _, params in asked)
