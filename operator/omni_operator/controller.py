@@ -333,6 +333,7 @@ class Controller:
         self._dirty: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}  # at most one delayed enqueue per key
         self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
+        self._listing: set[str] = set()  # kinds kopf is listing again (see _listed_again)
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Future[Any]] = set()  # events in flight (a set: O(1) done)
@@ -363,6 +364,17 @@ class Controller:
         self.autoscaling = autoscaler
 
     # ---- event intake ----------------------------------------------------------------------
+
+    def watched(self, kind: str, event_type: str | None, obj: Obj) -> None:
+        """One event of kopf's watch of `kind` (type None: an object of its listing)."""
+        if event_type is not None:
+            self._listing.discard(kind)  # kopf watches a kind once its listing is over
+        else:
+            key = (kind, *_meta_key(obj))
+            if (kind not in self._listing and key not in self._unconfirmed
+                    and self.view(*key) is not None):
+                self._listed_again(kind)
+        self.observe(kind, event_type, obj)
 
     def observe(self, kind: str, event_type: str | None, obj: Obj, *, primed: bool = False) -> None:
         obj = viewed(kind, obj)  # what the controller reads of it, not the whole object
@@ -407,6 +419,32 @@ class Controller:
                 self.enqueue(("StagePool", key[0], lbls[kube.LABEL_POOL]))
             elif gone and lbls.get(kube.LABEL_PIPELINE):
                 self.enqueue(("OmniPipeline", key[0], lbls[kube.LABEL_PIPELINE]))
+
+    def _listed_again(self, kind: str) -> None:
+        """kopf lists a kind again when its watch lost its place (410 Gone: the API server's
+        event window moved past it, which a busy fleet's pods do in seconds), and an object
+        deleted in between gets no DELETED event: the view kept such pods for good, and the
+        pipelines waiting for them to go never shut down. A listed event (type None) for an
+        object the view has, outside a priming, is that listing: every object of the kind
+        awaits confirmation again. The listing confirms those that exist; the next resync's
+        `confirm_primed` lists the kind and forgets the rest."""
+        self._listing.add(kind)
+        keys = self._view_keys(kind)
+        log.info("%s listed again by the watch (it lost its place): checking %d in the view "
+                 "at the next resync", kind, len(keys))
+        self._unconfirmed.update((kind, ns, name) for ns, name in keys)
+
+    def _view_keys(self, kind: str) -> list[tuple[str, str]]:
+        """(namespace, name) of every object of `kind` in the view."""
+        if kind == "OmniPipeline":
+            return list(self.pipelines)
+        if kind == "StagePool":
+            return list(self.pools)
+        if kind == "Deployment":
+            return list(self.deployments)
+        if kind == "Pod":
+            return list(self._pod_group)
+        return [(ns, name) for k, ns, name in self.children if k == kind]
 
     def forget(self, kind: str, namespace: str, name: str) -> None:
         """Drop an object the API server says is gone (404), as its DELETED event would have."""
@@ -586,7 +624,8 @@ class Controller:
                         self.observe(w.kind, None, item, primed=True)
 
     async def confirm_primed(self) -> None:
-        """Drop primed objects that no watch event has confirmed and a fresh list lacks.
+        """Drop primed objects (or, after kopf listed a kind again, objects of that kind) that
+        no watch event has confirmed and a fresh list lacks.
 
         kopf's own first list reports every object that still exists, so normally nothing is
         left to check by the first resync. One list per kind and namespace, not a get per

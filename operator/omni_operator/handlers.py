@@ -20,7 +20,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         async def handler(event: dict[str, Any], **_: Any) -> None:
             obj = event.get("object")
             if isinstance(obj, dict) and obj.get("metadata"):
-                controller.observe(kind, event.get("type"), obj)
+                controller.watched(kind, event.get("type"), obj)
 
         handler.__name__ = f"observe_{kind.lower()}"
         return handler

@@ -475,3 +475,43 @@ async def test_checking_primed_objects_lists_in_pages_too() -> None:
     assert c.view("Pod", "ns", gone["metadata"]["name"]) is None
     assert c.view("Pod", "ns", pods[-1]["metadata"]["name"]) is not None
     assert c._unconfirmed == set()
+
+
+async def test_a_kind_listed_again_forgets_what_was_deleted_while_its_watch_was_lost() -> None:
+    """kopf lists a kind again when its watch gets 410 Gone, and a pod deleted in between gets
+    no DELETED event. In a 6,000-pod teardown 151 pipelines waited for orchestrator pods that
+    were long gone, for good. Kills: a listed event (type None) for a known object not taken
+    as a new listing, the objects the listing does not repeat kept, and those it does (or that
+    a later page of the check holds) dropped."""
+    pods = [_pod("ns", f"p{p}-a", o) for p in range(150) for o in range(4)]
+    api = PagingApi(pods)
+    api.expire_once = False
+    c = Controller(api=api)  # type: ignore[arg-type]
+    enqueued: list[Any] = []
+    c.enqueue = enqueued.append  # type: ignore[method-assign]
+    c._replica_gone = lambda pod: None  # type: ignore[method-assign]
+    for pod in pods:  # the watch's own events: nothing awaits confirmation
+        c.watched("Pod", "ADDED", copy.deepcopy(pod))
+    assert c._unconfirmed == set()
+    await c.confirm_primed()
+    assert api.pages == []  # nothing to check: no list
+
+    gone = [pods.pop(0), pods.pop()]  # deleted while the watch was lost: no DELETED events
+    listed, unlisted = pods[:300], pods[300:]
+    for pod in listed:  # the new listing has come this far by the resync
+        c.watched("Pod", None, copy.deepcopy(pod))
+    assert {name for _, _, name in c._unconfirmed} == {
+        p["metadata"]["name"] for p in gone + unlisted}
+    enqueued.clear()
+    await c.confirm_primed()
+    assert api.pages == [500, 98]
+    for pod in gone:
+        assert c.view("Pod", "ns", pod["metadata"]["name"]) is None
+    assert all(c.view("Pod", "ns", p["metadata"]["name"]) is not None for p in pods)
+    assert ("StagePool", "ns", "p0-a") in enqueued  # its pool looks again
+    assert c._unconfirmed == set()
+    c.watched("Pod", None, copy.deepcopy(pods[-1]))  # the listing's rest: no new check
+    assert c._unconfirmed == set()
+    c.watched("Pod", "MODIFIED", copy.deepcopy(pods[-1]))  # watching again
+    c.watched("Pod", None, copy.deepcopy(pods[-1]))  # and the next listing is one again
+    assert len(c._unconfirmed) == len(pods) - 1
