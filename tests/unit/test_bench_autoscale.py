@@ -4,24 +4,18 @@ figures."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.harness.benches import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    sys.path.insert(0, str(BENCH))  # the benches import each other by bare name
-    try:
-        return importlib.import_module("bench_autoscale")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("bench_autoscale")
 
 
 def test_optimum_is_littles_law_within_bounds(bench: Any) -> None:
@@ -104,11 +98,7 @@ def test_a_figure_not_measured_is_a_miss(bench: Any) -> None:
 
 @pytest.fixture(scope="module")
 def fleet() -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("autoscale_fleet")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("autoscale_fleet")
 
 
 def test_fleet_loads_size_steady_pools_at_one_and_raised_ones_at_three(fleet: Any) -> None:

@@ -8,25 +8,19 @@ log shows it ready and handshaken again."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.harness.benches import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    sys.path.insert(0, str(BENCH))  # the benches import each other by bare name
-    try:
-        return importlib.import_module("bench_failover")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("bench_failover")
 
 
 class FakeFleet:

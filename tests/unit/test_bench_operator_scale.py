@@ -1,24 +1,18 @@
 """bench/bench_operator_scale.py's verdicts and its CPU accounting, without a cluster."""
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.harness.benches import bench_module
 
 
 @pytest.fixture(scope="module")
 def scale() -> Any:
-    sys.path.insert(0, str(BENCH))  # the benches import each other by bare name
-    try:
-        return importlib.import_module("bench_operator_scale")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("bench_operator_scale")
 
 
 def _result(**over: Any) -> dict[str, Any]:

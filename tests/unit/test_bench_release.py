@@ -3,27 +3,20 @@ pod and status samples, the midway and reverted predicates, and the summary's ve
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from omni_operator import release
 from omnistage import kube as k
+from tests.harness.benches import bench_module
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 OLD, NEW = "aaaaaaaaaa", "bbbbbbbbbb"
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    sys.path.insert(0, str(BENCH))  # the benches import each other by bare name
-    try:
-        return importlib.import_module("bench_release")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("bench_release")
 
 
 def pod(stage: str, n: int, revision: str = OLD, *, ready: bool = True, draining: bool = False,

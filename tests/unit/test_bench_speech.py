@@ -3,10 +3,7 @@ figures, its bench-only kinds against the spec, and the fixed-length talker's on
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,17 +12,12 @@ from omnistage.admission import ExecutionContext
 from omnistage.executors import kinds as stage_kinds
 from omnistage.executors.talker import TalkerExecutor
 from omnistage.spec import EngineOptions
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.harness.benches import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench() -> Any:
-    sys.path.insert(0, str(BENCH))  # the benches import each other by bare name
-    try:
-        return importlib.import_module("bench_speech")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("bench_speech")
 
 
 @pytest.fixture
