@@ -39,6 +39,8 @@ from goals import Goal
 sys.path.insert(0, str(scale.REPO))  # tests/harness
 from tests.harness.jsonhttp import JsonServer
 
+from omnistage.kube import LOAD_PATH
+
 LOAD_URL_ENV = "OMNISTAGE_AUTOSCALER_LOAD_URL"  # omni_operator.autoscaler.LOAD_URL_ENV
 OPERATOR = "omnistage-operator"  # the reportingComponent of the operator's events
 CPU_GOAL = 0.10  # the autoscaler adds at most this share to the operator's CPU
@@ -57,7 +59,7 @@ class FleetLoad:
     def __init__(self) -> None:
         self.raised: set[str] = set()
         self.server = JsonServer(self._document)
-        self.url = self.server.base_url + "/{namespace}/{pipeline}/v1/load"
+        self.url = self.server.base_url + "/{namespace}/{pipeline}" + LOAD_PATH
 
     @property
     def reads(self) -> int:

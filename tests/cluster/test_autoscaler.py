@@ -38,7 +38,7 @@ class FakeLoad:
         self.figures: dict[str, Any] = {}
         self.server = JsonServer(lambda _path: (200, {"window_s": 60.0, "now": 0.0,
                                                       "stages": {"a": self.figures}}))
-        self.url = self.server.base_url + "/{namespace}/{pipeline}/v1/load"
+        self.url = self.server.base_url + "/{namespace}/{pipeline}" + k.LOAD_PATH
 
     @property
     def reads(self) -> int:

@@ -479,7 +479,7 @@ class FakeOrchestrator:
         self.with_field = True
         self.broken = False
         self.server = JsonServer(
-            lambda path: (500 if self.broken or path != "/v1/load" else 200, self.document()),
+            lambda path: (500 if self.broken or path != kube.LOAD_PATH else 200, self.document()),
             host, port)
         self.host, self.port = host, self.server.port
 
