@@ -8,6 +8,8 @@
 #   hack/lowest-deps.sh            # unit + FLOOR_TESTS (hack/test.sh runs this)
 #   LOWEST_DEPS_ALL=1 hack/lowest-deps.sh   # unit + every integration file
 #   hack/lowest-deps.sh -x -q      # extra arguments go to pytest
+#   hack/lowest-deps.sh --prepare  # only install (or reuse) the venv and check its floors:
+#                                  # hack/test.sh does this beside its other set-up steps
 #
 # The virtualenv lives under ~/.cache/omnistage/lowest-venv/<hash of pyproject.toml and the
 # python>, so a second run reuses it; uv's cache (~/.cache/omnistage/uv) keeps the downloads.
@@ -17,6 +19,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 started=$SECONDS
+prepare_only=false
+if [[ ${1:-} == --prepare ]]; then prepare_only=true; shift; fi
 say() { echo "lowest-deps: $* (at $((SECONDS - started))s)"; }
 trap 'say "FAILED: the command at line $LINENO (see above)" >&2' ERR
 
@@ -92,6 +96,10 @@ if wrong:
 EOF
 say "ruff check . with ruff's floor"
 "$venv/bin/ruff" check --quiet .
+if [[ $prepare_only == true ]]; then
+  say "prepared $venv"
+  exit 0
+fi
 
 # The ML stack's floors are the main environment's own versions (docs/testing.md), so what can
 # differ here is the serving and wire libraries. The unit suite reaches all of them in-process;

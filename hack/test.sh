@@ -9,6 +9,11 @@
 #   ./hack/test.sh ARGS...         # the same set-up, then ONE pytest run with ARGS (no phases)
 #   OMNISTAGE_SKIP_CLUSTER=1 ./hack/test.sh -m "not cluster"   # unit, integration, chart only
 #
+# The cold set-up steps run side by side (one phase): the Kubernetes binaries (Go builds: CPU),
+# the images (pip downloads and layer writes: mostly one core and the network) and the
+# lowest-versions virtualenv (uv downloads). Each writes its own log, shown when the phase ends;
+# the first that fails stops the others and the run, naming it.
+#
 # It fails fast (docs/testing.md, "How CI fails"): right after the images are built, the image
 # canary (python -m tests.harness.images canary) runs each image's entry point once, 60 s at most,
 # so an image that cannot start ends the run in under a minute. Without ARGS pytest then runs in
@@ -39,6 +44,7 @@ end_phase() {
 summary() {
   local rc=$? entry name status secs
   trap - EXIT
+  stop_groups
   if [[ $rc -ne 0 ]]; then
     end_phase "FAILED (exit $rc)"
   else
@@ -59,6 +65,49 @@ summary() {
 }
 trap summary EXIT
 
+# side_by_side NAME=COMMAND...: run set-up steps at once, each in its own process group and
+# logging to its own file; print each log as its step ends. The first failure stops the rest
+# (their whole process groups: go, buildah, uv) and fails the phase, naming the step.
+running_groups=()  # process groups of side-by-side steps still running (the EXIT trap stops them)
+stop_groups() {
+  local pgid
+  for pgid in "${running_groups[@]}"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
+  running_groups=()
+}
+side_by_side() {
+  local logs spec name pid rc i
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/omnistage-setup.XXXXXX")
+  local -A name_of=()
+  for spec in "$@"; do
+    name=${spec%%=*}
+    # setsid: a process group of its own (this shell has no job control), so a failure elsewhere
+    # can stop the step with everything it started.
+    setsid bash -c 'start=$SECONDS; rc=0; bash -c "$1" || rc=$?
+      echo "$((SECONDS - start))" > "$2.secs"; exit "$rc"' step "${spec#*=}" "$logs/$name" \
+      > "$logs/$name.log" 2>&1 &
+    name_of[$!]=$name
+    running_groups+=("$!")
+    echo "    $name: started (log $logs/$name.log)"
+  done
+  for (( i = 0; i < $#; i++ )); do
+    rc=0
+    wait -n -p pid "${!name_of[@]}" || rc=$?
+    name=${name_of[$pid]}
+    unset "name_of[$pid]"
+    running_groups=("${!name_of[@]}")
+    echo "---- $name: exit $rc after $(cat "$logs/$name.secs" 2>/dev/null || echo '?')s ----"
+    cat "$logs/$name.log"
+    if [[ $rc -ne 0 ]]; then
+      echo "hack/test.sh: set-up step \"$name\" failed (exit $rc); stopping" \
+        "${name_of[*]:-nothing else}" >&2
+      stop_groups
+      wait 2>/dev/null || true
+      return "$rc"
+    fi
+  done
+  rm -rf "$logs"
+}
+
 # pytest ARGS...: one pytest run; exit 5 (nothing collected) is a failure, not a pass.
 pytest_run() {
   local rc=0
@@ -78,10 +127,9 @@ python3 -m ruff check .
 cluster=true
 [[ "${OMNISTAGE_SKIP_CLUSTER:-0}" == "1" ]] && cluster=false
 if [[ "$cluster" == true ]]; then
-  phase "building (or reusing) the local Kubernetes control plane binaries"
-  hack/build-k8s.sh
-  phase "building (or reusing) the images: runtime, operator (hack/build-images.sh)"
-  hack/build-images.sh
+  phase "set-up side by side: Kubernetes binaries, images, lowest-versions venv"
+  side_by_side "kubernetes-binaries=hack/build-k8s.sh" "images=hack/build-images.sh" \
+    "lowest-versions-venv=hack/lowest-deps.sh --prepare"
   phase "image canary: each image's entry point starts (60 s limit each)"
   python3 -m tests.harness.images canary --index "$(hack/build-images.sh --print-index)"
   export OMNISTAGE_POD_MODE=image
