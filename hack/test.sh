@@ -9,18 +9,23 @@
 #   ./hack/test.sh ARGS...         # the same set-up, then ONE pytest run with ARGS (no phases)
 #   OMNISTAGE_SKIP_CLUSTER=1 ./hack/test.sh -m "not cluster"   # unit, integration, chart only
 #
-# The cold set-up steps run side by side (one phase): the Kubernetes binaries (Go builds: CPU),
-# the images (pip downloads and layer writes: mostly one core and the network) and the
-# lowest-versions virtualenv (uv downloads). Each writes its own log, shown when the phase ends;
-# the first that fails stops the others and the run, naming it.
+# Work that does not wait on each other runs side by side, since most tests leave a core idle
+# (waits on processes, sockets and the control plane). Without ARGS, in two steps:
+#   1. set-up + the first tests: the Kubernetes binaries (Go builds), the images and then their
+#      canary, the lowest-versions virtualenv, and pytest on unit + integration (none of these
+#      tests needs a binary or an image);
+#   2. pytest on chart + cluster + e2e (--maxfail=3: a hung cluster or a broken image stops
+#      after three failures), and hack/lowest-deps.sh's tests (the unit suite and the
+#      integration files that reach each floored library, on the lowest declared versions).
+# The first pytest of each step prints to the terminal as it goes; every other step writes its
+# own log, shown when it ends. The first step that fails stops the others (SIGINT, so pytest
+# tears its clusters down) and ends the run, naming the step.
 #
 # It fails fast (docs/testing.md, "How CI fails"): right after the images are built, the image
 # canary (python -m tests.harness.images canary) runs each image's entry point once, 60 s at most,
-# so an image that cannot start ends the run in under a minute. Without ARGS pytest then runs in
-# phases: unit + chart + integration first, then cluster + e2e with --maxfail=3 (a hung cluster
-# or a broken image stops after three failures). Every pytest run prints --durations=30. pytest's
-# exit 5 (no tests collected) is a failure. On exit a summary names each phase, its time and the
-# phase that failed.
+# so an image that cannot start ends the run in under a minute. Every pytest run prints
+# --durations=30. pytest's exit 5 (no tests collected) is a failure. On exit a summary names
+# each phase and step, its time and the one that failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -37,10 +42,15 @@ phase() {
 }
 end_phase() {
   if [[ -n "$current" ]]; then
-    phases+=("$current|$1|$((SECONDS - current_start))")
+    phases+=("$current|$1|$((SECONDS - current_start))" "${steps[@]}")
+    failed_phase=$current
   fi
   current=""
+  steps=()
 }
+steps=()         # "  step name|status|seconds" of the current phase's side-by-side steps
+failed_phase=""  # the last phase that ended (the failed one, when the run fails)
+failed_step=""   # the side-by-side step that failed, if one did
 summary() {
   local rc=$? entry name status secs
   trap - EXIT
@@ -56,8 +66,8 @@ summary() {
     printf '  %-18s %5ss  %s\n' "$status" "$secs" "$name"
   done
   if [[ $rc -ne 0 ]]; then
-    IFS='|' read -r name status secs <<<"${phases[-1]}"
-    echo "hack/test.sh: FAILED in phase \"$name\" (exit $rc)" >&2
+    echo "hack/test.sh: FAILED in phase \"$failed_phase\"${failed_step:+, step \"$failed_step\"}" \
+      "(exit $rc)" >&2
   else
     echo "hack/test.sh: all phases passed"
   fi
@@ -65,29 +75,57 @@ summary() {
 }
 trap summary EXIT
 
-# side_by_side NAME=COMMAND...: run set-up steps at once, each in its own process group and
-# logging to its own file; print each log as its step ends. The first failure stops the rest
-# (their whole process groups: go, buildah, uv) and fails the phase, naming the step.
-running_groups=()  # process groups of side-by-side steps still running (the EXIT trap stops them)
+# side_by_side [--stream NAME=COMMAND] NAME=COMMAND...: run steps at once, each in a process
+# group of its own. The --stream step prints to the terminal as it goes; each other step logs
+# to a file, printed when the step ends (at once on failure, after the streamed step on
+# success). Every step's time goes into the summary. The first failure stops the rest and fails
+# the phase, naming the step.
+running_groups=()  # process groups of steps still running (the EXIT trap stops them too)
 stop_groups() {
-  local pgid
-  for pgid in "${running_groups[@]}"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
+  local pgid alive waited
+  (( ${#running_groups[@]} )) || return 0
+  # SIGINT first: pytest then runs its fixtures' teardown (control planes, pod runners).
+  for pgid in "${running_groups[@]}"; do kill -INT -- "-$pgid" 2>/dev/null || true; done
+  for (( waited = 0; waited < 60; waited++ )); do
+    alive=0
+    for pgid in "${running_groups[@]}"; do
+      if kill -0 -- "-$pgid" 2>/dev/null; then alive=1; fi
+    done
+    (( alive )) || break
+    sleep 1
+  done
+  for pgid in "${running_groups[@]}"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
   running_groups=()
 }
+# One step: its command, then its time (seconds) into $2.secs, for the summary.
+step_script='start=$SECONDS; rc=0; bash -c "$1" || rc=$?
+echo "$((SECONDS - start))" > "$2.secs"; exit "$rc"'
 side_by_side() {
-  local logs spec name pid rc i
-  logs=$(mktemp -d "${TMPDIR:-/tmp}/omnistage-setup.XXXXXX")
+  local logs spec name pid rc i secs stream=""
   local -A name_of=()
+  local -a done_logs=()
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/omnistage-steps.XXXXXX")
+  if [[ ${1:-} == --stream ]]; then stream=${2%%=*}; shift; fi
   for spec in "$@"; do
     name=${spec%%=*}
-    # setsid: a process group of its own (this shell has no job control), so a failure elsewhere
-    # can stop the step with everything it started.
-    setsid bash -c 'start=$SECONDS; rc=0; bash -c "$1" || rc=$?
-      echo "$((SECONDS - start))" > "$2.secs"; exit "$rc"' step "${spec#*=}" "$logs/$name" \
-      > "$logs/$name.log" 2>&1 &
+    # setsid: a process group of its own (this shell has no job control), so a failure
+    # elsewhere can stop the step with everything it started. The streamed step keeps this
+    # script's stdout and stderr (reopening /dev/stdout would truncate a log file). A shell
+    # without job control starts background work with SIGINT ignored: env restores it, so
+    # that stop_groups' SIGINT reaches pytest.
+    if [[ $name == "$stream" ]]; then
+      setsid env --default-signal=INT bash -c "$step_script" step "${spec#*=}" "$logs/$name" &
+    else
+      setsid env --default-signal=INT bash -c "$step_script" step "${spec#*=}" "$logs/$name" \
+        > "$logs/$name.log" 2>&1 &
+    fi
     name_of[$!]=$name
     running_groups+=("$!")
-    echo "    $name: started (log $logs/$name.log)"
+    if [[ $name == "$stream" ]]; then
+      echo "    $name: started (output below)"
+    else
+      echo "    $name: started (log $logs/$name.log, shown when it ends)"
+    fi
   done
   for (( i = 0; i < $#; i++ )); do
     rc=0
@@ -95,15 +133,28 @@ side_by_side() {
     name=${name_of[$pid]}
     unset "name_of[$pid]"
     running_groups=("${!name_of[@]}")
-    echo "---- $name: exit $rc after $(cat "$logs/$name.secs" 2>/dev/null || echo '?')s ----"
-    cat "$logs/$name.log"
+    secs=$(cat "$logs/$name.secs" 2>/dev/null || echo "?")
     if [[ $rc -ne 0 ]]; then
-      echo "hack/test.sh: set-up step \"$name\" failed (exit $rc); stopping" \
+      steps+=("  step $name|FAILED (exit $rc)|$secs")
+      failed_step=$name
+      if [[ $name != "$stream" ]]; then
+        echo "---- $name: FAILED (exit $rc) after ${secs}s; its log: ----"
+        cat "$logs/$name.log"
+      fi
+      echo "hack/test.sh: step \"$name\" failed (exit $rc); stopping" \
         "${name_of[*]:-nothing else}" >&2
+      for pid in "${!name_of[@]}"; do steps+=("  step ${name_of[$pid]}|stopped|?"); done
       stop_groups
       wait 2>/dev/null || true
       return "$rc"
     fi
+    steps+=("  step $name|ok|$secs")
+    echo "    $name: passed in ${secs}s"
+    [[ $name != "$stream" ]] && done_logs+=("$name")
+  done
+  for name in "${done_logs[@]}"; do
+    echo "---- $name (passed in $(cat "$logs/$name.secs")s): its log ----"
+    cat "$logs/$name.log"
   done
   rm -rf "$logs"
 }
@@ -124,35 +175,43 @@ python3 -m pip install --quiet --disable-pip-version-check -e '.[runtime,operato
 phase "ruff"
 python3 -m ruff check .
 
+export -f pytest_run  # the steps of side_by_side run it in a shell of their own
+canary='python3 -m tests.harness.images canary --index "$(hack/build-images.sh --print-index)"'
+
 cluster=true
 [[ "${OMNISTAGE_SKIP_CLUSTER:-0}" == "1" ]] && cluster=false
 if [[ "$cluster" == true ]]; then
-  phase "set-up side by side: Kubernetes binaries, images, lowest-versions venv"
-  side_by_side "kubernetes-binaries=hack/build-k8s.sh" "images=hack/build-images.sh" \
-    "lowest-versions-venv=hack/lowest-deps.sh --prepare"
-  phase "image canary: each image's entry point starts (60 s limit each)"
-  python3 -m tests.harness.images canary --index "$(hack/build-images.sh --print-index)"
   export OMNISTAGE_POD_MODE=image
 fi
 
-# Further checks are one `phase "NAME"` line and their command each; the summary lists them.
+# Further checks are one `phase "NAME"` line and their command each (or a step of one of the
+# side_by_side calls); the summary lists them.
 
 if [[ $# -gt 0 ]]; then
+  if [[ "$cluster" == true ]]; then
+    phase "set-up: Kubernetes binaries, images and their canary"
+    side_by_side "kubernetes-binaries=hack/build-k8s.sh" "images=hack/build-images.sh && $canary"
+  fi
   phase "pytest $*"
   pytest_run "$@"
   exit 0
 fi
-phase "pytest: unit, chart, integration"
-pytest_run tests/unit tests/chart tests/integration
-if [[ "$cluster" == true ]]; then
-  phase "pytest: cluster, e2e (--maxfail=3)"
-  pytest_run tests/cluster tests/e2e --maxfail=3
-else
+if [[ "$cluster" != true ]]; then
+  phase "pytest: unit, chart, integration"
+  pytest_run tests/unit tests/chart tests/integration
   echo "==> OMNISTAGE_SKIP_CLUSTER=1: not running tests/cluster and tests/e2e"
+  phase "the lowest declared dependency versions (hack/lowest-deps.sh)"
+  hack/lowest-deps.sh
+  exit 0
 fi
-
+phase "set-up (binaries, images + canary, lowest-versions venv) beside pytest: unit, integration"
+side_by_side --stream "pytest-unit-integration=pytest_run tests/unit tests/integration" \
+  "kubernetes-binaries=hack/build-k8s.sh" \
+  "images=hack/build-images.sh && $canary" \
+  "lowest-versions-venv=hack/lowest-deps.sh --prepare"
 # The lowest declared versions of every direct dependency (uv --resolution lowest-direct, in a
 # venv of its own): the unit suite and the integration files that reach each floored library
-# again. Last, since it repeats tests that already passed on the main environment's versions.
-phase "the lowest declared dependency versions: unit and floored integration (hack/lowest-deps.sh)"
-hack/lowest-deps.sh
+# again, beside the cluster suites (which mostly wait on the control plane).
+phase "pytest: chart, cluster, e2e (--maxfail=3) beside the lowest declared versions' tests"
+side_by_side --stream "pytest-chart-cluster-e2e=pytest_run tests/chart tests/cluster tests/e2e --maxfail=3" \
+  "lowest-versions=hack/lowest-deps.sh"
