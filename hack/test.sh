@@ -14,9 +14,10 @@
 #   1. set-up + the first tests: the Kubernetes binaries (Go builds), the images and then their
 #      canary, the lowest-versions virtualenv, and pytest on unit + integration (none of these
 #      tests needs a binary or an image);
-#   2. pytest on chart + cluster + e2e (--maxfail=3: a hung cluster or a broken image stops
-#      after three failures), and hack/lowest-deps.sh's tests (the unit suite and the
-#      integration files that reach each floored library, on the lowest declared versions).
+#   2. pytest on e2e, and on chart + cluster (two sessions, each with its own control plane;
+#      --maxfail=3 each: a hung cluster or a broken image stops after three failures), and
+#      hack/lowest-deps.sh's tests (the unit suite and the integration files that reach each
+#      floored library, on the lowest declared versions).
 # The first pytest of each step prints to the terminal as it goes; every other step writes its
 # own log, shown when it ends. The first step that fails stops the others (SIGINT, so pytest
 # tears its clusters down) and ends the run, naming the step.
@@ -209,9 +210,12 @@ side_by_side --stream "pytest-unit-integration=pytest_run tests/unit tests/integ
   "kubernetes-binaries=hack/build-k8s.sh" \
   "images=hack/build-images.sh && $canary" \
   "lowest-versions-venv=hack/lowest-deps.sh --prepare"
-# The lowest declared versions of every direct dependency (uv --resolution lowest-direct, in a
-# venv of its own): the unit suite and the integration files that reach each floored library
-# again, beside the cluster suites (which mostly wait on the control plane).
-phase "pytest: chart, cluster, e2e (--maxfail=3) beside the lowest declared versions' tests"
-side_by_side --stream "pytest-chart-cluster-e2e=pytest_run tests/chart tests/cluster tests/e2e --maxfail=3" \
+# The cluster suites mostly wait on the control plane (25-35% of the two cores here), so
+# tests/cluster and tests/e2e run as two pytest sessions, each with a control plane and a pod
+# runner of its own (tests/harness/cluster.py: private state dir, ports and pod range), beside
+# the lowest declared versions of every direct dependency (uv --resolution lowest-direct, in a
+# venv of its own): the unit suite and the integration files that reach each floored library.
+phase "pytest: e2e, and chart + cluster (--maxfail=3 each), beside the lowest versions' tests"
+side_by_side --stream "pytest-e2e=pytest_run tests/e2e --maxfail=3" \
+  "pytest-chart-cluster=pytest_run tests/chart tests/cluster --maxfail=3" \
   "lowest-versions=hack/lowest-deps.sh"
