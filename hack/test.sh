@@ -138,6 +138,7 @@ side_by_side() {
     if [[ $rc -ne 0 ]]; then
       steps+=("  step $name|FAILED (exit $rc)|$secs")
       failed_step=$name
+      echo  # the streamed pytest may be in the middle of a line
       if [[ $name != "$stream" ]]; then
         echo "---- $name: FAILED (exit $rc) after ${secs}s; its log: ----"
         cat "$logs/$name.log"
