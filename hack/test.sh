@@ -10,15 +10,15 @@
 #   OMNISTAGE_SKIP_CLUSTER=1 ./hack/test.sh -m "not cluster"   # unit, integration, chart only
 #
 # Work that does not wait on each other runs side by side, since most tests leave a core idle
-# (waits on processes, sockets and the control plane). Without ARGS, in two steps:
+# (waits on processes, sockets and the control plane). Without ARGS, in two phases of steps:
 #   1. set-up + the first tests: the Kubernetes binaries (Go builds), the images and then their
-#      canary, the lowest-versions virtualenv, and pytest on unit + integration (none of these
-#      tests needs a binary or an image);
-#   2. pytest on e2e, and on chart + cluster (two sessions, each with its own control plane;
-#      --maxfail=3 each: a hung cluster or a broken image stops after three failures), and
-#      hack/lowest-deps.sh's tests (the unit suite and the integration files that reach each
-#      floored library, on the lowest declared versions).
-# The first pytest of each step prints to the terminal as it goes; every other step writes its
+#      canary, the lowest-versions virtualenv, and pytest on unit + integration but the few
+#      marked `binaries` (they need helm or the Go module cache, and would be skipped);
+#   2. pytest on e2e; pytest on the `binaries` tests, then chart + cluster (a control plane of
+#      its own); both with --maxfail=3 (a hung cluster or a broken image stops after three
+#      failures); and hack/lowest-deps.sh's tests (the unit suite and the integration files
+#      that reach each floored library, on the lowest declared versions).
+# The first pytest of each phase prints to the terminal as it goes; every other step writes its
 # own log, shown when it ends. The first step that fails stops the others (SIGINT, so pytest
 # tears its clusters down) and ends the run, naming the step.
 #
@@ -207,7 +207,7 @@ if [[ "$cluster" != true ]]; then
   exit 0
 fi
 phase "set-up (binaries, images + canary, lowest-versions venv) beside pytest: unit, integration"
-side_by_side --stream "pytest-unit-integration=pytest_run tests/unit tests/integration" \
+side_by_side --stream "pytest-unit-integration=pytest_run tests/unit tests/integration -m 'not binaries'" \
   "kubernetes-binaries=hack/build-k8s.sh" \
   "images=hack/build-images.sh && $canary" \
   "lowest-versions-venv=hack/lowest-deps.sh --prepare"
@@ -218,5 +218,5 @@ side_by_side --stream "pytest-unit-integration=pytest_run tests/unit tests/integ
 # venv of its own): the unit suite and the integration files that reach each floored library.
 phase "pytest: e2e, and chart + cluster (--maxfail=3 each), beside the lowest versions' tests"
 side_by_side --stream "pytest-e2e=pytest_run tests/e2e --maxfail=3" \
-  "pytest-chart-cluster=pytest_run tests/chart tests/cluster --maxfail=3" \
+  "pytest-chart-cluster=pytest_run tests/unit tests/integration -m binaries && pytest_run tests/chart tests/cluster --maxfail=3" \
   "lowest-versions=hack/lowest-deps.sh"

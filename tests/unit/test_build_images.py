@@ -234,6 +234,7 @@ def test_helm_is_linked_with_the_control_planes_kubernetes_version(
     assert kubernetes.cached(tmp_path)  # unstamped targets: the binaries alone decide
 
 
+@pytest.mark.binaries
 def test_the_helm_variables_exist_in_the_pinned_helm(bk: ModuleType) -> None:
     """-X on a variable that does not exist links silently: check the pinned helm's source."""
     gomodcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True,

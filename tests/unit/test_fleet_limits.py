@@ -205,6 +205,7 @@ def _operator_args(*values: str) -> list[str]:
     return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
 
 
+@pytest.mark.binaries
 def test_chart_values_set_the_limits() -> None:
     from tests.harness.helm import helm_binary
 
@@ -220,6 +221,7 @@ def test_chart_values_set_the_limits() -> None:
     assert (parsed.workers, parsed.write_qps, parsed.write_burst) == (64, 0.0, 5)
 
 
+@pytest.mark.binaries
 def test_chart_schema_refuses_bad_limits_naming_them() -> None:
     from tests.harness.helm import CHART, helm, helm_binary
 
