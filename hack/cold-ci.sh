@@ -27,6 +27,10 @@ rc=0
 (cd "$root/clone" && .ci/run) > "$log" 2>&1 || rc=$?
 echo "cold CI of ${rev:0:7}: exit $rc after $((SECONDS - start)) s (ended $(date -u +%FT%TZ))"
 tail -20 "$log" | sed -n '/==> summary/,$p'
-# The run's clusters are down (pytest's teardown); its image mounts are not left behind either.
-if [[ ${KEEP:-0} != 1 ]]; then rm -rf "$root"; fi
+# The run's clusters are down (pytest's teardown), but buildah's overlay storage keeps its
+# layers mounted: unmount what is under the root (deepest first), then remove it.
+if [[ ${KEEP:-0} != 1 ]]; then
+  findmnt -rn -o TARGET | awk -v r="$root/" 'index($0, r) == 1' | sort -r | xargs -r umount
+  rm -rf "$root"
+fi
 exit "$rc"
