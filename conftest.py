@@ -16,6 +16,7 @@ CLUSTER_SUITES = tuple(TESTS / d for d in ("cluster", "e2e"))
 HARNESS_MODULES = frozenset(TESTS / f for f in (
     "unit/test_harness_images.py",  # the pod runner's image rules (tests/harness/images.py)
     "unit/test_build_images.py",  # hack/build_images.py
+    "unit/test_hack_test_sh.py",  # hack/test.sh's steps side by side
     "unit/test_harness_load.py",  # the emulated Service endpoints (tests/harness/load.py)
     "unit/test_podrunner_backoff.py",  # the pod runner's crash-loop back-off
     "cluster/test_podrunner.py",  # the local "kubelet" (tests/harness/podrunner.py)
