@@ -6,7 +6,7 @@
 # mmdebstrap) stay as installed. Needs about 30 GB free under COLD_ROOT; removes it at the end
 # unless KEEP=1.
 #
-#   hack/cold-ci.sh [REF] [LOG]     # default: HEAD, $COLD_ROOT/ci.log
+#   hack/cold-ci.sh [REF] [LOG]     # default: HEAD, $COLD_ROOT.log (beside the root it removes)
 set -euo pipefail
 repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 ref=${1:-HEAD}

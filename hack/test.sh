@@ -44,16 +44,14 @@ phase() {
 end_phase() {
   if [[ -n "$current" ]]; then
     phases+=("$current|$1|$((SECONDS - current_start))" "${steps[@]}")
-    failed_phase=$current
   fi
   current=""
   steps=()
 }
 steps=()         # "  step name|status|seconds" of the current phase's side-by-side steps
-failed_phase=""  # the last phase that ended (the failed one, when the run fails)
 failed_step=""   # the side-by-side step that failed, if one did
 summary() {
-  local rc=$? entry name status secs
+  local rc=$? entry name status secs failed_phase=$current
   trap - EXIT
   stop_groups
   if [[ $rc -ne 0 ]]; then
@@ -102,29 +100,29 @@ stop_groups() {
 step_script='start=$SECONDS; rc=0; bash -c "$1" || rc=$?
 echo "$((SECONDS - start))" > "$2.secs"; exit "$rc"'
 side_by_side() {
-  local logs spec name pid rc i secs stream=""
+  local logs spec name pid rc i secs out err stream=""
   local -A name_of=()
   local -a done_logs=()
   logs=$(mktemp -d "${TMPDIR:-/tmp}/omnistage-steps.XXXXXX")
   if [[ ${1:-} == --stream ]]; then stream=${2%%=*}; shift; fi
   for spec in "$@"; do
     name=${spec%%=*}
+    # The streamed step writes to this script's stdout and stderr themselves (reopening
+    # /dev/stdout would truncate a log file), each other step to its log.
+    out=1 err=2
+    if [[ $name != "$stream" ]]; then exec {out}>"$logs/$name.log"; err=$out; fi
     # setsid: a process group of its own (this shell has no job control), so a failure
-    # elsewhere can stop the step with everything it started. The streamed step keeps this
-    # script's stdout and stderr (reopening /dev/stdout would truncate a log file). A shell
-    # without job control starts background work with SIGINT ignored: env restores it, so
-    # that stop_groups' SIGINT reaches pytest.
-    if [[ $name == "$stream" ]]; then
-      setsid env --default-signal=INT bash -c "$step_script" step "${spec#*=}" "$logs/$name" &
-    else
-      setsid env --default-signal=INT bash -c "$step_script" step "${spec#*=}" "$logs/$name" \
-        > "$logs/$name.log" 2>&1 &
-    fi
+    # elsewhere can stop the step with everything it started. A shell without job control
+    # starts background work with SIGINT ignored: env restores it, so that stop_groups' SIGINT
+    # reaches pytest.
+    setsid env --default-signal=INT bash -c "$step_script" step "${spec#*=}" "$logs/$name" \
+      >&"$out" 2>&"$err" &
     name_of[$!]=$name
     running_groups+=("$!")
-    if [[ $name == "$stream" ]]; then
+    if [[ $out == 1 ]]; then
       echo "    $name: started (output below)"
     else
+      exec {out}>&-
       echo "    $name: started (log $logs/$name.log, shown when it ends)"
     fi
   done
