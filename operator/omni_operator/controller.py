@@ -358,6 +358,8 @@ class Controller:
         # opens or closes, the pipeline's other pools are reconciled, since their next step
         # (retire an old-revision replica or wait) follows from it.
         self._gates: dict[tuple[str, str], bool] = {}
+        # (ns, pool) -> the ordinal of the release surge it created last (see _surge_ordinal).
+        self._surge_created: dict[tuple[str, str], int] = {}
         self.reconciles = 0
         self.autoscaler = Autoscaler(self)  # sizes pools with spec.stage.autoscaling
         # Off (--no-autoscaler): pools keep the size they have; HPA/KEDA may drive them.
@@ -396,6 +398,7 @@ class Controller:
             self._store(self.pools, key, obj, gone)
             if gone:
                 self._unschedulable.pop(key, None)
+                self._surge_created.pop(key, None)
             self.autoscaler.observe(obj, gone)
             self.enqueue(("StagePool", *key))
             pipeline = (obj.get("spec") or {}).get("pipeline")
@@ -1253,15 +1256,16 @@ class Controller:
         gate = self._release_gate(pool) if old else True
         # Create missing replicas (a lost replica returns under its name), all at once: each
         # create waits on the API server, and a pool's replicas do not depend on each other.
-        # In a release without a surge replica of the new revision, it is created with them,
-        # at the lowest ordinal nobody holds (the same one until it is in the view); not while
-        # a surge of another revision (a reverted release's) still serves: at most one extra.
+        # In a release without a surge replica of the new revision, it is created with them
+        # (_surge_ordinal says where); not while a surge of another revision (a reverted
+        # release's) still serves: at most one extra.
         now = self.clock()
         wanting = [builders.pool_pod(pool, o) for o in wanted if o not in by_ordinal]
         if old and surge is None and not surges:
-            taken = {*by_ordinal, *wanted, *retirement.retired(pool).ordinals, *(returning or ())}
             wanting.append(builders.pool_pod(
-                pool, min(o for o in range(len(taken) + 1) if o not in taken), surge=True))
+                pool, self._surge_ordinal(pool, by_ordinal, wanted, returning), surge=True))
+        elif not old:
+            self._surge_created.pop(_meta_key(pool), None)
         missing = [pod for pod in wanting
                    if now - self._expected.get((ns, pod["metadata"]["name"]), -math.inf)
                    > CREATE_EXPECTED_SECONDS]
@@ -1345,6 +1349,25 @@ class Controller:
             self._event(pool, "Normal", "RollingUpdate",
                         f"replacing {victim['metadata']['name']} with the new spec"
                         + (f" (revision {target})" if old else ""))
+
+    def _surge_ordinal(self, pool: Obj, by_ordinal: dict[int, Obj], wanted: list[int],
+                       returning: set[int] | None) -> int:
+        """Where a release's surge replica goes: the ordinal of the one this pool created
+        last while its first watch event has not arrived, else the lowest ordinal nobody
+        holds. Why not always the lowest: the view changes in between. A surge replaced while
+        the old one still terminates is created above it; when the old one is gone before the
+        new one's event arrives, the lowest free ordinal is a different name, and a second
+        surge would be created (seen under load: 4 replicas of a 2-replica stage serving)."""
+        key = _meta_key(pool)
+        ns, name = key
+        last = self._surge_created.get(key)
+        if (last is not None and last not in wanted
+                and (ns, kube.replica_name(name, last)) in self._expected):
+            return last
+        taken = {*by_ordinal, *wanted, *retirement.retired(pool).ordinals, *(returning or ())}
+        ordinal = min(o for o in range(len(taken) + 1) if o not in taken)
+        self._surge_created[key] = ordinal
+        return ordinal
 
     def _release_gate(self, pool: Obj) -> bool:
         """The pipeline's release gate (release.gate_open) over its pools in the view. When it

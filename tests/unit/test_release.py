@@ -190,6 +190,9 @@ class Cluster:
         self.specs: dict[str, Obj] = {}  # pod name -> the spec it was created with
         self.writes: list[tuple[str, str]] = []
         self.uids = 0
+        # A slower world (see lag()): deletes are graceful, creates reach the view later.
+        self.slow = False
+        self.unseen: list[Obj] = []  # created pods whose ADDED event has not been delivered
         self.ctl = self.controller()
         self.violations: list[str] = []
         self.baseline: dict[str, int] = {}
@@ -209,7 +212,10 @@ class Cluster:
         pod["metadata"]["uid"] = f"uid-{self.uids}"
         pod["status"] = {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}
         self.pods[pod["metadata"]["name"]] = pod
-        self.ctl.observe("Pod", "ADDED", pod)
+        if self.slow:
+            self.unseen.append(pod)
+        else:
+            self.ctl.observe("Pod", "ADDED", pod)
         return pod
 
     async def patch(self, url: str, body: Obj, kind: str = "merge", **_: Any) -> Obj:
@@ -232,11 +238,25 @@ class Cluster:
     async def delete(self, url: str, body: Any = None, **_: Any) -> Obj:
         name = url.rstrip("/").split("/")[-1]
         self.writes.append(("delete", name))
-        pod = self.pods.pop(name)
-        if is_ready(pod):
+        if is_ready(self.pods[name]):
             self.violations.append(f"deleted {name} while it was routable")
-        self.ctl.observe("Pod", "DELETED", pod)
+        if self.slow:  # terminating until gone() (a kubelet's grace period)
+            self.pods[name]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+            self.ctl.observe("Pod", "MODIFIED", copy.deepcopy(self.pods[name]))
+        else:
+            self.ctl.observe("Pod", "DELETED", self.pods.pop(name))
         return {}
+
+    def gone(self) -> None:
+        """The terminating pods leave (slow world)."""
+        for name in [n for n, p in self.pods.items() if p["metadata"].get("deletionTimestamp")]:
+            self.ctl.observe("Pod", "DELETED", self.pods.pop(name))
+
+    def deliver(self) -> None:
+        """The watch catches up with the creates (slow world)."""
+        for pod in self.unseen:
+            self.ctl.observe("Pod", "ADDED", copy.deepcopy(pod))
+        self.unseen.clear()
 
     async def apply(self, url: str, body: Obj, **_: Any) -> Applied:
         kind = body["kind"]
@@ -299,6 +319,8 @@ class Cluster:
         for name in sorted(self.pools):
             await self.ctl.reconcile_pool(self.pools[name])
             self.check()
+        self.gone()
+        self.deliver()
         self.kubelet(ready)
         self.check()
 
@@ -464,6 +486,40 @@ async def test_a_release_held_by_an_unschedulable_stage_goes_on_once_it_is_fixed
     world.set_pools(pipeline_doc(3, 3))
     await world.run(schedulable, world.converged)
     assert world.violations == []
+
+
+async def test_a_surge_replaced_while_the_view_lags_is_created_once() -> None:
+    """Seen on the real control plane under load: the unschedulable surge p-b-2, replaced
+    once fixed, still terminated when the next reconcile created its replacement (p-b-3); it
+    was gone before p-b-3's first watch event arrived, and a reconcile in between created a
+    second surge at the lowest free ordinal (p-b-2 again): 4 replicas of a 2-replica stage
+    serving at once. The pending surge keeps its place until the view shows it."""
+    world = await started()
+
+    def schedulable(pod: Obj) -> bool:
+        return not any(c["resources"].get("limits", {}).get("nvidia.com/gpu")
+                       for c in world.specs[pod["metadata"]["name"]]["containers"])
+
+    world.set_pools(pipeline_doc(2, 3, b_gpus=16))
+    for _ in range(5):
+        await world.step(schedulable)
+    assert [p["metadata"]["name"] for p in world.of("b") if release.is_surge(p)] == ["p-b-2"]
+    world.set_pools(pipeline_doc(3, 3))
+    world.slow = True
+    pool_b = world.pools[kube.pool_name("p", "b")]
+    await world.ctl.reconcile_pool(pool_b)  # the stale surge p-b-2: deleted, terminating
+    assert ("delete", "p-b-2") in world.writes
+    await world.ctl.reconcile_pool(pool_b)  # its replacement, above it: p-b-3, not yet seen
+    world.gone()  # p-b-2 leaves before p-b-3 reaches the view
+    for _ in range(3):
+        await world.ctl.reconcile_pool(pool_b)
+        world.check()
+    surges = sorted(p["metadata"]["name"] for p in world.of("b") if release.is_surge(p))
+    assert surges == ["p-b-3"], world.describe()
+    world.deliver()
+    await world.run(schedulable, world.converged)
+    assert world.violations == []
+    assert sorted(world.pods) == ["p-a-0", "p-a-1", "p-b-0", "p-b-1"]
 
 
 # ---- the last replica of a leaving revision waits for the requests pinned to it ---------------
