@@ -36,7 +36,9 @@ It prints progress every ~5 s, ONE line starting with `operator_scale:` with the
 
 --raw-baseline first measures the physical limit of this control plane: the same number of bare
 pods (same placement, no controller, no readiness gate), created by the bench itself 64 at a
-time, until kwok has them all Running and Ready; then it deletes them and runs the fleet.
+time, until kwok has them all Running and Ready; then it deletes them (delete-collections with
+the pods' own grace period, as `kubectl delete pods` does and as the operator's teardown does;
+`--raw-grace-period 0` removes them at once instead, without kwok) and runs the fleet.
 Everything listens on and connects to 127.0.0.1 only (kwok pod IPs are never contacted).
 
 Every process of this machine's control plane shares its CPUs, so the ramps are bound by the
@@ -820,9 +822,11 @@ class Bench:
         log(f"raw baseline: {count} pods Ready after {t_ready - t0:.1f}s "
             f"(created in {t_created - t0:.1f}s); deleting them")
         # In chunks: one delete-collection of thousands of pods outlasts the client's timeout.
+        grace = self.args.raw_grace_period
+        body = None if grace is None else {"gracePeriodSeconds": grace}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda c: self.k.delete(
-                path("Pod", ns), {"gracePeriodSeconds": 0},
+                path("Pod", ns), body,
                 labelSelector=f"{selector},omnistage.io/chunk={c}"), range(count // 200 + 1)))
         while self.count(path("Pod", ns)):  # its namespace holds only these pods
             if time.monotonic() > t_ready + self.args.timeout:
@@ -1148,6 +1152,14 @@ def main() -> int:
         action="store_true",
         help="first time the same number of bare pods (no controller) to Ready: the control "
         "plane's own limit on this machine",
+    )
+    ap.add_argument(
+        "--raw-grace-period",
+        type=int,
+        default=None,
+        metavar="S",
+        help="the bare pods' delete with this grace period (0: the API server removes them "
+        "at once, kwok takes no part); default: the pods' own, as `kubectl delete` does",
     )
     add_check_flag(ap)
     args = ap.parse_args()
