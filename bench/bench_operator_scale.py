@@ -834,7 +834,8 @@ class Bench:
             time.sleep(1.0)
         return {"pods": count, "create_s": round(t_created - t0, 1),
                 "apply_to_ready_s": round(t_ready - t0, 1),
-                "delete_s": round(time.monotonic() - t_ready, 1)}
+                "delete_s": round(time.monotonic() - t_ready, 1),
+                "grace": "default" if grace is None else f"{grace}s"}
 
     def run(self) -> Obj:
         self.kubectl = self._find_kubectl()
@@ -973,7 +974,8 @@ class Bench:
             line += f" delete_to_gone={result['teardown']['delete_to_gone_s']:.1f}s"
         if raw is not None:
             line += (f" raw_pods_to_ready={raw['apply_to_ready_s']:.1f}s"
-                     f" ratio_to_raw={(t_ready - t0) / raw['apply_to_ready_s']:.2f}x")
+                     f" ratio_to_raw={(t_ready - t0) / raw['apply_to_ready_s']:.2f}x"
+                     f" raw_delete={raw['delete_s']:.1f}s(grace={raw['grace']})")
         print(line, flush=True)
         if "lws" in result:
             print(lws_summary(result, secs), flush=True)
