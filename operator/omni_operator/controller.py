@@ -358,8 +358,6 @@ class Controller:
         # opens or closes, the pipeline's other pools are reconciled, since their next step
         # (retire an old-revision replica or wait) follows from it.
         self._gates: dict[tuple[str, str], bool] = {}
-        # (ns, pipeline) -> when its shutdown deleted its stage pods (see _stop_stage_pods).
-        self._stopped: dict[tuple[str, str], float] = {}
         # (ns, pool) -> the ordinal of the release surge it created last (see _surge_ordinal).
         self._surge_created: dict[tuple[str, str], int] = {}
         self.reconciles = 0
@@ -394,7 +392,6 @@ class Controller:
             self._store(self.pipelines, key, obj, gone)
             if gone:
                 self._gates.pop(key, None)
-                self._stopped.pop(key, None)
             self.enqueue(("OmniPipeline", *key))
         elif kind == "StagePool":
             self._index_pool(key, self.pools.get(key), None if gone else obj)
@@ -1077,7 +1074,6 @@ class Controller:
             self.enqueue_later(key, 1.0)
             return
         pools = [(ns, pn) for pn in self.pools_of(ns, name)]
-        await self._stop_stage_pods(ns, name, pools)
         for pns, pn in pools:
             pool = self.pools.get((pns, pn))
             if pool is not None and not pool["metadata"].get("deletionTimestamp"):
@@ -1102,31 +1098,6 @@ class Controller:
                 fieldManager=builders.FIELD_MANAGER))
         self._warned.discard(f"{obj['metadata'].get('uid', '')}/terminating")
         log.info("pipeline %s/%s shut down in order", ns, name)
-
-    async def _stop_stage_pods(self, ns: str, pipeline: str,
-                               pools: list[tuple[str, str]]) -> None:
-        """A shutdown's stage pods, once the orchestrator has drained (nothing routes to them
-        any more): deleted with ONE delete-collection per pipeline, gracefully, before their
-        pools. Left to the garbage collector (the pools' foreground deletion), each pod was a
-        delete of its own, one after another: 600 pods went at about 45 a second
-        (docs/benchmarks.md, "Operator at scale"). Not again within CREATE_EXPECTED_SECONDS
-        while the view still shows some of them running (the watch lags); after that, again.
-        Refused (403: a chart from before this grant), the collector still deletes them."""
-        if not any(not pod["metadata"].get("deletionTimestamp")
-                   for key in pools for pod in self.pods.get(key, {}).values()):
-            return
-        now = self.clock()
-        if now - self._stopped.get((ns, pipeline), -math.inf) < CREATE_EXPECTED_SECONDS:
-            return
-        self._stopped[(ns, pipeline)] = now
-        try:
-            await self.api.delete(path("Pod", ns), labelSelector=kube.stage_selector(pipeline))
-        except ApiError as exc:
-            if exc.status != 403:
-                raise
-            log.warning("deleting the stage pods of %s/%s refused (%s): the garbage collector "
-                        "deletes them one by one; grant pods deletecollection", ns, pipeline,
-                        exc)
 
     def _announce_terminating(self, obj: Obj) -> None:
         """One Normal `Terminating` event when a pipeline's deletion starts (docs/crds.md):

@@ -13,13 +13,7 @@ from typing import Any
 import pytest
 
 from omni_operator import builders
-from omni_operator.controller import (
-    CREATE_EXPECTED_SECONDS,
-    FINALIZER,
-    Controller,
-    owners,
-    viewed,
-)
+from omni_operator.controller import FINALIZER, Controller, owners, viewed
 from omni_operator.models import API_VERSION
 from omni_operator.readiness import gate_patch, is_ready
 from omni_operator.status import model_failure, pool_status
@@ -37,9 +31,8 @@ class CountingApi:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    async def delete(self, url: str, body: Any = None, **params: Any) -> Obj:
-        selector = params.get("labelSelector")
-        self.calls.append(("delete", url + (f"?labelSelector={selector}" if selector else "")))
+    async def delete(self, url: str, body: Any = None, **_: Any) -> Obj:
+        self.calls.append(("delete", url))
         return {}
 
     async def patch(self, url: str, body: Any, kind: str = "merge", **_: Any) -> Obj:
@@ -130,90 +123,6 @@ async def test_ordered_shutdown_finds_its_pools_without_a_scan() -> None:
     assert deletes == [f"/apis/{API_VERSION}/namespaces/ns/stagepools/p7-{s}" for s in "abc"]
     assert Visits.visited == 0
     for handle in c._timers.values():  # the 1 s re-check was scheduled on this loop
-        handle.cancel()
-
-
-def _replica(ns: str, pipeline: str, stage: str, ordinal: int) -> Obj:
-    pool = kube.pool_name(pipeline, stage)
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": kube.replica_name(pool, ordinal), "namespace": ns,
-                         "uid": f"{ns}/{pool}/{ordinal}", "resourceVersion": "1",
-                         "labels": {**builders.labels(pipeline, "stage", stage),
-                                    kube.LABEL_POOL: pool, kube.LABEL_ORDINAL: str(ordinal)}},
-            "spec": {}, "status": {"phase": "Running"}}
-
-
-async def test_a_shutdown_deletes_its_stage_pods_with_one_call_not_one_per_pod() -> None:
-    """Once the orchestrator drained, a pipeline's stage pods go with one delete-collection
-    by its labels, before its pools: left to the garbage collector they went one delete each
-    (600 pods at about 45 a second). Kills: a delete per pod (or per pool), the call repeated
-    on every shutdown step while the watch lags, never repeated when pods still run after
-    CREATE_EXPECTED_SECONDS, and another pipeline's pods selected."""
-    c = _fleet(50)
-    clock = [1000.0]
-    c.clock = lambda: clock[0]  # type: ignore[method-assign]
-    for ns in ("ns", "other"):
-        for i in range(50):
-            for stage in "abc":
-                for ordinal in range(4):
-                    c.observe("Pod", "ADDED", _replica(ns, f"p{i}", stage, ordinal))
-    obj = {"apiVersion": API_VERSION, "kind": "OmniPipeline",
-           "metadata": {"name": "p7", "namespace": "ns", "uid": "u", "generation": 1,
-                        "resourceVersion": "5", "finalizers": [FINALIZER],
-                        "deletionTimestamp": NOW},
-           "status": {"phase": "Terminating"}}
-    await c.shutdown_pipeline(obj)
-    assert sorted(call for call in c.api.calls if call[0] == "delete") == [
-        ("delete", f"/api/v1/namespaces/ns/pods?labelSelector={kube.stage_selector('p7')}"),
-        *[("delete", f"/apis/{API_VERSION}/namespaces/ns/stagepools/p7-{s}") for s in "abc"]]
-    pool_pods = [pod for s in "abc" for pod in c.pods[("ns", f"p7-{s}")].values()]
-    assert len(pool_pods) == 12
-    # The next step, the view still lagging (pods running, pools not yet terminating): no call.
-    c.api.calls.clear()
-    clock[0] += 1.0
-    await c.shutdown_pipeline(obj)
-    assert not [call for call in c.api.calls if "/pods" in call[1]], c.api.calls
-    # Still running after CREATE_EXPECTED_SECONDS (a lost call): deleted again, once.
-    clock[0] += CREATE_EXPECTED_SECONDS
-    await c.shutdown_pipeline(obj)
-    assert [call for call in c.api.calls if "/pods" in call[1]] == [
-        ("delete", f"/api/v1/namespaces/ns/pods?labelSelector={kube.stage_selector('p7')}")]
-    # Terminating, as the watch shows them: nothing more to delete.
-    c.api.calls.clear()
-    clock[0] += 2 * CREATE_EXPECTED_SECONDS
-    for pod in pool_pods:
-        c.observe("Pod", "MODIFIED", {**pod, "metadata": {**pod["metadata"],
-                                                          "deletionTimestamp": NOW}})
-    await c.shutdown_pipeline(obj)
-    assert not [call for call in c.api.calls if "/pods" in call[1]], c.api.calls
-    for handle in c._timers.values():
-        handle.cancel()
-
-
-async def test_a_shutdown_refused_the_delete_collection_leaves_the_pods_to_the_collector(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A chart from before the deletecollection grant: the 403 is logged, not retried, and
-    the pools are still deleted (the garbage collector deletes their pods)."""
-    c = _fleet(1)
-
-    async def refused(url: str, body: Any = None, **params: Any) -> Obj:
-        if params.get("labelSelector"):
-            raise ApiError(403, {"reason": "Forbidden"}, "DELETE", url)
-        c.api.calls.append(("delete", url))
-        return {}
-
-    c.api.delete = refused  # type: ignore[method-assign]
-    c.observe("Pod", "ADDED", _replica("ns", "p0", "a", 0))
-    obj = {"apiVersion": API_VERSION, "kind": "OmniPipeline",
-           "metadata": {"name": "p0", "namespace": "ns", "uid": "u", "generation": 1,
-                        "resourceVersion": "5", "finalizers": [FINALIZER],
-                        "deletionTimestamp": NOW},
-           "status": {"phase": "Terminating"}}
-    await c.shutdown_pipeline(obj)
-    assert sorted(call for call in c.api.calls if call[0] == "delete") == [
-        ("delete", f"/apis/{API_VERSION}/namespaces/ns/stagepools/p0-{s}") for s in "abc"]
-    assert "grant pods deletecollection" in caplog.text
-    for handle in c._timers.values():
         handle.cancel()
 
 

@@ -86,13 +86,11 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
 - apiGroups: [omnistage.io]
   resources: [omnipipelines/finalizers, stagepools/finalizers]
   verbs: [update]
-# Replica pods: created and deleted one by one, patched with the drain mark; a deleted
-# pipeline's stage pods go with one deletecollection (selected by its labels) once its
-# orchestrator drained. list/watch are also what the orchestrators' Roles grant, and RBAC
-# only lets the operator grant what it holds.
+# Replica pods: created and deleted one by one, patched with the drain mark. list/watch are
+# also what the orchestrators' Roles grant, and RBAC only lets the operator grant what it holds.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, create, patch, delete, deletecollection]
+  verbs: [list, watch, create, patch, delete]
 # The readiness gate omnistage.io/routable is a pod status condition the operator sets.
 - apiGroups: [""]
   resources: [pods/status]
