@@ -286,6 +286,11 @@ class Cluster:
                     pod["status"].update(phase="Running", podIP="127.0.0.1")
                 self.ctl.observe("Pod", "MODIFIED", copy.deepcopy(pod))
 
+    def schedulable(self, pod: Obj) -> bool:
+        """A node fits it: it asks for no GPU (no node of this world has one)."""
+        return not any(c["resources"].get("limits", {}).get("nvidia.com/gpu")
+                       for c in self.specs[pod["metadata"]["name"]]["containers"])
+
     def of(self, stage: str) -> list[Obj]:
         return [p for p in self.pods.values()
                 if p["metadata"]["labels"][kube.LABEL_STAGE] == stage]
@@ -473,18 +478,14 @@ async def test_a_release_held_by_an_unschedulable_stage_goes_on_once_it_is_fixed
     world = await started()
     first = world.targets()
 
-    def schedulable(pod: Obj) -> bool:
-        return not any(c["resources"].get("limits", {}).get("nvidia.com/gpu")
-                       for c in world.specs[pod["metadata"]["name"]]["containers"])
-
     world.set_pools(pipeline_doc(2, 3, b_gpus=16))
     for _ in range(10):
-        await world.step(schedulable)
+        await world.step(world.schedulable)
     for stage in "ab":
         olds = [p for p in world.of(stage) if release.pod_revision(p) == first[stage]]
         assert len(olds) == 2 and all(is_ready(p) for p in olds), world.describe()
     world.set_pools(pipeline_doc(3, 3))
-    await world.run(schedulable, world.converged)
+    await world.run(world.schedulable, world.converged)
     assert world.violations == []
 
 
@@ -496,13 +497,9 @@ async def test_a_surge_replaced_while_the_view_lags_is_created_once() -> None:
     serving at once. The pending surge keeps its place until the view shows it."""
     world = await started()
 
-    def schedulable(pod: Obj) -> bool:
-        return not any(c["resources"].get("limits", {}).get("nvidia.com/gpu")
-                       for c in world.specs[pod["metadata"]["name"]]["containers"])
-
     world.set_pools(pipeline_doc(2, 3, b_gpus=16))
     for _ in range(5):
-        await world.step(schedulable)
+        await world.step(world.schedulable)
     assert [p["metadata"]["name"] for p in world.of("b") if release.is_surge(p)] == ["p-b-2"]
     world.set_pools(pipeline_doc(3, 3))
     world.slow = True
@@ -517,7 +514,7 @@ async def test_a_surge_replaced_while_the_view_lags_is_created_once() -> None:
     surges = sorted(p["metadata"]["name"] for p in world.of("b") if release.is_surge(p))
     assert surges == ["p-b-3"], world.describe()
     world.deliver()
-    await world.run(schedulable, world.converged)
+    await world.run(world.schedulable, world.converged)
     assert world.violations == []
     assert sorted(world.pods) == ["p-a-0", "p-a-1", "p-b-0", "p-b-1"]
 
