@@ -190,7 +190,7 @@ class Cluster:
         self.specs: dict[str, Obj] = {}  # pod name -> the spec it was created with
         self.writes: list[tuple[str, str]] = []
         self.uids = 0
-        # A slower world (see lag()): deletes are graceful, creates reach the view later.
+        # A slower world: deletes are graceful until gone(), creates reach the view at deliver().
         self.slow = False
         self.unseen: list[Obj] = []  # created pods whose ADDED event has not been delivered
         self.ctl = self.controller()
