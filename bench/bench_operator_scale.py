@@ -34,6 +34,13 @@ It prints progress every ~5 s, ONE line starting with `operator_scale:` with the
     the operator's peak RSS <= 300 MiB (issue 24);
   - with --lws: Omnistage's apply_to_ready and controller writes per pod <= LWS's.
 
+--tenfold runs the growth ladder of issue 24 in one invocation: 600, 2,004 and 6,000 stage
+pods (--sizes to change the pipeline counts), each on a fresh control plane with its bare-pod
+baseline, LWS on the largest with --lws. Each size prints its line and `summary[N pods]:`;
+then an `operator_ladder:` line (per-pod figures size by size) and the ladder's `summary:`:
+each size's ratios to its bare pods and the ratio's growth from the smallest to the largest
+(goal <= 1.25: flat). --json then holds {"ladder": [one result per size]}.
+
 --raw-baseline first measures the physical limit of this control plane: the same number of bare
 pods (same placement, no controller, no readiness gate), created by the bench itself 64 at a
 time, until kwok has them all Running and Ready; then it deletes them (delete-collections with
@@ -256,6 +263,12 @@ class Bench:
             "OMNISTAGE_PORT_BASE": str(base),
             "OMNISTAGE_SCALE_NODES": str(nodes),
             "OMNISTAGE_GPU_NODES": "0",
+            # kwok's pod IPs are loopback, which Endpoints and EndpointSlices refuse: their
+            # controllers would retry each orchestrator Service's update (and patch an Event)
+            # for good, a cost of this fake cluster that no real one has (measured at 600 pods:
+            # about 1,700 refused writes and Event patches within a minute of the first create). Off for every run here,
+            # the bare pods' and LWS's (a Service per group) as well.
+            "OMNISTAGE_KCM_CONTROLLERS": "*,-endpoints-controller,-endpointslice-controller",
         }
         log(
             f"starting local control plane in {self.cluster_dir} (ports {base}..{base + 5}, "
@@ -981,7 +994,9 @@ class Bench:
             print(lws_summary(result, secs), flush=True)
         goals = scale_goals(result, secs)
         result["goals"] = [g.__dict__ for g in goals]
-        print("summary: " + verdicts(goals), flush=True)
+        # In a --tenfold ladder each size's goals are labelled; the ladder's own line is last.
+        label = f"[{pods} pods]" if getattr(self.args, "ladder", False) else ""
+        print(f"summary{label}: " + verdicts(goals), flush=True)
         return result
 
     def run_lws(self) -> Obj:
@@ -1024,6 +1039,8 @@ def read_versions() -> dict[str, str]:
 
 
 TENFOLD_PODS = 6000  # issue 13: the tenfold fleet's apply -> Ready goal
+TENFOLD_LADDER = (50, 167, 500)  # pipelines: 600, 2,004 and 6,000 stage pods (issue 24)
+FLAT_GROWTH = 1.25  # the largest fleet's ratio to the bare pods over the smallest's: "flat"
 TENFOLD_READY_S = 60.0
 RAW_RATIO = 1.5  # issue 24: apply -> Ready at most this many times the bare pods' (any size)
 TENFOLD_PEAK_RSS_MIB = 300.0  # issue 24: the operator's peak RSS at 6,000 pods
@@ -1066,6 +1083,54 @@ def scale_goals(result: Obj, idle_s: int) -> list[Goal]:
                  at_least=False),
         ]
     return goals
+
+
+def ladder_goals(results: list[Obj]) -> list[Goal]:
+    """The ladder's own goals: each size's ratios to its bare pods, and how the ratio grows.
+
+    A flat ratio is the point of issue 24: a cost that grows faster than the fleet shows as
+    the largest fleet's ratio above the smallest's. FLAT_GROWTH leaves room for run-to-run
+    noise (the 600-pod ratio moved by about 15% between quiet runs here)."""
+    goals: list[Goal] = []
+    ratios = []
+    for r in results:
+        raw = r.get("raw_baseline") or {}
+        ratio = r["apply_to_ready_s"] / raw["apply_to_ready_s"] if raw else None
+        ratios.append(ratio)
+        goals.append(Goal(f"apply_to_ready/raw_pods@{r['pods']}", ratio, RAW_RATIO,
+                          at_least=False))
+        if "teardown" in r and raw.get("delete_s"):
+            goals.append(Goal(f"delete_to_gone/raw_pods@{r['pods']}",
+                              r["teardown"]["delete_to_gone_s"] / raw["delete_s"], DELETE_RATIO,
+                              at_least=False))
+    if len(results) > 1:
+        first, last = ratios[0], ratios[-1]
+        growth = last / first if first and last else None
+        goals.append(Goal(f"ratio_growth_{results[0]['pods']}_to_{results[-1]['pods']}",
+                          growth, FLAT_GROWTH, at_least=False))
+    return goals
+
+
+def ladder_line(results: list[Obj]) -> str:
+    """One line with what the ladder is for: each figure per stage pod, size by size."""
+    parts = []
+    for r in results:
+        raw = r.get("raw_baseline") or {}
+        ratio = f"{r['apply_to_ready_s'] / raw['apply_to_ready_s']:.2f}x" if raw else "n/a"
+        cpu = sum((r.get("cpu_s_to_ready_by_process") or {}).values())
+        part = (f"{r['pods']}: apply_to_ready={r['apply_to_ready_s']:.1f}s"
+                f" raw={raw.get('apply_to_ready_s', float('nan')):.1f}s ratio={ratio}"
+                f" cpu_per_pod={1000 * cpu / r['pods']:.0f}ms"
+                f" operator_cpu_per_pod={1000 * r['operator_cpu_to_ready_s'] / r['pods']:.1f}ms"
+                f" writes_per_pod={r['writes_per_pod']:.2f}"
+                f" peak_rss={r['operator_memory_mib'].get('peak', 0):.0f}MiB")
+        if "restart" in r:
+            part += f" restart_peak_rss={r['restart']['operator_memory_mib'].get('peak', 0):.0f}MiB"
+        if "teardown" in r and raw.get("delete_s"):
+            part += (f" delete_to_gone={r['teardown']['delete_to_gone_s']:.1f}s"
+                     f" raw_delete={raw['delete_s']:.1f}s")
+        parts.append(part)
+    return "operator_ladder: " + "; ".join(parts)
 
 
 def lws_summary(result: Obj, idle_s: int) -> str:
@@ -1163,31 +1228,79 @@ def main() -> int:
         help="the bare pods' delete with this grace period (0: the API server removes them "
         "at once, kwok takes no part); default: the pods' own, as `kubectl delete` does",
     )
+    ap.add_argument(
+        "--tenfold",
+        action="store_true",
+        help="the growth ladder in one run: 50, 167 and 500 pipelines (600, 2,004 and 6,000 "
+        "stage pods), each on a fresh control plane with --raw-baseline, --lws (when given) "
+        "on the largest; ends with an operator_ladder line and the ladder's summary",
+    )
+    ap.add_argument("--sizes", default=None, metavar="P,P,...",
+                    help="with --tenfold: these pipeline counts instead of 50,167,500")
     add_check_flag(ap)
     args = ap.parse_args()
+    sizes = [args.pipelines]
+    if args.sizes and not args.tenfold:
+        ap.error("--sizes: only with --tenfold")
+    if args.tenfold:
+        try:
+            sizes = [int(x) for x in (args.sizes or ",".join(map(str, TENFOLD_LADDER))).split(",")]
+        except ValueError:
+            ap.error(f"--sizes: expected pipeline counts like 50,167,500, got {args.sizes!r}")
+        if not sizes or min(sizes) < 1 or sizes != sorted(sizes):
+            ap.error(f"--sizes: expected increasing pipeline counts >= 1, got {args.sizes!r}")
+        if args.kubeconfig:
+            ap.error("--tenfold starts a fresh control plane per size: drop --kubeconfig")
+        if args.keep:
+            ap.error("--tenfold cleans up after every size: drop --keep")
 
     signal.signal(signal.SIGTERM, _interrupt)
-    bench = Bench(args)
+    results: list[Obj] = []
+    goals: list[Goal] = []
     rc = 0
     try:
-        result = bench.run()
+        for i, pipelines in enumerate(sizes):
+            run_args = args
+            if args.tenfold:
+                run_args = argparse.Namespace(**{
+                    **vars(args), "pipelines": pipelines, "raw_baseline": True, "ladder": True,
+                    "lws": args.lws and i == len(sizes) - 1})
+                log(f"ladder: size {i + 1} of {len(sizes)}: {pipelines} pipelines")
+            result = run_one(run_args)
+            results.append(result)
+            goals += scale_goals(result, int(args.idle_seconds))
+        if args.tenfold:
+            print(ladder_line(results), flush=True)
+            ladder = ladder_goals(results)
+            print("summary: " + verdicts(ladder), flush=True)
+            goals += ladder
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        rc = exit_status(scale_goals(result, int(args.idle_seconds)), args.check)
+            out = {"ladder": results} if args.tenfold else results[0]
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        rc = exit_status(goals, args.check)
     except BenchError as exc:
         log(f"FAILED: {exc}")
         rc = 1
     except KeyboardInterrupt:
         log("interrupted; cleaning up")
         rc = 130
+    return rc
+
+
+def run_one(args: argparse.Namespace) -> Obj:
+    """One fleet size on its own cluster, cleaned up whatever happens (not interruptibly)."""
+    bench = Bench(args)
+    try:
+        return bench.run()
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup is not interruptible
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        handlers = (signal.signal(signal.SIGINT, signal.SIG_IGN),
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN))
         try:
             bench.cleanup()
         finally:
             log(f"operator log kept at {bench.op_log}")
-    return rc
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ Run from the repository root:
     python bench/run_all.py [--out bench-results.md] [--only transfer,pipeline] [--check]
         [--scale-pipelines 50] [--tenfold]
 
---tenfold adds the 6,000-pod operator run (500 pipelines, with the raw bare-pod baseline); it
-takes a long time on a small machine. Each bench's full output is kept in --logs (a directory).
+--tenfold adds the operator's growth ladder (600, 2,004 and 6,000 stage pods, each with its raw
+bare-pod baseline, LWS on the 6,000; bench_operator_scale.py --tenfold); over an hour on a small
+machine. Each bench's full output is kept in --logs (a directory).
 --check exits 1 when any bench missed a goal or failed.
 """
 
@@ -54,8 +55,9 @@ def benches(args: argparse.Namespace) -> list[Bench]:
     ]
     if args.tenfold:
         out.append(Bench("operator_tenfold", [
-            py, str(BENCH / "bench_operator_scale.py"), "--pipelines", "500", "--raw-baseline",
-            "--restart-seconds", "0", "--teardown-timeout", "0", "--timeout", "3000"], 4800))
+            py, str(BENCH / "bench_operator_scale.py"), "--tenfold", "--lws",
+            "--idle-seconds", "30", "--restart-seconds", "20", "--teardown-timeout", "1800",
+            "--timeout", "3000"], 9000))
     return out
 
 

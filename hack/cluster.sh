@@ -29,6 +29,11 @@
 #                          `hack/build-images.sh --print-index`)
 #   OMNISTAGE_APISERVER_PROFILING  true: the API server serves /debug/pprof to cluster
 #                          admins (default false), for a CPU profile of a benchmark's ramp
+#   OMNISTAGE_KCM_CONTROLLERS  kube-controller-manager's --controllers (default '*'). Pod IPs
+#                          here are loopback, which Endpoints and EndpointSlices refuse: their
+#                          controllers retry every Service's update for good, with an Event
+#                          each time. bench_operator_scale.py turns them off
+#                          ('*,-endpoints-controller,-endpointslice-controller')
 #
 # Everything listens on 127.0.0.1 only. Pod IPs are loopback (kwok: 127.192.0.0/10; the local pod
 # runner: a /20 of 127.128.0.0/10 per cluster) and the service range (198.18.0.0/16, RFC 2544
@@ -275,7 +280,8 @@ EOF
     --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
     --service-cluster-ip-range="$SERVICE_CIDR" \
     --kube-api-qps=200 --kube-api-burst=400 --concurrent-gc-syncs=20 \
-    --node-monitor-grace-period=40s --profiling=false
+    --node-monitor-grace-period=40s --profiling=false \
+    --controllers="${OMNISTAGE_KCM_CONTROLLERS:-*}"
   start kube-scheduler "$BIN/kube-scheduler-$K8S_VERSION" \
     --kubeconfig="$STATE/kube-scheduler.kubeconfig" \
     --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --cert-dir="$STATE/scheduler" \

@@ -84,3 +84,64 @@ def test_a_collection_is_counted_from_one_item_and_the_remaining_count(scale: An
     assert bench.count("/apis/omnistage.io/v1alpha1/namespaces/n/stagepools") == 1
     assert bench.count("/apis/omnistage.io/v1alpha1/namespaces/n/omnipipelines") == 0
     assert all(params == {"limit": 1} for _, params in asked)
+
+
+def _sized(pods: int, ready: float, raw_ready: float, **over: Any) -> dict[str, Any]:
+    return _result(pods=pods, apply_to_ready_s=ready,
+                   raw_baseline={"apply_to_ready_s": raw_ready, "delete_s": 2.0}, **over)
+
+
+def test_the_ladder_judges_each_size_and_the_growth_of_its_ratio(scale: Any) -> None:
+    flat = [_sized(600, 12.0, 10.0), _sized(2004, 40.0, 30.0), _sized(6000, 130.0, 100.0)]
+    verdicts = {g.label: g for g in scale.ladder_goals(flat)}
+    assert [v.met for k, v in verdicts.items() if k.startswith("apply_to_ready/")] == [
+        True, True, True]
+    assert verdicts["ratio_growth_600_to_6000"].value == pytest.approx(1.3 / 1.2)
+    assert verdicts["ratio_growth_600_to_6000"].met
+    # The ratio doubling from 600 to 6,000 pods is what the ladder exists to catch.
+    growing = [_sized(600, 12.0, 10.0), _sized(6000, 240.0, 100.0)]
+    verdicts = {g.label: g for g in scale.ladder_goals(growing)}
+    assert not verdicts["apply_to_ready/raw_pods@6000"].met
+    assert not verdicts["ratio_growth_600_to_6000"].met
+    assert verdicts["ratio_growth_600_to_6000"].value == pytest.approx(2.0)
+
+
+def test_the_ladder_judges_a_teardown_against_that_sizes_bare_delete(scale: Any) -> None:
+    sized = _sized(600, 12.0, 10.0, teardown={"delete_to_gone_s": 3.2})
+    verdicts = {g.label: g for g in scale.ladder_goals([sized])}
+    assert verdicts["delete_to_gone/raw_pods@600"].value == pytest.approx(1.6)
+    assert not verdicts["delete_to_gone/raw_pods@600"].met
+    assert "ratio_growth_600_to_600" not in verdicts  # one size: no growth to judge
+
+
+def test_a_size_without_its_baseline_is_a_miss_not_a_pass(scale: Any) -> None:
+    verdicts = {g.label: g for g in scale.ladder_goals([_result(), _sized(6000, 1.0, 1.0)])}
+    assert verdicts["apply_to_ready/raw_pods@600"].value is None
+    assert not verdicts["apply_to_ready/raw_pods@600"].met
+    assert not verdicts["ratio_growth_600_to_6000"].met
+
+
+def test_the_ladder_line_gives_each_size_per_pod(scale: Any) -> None:
+    r = _sized(600, 12.0, 10.0, writes_per_pod=3.5, operator_cpu_to_ready_s=6.0,
+               cpu_s_to_ready_by_process={"kube-apiserver": 30.0, "operator": 6.0})
+    line = scale.ladder_line([r])
+    assert line.startswith("operator_ladder: 600: apply_to_ready=12.0s raw=10.0s ratio=1.20x")
+    assert "cpu_per_pod=60ms operator_cpu_per_pod=10.0ms writes_per_pod=3.50" in line
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--sizes", "5,10"], "--sizes: only with --tenfold"),
+    (["--tenfold", "--sizes", "10,5"], "increasing pipeline counts"),
+    (["--tenfold", "--sizes", "a"], "pipeline counts like 50,167,500"),
+    (["--tenfold", "--keep"], "drop --keep"),
+    (["--tenfold", "--kubeconfig", "k"], "drop --kubeconfig"),
+])
+def test_a_bad_ladder_is_refused_before_anything_starts(
+        scale: Any, argv: list[str], error: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.argv", ["bench_operator_scale.py", *argv])
+    monkeypatch.setattr(scale, "run_one", lambda _args: pytest.fail("a cluster was started"))
+    with pytest.raises(SystemExit) as exc:
+        scale.main()
+    assert exc.value.code == 2
+    assert error in capsys.readouterr().err
