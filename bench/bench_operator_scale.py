@@ -265,9 +265,9 @@ class Bench:
             "OMNISTAGE_GPU_NODES": "0",
             # kwok's pod IPs are loopback, which Endpoints and EndpointSlices refuse: their
             # controllers would retry each orchestrator Service's update (and patch an Event)
-            # for good, a cost of this fake cluster that no real one has (measured at 600 pods:
-            # about 1,700 refused writes and Event patches within a minute of the first create). Off for every run here,
-            # the bare pods' and LWS's (a Service per group) as well.
+            # for good, a cost of this fake cluster that no real one has (measured at 600
+            # pods: about 1,700 refused writes and Event patches within a minute of the first
+            # create). Off for every run here: the bare pods', the fleet's and LWS's.
             "OMNISTAGE_KCM_CONTROLLERS": "*,-endpoints-controller,-endpointslice-controller",
         }
         log(
