@@ -82,7 +82,7 @@ from omnistage.kubeapi import ApiError, SyncKubeApi, path, resource_path  # noqa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goals import Goal, add_check_flag, exit_status, verdicts  # noqa: E402
 from lws_baseline import LwsBaseline, proc_cpu  # noqa: E402
-from write_counts import Obj, apiserver_writes, controller_writes  # noqa: E402
+from write_counts import Obj, apiserver_writes, controller_writes, write_delta  # noqa: E402
 
 HACK = REPO / "hack"
 PLURAL = "omnipipelines"
@@ -814,6 +814,7 @@ class Bench:
             }
 
         log(f"raw baseline: creating {count} bare pods in namespace {ns}, 64 at a time")
+        writes0 = apiserver_writes(self.k)
         t0 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
             list(pool.map(lambda i: self.k.create(path("Pod", ns), doc(i)), range(count)))
@@ -832,8 +833,10 @@ class Bench:
                                  f"{self.args.timeout:.0f}s")
             time.sleep(1.0)
         t_ready = time.monotonic()
+        writes = write_delta(writes0, apiserver_writes(self.k))
         log(f"raw baseline: {count} pods Ready after {t_ready - t0:.1f}s "
-            f"(created in {t_created - t0:.1f}s); deleting them")
+            f"(created in {t_created - t0:.1f}s); API writes by everyone "
+            f"{sum(writes.values())} {writes}; deleting them")
         # In chunks: one delete-collection of thousands of pods outlasts the client's timeout.
         grace = self.args.raw_grace_period
         body = None if grace is None else {"gracePeriodSeconds": grace}
@@ -848,7 +851,10 @@ class Bench:
         return {"pods": count, "create_s": round(t_created - t0, 1),
                 "apply_to_ready_s": round(t_ready - t0, 1),
                 "delete_s": round(time.monotonic() - t_ready, 1),
-                "grace": "default" if grace is None else f"{grace}s"}
+                "grace": "default" if grace is None else f"{grace}s",
+                # Everyone's writes to Ready (the bench's creates, binds, kwok's statuses...).
+                "apiserver_writes_to_ready": sum(writes.values()),
+                "apiserver_writes_by_verb_resource": writes}
 
     def run(self) -> Obj:
         self.kubectl = self._find_kubectl()
@@ -889,7 +895,9 @@ class Bench:
         w_ready, _ = self.counters()
         settle_s = self.settle()
         w_settled, r_settled = self.counters()
-        api_writes = controller_writes(api_w0, apiserver_writes(self.k))
+        api_w1 = apiserver_writes(self.k)
+        api_writes = controller_writes(api_w0, api_w1)
+        all_writes = write_delta(api_w0, api_w1)
         (g_settled, lat_settled), c_settled = self.apiserver_metrics(), self.operator_cpu()
         latency = {}
         for key in LATENCY_KEYS:
@@ -934,6 +942,9 @@ class Bench:
             "controller_writes_total": sum(api_writes.values()),
             "controller_writes_per_pod": round(sum(api_writes.values()) / pods, 2),
             "controller_writes_by_verb_resource": api_writes,
+            # Everyone's, as for the bare pods: the control plane's bill for the fleet.
+            "apiserver_writes_total": sum(all_writes.values()),
+            "apiserver_writes_by_verb_resource": all_writes,
             "reconciles_to_ready": r_settled - r_start,
             "apiserver_gets_to_ready": sum(g_settled.values()) - sum(g_start.values()),
             "operator_cpu_to_ready_s": round(c_settled - c_start, 2),
@@ -1111,6 +1122,10 @@ def ladder_goals(results: list[Obj]) -> list[Goal]:
     return goals
 
 
+def _per_pod(count: int | None, pods: int) -> str:
+    return "n/a" if count is None else f"{count / pods:.2f}"
+
+
 def ladder_line(results: list[Obj]) -> str:
     """One line with what the ladder is for: each figure per stage pod, size by size."""
     parts = []
@@ -1123,6 +1138,8 @@ def ladder_line(results: list[Obj]) -> str:
                 f" cpu_per_pod={1000 * cpu / r['pods']:.0f}ms"
                 f" operator_cpu_per_pod={1000 * r['operator_cpu_to_ready_s'] / r['pods']:.1f}ms"
                 f" writes_per_pod={r['writes_per_pod']:.2f}"
+                f" api_writes_per_pod={_per_pod(r.get('apiserver_writes_total'), r['pods'])}"
+                f"(raw {_per_pod(raw.get('apiserver_writes_to_ready'), r['pods'])})"
                 f" peak_rss={r['operator_memory_mib'].get('peak', 0):.0f}MiB")
         if "restart" in r:
             part += f" restart_peak_rss={r['restart']['operator_memory_mib'].get('peak', 0):.0f}MiB"

@@ -145,3 +145,27 @@ def test_a_bad_ladder_is_refused_before_anything_starts(
         scale.main()
     assert exc.value.code == 2
     assert error in capsys.readouterr().err
+
+
+def test_the_api_servers_writes_are_counted_for_everyone_and_for_controllers(
+        scale: Any) -> None:
+    counts = bench_module("write_counts")
+    before = {"POST pods": 10, "PATCH pods/status": 4, "POST omnipipelines": 0,
+              "PATCH stagepools/status": 1}
+    after = {"POST pods": 22, "PATCH pods/status": 40, "POST omnipipelines": 1,
+             "PATCH stagepools/status": 1, "POST pods/binding": 12}
+    everyone = counts.write_delta(before, after)
+    assert everyone == {"PATCH pods/status": 36, "POST pods": 12, "POST pods/binding": 12,
+                        "POST omnipipelines": 1}
+    assert next(iter(everyone)) == "PATCH pods/status"  # largest first; unchanged ones out
+    # A controller's share leaves out kwok's statuses, the scheduler's binds and the apply.
+    assert counts.controller_writes(before, after) == {"POST pods": 12}
+
+
+def test_the_ladder_line_gives_everyones_writes_per_pod_on_both_sides(scale: Any) -> None:
+    r = _sized(600, 12.0, 10.0, writes_per_pod=3.5, operator_cpu_to_ready_s=6.0,
+               apiserver_writes_total=5400)
+    r["raw_baseline"]["apiserver_writes_to_ready"] = 2400
+    assert "api_writes_per_pod=9.00(raw 4.00)" in scale.ladder_line([r])
+    del r["apiserver_writes_total"]  # a result from before the count: said, not guessed
+    assert "api_writes_per_pod=n/a(raw 4.00)" in scale.ladder_line([r])
