@@ -85,6 +85,9 @@ from lws_baseline import LwsBaseline, proc_cpu  # noqa: E402
 from write_counts import Obj, apiserver_writes, controller_writes, write_delta  # noqa: E402
 
 HACK = REPO / "hack"
+# How often both deletes (the bare pods' and the fleet's) count what is left: the same
+# granularity on both sides of the ratio, fine enough for a 3-second delete.
+TEARDOWN_POLL_S = 0.25
 PLURAL = "omnipipelines"
 STAGES = ("a", "b", "c")
 SCALE_POOL = {"omnistage.io/node-pool": "kwok-scale"}
@@ -738,6 +741,7 @@ class Bench:
         """Delete all pipelines; time the ordered shutdown until no pipeline, pool, pod is left."""
         w0 = self.counters()[0]
         log(f"teardown: deleting {self.args.pipelines} pipelines")
+        cpu0 = self.component_cpu()
         t0 = time.monotonic()
         self.k.delete(self.pipelines_path())
         deadline = t0 + self.args.teardown_timeout
@@ -763,11 +767,13 @@ class Bench:
                     f"{pipes} pipelines, {pools} pools, {pods} pods left\n"
                     f"operator log tail:\n{self.log_tail()}"
                 )
-            time.sleep(1.0)
+            time.sleep(TEARDOWN_POLL_S)
         took = time.monotonic() - t0
+        cpu = cpu_delta(cpu0, self.component_cpu())
         writes = self.counters()[0] - w0
-        log(f"teardown done in {took:.1f}s, operator writes {writes}")
-        return {"delete_to_gone_s": round(took, 1), "writes": writes}
+        log(f"teardown done in {took:.1f}s, operator writes {writes}; CPU seconds by process "
+            f"{cpu}")
+        return {"delete_to_gone_s": round(took, 1), "writes": writes, "cpu_s": cpu}
 
     def log_problems(self) -> list[str]:
         try:
@@ -840,6 +846,7 @@ class Bench:
         # In chunks: one delete-collection of thousands of pods outlasts the client's timeout.
         grace = self.args.raw_grace_period
         body = None if grace is None else {"gracePeriodSeconds": grace}
+        cpu0 = self.component_cpu()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda c: self.k.delete(
                 path("Pod", ns), body,
@@ -847,11 +854,16 @@ class Bench:
         while self.count(path("Pod", ns)):  # its namespace holds only these pods
             if time.monotonic() > t_ready + self.args.timeout:
                 raise BenchError("raw baseline: its pods were not deleted in time")
-            time.sleep(1.0)
+            time.sleep(TEARDOWN_POLL_S)
+        t_gone = time.monotonic()
+        delete_cpu = cpu_delta(cpu0, self.component_cpu())
+        log(f"raw baseline: deleted in {t_gone - t_ready:.1f}s; CPU seconds by process "
+            f"{delete_cpu}")
         return {"pods": count, "create_s": round(t_created - t0, 1),
                 "apply_to_ready_s": round(t_ready - t0, 1),
-                "delete_s": round(time.monotonic() - t_ready, 1),
+                "delete_s": round(t_gone - t_ready, 1),
                 "grace": "default" if grace is None else f"{grace}s",
+                "delete_cpu_s": delete_cpu,
                 # Everyone's writes to Ready (the bench's creates, binds, kwok's statuses...).
                 "apiserver_writes_to_ready": sum(writes.values()),
                 "apiserver_writes_by_verb_resource": writes}
