@@ -270,8 +270,10 @@ class Bench:
             # controllers would retry each orchestrator Service's update (and patch an Event)
             # for good, a cost of this fake cluster that no real one has (measured at 600
             # pods: about 1,700 refused writes and Event patches within a minute of the first
-            # create). Off for every run here: the bare pods', the fleet's and LWS's.
-            "OMNISTAGE_KCM_CONTROLLERS": "*,-endpoints-controller,-endpointslice-controller",
+            # create). Off for every run here: the bare pods', the fleet's and LWS's. The
+            # variable set outside wins (an experiment turning a controller off).
+            "OMNISTAGE_KCM_CONTROLLERS": os.environ.get(
+                "OMNISTAGE_KCM_CONTROLLERS", "*,-endpoints-controller,-endpointslice-controller"),
         }
         log(
             f"starting local control plane in {self.cluster_dir} (ports {base}..{base + 5}, "

@@ -533,6 +533,20 @@ def pool_pod(pool: Obj, ordinal: int, *, surge: bool = False) -> Obj:
     }
 
 
+def pdb_due(pdb: Obj, current: Obj | None, ready_replicas: int) -> bool:
+    """Whether the pool's PodDisruptionBudget is written now: once it exists, always (its
+    minAvailable follows the spec); before, from the first moment the pool has minAvailable
+    replicas ready.
+
+    Why not at once: below minAvailable a budget allows no eviction at all, not even of a
+    replica that serves nothing, so a `kubectl drain` of a node holding a pool that is still
+    starting (or short of capacity) would wait on it; and the disruption controller counts
+    every pod of the namespace for a budget at each event of its pods, so budgets present
+    through a fleet's ramp cost the controller-manager time that grows with the square of
+    the fleet (docs/benchmarks.md, the growth ladder)."""
+    return current is not None or ready_replicas >= int(pdb["spec"]["minAvailable"])
+
+
 def pool_pdb(pool: Obj) -> Obj:
     meta = pool["metadata"]
     stage = Stage.model_validate(pool["spec"]["stage"])

@@ -1132,9 +1132,9 @@ class Controller:
 
         if not deleting:
             pdb = builders.pool_pdb(pool)
-            await self.ensure(
-                pdb, self.children.get(("PodDisruptionBudget", ns, pdb["metadata"]["name"]))
-            )
+            current = self.children.get(("PodDisruptionBudget", ns, pdb["metadata"]["name"]))
+            if builders.pdb_due(pdb, current, sum(1 for p in pods.values() if is_ready(p))):
+                await self.ensure(pdb, current)
 
         # Readiness gates of several replicas flip together: patch them concurrently.
         gates = [(pod["metadata"]["name"], gate_patch(pod, now))
