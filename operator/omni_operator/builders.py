@@ -542,8 +542,8 @@ def pdb_due(pdb: Obj, current: Obj | None, ready_replicas: int) -> bool:
     replica that serves nothing, so a `kubectl drain` of a node holding a pool that is still
     starting (or short of capacity) would wait on it; and the disruption controller counts
     every pod of the namespace for a budget at each event of its pods, so budgets present
-    through a fleet's ramp cost the controller-manager time that grows with the square of
-    the fleet (docs/benchmarks.md, the growth ladder)."""
+    through a fleet's ramp cost the controller-manager time per pod that grows with the
+    fleet (docs/benchmarks.md, the growth ladder)."""
     return current is not None or ready_replicas >= int(pdb["spec"]["minAvailable"])
 
 

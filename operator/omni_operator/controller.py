@@ -334,6 +334,9 @@ class Controller:
         self._timers: dict[Key, asyncio.TimerHandle] = {}  # at most one delayed enqueue per key
         self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
         self._listing: set[str] = set()  # kinds kopf is listing again (see _listed_again)
+        # kind -> (ns, name) its current listing has delivered: one delivered twice before a
+        # watch event came is the next listing (see watched).
+        self._listed: dict[str, set[tuple[str, str]]] = {}
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
         self._spawned: set[asyncio.Future[Any]] = set()  # events in flight (a set: O(1) done)
@@ -371,11 +374,19 @@ class Controller:
         """One event of kopf's watch of `kind` (type None: an object of its listing)."""
         if event_type is not None:
             self._listing.discard(kind)  # kopf watches a kind once its listing is over
+            self._listed.pop(kind, None)
         else:
             key = (kind, *_meta_key(obj))
+            if key[1:] in self._listed.get(kind, ()):
+                # Delivered twice with no watch event between: kopf lists again, its watch
+                # lost its place before any event came (a quiet fleet, a slow listing). What
+                # was deleted since the last listing is in neither.
+                self._listing.discard(kind)
             if (kind not in self._listing and key not in self._unconfirmed
                     and self.view(*key) is not None):
                 self._listed_again(kind)
+            if kind in self._listing:
+                self._listed[kind].add(key[1:])
         self.observe(kind, event_type, obj)
 
     def observe(self, kind: str, event_type: str | None, obj: Obj, *, primed: bool = False) -> None:
@@ -432,6 +443,7 @@ class Controller:
         awaits confirmation again. The listing confirms those that exist; the next resync's
         `confirm_primed` lists the kind and forgets the rest."""
         self._listing.add(kind)
+        self._listed[kind] = set()
         keys = self._view_keys(kind)
         log.info("%s listed again by the watch (it lost its place): checking %d in the view "
                  "at the next resync", kind, len(keys))
