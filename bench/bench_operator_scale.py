@@ -269,9 +269,10 @@ class Bench:
             # kwok's pod IPs are loopback, which Endpoints and EndpointSlices refuse: their
             # controllers would retry each orchestrator Service's update (and patch an Event)
             # for good, a cost of this fake cluster that no real one has (measured at 600
-            # pods: about 1,700 refused writes and Event patches within a minute of the first
-            # create). Off for every run here: the bare pods', the fleet's and LWS's. The
-            # variable set outside wins (an experiment turning a controller off).
+            # pods: about 1,660 requests, nearly all refused updates and Event patches,
+            # within a minute of the first create). Off for every run here: the bare pods',
+            # the fleet's and LWS's. The variable set outside wins (an experiment turning a
+            # controller off).
             "OMNISTAGE_KCM_CONTROLLERS": os.environ.get(
                 "OMNISTAGE_KCM_CONTROLLERS", "*,-endpoints-controller,-endpointslice-controller"),
         }
