@@ -455,6 +455,17 @@ async def test_priming_lists_in_pages_and_survives_an_expired_continue_token() -
     assert "spec" not in next(iter(c.pods[("ns", "p0-a")].values()))
 
 
+def _paging_controller(pods: list[Obj]) -> tuple[PagingApi, Controller]:
+    """A controller over an API that lists `pods` in pages (never expiring a continue
+    token); its enqueues and replica-gone reports go nowhere."""
+    api = PagingApi(pods)
+    api.expire_once = False
+    c = Controller(api=api)  # type: ignore[arg-type]
+    c.enqueue = lambda key: None  # type: ignore[method-assign]
+    c._replica_gone = lambda pod: None  # type: ignore[method-assign]
+    return api, c
+
+
 async def test_checking_primed_objects_lists_in_pages_too() -> None:
     """The first resync after a restart lists again what no watch event confirmed. Kills: that
     list unpaged, and a primed pod that a later page holds dropped as gone (or one that is
@@ -462,11 +473,7 @@ async def test_checking_primed_objects_lists_in_pages_too() -> None:
     from omni_operator import controller as ctl
 
     pods = [_pod("ns", f"p{p}-a", o) for p in range(300) for o in range(4)]
-    api = PagingApi(pods)
-    api.expire_once = False
-    c = Controller(api=api)  # type: ignore[arg-type]
-    c.enqueue = lambda key: None  # type: ignore[method-assign]
-    c._replica_gone = lambda pod: None  # type: ignore[method-assign]
+    api, c = _paging_controller(pods)
     await c.prime(["ns"])
     gone = pods.pop()  # deleted after the list; no watch said so
     api.pages.clear()
@@ -524,11 +531,7 @@ async def test_a_listing_that_follows_a_listing_with_no_event_between_is_one_aga
     teardown waited for their orchestrator pods for good. Kills: the second listing not
     taken as one (only a watch event ended the first), the deleted pods kept."""
     pods = [_pod("ns", f"p{p}-a", o) for p in range(3) for o in range(4)]
-    api = PagingApi(pods)
-    api.expire_once = False
-    c = Controller(api=api)  # type: ignore[arg-type]
-    c.enqueue = lambda key: None  # type: ignore[method-assign]
-    c._replica_gone = lambda pod: None  # type: ignore[method-assign]
+    _, c = _paging_controller(pods)
     for pod in pods:
         c.watched("Pod", "ADDED", copy.deepcopy(pod))
     for pod in pods:  # the first listing: every pod, each confirmed
