@@ -333,9 +333,8 @@ class Controller:
         self._dirty: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}  # at most one delayed enqueue per key
         self._unconfirmed: set[Key] = set()  # primed objects no watch event has confirmed
-        self._listing: set[str] = set()  # kinds kopf is listing again (see _listed_again)
-        # kind -> (ns, name) its current listing has delivered: one delivered twice before a
-        # watch event came is the next listing (see watched).
+        # Kinds kopf is listing again (see _listed_again) -> the (ns, name) that listing has
+        # delivered so far: one delivered twice before a watch event came is the next listing.
         self._listed: dict[str, set[tuple[str, str]]] = {}
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
@@ -373,19 +372,18 @@ class Controller:
     def watched(self, kind: str, event_type: str | None, obj: Obj) -> None:
         """One event of kopf's watch of `kind` (type None: an object of its listing)."""
         if event_type is not None:
-            self._listing.discard(kind)  # kopf watches a kind once its listing is over
-            self._listed.pop(kind, None)
+            self._listed.pop(kind, None)  # kopf watches a kind once its listing is over
         else:
             key = (kind, *_meta_key(obj))
             if key[1:] in self._listed.get(kind, ()):
                 # Delivered twice with no watch event between: kopf lists again, its watch
                 # lost its place before any event came (a quiet fleet, a slow listing). What
                 # was deleted since the last listing is in neither.
-                self._listing.discard(kind)
-            if (kind not in self._listing and key not in self._unconfirmed
+                del self._listed[kind]
+            if (kind not in self._listed and key not in self._unconfirmed
                     and self.view(*key) is not None):
                 self._listed_again(kind)
-            if kind in self._listing:
+            if kind in self._listed:
                 self._listed[kind].add(key[1:])
         self.observe(kind, event_type, obj)
 
@@ -442,7 +440,6 @@ class Controller:
         object the view has, outside a priming, is that listing: every object of the kind
         awaits confirmation again. The listing confirms those that exist; the next resync's
         `confirm_primed` lists the kind and forgets the rest."""
-        self._listing.add(kind)
         self._listed[kind] = set()
         keys = self._view_keys(kind)
         log.info("%s listed again by the watch (it lost its place): checking %d in the view "
