@@ -1074,6 +1074,12 @@ WRITES_PER_POD = 4.0  # issue 24: the operator's writes per stage pod, apply to 
 DELETE_RATIO = 1.5  # issue 24: delete -> gone at most this many times the bare pods' delete
 
 
+def raw_ratio(result: Obj) -> float | None:
+    """apply_to_ready over the bare pods' (None: no baseline ran)."""
+    raw = result.get("raw_baseline")
+    return result["apply_to_ready_s"] / raw["apply_to_ready_s"] if raw else None
+
+
 def scale_goals(result: Obj, idle_s: int) -> list[Goal]:
     """The goals this run measured (see the module docstring)."""
     goals = [Goal(f"idle_writes_{idle_s}s", result["idle"]["writes"], 0, at_least=False,
@@ -1086,9 +1092,8 @@ def scale_goals(result: Obj, idle_s: int) -> list[Goal]:
                   Goal("restart_ready_flips", rs["ready_conditions_changed"], 0,
                        at_least=False, unit="", digits=0)]
     if "raw_baseline" in result:
-        goals.append(Goal("apply_to_ready/raw_pods",
-                          result["apply_to_ready_s"] / result["raw_baseline"]["apply_to_ready_s"],
-                          RAW_RATIO, at_least=False))
+        goals.append(Goal("apply_to_ready/raw_pods", raw_ratio(result), RAW_RATIO,
+                          at_least=False))
     raw_delete = result.get("raw_baseline", {}).get("delete_s")
     if "teardown" in result and raw_delete:
         goals.append(Goal("delete_to_gone/raw_pods",
@@ -1121,7 +1126,7 @@ def ladder_goals(results: list[Obj]) -> list[Goal]:
     ratios = []
     for r in results:
         raw = r.get("raw_baseline") or {}
-        ratio = r["apply_to_ready_s"] / raw["apply_to_ready_s"] if raw else None
+        ratio = raw_ratio(r)
         ratios.append(ratio)
         goals.append(Goal(f"apply_to_ready/raw_pods@{r['pods']}", ratio, RAW_RATIO,
                           at_least=False))
@@ -1146,7 +1151,7 @@ def ladder_line(results: list[Obj]) -> str:
     parts = []
     for r in results:
         raw = r.get("raw_baseline") or {}
-        ratio = f"{r['apply_to_ready_s'] / raw['apply_to_ready_s']:.2f}x" if raw else "n/a"
+        ratio = "n/a" if (x := raw_ratio(r)) is None else f"{x:.2f}x"
         cpu = sum((r.get("cpu_s_to_ready_by_process") or {}).values())
         part = (f"{r['pods']}: apply_to_ready={r['apply_to_ready_s']:.1f}s"
                 f" raw={raw.get('apply_to_ready_s', float('nan')):.1f}s ratio={ratio}"
