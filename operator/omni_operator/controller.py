@@ -256,6 +256,19 @@ def _finalizer_intent(obj: Obj, finalizers: list[str]) -> Obj:
     return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": meta}
 
 
+def removed(answer: Any) -> bool:
+    """Whether a delete's (or a finalizer release's) answer says the object is gone: a
+    Success status, or the object as it was, with no finalizer left to hold it. One still
+    held (a pod's grace period, a finalizer) is not."""
+    if not isinstance(answer, dict):
+        return False
+    if answer.get("kind") == "Status":
+        return answer.get("status") == "Success"
+    meta = answer.get("metadata") or {}
+    return bool(meta) and not meta.get("finalizers") and (
+        not meta.get("deletionTimestamp") or meta.get("deletionGracePeriodSeconds") in (None, 0))
+
+
 def _meta_key(obj: Obj) -> tuple[str, str]:
     return obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
 
@@ -302,6 +315,11 @@ CREATE_EXPECTED_SECONDS = 30.0
 #: back, the latest value is written by a delayed reconcile. Every write costs on a busy API
 #: server, and a ramp changed a pool's counts once per pod (docs/architecture.md).
 STATUS_COALESCE_SECONDS = 2.0
+#: A deleting pipeline's next shutdown step is looked at again after this long. Each step
+#: ends in events that reconcile the pipeline (its orchestrator pod, its stage pods, its pools
+#: gone), so this is the backstop, not the pace: once a second, 500 deleting pipelines were
+#: 500 reconciles a second through a whole teardown.
+SHUTDOWN_RECHECK_SECONDS = 5.0
 #: Names an event lists of the objects it is about (the rest are counted).
 EVENT_NAMES = 3
 
@@ -458,12 +476,15 @@ class Controller:
             return list(self._pod_group)
         return [(ns, name) for k, ns, name in self.children if k == kind]
 
-    def forget(self, kind: str, namespace: str, name: str) -> None:
-        """Drop an object the API server says is gone (404), as its DELETED event would have."""
+    def forget(self, kind: str, namespace: str, name: str, *, deleted_by_us: bool = False
+               ) -> None:
+        """Drop an object the API server says is gone (a 404, or the answer to our own
+        delete), as its DELETED event would have."""
         obj = self.view(kind, namespace, name)
         self._unconfirmed.discard((kind, namespace, name))
         if obj is not None:
-            log.info("%s %s/%s is gone; dropping it from the view", kind, namespace, name)
+            if not deleted_by_us:
+                log.info("%s %s/%s is gone; dropping it from the view", kind, namespace, name)
             self.observe(kind, "DELETED", obj)
 
     def view(self, kind: str, namespace: str, name: str) -> Obj | None:
@@ -527,6 +548,11 @@ class Controller:
             self._pod_group[(ns, meta["name"])] = group
         if lbls.get(kube.LABEL_POOL):
             self.enqueue(("StagePool", ns, group))
+            owner = self.pipelines.get((ns, lbls.get(kube.LABEL_PIPELINE, "")))
+            if gone and (ns, group) not in self.pods and owner is not None and (
+                    owner["metadata"].get("deletionTimestamp")):
+                # The pool's last pod went: its deleting pipeline's shutdown goes on.
+                self.enqueue(("OmniPipeline", ns, owner["metadata"]["name"]))
         else:
             self.enqueue(("OmniPipeline", ns, lbls.get(kube.LABEL_PIPELINE, "")))
 
@@ -840,7 +866,7 @@ class Controller:
             self.forget(kind, ns, name)
             return None
 
-    async def _apply_finalizers(self, obj: Obj, finalizers: list[str]) -> None:
+    async def _apply_finalizers(self, obj: Obj, finalizers: list[str]) -> Obj | None:
         """Apply our finalizer intent to this object (by its uid). A 409 is either a conflict
         on a live object (raised) or the object gone since our view saw it (a stale reconcile
         after its deletion): a list by name tells which (the chart grants list and watch, no
@@ -849,8 +875,9 @@ class Controller:
         ns, name = _meta_key(obj)
         url = path("OmniPipeline", ns, name)
         try:
-            await self._write("OmniPipeline", ns, name, self.api.apply(
+            applied = await self._write("OmniPipeline", ns, name, self.api.apply(
                 url, _finalizer_intent(obj, finalizers), field_manager=builders.FIELD_MANAGER))
+            return None if applied is None else applied.object
         except ApiError as exc:
             if exc.status != 409:
                 raise
@@ -863,6 +890,7 @@ class Controller:
                 raise
             log.info("OmniPipeline %s/%s is gone (uid %s): nothing to apply", ns, name,
                      obj["metadata"].get("uid"))
+            return None
 
     async def ensure(
         self,
@@ -1056,12 +1084,17 @@ class Controller:
                 await self._delete("StagePool", ns, pname)
 
     async def _delete(self, kind: str, ns: str, name: str, body: Obj | None = None) -> None:
-        """Delete; 404 means it is gone already (dropped from the view), 409 is a race."""
+        """Delete; 404 means it is gone already (dropped from the view), 409 is a race. An
+        answer that says the object is gone drops it from the view at once, as its DELETED
+        event will: a step re-checked before that event came deleted it again (a 404 each)."""
         try:
-            await self._write(kind, ns, name, self.api.delete(path(kind, ns, name), body))
+            answer = await self._write(kind, ns, name, self.api.delete(path(kind, ns, name), body))
         except ApiError as exc:
             if exc.status != 409:
                 raise
+            return
+        if kind != "Pod" and removed(answer):
+            self.forget(kind, ns, name, deleted_by_us=True)
 
     async def shutdown_pipeline(self, obj: Obj) -> None:
         """Ordered shutdown: orchestrator drains first, then the stage pools, then release."""
@@ -1080,33 +1113,56 @@ class Controller:
         if self.pods.get((ns, oname)):
             await self.patch_status(obj, terminating_status(obj, "draining the orchestrator",
                                                             now_iso()))
-            self.enqueue_later(key, 1.0)
+            self.enqueue_later(key, SHUTDOWN_RECHECK_SECONDS)
             return
-        pools = [(ns, pn) for pn in self.pools_of(ns, name)]
-        for pns, pn in pools:
-            pool = self.pools.get((pns, pn))
-            if pool is not None and not pool["metadata"].get("deletionTimestamp"):
-                await self._delete("StagePool", pns, pn, {"propagationPolicy": "Foreground"})
-        pools = [k for k in pools if k in self.pools]
-        if pools or any(self.pods.get((ns, pn)) for _, pn in pools):
+        if await self._stop_pools(ns, name):
             await self.patch_status(obj, terminating_status(obj, "stopping the stage pools",
                                                             now_iso()))
-            self.enqueue_later(key, 1.0)
+            self.enqueue_later(key, SHUTDOWN_RECHECK_SECONDS)
             return
         if owners(obj, ("metadata", "finalizers", f"v:{json.dumps(FINALIZER)}")) == {
                 (builders.FIELD_MANAGER, "Apply", "")}:
             # Applying an intent without it releases our finalizer, and nobody else holds it:
             # the API server removes it, and leaves every other finalizer alone.
-            await self._apply_finalizers(obj, [])
+            released = await self._apply_finalizers(obj, [])
         else:
             # Added by an operator from before server-side apply (an update owns it): a release
             # would leave it, so the list is written without it.
             remaining = [f for f in finalizers if f != FINALIZER]
-            await self._write("OmniPipeline", ns, name, self.api.patch(
+            released = await self._write("OmniPipeline", ns, name, self.api.patch(
                 path("OmniPipeline", ns, name), {"metadata": {"finalizers": remaining or None}},
                 fieldManager=builders.FIELD_MANAGER))
+        if removed(released):  # the last finalizer: the API server removed it (no 2nd release)
+            self.forget("OmniPipeline", ns, name, deleted_by_us=True)
         self._warned.discard(f"{obj['metadata'].get('uid', '')}/terminating")
         log.info("pipeline %s/%s shut down in order", ns, name)
+
+    async def _stop_pools(self, ns: str, pipeline: str) -> bool:
+        """A deleting pipeline's second step, once its orchestrator is gone: its pools'
+        budgets, then its stage pods (one delete-collection, each with its grace period), then,
+        when no pod is left, its pools. True while any of them is still there.
+
+        The operator deletes the pods itself rather than through the pools' cascade: the
+        garbage collector reads each dependent and its owner back from the API server before
+        deleting it (five reads per stage pod in a 2,004-pod teardown), and a budget still
+        there is counted again by the disruption controller at every event of its pods
+        (docs/benchmarks.md, the teardown). Nothing routes to a pool once its orchestrator is
+        gone, so neither budget nor order among its pods protects anything."""
+        pools = self.pools_of(ns, pipeline)
+        for pn in pools:
+            if ("PodDisruptionBudget", ns, pn) in self.children:
+                await self._delete("PodDisruptionBudget", ns, pn)
+        pods = [p for pn in pools for p in self.pods.get((ns, pn), {}).values()]
+        if any(not p["metadata"].get("deletionTimestamp") for p in pods):
+            await self.api.delete(path("Pod", ns), labelSelector=kube.stage_selector(pipeline),
+                                  ignore=(404,))
+        if pods:
+            return True  # the pools stay until their pods are gone: no cascade to run
+        for pn in pools:
+            pool = self.pools.get((ns, pn))
+            if pool is not None and not pool["metadata"].get("deletionTimestamp"):
+                await self._delete("StagePool", ns, pn)
+        return any((ns, pn) in self.pools for pn in pools)
 
     def _announce_terminating(self, obj: Obj) -> None:
         """One Normal `Terminating` event when a pipeline's deletion starts (docs/crds.md):
@@ -1125,6 +1181,14 @@ class Controller:
     async def reconcile_pool(self, pool: Obj) -> None:
         ns, name = _meta_key(pool)
         key: Key = ("StagePool", ns, name)
+        owner = self.pipelines.get((ns, (pool.get("spec") or {}).get("pipeline", "")))
+        if pool["metadata"].get("deletionTimestamp") or (
+                owner and owner["metadata"].get("deletionTimestamp")):
+            # Going away, and its pods with it (its pipeline's shutdown deletes them, or the
+            # garbage collector does): nothing to converge or report. A teardown reconciles a
+            # pool at each event of its pods; building its pod template each time was most of
+            # the operator's CPU there.
+            return
         try:
             parse_stagepool(pool)
         except SpecError as exc:
@@ -1134,27 +1198,21 @@ class Controller:
         pods = dict(self.pods.get((ns, name), {}))
         _, template_hash = builders.pod_template(pool)
         now = now_iso()
-        owner = self.pipelines.get((ns, pool["spec"]["pipeline"]))
-        deleting = bool(pool["metadata"].get("deletionTimestamp")) or bool(
-            owner and owner["metadata"].get("deletionTimestamp")
-        )
 
-        if not deleting:
-            pdb = builders.pool_pdb(pool)
-            current = self.children.get(("PodDisruptionBudget", ns, pdb["metadata"]["name"]))
-            if builders.pdb_due(pdb, current, sum(1 for p in pods.values() if is_ready(p))):
-                await self.ensure(pdb, current)
+        pdb = builders.pool_pdb(pool)
+        current = self.children.get(("PodDisruptionBudget", ns, pdb["metadata"]["name"]))
+        if builders.pdb_due(pdb, current, sum(1 for p in pods.values() if is_ready(p))):
+            await self.ensure(pdb, current)
 
         # Readiness gates of several replicas flip together: patch them concurrently.
         gates = [(pod["metadata"]["name"], gate_patch(pod, now))
-                 for pod in ([] if deleting else pods.values())]
+                 for pod in pods.values()]
         await gather_all(self._write("Pod", ns, pname, self.api.patch(
             path("Pod", ns, pname, "status"), patch, kind="strategic",
             fieldManager=builders.FIELD_MANAGER))
             for pname, patch in gates if patch is not None)
-        if not deleting:
-            self._warn_unschedulable(pool, pods)
-        for pod in [] if deleting else pods.values():
+        self._warn_unschedulable(pool, pods)
+        for pod in pods.values():
             uid = pod["metadata"].get("uid", "")
             failure = model_failure(pod)
             if failure and f"{uid}/model" not in self._warned:
@@ -1169,7 +1227,7 @@ class Controller:
             if is_draining(p) and not p["metadata"].get("deletionTimestamp")
         ]
         for pod in retiring:
-            pins = None if deleting else drain.pinned_revision(
+            pins = drain.pinned_revision(
                 pod, pods.values(), release.pool_revision(pool), pool["spec"]["stage"]["name"])
             progress = await drain.finished(pod, pool, None if pins is None else partial(
                 self._pinned, ns, pool["spec"]["pipeline"], *pins))
@@ -1184,7 +1242,7 @@ class Controller:
                 self.enqueue_later(key, drain.POLL_SECONDS)
 
         changed, annotation = retirement.rewrite(pool)
-        if not deleting and changed:
+        if changed:
             # A scale-up freed retired ordinals (one per added replica): write what is left, or
             # remove the annotation (one write, then none). It is `omnistage drain`'s (its own
             # field manager), not in the operator's intent, so an apply cannot change it: a
@@ -1194,11 +1252,8 @@ class Controller:
                 {"metadata": {"annotations": {retirement.ANNOTATION_RETIRED: annotation}}},
                 fieldManager=builders.FIELD_MANAGER))
 
-        if not deleting:
-            await self._converge_pods(pool, pods, template_hash, bool(retiring))
+        await self._converge_pods(pool, pods, template_hash, bool(retiring))
 
-        if deleting:
-            return  # the pool is going away: its status is of no use to anyone
         status = pool_status(pool, list(self.pods.get((ns, name), {}).values()), template_hash, now,
                              self.autoscaler.report(pool))
         await self.patch_status(pool, status, coalesce=True)

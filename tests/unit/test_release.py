@@ -683,9 +683,10 @@ async def test_an_unreadable_orchestrator_holds_the_last_replica_until_the_drain
 async def test_a_replica_of_the_target_revision_never_waits_for_pins(
         orchestrators: list[FakeOrchestrator]) -> None:
     """A scale-down retires replicas of the pool's own revision, to zero: the last of them
-    too, whatever is pinned to it (no release: pins were made for it); so does a pool being
-    deleted. Kills: the rule applied to every last replica of a revision (a scale-down to
-    zero held by pins) or to a pool being deleted."""
+    too, whatever is pinned to it (no release: pins were made for it). A pool being deleted
+    holds nothing back and writes nothing: its pods go with it (the cascade, or its pipeline's
+    shutdown). Kills: the rule applied to every last replica of a revision (a scale-down to
+    zero held by pins), or a deleting pool that still converges (a replica made again)."""
     world = await started(running=True)
     first = world.targets()
     wire(world, orchestrators)
@@ -708,5 +709,7 @@ async def test_a_replica_of_the_target_revision_never_waits_for_pins(
     pool = kube.pool_name("p", "a")
     world.pools[pool] = {**world.pools[pool], "metadata": {
         **world.pools[pool]["metadata"], "deletionTimestamp": "2027-01-01T00:00:00Z"}}
+    world.ctl.observe("Pod", "DELETED", world.pods.pop(held["metadata"]["name"]))  # cascade
+    before = len(world.writes)
     await world.ctl.reconcile_pool(world.pools[pool])
-    assert ("delete", held["metadata"]["name"]) in world.writes
+    assert world.writes[before:] == []

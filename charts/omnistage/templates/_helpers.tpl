@@ -86,18 +86,20 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
 - apiGroups: [omnistage.io]
   resources: [omnipipelines/finalizers, stagepools/finalizers]
   verbs: [update]
-# Replica pods: created and deleted one by one, patched with the drain mark. list/watch are
-# also what the orchestrators' Roles grant, and RBAC only lets the operator grant what it holds.
+# Replica pods: created and deleted one by one, patched with the drain mark; a deleting
+# pipeline's stage pods in one delete-collection (by its labels). list/watch are also what the
+# orchestrators' Roles grant, and RBAC only lets the operator grant what it holds.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [list, watch, create, patch, delete, deletecollection]
 # The readiness gate omnistage.io/routable is a pod status condition the operator sets.
 - apiGroups: [""]
   resources: [pods/status]
   verbs: [patch]
 # The orchestrator's Service, ServiceAccount and ConfigMap (the resolved spec), its Deployment,
 # its namespaced Role and RoleBinding (pods list/watch), and one PodDisruptionBudget per
-# StagePool: created, and patched back when they drift.
+# StagePool: created, and patched back when they drift. A deleting pipeline's budgets are
+# deleted before its stage pods (the garbage collector takes the rest).
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
   verbs: [list, watch, create, patch]
@@ -106,7 +108,7 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
   verbs: [list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [list, watch, create, patch]
+  verbs: [list, watch, create, patch, delete]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [list, watch, create, patch]
