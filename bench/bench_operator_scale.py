@@ -745,6 +745,7 @@ class Bench:
         w0 = self.counters()[0]
         log(f"teardown: deleting {self.args.pipelines} pipelines")
         cpu0 = self.component_cpu()
+        api0 = apiserver_writes(self.k)
         t0 = time.monotonic()
         self.k.delete(self.pipelines_path())
         deadline = t0 + self.args.teardown_timeout
@@ -774,9 +775,12 @@ class Bench:
         took = time.monotonic() - t0
         cpu = cpu_delta(cpu0, self.component_cpu())
         writes = self.counters()[0] - w0
+        # Everyone's: the operator's deletes and the collector's, kwok's final deletes, events.
+        api = write_delta(api0, apiserver_writes(self.k))
         log(f"teardown done in {took:.1f}s, operator writes {writes}; CPU seconds by process "
-            f"{cpu}")
-        return {"delete_to_gone_s": round(took, 1), "writes": writes, "cpu_s": cpu}
+            f"{cpu}; API writes by everyone {sum(api.values())} {api}")
+        return {"delete_to_gone_s": round(took, 1), "writes": writes, "cpu_s": cpu,
+                "apiserver_writes_by_verb_resource": api}
 
     def log_problems(self) -> list[str]:
         try:
@@ -850,6 +854,7 @@ class Bench:
         grace = self.args.raw_grace_period
         body = None if grace is None else {"gracePeriodSeconds": grace}
         cpu0 = self.component_cpu()
+        writes0 = apiserver_writes(self.k)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda c: self.k.delete(
                 path("Pod", ns), body,
@@ -860,13 +865,15 @@ class Bench:
             time.sleep(TEARDOWN_POLL_S)
         t_gone = time.monotonic()
         delete_cpu = cpu_delta(cpu0, self.component_cpu())
+        delete_writes = write_delta(writes0, apiserver_writes(self.k))
         log(f"raw baseline: deleted in {t_gone - t_ready:.1f}s; CPU seconds by process "
-            f"{delete_cpu}")
+            f"{delete_cpu}; API writes by everyone {sum(delete_writes.values())} {delete_writes}")
         return {"pods": count, "create_s": round(t_created - t0, 1),
                 "apply_to_ready_s": round(t_ready - t0, 1),
                 "delete_s": round(t_gone - t_ready, 1),
                 "grace": "default" if grace is None else f"{grace}s",
                 "delete_cpu_s": delete_cpu,
+                "delete_writes_by_verb_resource": delete_writes,
                 # Everyone's writes to Ready (the bench's creates, binds, kwok's statuses...).
                 "apiserver_writes_to_ready": sum(writes.values()),
                 "apiserver_writes_by_verb_resource": writes}

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from omnistage.kubeapi import ApiError
 from tests.harness.benches import bench_module
 
 
@@ -169,3 +171,30 @@ def test_the_ladder_line_gives_everyones_writes_per_pod_on_both_sides(scale: Any
     assert "api_writes_per_pod=9.00(raw 4.00)" in scale.ladder_line([r])
     del r["apiserver_writes_total"]  # a result from before the count: said, not guessed
     assert "api_writes_per_pod=n/a(raw 4.00)" in scale.ladder_line([r])
+
+
+class _TimingOutApi:
+    """Answers the first `timeouts` deletes with the API server's 504, then succeeds."""
+
+    def __init__(self, timeouts: int, status: int = 504) -> None:
+        self.timeouts, self.status, self.deletes = timeouts, status, 0
+
+    def delete(self, url: str) -> None:
+        self.deletes += 1
+        if self.deletes <= self.timeouts:
+            raise ApiError(self.status, {"reason": "Timeout"}, "DELETE", url)
+
+
+def test_the_lws_collection_delete_is_asked_again_after_a_timeout() -> None:
+    lws = bench_module("lws_baseline")
+    api = _TimingOutApi(timeouts=2)
+    lws.delete_collection(api, "/apis/x/v1/namespaces/n/leaderworkersets", time.monotonic() + 60)
+    assert api.deletes == 3
+    refused = _TimingOutApi(timeouts=1, status=403)
+    with pytest.raises(Exception, match="HTTP 403"):
+        lws.delete_collection(refused, "/apis/x", time.monotonic() + 60)
+    assert refused.deletes == 1
+    late = _TimingOutApi(timeouts=5)
+    with pytest.raises(Exception, match="HTTP 504"):
+        lws.delete_collection(late, "/apis/x", time.monotonic() - 1)
+    assert late.deletes == 1
