@@ -70,11 +70,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from goals import Goal, add_check_flag, exit_status, verdicts
 
+import omnistage.kinds as stage_kinds
 from omnistage.admission import ExecutionContext
-from omnistage.executors import kinds as stage_kinds
 from omnistage.executors.base import Emit, Executor, Outcome, StageIO
-from omnistage.executors.kinds import Payload, StageKind
 from omnistage.executors.talker import TalkerExecutor
+from omnistage.kinds import Payload, StageKind
 from omnistage.protocol import WireTensor
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-import omnistage.executors.kinds as stage_kinds
+import omnistage.kinds as stage_kinds
 from omni_operator.models import GROUP, VERSION, StagePoolSpec
 from omni_operator.status_models import PHASES, PipelineStatus, PoolStatus
 from omnistage.spec import (
@@ -212,7 +212,7 @@ def _stage_rules(stage: Schema) -> None:
     """Rules one stage can check on its own; they hold in OmniPipeline and StagePool.
 
     The messages are Stage._check_model's, word for word. What a kind needs comes from the kind
-    table (omnistage.executors.kinds), read when the CRD is generated.
+    table (omnistage.kinds), read when the CRD is generated.
     """
     # Sets hold at most one entry per stage; the bound also keeps CEL cost estimates small.
     for path in ("inputs", "placement.colocateWith"):

@@ -58,7 +58,7 @@ def _add_models(sub: Any) -> None:
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    from omnistage.executors.kinds import builtin_models
+    from omnistage.kinds import builtin_models
     from omnistage.models import ModelUnavailable, pull, save_builtin
 
     if args.models_cmd == "list":

@@ -7,7 +7,7 @@ what clients send and encode what the speech stage returns, and the bounds below
 here parses a container by hand. Every failure is a MediaError whose message says what is wrong,
 so the caller can answer 400 naming the field.
 
-Tensor contract with the entry stage (omnistage.executors.kinds.Payload): an input image is a
+Tensor contract with the entry stage (omnistage.kinds.Payload): an input image is a
 uint8 [H, W, 3] RGB array; input audio is float32 mono PCM in [-1, 1], shape [samples], at
 INPUT_AUDIO_SAMPLE_RATE Hz (resampled here when the client's audio has another rate).
 """

@@ -5,7 +5,7 @@ This is the grammar only (pure, no I/O), shared by the spec validator, the CRD's
 (omnistage.models), so every mode reads a reference the same way:
 
 - a local path starts with one of LOCAL_PATH_PREFIXES (`/`, `./`, `../`, `~`);
-- a built-in is one the kind table lists (omnistage.executors.kinds, `builtin_models()`);
+- a built-in is one the kind table lists (omnistage.kinds, `builtin_models()`);
 - anything else must be a hub id `org/name`, optionally `@revision` (a branch, tag or commit).
 
 Hub names follow the hub's rules, slightly tightened so one regular expression (Python's and
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from omnistage.executors.kinds import builtin_models
+from omnistage.kinds import builtin_models
 
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 

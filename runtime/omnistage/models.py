@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omnistage.executors.kinds import builtin_models
+from omnistage.kinds import builtin_models
 from omnistage.modelref import ModelRef, parse_model_ref
 from omnistage.spec import DEFAULT_VOICES, Stage
 

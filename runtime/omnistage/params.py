@@ -17,7 +17,7 @@ import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic_core import ErrorDetails
 
-from omnistage.executors.kinds import get as get_kind
+from omnistage.kinds import get as get_kind
 from omnistage.models import BUILTIN_CONTEXT
 from omnistage.spec import EngineOptions, PerRequest, Stage
 
@@ -77,7 +77,7 @@ def max_tokens_bound(stage: Stage) -> int:
 
 def per_request(kind: str) -> dict[str, str]:
     """Request key -> EngineOptions field, for the knobs a request to this kind may override:
-    the kind's engine options (omnistage.executors.kinds) that carry a PerRequest mark."""
+    the kind's engine options (omnistage.kinds) that carry a PerRequest mark."""
     options = get_kind(kind).engine_options
     out = {}
     for name in EngineOptions.model_fields:

@@ -39,7 +39,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-import omnistage.executors.kinds as stage_kinds
+import omnistage.kinds as stage_kinds
 from omnistage import __version__
 from omnistage.kube import ANNOTATION_SHARED_MEMORY, API_VERSION
 from omnistage.modelref import (
@@ -228,7 +228,7 @@ ImageRef = Annotated[str, Field(max_length=IMAGE_MAX), AfterValidator(_check_ima
 @dataclasses.dataclass(frozen=True)
 class PerRequest:
     """Marks an EngineOptions field that a request may override, in the stage kinds whose row
-    of the kind table (omnistage.executors.kinds) lists it among their engine options.
+    of the kind table (omnistage.kinds) lists it among their engine options.
 
     `key` is the request parameter's name when it differs from the field's. Executors and the
     HTTP API derive their request models from these marks (omnistage.params), so a knob's bounds
@@ -724,7 +724,7 @@ class Stage(_Model):
         f"{STAGE_NAME_MAX} characters because it becomes part of pod names."
     )
     kind: str = Field(
-        description="Executor kind (the kind table, omnistage.executors.kinds). Immutable once "
+        description="Executor kind (the kind table, omnistage.kinds). Immutable once "
         "created.",
         json_schema_extra=lambda schema: _kind_schema(schema),
     )
@@ -791,7 +791,7 @@ class Stage(_Model):
     @field_validator("kind")
     @classmethod
     def _check_kind(cls, value: str) -> str:
-        """Only kinds in the table (omnistage.executors.kinds); worded as an enum's error."""
+        """Only kinds in the table (omnistage.kinds); worded as an enum's error."""
         known = stage_kinds.names()
         if value not in known:
             expected = " or ".join(

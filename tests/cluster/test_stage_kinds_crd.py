@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import omnistage.executors.kinds as stage_kinds
+import omnistage.kinds as stage_kinds
 from omni_operator.crd import omnipipeline_crd
 from tests.harness.cluster import Cluster
 from tests.integration.test_stage_kinds import REVERSE, manifest

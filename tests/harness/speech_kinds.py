@@ -28,7 +28,7 @@ import numpy as np
 from omnistage.admission import ExecutionContext
 from omnistage.batching import Emit
 from omnistage.executors.base import BadRequest, Executor, Outcome, StageIO
-from omnistage.executors.kinds import ENV_VAR, Payload, StageKind
+from omnistage.kinds import ENV_VAR, Payload, StageKind
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 

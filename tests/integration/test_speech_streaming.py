@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+import omnistage.kinds as stage_kinds
 from omnistage.admission import ExecutionContext
-from omnistage.executors import kinds as stage_kinds
 from omnistage.executors.base import Emit, Executor, Outcome, StageIO
-from omnistage.executors.kinds import Payload, StageKind
+from omnistage.kinds import Payload, StageKind
 from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
 from omnistage.orchestrator.requests import Outcome as Done

@@ -1,4 +1,4 @@
-"""Adding a stage kind is one executor plus one row of the kind table (omnistage.executors.kinds).
+"""Adding a stage kind is one executor plus one row of the kind table (omnistage.kinds).
 
 A test-only kind, `reverse` (text in, the text reversed out), is defined here and nowhere else.
 It flows through spec validation, the generated CRD schema, a real worker process and the
@@ -20,12 +20,12 @@ import jsonschema
 import pytest
 import yaml
 
-import omnistage.executors.kinds as stage_kinds
+import omnistage.kinds as stage_kinds
 from omni_operator.crd import omnipipeline_crd
 from omnistage.admission import ExecutionContext
 from omnistage.batching import Emit
 from omnistage.executors.base import Executor, Outcome
-from omnistage.executors.kinds import Payload, StageKind
+from omnistage.kinds import Payload, StageKind
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
 from omnistage.spec import SpecError, parse_pipeline
@@ -182,7 +182,7 @@ def test_a_bad_kinds_variable_fails_with_a_clear_error() -> None:
                          (f"{__name__}:NOPE", f"module '{__name__}' has no attribute 'NOPE'"),
                          (f"{__name__}:ROOT", "not a StageKind")):
         out = subprocess.run(
-            [sys.executable, "-c", "import omnistage.executors.kinds as k; k.names()"],
+            [sys.executable, "-c", "import omnistage.kinds as k; k.names()"],
             env={**os.environ, "PYTHONPATH": _pythonpath(), stage_kinds.ENV_VAR: value},
             capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 1 and stage_kinds.ENV_VAR in out.stderr, out

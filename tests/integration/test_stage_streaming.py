@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 import pytest
 
+import omnistage.kinds as stage_kinds
 from omnistage import protocol as p
-from omnistage.executors import kinds as stage_kinds
 from omnistage.orchestrator.requests import Delta, Outcome, PipelineRequest
 from tests.integration.test_orchestrator import _until, collect, pipeline
 from tests.integration.test_orchestrator import launch as launch  # the fixture

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+import omnistage.kinds as stage_kinds
 from omnistage.admission import ExecutionContext
-from omnistage.executors import kinds as stage_kinds
 from omnistage.executors.talker import TalkerExecutor
 from omnistage.spec import EngineOptions
 from tests.harness.benches import bench_module

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-import omnistage.executors.kinds as stage_kinds
+import omnistage.kinds as stage_kinds
 from omnistage.spec import (
     DEFAULT_IMAGE,
     MAX_REPLICAS,
@@ -373,7 +373,7 @@ def test_engine_for_kind_is_exactly_the_options_of_the_kind() -> None:
 
 
 def test_engine_kinds_of_every_field() -> None:
-    """Kills: a changed engine_options entry in the kind table (omnistage.executors.kinds)."""
+    """Kills: a changed engine_options entry in the kind table (omnistage.kinds)."""
     assert {name: engine_kinds(name) for name in EngineOptions.model_fields} == {
         "dtype": ("ar", "diffusion", "thinker", "talker", "vocoder"),
         "max_tokens": ("ar", "thinker"), "temperature": ("ar", "thinker"),
@@ -389,7 +389,7 @@ def test_engine_kinds_of_every_field() -> None:
 
 
 def test_engine_kinds_follow_the_kind_table() -> None:
-    """A kind's engine options are its row's (omnistage.executors.kinds): a registered kind that
+    """A kind's engine options are its row's (omnistage.kinds): a registered kind that
     lists maxBatchSize gets it in its pool, and every EngineOptions field is read by some kind,
     so a new knob is never silently dropped from every pool. Kills: engine_kinds reading anything
     but the table, and a field missing from every row."""

@@ -1,40 +1,28 @@
 """Stage executors: what a stage worker runs behind admission control.
 
-Which executor runs which kind is the kind table's (omnistage.executors.kinds). This package
-imports its members lazily: the spec imports the table, and the table must stay importable
-without the executors' base (which imports the spec back) and without torch.
+Which executor runs which kind is the kind table's (omnistage.kinds, which imports nothing of
+this package). Importing an executor never imports torch or the model libraries: they load in
+`Executor.load`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from omnistage.executors import kinds as stage_kinds
+import omnistage.kinds as stage_kinds
+from omnistage.executors.base import BadRequest, BatchExecutor, Executor, Outcome
 
 if TYPE_CHECKING:
-    from omnistage.executors.base import BadRequest, BatchExecutor, Executor, Outcome
     from omnistage.spec import Stage
 
 __all__ = ["BadRequest", "BatchExecutor", "Executor", "Outcome", "create_executor",
            "executor_class"]
-
-_BASE = frozenset({"BadRequest", "BatchExecutor", "Executor", "Outcome"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _BASE:
-        from omnistage.executors import base
-
-        return getattr(base, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def executor_class(kind: str) -> type[Executor]:
     """The executor class of a stage kind, from the kind table. Importing one never imports
     torch or the model libraries (they load in `Executor.load`), so a worker can ask this
     before it loads."""
-    from omnistage.executors.base import Executor
-
     row = stage_kinds.get(kind)
     cls = row.executor_class()
     if not (isinstance(cls, type) and issubclass(cls, Executor)):

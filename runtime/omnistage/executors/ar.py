@@ -287,7 +287,7 @@ class ThinkerExecutor(ARExecutor):
     """A Qwen3-Omni thinker: the ar decode loop over the real model, with the request's images
     and audio run through the model's own image processor and audio feature extractor.
 
-    Media come as tensors `input_image.<i>` and `input_audio.<i>` (omnistage.executors.kinds,
+    Media come as tensors `input_image.<i>` and `input_audio.<i>` (omnistage.kinds,
     Payload) and go before the prompt's text (at the start of the last user turn of a
     chat-templated one), each as its placeholder tokens in the form the model was trained on
     (<|vision_start|> <|image_pad|>... <|vision_end|>, likewise for audio), as many as its

@@ -76,8 +76,8 @@ import zmq.asyncio
 
 from omnistage import protocol as p
 from omnistage.client import ChannelClosed, ReplicaChannel
-from omnistage.executors.kinds import Payload, StageKind
-from omnistage.executors.kinds import get as get_kind
+from omnistage.kinds import Payload, StageKind
+from omnistage.kinds import get as get_kind
 from omnistage.metrics import new_registry
 from omnistage.orchestrator.load import LoadTracker, PipelineLoad, RevisionLoad, window_of
 from omnistage.orchestrator.membership import Membership, ReplicaInfo
@@ -121,12 +121,6 @@ class _Stream:
     chunks: list[Reply] = field(default_factory=list)  # kept to feed a resent downstream
     acked: int = 0  # the downstream took every chunk up to this seq
     ended: bool = False  # the upstream's final arrived (its last feed went out)
-
-
-# Executors that resume a stream from the tokens already delivered (params resume_token_ids
-# and resume_text; omnistage.executors.ar). Another kind whose text reached the client fails.
-RESUMABLE = frozenset({"omnistage.executors.ar:ARExecutor",
-                       "omnistage.executors.ar:ThinkerExecutor"})
 
 
 @dataclass(eq=False)
@@ -577,7 +571,7 @@ class Orchestrator:
             shown = child.shown.get(s)
             if shown is None:
                 continue
-            if shown.audio_chunks or s != stage or self.rows[s].executor not in RESUMABLE:
+            if shown.audio_chunks or s != stage or not self.rows[s].resumable:
                 return False  # the client has output of it that cannot be resumed
             resume = bool(shown.token_ids or shown.text)
         self._restart_chain(child, stage, chain)

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ValidationError
 
 from omnistage import media
 from omnistage.client import ControlError
-from omnistage.executors.kinds import Payload
-from omnistage.executors.kinds import get as get_kind
+from omnistage.kinds import Payload
+from omnistage.kinds import get as get_kind
 from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import (

@@ -74,7 +74,7 @@ class PipelineRequest:
     finals: list[str] | None = None
     request_id: str | None = None
     # Input media (numpy arrays, torch tensors or WireTensors): `input_image.<i>` and
-    # `input_audio.<i>` (omnistage.executors.kinds.Payload), sent to the entry stages that
+    # `input_audio.<i>` (omnistage.kinds.Payload), sent to the entry stages that
     # consume IMAGE or AUDIO.
     tensors: dict[str, Any] = field(default_factory=dict)
 

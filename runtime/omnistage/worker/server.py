@@ -50,7 +50,7 @@ from omnistage.executors import (
     executor_class,
 )
 from omnistage.executors.base import InputChunk, StageIO
-from omnistage.executors.kinds import get as get_kind
+from omnistage.kinds import get as get_kind
 from omnistage.metrics import new_registry
 from omnistage.revision import stage_revision
 from omnistage.shm import SegmentManager, ShmConfig, WaitCancelled, start_segment_manager

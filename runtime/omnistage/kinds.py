@@ -112,6 +112,10 @@ class StageKind:
     #: chunked_output and the downstream's says chunked_input.
     chunked_output: bool = False
     chunked_input: bool = False
+    #: After failover, a new replica can continue this kind's output from what the client was
+    #: already shown (request params `resume_token_ids` and `resume_text`), so a stream that
+    #: reached the client resumes instead of failing. Kinds without it fail such a request.
+    resumable: bool = False
 
     def __post_init__(self) -> None:
         if not re.fullmatch(_NAME_PATTERN, self.name):
@@ -156,6 +160,7 @@ _BUILTIN: tuple[StageKind, ...] = (
         builtin_models=("tiny-llama",),
         consumes=frozenset({_P.TEXT}),
         emits=frozenset({_P.TEXT, _P.TOKENS, _P.HIDDEN_STATES}),
+        resumable=True,
     ),
     StageKind(
         name="diffusion",
@@ -189,6 +194,7 @@ _BUILTIN: tuple[StageKind, ...] = (
         consumes=frozenset({_P.TEXT, _P.IMAGE, _P.AUDIO}),
         emits=frozenset({_P.TEXT, _P.TOKENS, _P.HIDDEN_STATES}),
         chunked_output=True,
+        resumable=True,
     ),
     StageKind(
         name="talker",
