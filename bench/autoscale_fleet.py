@@ -34,50 +34,41 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bench_operator_scale as scale
+import msgspec
 from goals import Goal
 
 sys.path.insert(0, str(scale.REPO))  # tests/harness
-from tests.harness.jsonhttp import JsonServer
-
-from omnistage.kube import LOAD_PATH
+from tests.harness.fakeload import FakeLoadServer, load_document, stage_load
 
 LOAD_URL_ENV = "OMNISTAGE_AUTOSCALER_LOAD_URL"  # omni_operator.autoscaler.LOAD_URL_ENV
 OPERATOR = "omnistage-operator"  # the reportingComponent of the operator's events
 CPU_GOAL = 0.10  # the autoscaler adds at most this share to the operator's CPU
 AUTOSCALING = {"minReplicas": 1, "maxReplicas": 4, "target": {"inflightPerReplica": 1.0}}
 PERIOD_S = 15.0  # autoscaling.periodSeconds' default, which the fleet keeps
-STEADY = {"replicas": 1, "inflight": 0, "held": 0, "arrivals_per_s": 0.2, "service_s": 1.0,
-          "exec_s": 1.0, "queue_wait_p95_s": 0.0, "ttfo_p95_s": 0.0, "wake_pending": False}
+STEADY = stage_load(arrivals_per_s=0.2, service_s=1.0, exec_s=1.0)
 # 2.5 requests/s of 1 s each at 1 in flight per replica: 3 replicas.
-RAISED = {**STEADY, "inflight": 3, "arrivals_per_s": 2.5}
+RAISED = msgspec.structs.replace(STEADY, inflight=3, arrivals_per_s=2.5)
 
 
-class FleetLoad:
+class FleetLoad(FakeLoadServer):
     """GET /<namespace>/<pipeline>/v1/load: STEADY for every stage, RAISED for stage b of the
     pipelines in `raised`. HTTP/1.1 keep-alive, as the API server's service proxy is."""
 
     def __init__(self) -> None:
+        super().__init__(document=self._fleet_document)
         self.raised: set[str] = set()
-        self.server = JsonServer(self._document)
-        self.url = self.server.base_url + "/{namespace}/{pipeline}" + LOAD_PATH
 
-    @property
-    def reads(self) -> int:
-        return self.server.reads
-
-    def _document(self, path: str) -> tuple[int, dict[str, Any]]:
+    def _fleet_document(self, path: str) -> dict[str, Any]:
         parts = path.strip("/").split("/")
         pipeline = parts[1] if len(parts) > 2 else ""
         b = RAISED if pipeline in self.raised else STEADY
         now = time.time()
-        return 200, {"window_s": 60.0, "now": now, "stages": {
-            "a": {**STEADY, "last_request_unix": now},
-            "b": {**b, "last_request_unix": now},
-            "c": {**STEADY, "last_request_unix": now},
-        }}
+        return load_document({s: msgspec.structs.replace(figures, last_request_unix=now)
+                              for s, figures in (("a", STEADY), ("b", b), ("c", STEADY))},
+                             now=now)
 
     def stop(self) -> None:
-        self.server.close()
+        self.close()
 
 
 @dataclass

@@ -23,7 +23,7 @@ from omnistage.kubeapi import path, resource_path
 from tests.cluster.test_operator import KWOK
 from tests.cluster.test_operator_writes import _sa_kubeconfig
 from tests.harness.cluster import Cluster, pods
-from tests.harness.jsonhttp import JsonServer
+from tests.harness.fakeload import FakeLoadServer, stage_load
 from tests.harness.kubeclient import Kube
 from tests.harness.operator import Operator, apply, pipeline_doc, wait_for
 
@@ -31,31 +31,22 @@ pytestmark = pytest.mark.timeout(300)
 NAME = "auto"
 
 
-class FakeLoad:
-    """Serves /<namespace>/<pipeline>/v1/load from `figures`; counts the reads."""
+class FakeLoad(FakeLoadServer):
+    """Serves /<namespace>/<pipeline>/v1/load: stage a at the figures `set` gives."""
 
     def __init__(self) -> None:
-        self.figures: dict[str, Any] = {}
-        self.server = JsonServer(lambda _path: (200, {"window_s": 60.0, "now": 0.0,
-                                                      "stages": {"a": self.figures}}))
-        self.url = self.server.base_url + "/{namespace}/{pipeline}" + k.LOAD_PATH
-
-    @property
-    def reads(self) -> int:
-        return self.server.reads
+        super().__init__(document=lambda _path: self.document())
 
     def set(self, arrivals_per_s: float, service_s: float = 1.0) -> None:
-        self.figures = {"replicas": 1, "inflight": round(arrivals_per_s * service_s), "held": 0,
-                        "arrivals_per_s": arrivals_per_s, "service_s": service_s,
-                        "queue_wait_p95_s": 0.0, "ttfo_p95_s": 0.0, "last_request_unix": None,
-                        "wake_pending": False}
+        self.stages = {"a": stage_load(inflight=round(arrivals_per_s * service_s),
+                                       arrivals_per_s=arrivals_per_s, service_s=service_s)}
 
 
 @pytest.fixture(scope="module")
 def load() -> Iterator[FakeLoad]:
     fake = FakeLoad()
     yield fake
-    fake.server.close()
+    fake.close()
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 from omni_operator import drain
 from omni_operator.readiness import gate_patch, is_draining, is_ready
 from omnistage import kube
+from tests.harness.fakeload import load_document, revision_load
 
 Obj = dict[str, Any]
 
@@ -290,31 +291,35 @@ def test_only_the_last_live_replica_of_a_leaving_revision_waits_for_pins() -> No
     assert drain.pinned_revision(unlabelled, [unlabelled], "new", "b") is None
 
 
-def load(revisions: Obj) -> Obj:
-    return {"window_s": 60.0, "now": 0.0, "stages": {}, "revisions": revisions}
-
-
 def test_pinned_counts_add_up_over_orchestrators_and_absent_reads_as_zero() -> None:
-    entry = {"order": 1, "newest": False, "replicas": 1, "routable": 0}
-    docs = [load({"b": {"old": {**entry, "pinned": 2}, "new": {**entry, "pinned": 9}}}),
-            load({"b": {"old": {**entry, "pinned": 1}}, "a": {"old": {**entry, "pinned": 5}}})]
+    docs = [load_document(revisions={"b": {"old": revision_load(pinned=2),
+                                           "new": revision_load(pinned=9)}}),
+            load_document(revisions={"b": {"old": revision_load(pinned=1)},
+                                     "a": {"old": revision_load(pinned=5)}})]
     assert drain.pinned_in_flight(docs, "b", "old") == 3
     assert drain.pinned_in_flight(docs, "a", "old") == 5
     assert drain.pinned_in_flight([], "b", "old") == 0  # no orchestrator runs: none in flight
     # An older orchestrator (no field), a stage or revision not listed, no revisions at all.
-    assert drain.pinned_in_flight([load({"b": {"old": entry}})], "b", "old") == 0
-    assert drain.pinned_in_flight([load({"a": {"old": entry}})], "b", "old") == 0
+    older = {"revisions": {"b": {"old": revision_load()}}, "without": ("pinned",)}
+    assert drain.pinned_in_flight([load_document(**older)], "b", "old") == 0
+    assert drain.pinned_in_flight(
+        [load_document(revisions={"a": {"old": revision_load()}})], "b", "old") == 0
     assert drain.pinned_in_flight([{"stages": {}}], "b", "old") == 0
 
 
+def garbled(revisions: Obj) -> Obj:
+    """A document whose revisions are garbled on purpose (the typed builders refuse them)."""
+    return {**load_document(), "revisions": revisions}
+
+
 @pytest.mark.parametrize("bad", [
-    [], "x", load({"b": {"old": {"pinned": "many"}}}), load({"b": {"old": {"pinned": -1}}}),
-    load({"b": {"old": {"pinned": 1.5}}}), load({"b": {"old": {"pinned": True}}}),
-    load({"b": {"old": [1]}}),
+    [], "x", garbled({"b": {"old": {"pinned": "many"}}}), garbled({"b": {"old": {"pinned": -1}}}),
+    garbled({"b": {"old": {"pinned": 1.5}}}), garbled({"b": {"old": {"pinned": True}}}),
+    garbled({"b": {"old": [1]}}),
 ])
 def test_a_pinned_count_that_cannot_be_read_is_unknown(bad: Any) -> None:
     """Kills: a garbled count read as 0 (the last replica deleted under pinned requests)."""
-    assert drain.pinned_in_flight([load({}), bad], "b", "old") is None
+    assert drain.pinned_in_flight([garbled({}), bad], "b", "old") is None
 
 
 class _Pins:
