@@ -83,7 +83,8 @@ LOAD_TIMEOUT = 2.0
 TICK_SECONDS = 1.0
 #: HorizontalPodAutoscalers are listed at most this often per namespace.
 HPA_REFRESH_SECONDS = 30.0
-#: An RFC 3339 annotation has whole seconds: a wake within a second of a scale-down counts.
+#: A wake within a second of a scale-down counts: the orchestrator stamps milliseconds
+#: (orchestrator.wake), and the second covers clock skew between its node and the operator's.
 WAKE_SLACK_SECONDS = 1.0
 #: Load reads in flight at once: a fleet's reads are spread over the period (due_after), and
 #: this bounds a burst (a restart, many wakes) on the API server's proxy or the orchestrators.

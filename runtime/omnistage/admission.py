@@ -35,7 +35,6 @@ __all__ = [
     "BoundedAdmission",
     "CancellationToken",
     "DeadlineExceeded",
-    "DropGuard",
     "ExecutionCancelled",
     "ExecutionContext",
     "Hold",
@@ -301,36 +300,6 @@ class Hold(_ReleaseOnce):
         self._ctx._drop_hold(self)
 
 
-class DropGuard:
-    """Cancels its context when the guarded block exits without `disarm()`.
-
-    This is how a caller that goes away (exception, task cancellation, early return) cancels
-    the work it started, instead of leaving it to run for nobody.
-    """
-
-    __slots__ = ("_armed", "_ctx")
-
-    def __init__(self, ctx: ExecutionContext) -> None:
-        self._ctx = ctx
-        self._armed = True
-
-    def disarm(self) -> None:
-        """The caller got what it needed: leaving the block must not cancel."""
-        self._armed = False
-
-    def __enter__(self) -> DropGuard:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._armed:
-            self._ctx.cancel()
-
-
 class ExecutionContext:
     """A request's absolute deadline, shared cancellation token and retained permits.
 
@@ -400,10 +369,6 @@ class ExecutionContext:
     @property
     def cancelled(self) -> bool:
         return self.token.cancelled
-
-    def cancel_on_drop(self) -> DropGuard:
-        """Guard for `with ctx.cancel_on_drop() as guard:`; call `guard.disarm()` on success."""
-        return DropGuard(self)
 
     def hold(self) -> Hold:
         """Register a holder (the caller, or the worker thread running this request's work)."""

@@ -462,12 +462,30 @@ class LocalStageRuntime:
         self.progress(f"scaling stage {stage.name} up: starting replica {name}")
 
     def _retire(self, rep: _Replica) -> None:
-        """Scale down one replica: routed to no more (draining), then SIGTERM: the worker
-        finishes what it has and exits; killed only past its stage's drain timeout."""
-        rep.retire_by = time.monotonic() + rep.plan.stage.drain_timeout_seconds + 5.0
-        rep.restart_at = None
+        """Scale down one replica through the one drain path; the supervisor ends it."""
         self.progress(f"scaling stage {rep.plan.stage.name} down: draining replica "
                       f"{rep.plan.name}")
+        self._drain(rep, time.monotonic() + rep.plan.stage.drain_timeout_seconds + 5.0)
+
+    def _retiring(self, rep: _Replica) -> None:
+        """A retiring replica: once its process has exited (or its time is up), it is gone."""
+        assert rep.retire_by is not None
+        if rep.worker.proc.poll() is None and time.monotonic() < rep.retire_by:
+            return
+        self._drained(rep)
+        with self._lock:
+            self.replicas.pop(rep.plan.name, None)
+        if rep.ipc is not None:
+            rep.ipc.unlink(missing_ok=True)
+        self.progress(f"replica {rep.plan.name} stopped (scaled down)")
+
+    # ---- the one drain path (scale-down and shutdown) --------------------------------------
+
+    def _drain(self, rep: _Replica, deadline: float) -> None:
+        """Routed to no more (published draining if it was ready), then SIGTERM: the worker
+        finishes what it has and exits; `_drained` kills it if it is still there at deadline."""
+        rep.retire_by = deadline
+        rep.restart_at = None
         if rep.state == "ready":
             self._publish(rep, "draining")
         if rep.worker.proc.poll() is None:
@@ -476,11 +494,8 @@ class LocalStageRuntime:
             except ProcessLookupError:
                 pass
 
-    def _retiring(self, rep: _Replica) -> None:
-        """A retiring replica: once its process has exited (or its time is up), it is gone."""
-        assert rep.retire_by is not None
-        if rep.worker.proc.poll() is None and time.monotonic() < rep.retire_by:
-            return
+    def _drained(self, rep: _Replica) -> None:
+        """The drain is over (exited, or out of time): kill what is left, publish it gone."""
         if rep.worker.proc.poll() is None:
             self.progress(f"replica {rep.plan.name} did not drain in time; killing it")
         rep.worker.kill()  # reaps it and anything left in its process group
@@ -488,10 +503,6 @@ class LocalStageRuntime:
             self._publish(rep, "gone")
         with self._lock:
             rep.state = "gone"
-            self.replicas.pop(rep.plan.name, None)
-        if rep.ipc is not None:
-            rep.ipc.unlink(missing_ok=True)
-        self.progress(f"replica {rep.plan.name} stopped (scaled down)")
 
     def notes(self) -> list[str]:
         """One line per replica that is not simply running: restarting or crash-looping."""
@@ -544,25 +555,15 @@ class LocalStageRuntime:
                 reps = list(self.replicas.values())
             if grace is None:
                 grace = max((r.plan.stage.drain_timeout_seconds for r in reps), default=0) + 5.0
-            published = {rep.plan.name for rep in reps if rep.state == "ready"}
-            for rep in reps:
-                if rep.plan.name in published:
-                    self._publish(rep, "draining")
-                if rep.worker.proc.poll() is None:
-                    try:
-                        rep.worker.proc.send_signal(signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
             deadline = time.monotonic() + grace
+            for rep in reps:
+                self._drain(rep, deadline)
             for rep in reps:
                 try:
                     rep.worker.proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    self.progress(f"replica {rep.plan.name} did not exit within {grace:.0f}s; "
-                                  "killing it")
-                rep.worker.kill()  # also reaps stragglers left in its process group
-                if rep.plan.name in published:
-                    self._publish(rep, "gone")
+                    pass  # _drained says so and kills it
+                self._drained(rep)
             self._closed.set()
             if self._watcher is not None:
                 self._watcher.join(timeout=5)

@@ -594,7 +594,7 @@ async def test_caller_hold_keeps_permits_after_fn(sched: SerialScheduler) -> Non
     assert permit.released
 
 
-async def test_cancel_on_drop_cancels_queued_work_of_a_dropped_caller(
+async def test_a_dropped_caller_cancels_its_queued_work(
     sched: SerialScheduler,
 ) -> None:
     calls = 0
@@ -606,9 +606,11 @@ async def test_cancel_on_drop_cancels_queued_work_of_a_dropped_caller(
     ctx = ExecutionContext.with_timeout(60)
 
     async def handler() -> None:
-        with ctx.cancel_on_drop() as guard:
+        try:
             await sched.run_with_context(ctx, counted)
-            guard.disarm()
+        except asyncio.CancelledError:  # the caller went away: its queued work must not run
+            ctx.cancel()
+            raise
 
     blocker = Blocker()
     first = asyncio.create_task(sched.run(blocker))
@@ -789,45 +791,6 @@ def test_remaining_and_with_timeout() -> None:
         ExecutionContext(deadline=float("nan"))
     shared = CancellationToken()
     assert ExecutionContext.with_timeout(1, token=shared).token is shared
-
-
-def test_cancel_on_drop_cancels_on_exception() -> None:
-    ctx = ExecutionContext()
-    with pytest.raises(RuntimeError, match="client gone"), ctx.cancel_on_drop():
-        raise RuntimeError("client gone")
-    assert ctx.cancelled
-
-
-def test_cancel_on_drop_cancels_on_exit_without_disarm() -> None:
-    ctx = ExecutionContext()
-    with ctx.cancel_on_drop():
-        pass
-    assert ctx.cancelled
-
-
-def test_cancel_on_drop_disarmed_does_not_cancel() -> None:
-    ctx = ExecutionContext()
-    with ctx.cancel_on_drop() as guard:
-        guard.disarm()
-    assert not ctx.cancelled
-
-
-async def test_cancel_on_drop_cancels_on_task_cancellation() -> None:
-    ctx = ExecutionContext()
-    entered = asyncio.Event()
-
-    async def caller() -> None:
-        with ctx.cancel_on_drop() as guard:
-            entered.set()
-            await asyncio.Future()  # waits forever
-            guard.disarm()
-
-    task = asyncio.create_task(caller())
-    await entered.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert ctx.cancelled
 
 
 def test_permits_released_after_last_holder() -> None:

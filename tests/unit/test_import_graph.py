@@ -1,6 +1,8 @@
 """No import cycles between our modules, counting every import statement: top-level, inside
-functions and under TYPE_CHECKING. A cycle hidden in a function or a type-only import still ties
-two modules into one; the fix is to move the shared piece, not to import lazily."""
+functions and under TYPE_CHECKING, and the implicit import of each parent package (importing
+`a.b.c` runs `a/__init__` and `a/b/__init__` first). A cycle hidden in a function, a type-only
+import or a package's __init__ still ties the modules into one; the fix is to move the shared
+piece, not to import lazily."""
 
 from __future__ import annotations
 
@@ -27,8 +29,18 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(path: Path, mods: dict[str, Path]) -> set[str]:
+def _parents(name: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`]: the packages whose __init__ runs before a.b.c does."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imports(path: Path, mods: dict[str, Path], importer: str | None = None) -> set[str]:
+    """What the module at path imports. With importer (its dotted name), each import also counts
+    the parent packages it initialises, except the importer's own ancestors: those are already
+    running when the importer runs, so importing a sibling does not start them again."""
     found: set[str] = set()
+    own = set(_parents(importer)) | {importer} if importer else set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -37,7 +49,11 @@ def _imports(path: Path, mods: dict[str, Path]) -> set[str]:
             names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
         else:
             continue
-        found |= {n for n in names if n in mods}
+        for n in names:
+            if importer:
+                found |= {a for a in _parents(n) if a in mods and a not in own}
+            if n in mods:
+                found.add(n)
     return found
 
 
@@ -70,15 +86,44 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    return {m: _imports(path, mods, m) - {m} for m, path in mods.items()}
+
+
 def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_parent_packages_count(tmp_path: Path) -> None:
+    """A cycle that closes only through a package's __init__ is found (the one that tied the
+    spec to the executors' package: spec -> executors.kinds, whose parent's __init__ imported
+    executors.base, which imported the spec); a sibling import inside a package is not one."""
+    files = {
+        "pkg/spec.py": "from pkg.executors.kinds import get\n",
+        "pkg/executors/__init__.py": "from pkg.executors.base import Executor\n",
+        "pkg/executors/kinds.py": "",
+        "pkg/executors/base.py": "import pkg.spec\nfrom pkg.executors.kinds import get\n",
+        "pkg/other/__init__.py": "from pkg.other.a import A\n",
+        "pkg/other/a.py": "from pkg.other.b import B\n",
+        "pkg/other/b.py": "",
+    }
+    mods = {}
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        name = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        mods[name] = path
+    mods["pkg"] = tmp_path / "pkg" / "__init__.py"
+    mods["pkg"].write_text("")
+    assert _cycles(_graph(mods)) == [["pkg.executors", "pkg.executors.base", "pkg.spec"]]
+    without_parents = {m: _imports(p, mods) - {m} for m, p in mods.items()}
+    assert _cycles(without_parents) == []  # what the test saw before it counted parents
+
+
 def test_no_import_cycles() -> None:
-    mods = _modules()
-    graph = {m: _imports(path, mods) - {m} for m, path in mods.items()}
-    assert _cycles(graph) == []
+    assert _cycles(_graph(_modules())) == []
 
 
 def test_no_import_cycles_between_benches() -> None:
