@@ -15,8 +15,9 @@ What it writes, and when (docs/architecture.md, "Autoscaling"):
   when the size changes: a steady pool costs one read of its pipeline's load per period and no
   write;
 - status.autoscaler, the decision explained (inputs, figure, decision, time), through the
-  pool's own reconcile (Controller.patch_status writes only what changed), only when the
-  desired size, the signal's availability or an external autoscaler's presence changes;
+  pool's own reconcile (omni_operator.writes.Writes.patch_status writes only what changed),
+  only when the desired size, the signal's availability or an external autoscaler's presence
+  changes;
 - nothing when the load cannot be read, except to bring a pool up to minReplicas or to wake
   it: an unreadable signal never scales down.
 

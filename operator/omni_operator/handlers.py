@@ -54,7 +54,7 @@ class NoDiffBase(kopf.DiffBaseStorage):
 #: Seconds kopf keeps an object's worker after its last event. Each idle worker still holds
 #: that event's whole object (a local variable across its wait), so kopf's default of 5 s kept
 #: every object listed by a restarted operator alive at once: its peak memory. The handlers
-#: only feed `Controller.observe`, so a new worker per later event costs little.
+#: only feed the object view (`ObjectView.observe`), so a new worker per later event costs little.
 KOPF_IDLE_TIMEOUT = 0.5
 
 

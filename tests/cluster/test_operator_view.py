@@ -41,18 +41,19 @@ async def _shutdown_finishes(kube: Cluster, ns: str, name: str, stale: tuple[str
     api = KubeApi(KubeConfig.load(kube.kubeconfig))
     controller = Controller(KubeApi(KubeConfig.load(kube.kubeconfig)), resync_seconds=1.0)
     await controller.prime([ns])
-    assert controller.view(stale[0], ns, stale[1]) is not None
+    assert controller.view.get(stale[0], ns, stale[1]) is not None
     await delete_stale(api)  # the gap: gone after the list, and no watch will say so
     await api.delete(path("OmniPipeline", ns, name))  # the finalizer keeps it, terminating
-    controller.observe("OmniPipeline", "MODIFIED", await api.get(path("OmniPipeline", ns, name)))
+    controller.view.observe("OmniPipeline", "MODIFIED",
+                            await api.get(path("OmniPipeline", ns, name)))
     controller.start()
     try:
         async def gone() -> bool:
             return await api.get(path("OmniPipeline", ns, name), ignore=(404,)) is None
 
         await _until(gone, 30, f"pipeline {name} to finish its ordered shutdown")
-        assert controller.view(stale[0], ns, stale[1]) is None
-        assert controller.pending_timers() <= 1
+        assert controller.view.get(stale[0], ns, stale[1]) is None
+        assert len(controller.queue._timers) <= 1
     finally:
         await controller.stop()
         await api.close()

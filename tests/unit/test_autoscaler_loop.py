@@ -116,7 +116,7 @@ class Rig:
         return self.doc
 
     def see(self, obj: Obj) -> None:
-        self.controller.observe("StagePool", "MODIFIED", obj)
+        self.controller.view.observe("StagePool", "MODIFIED", obj)
 
     async def step(self, at: float) -> None:
         self.clock.now = T0 + at
@@ -439,7 +439,7 @@ def test_re_applying_a_manifest_leaves_the_autoscalers_count_alone() -> None:
 
         api = ApplyApi()
         c = Controller(api)  # type: ignore[arg-type]
-        c._event = lambda *a: None  # type: ignore[method-assign,assignment]
+        c.writes.event = lambda *a: None  # type: ignore[method-assign,assignment]
         owner = {"apiVersion": API_VERSION, "kind": "OmniPipeline",
                  "metadata": {"name": "p", "namespace": "ns", "uid": "u0"}}
 
@@ -457,7 +457,8 @@ def test_re_applying_a_manifest_leaves_the_autoscalers_count_alone() -> None:
             {"manager": FIELD_MANAGER, "operation": "Update", "fieldsType": "FieldsV1",
              "fieldsV1": {"f:spec": {"f:replicas": {}}}, "subresource": "scale"}])
         c.pools[("ns", "p-a")] = live
-        await c._ensure_child(owner, child(2))  # the manifest now says replicas: 2
+        # the manifest now says replicas: 2
+        await c.pipeline_reconciler.ensure_child(owner, child(2))
         [(_, _, intent)] = [call for call in api.calls if call[0] == "APPLY"]
         assert "replicas" not in intent["spec"]
 
@@ -529,7 +530,7 @@ def test_no_autoscaler_reads_no_load_and_leaves_the_size_alone() -> None:
             return load(arrivals_per_s=6.0, service_s=1.0)
 
         controller.autoscaler = Autoscaler(controller, read_load=read, tick=0.01)
-        controller.observe("StagePool", "ADDED", pool(1))
+        controller.view.observe("StagePool", "ADDED", pool(1))
         controller.start()
         try:
             for _ in range(200):  # the loop's first step comes at its first tick
@@ -600,7 +601,7 @@ def test_a_fleets_reads_are_spread_over_the_period_and_bounded_in_flight() -> No
                 Counting.scans += 1
                 return super().items()
 
-        rig.controller.pools = Counting(rig.controller.pools)
+        rig.controller.view.pools = Counting(rig.controller.view.pools)
         await rig.step(1)  # nothing due: no scan, no read
         assert Counting.scans == 0 and len(rig.reads) == 100
         await rig.step(1.5 * 15)  # every pipeline due by now: off the heap, still no scan
@@ -611,7 +612,7 @@ def test_a_fleets_reads_are_spread_over_the_period_and_bounded_in_flight() -> No
         rig.see(late)  # a pool not tracked yet: one scan finds it at the next tick
         await rig.step(1.5 * 15 + 1)
         assert Counting.scans == 1 and rig.reads[200:] == [("ns", "late")]
-        rig.controller.observe("StagePool", "DELETED", late)
+        rig.controller.view.observe("StagePool", "DELETED", late)
         await rig.step(3 * 15 + 1)  # its heap entry comes up and is dropped
         assert ("ns", "late-a") not in rig.scaler._tracked and ("ns", "late") not in rig.reads[201:]
 
@@ -625,10 +626,10 @@ def test_one_lost_read_writes_nothing_two_say_unavailable() -> None:
         await rig.step(0)
         report = rig.scaler.report(pool(2))
         assert report is not None and report.signal == "Available"
-        queued = len(rig.controller._queued)
+        queued = len(rig.controller.queue._queued)
         rig.doc = TimeoutError()
         await rig.step(rig.due())  # one lost read: the size and the status stay
-        assert rig.scaler.report(pool(2)) is report and len(rig.controller._queued) == queued
+        assert rig.scaler.report(pool(2)) is report and len(rig.controller.queue._queued) == queued
         await rig.step(rig.due())  # the second in a row: now the status says so
         report = rig.scaler.report(pool(2))
         assert report is not None and report.signal == "Unavailable"

@@ -71,24 +71,24 @@ async def test_ensure_applies_on_a_changed_intent_or_drift_and_never_otherwise()
     async def on_create() -> None:
         created.append(True)
 
-    await c.ensure(CONFIGMAP, None, on_create)
+    await c.writes.ensure(CONFIGMAP, None, on_create)
     [(verb, url, intent, kwargs)] = api.calls
     assert (verb, url) == ("apply", "/api/v1/namespaces/ns/configmaps/p-pipeline")
     assert kwargs == {"field_manager": MANAGER, "force": True} and created == [True]
     assert intent["metadata"]["annotations"][ANNOTATION_APPLIED]
     live = _live(intent, _entry(MANAGER, "Apply", {"f:data": {}}))
 
-    await c.ensure(CONFIGMAP, live)  # converged (a restarted operator sees the same)
+    await c.writes.ensure(CONFIGMAP, live)  # converged (a restarted operator sees the same)
     assert len(api.calls) == 1
 
     dropped = copy.deepcopy(CONFIGMAP)
     del dropped["data"]["old"]
-    await c.ensure(dropped, live)  # the live object still has "old": only the digest tells
+    await c.writes.ensure(dropped, live)  # the live object still has "old": only the digest tells
     assert len(api.calls) == 2 and "old" not in api.calls[-1][2]["data"]
 
     drifted = copy.deepcopy(live)
     drifted["data"]["pipeline.json"] = "edited by hand"
-    await c.ensure(CONFIGMAP, drifted)
+    await c.writes.ensure(CONFIGMAP, drifted)
     assert len(api.calls) == 3 and api.calls[-1][2]["data"]["pipeline.json"] == "{}"
     assert created == [True]  # applies that did not create report nothing
 
@@ -111,17 +111,18 @@ async def test_pool_replicas_follow_their_owner() -> None:
     of the stage's replicas in the pipeline."""
     api = RecordingApi()
     c = Controller(api=api)  # type: ignore[arg-type]
-    c._event = lambda *a: None  # type: ignore[method-assign,assignment]
+    c.writes.event = lambda *a: None  # type: ignore[method-assign,assignment]
     intent = applied_intent(_pool(2, 2))
     ours = _entry(MANAGER, "Apply", {"f:spec": {"f:replicas": {}, "f:stage": {}}})
     c.pools[("ns", "p-a")] = _live(intent, ours)
     assert owns(c.pools[("ns", "p-a")], ("spec", "replicas"))
 
-    await c._ensure_child(OWNER, _pool(2, 2))
+    await c.pipeline_reconciler.ensure_child(OWNER, _pool(2, 2))
     assert api.calls == []  # converged, replicas ours and equal
     relabelled = _pool(2, 2)
     relabelled["metadata"]["labels"] = {"new": "label"}
-    await c._ensure_child(OWNER, relabelled)  # another change: replicas stay in the intent
+    # another change: replicas stay in the intent
+    await c.pipeline_reconciler.ensure_child(OWNER, relabelled)
     assert api.calls[-1][2]["spec"]["replicas"] == 2
     api.calls.clear()
 
@@ -131,16 +132,17 @@ async def test_pool_replicas_follow_their_owner() -> None:
     c.pools[("ns", "p-a")] = scaled
     assert not owns(scaled, ("spec", "replicas"))
     assert owners(scaled, ("spec", "replicas")) == {("kubectl", "Update", "scale")}
-    await c._ensure_child(OWNER, _pool(2, 2))
+    await c.pipeline_reconciler.ensure_child(OWNER, _pool(2, 2))
     assert api.calls == []  # scaled by hand: nothing to write, and 5 stays
 
     scaled["metadata"]["labels"] = {"drift": "x"}  # any other write still leaves replicas out
     changed = _pool(2, 2)
     changed["metadata"]["labels"] = {"new": "label"}
-    await c._ensure_child(OWNER, changed)
+    await c.pipeline_reconciler.ensure_child(OWNER, changed)
     assert "replicas" not in api.calls[-1][2]["spec"]
 
-    await c._ensure_child(OWNER, _pool(3, 3))  # the pipeline changed the stage's replicas
+    # the pipeline changed the stage's replicas
+    await c.pipeline_reconciler.ensure_child(OWNER, _pool(3, 3))
     assert api.calls[-1][2]["spec"]["replicas"] == 3 and api.calls[-1][3]["force"] is True
 
 
@@ -161,14 +163,14 @@ async def test_the_finalizer_is_released_by_apply_or_by_a_patch_when_an_old_oper
     item = {"f:metadata": {"f:finalizers": {json.dumps(ctl.FINALIZER).join(["v:", ""]): {}}}}
     api = RecordingApi()
     c = Controller(api=api)  # type: ignore[arg-type]
-    await c.shutdown_pipeline(_deleting([_entry(MANAGER, "Apply", item),
+    await c.pipeline_reconciler.shutdown(_deleting([_entry(MANAGER, "Apply", item),
                                          _entry("other", "Update", {"f:metadata": {}})]))
     [(verb, _, intent, kwargs)] = api.calls
     assert verb == "apply" and "finalizers" not in intent["metadata"]
     assert intent["metadata"]["name"] == "p" and kwargs == {"field_manager": MANAGER}
 
     api.calls.clear()
-    await c.shutdown_pipeline(_deleting([_entry(MANAGER, "Update", item)]))
+    await c.pipeline_reconciler.shutdown(_deleting([_entry(MANAGER, "Update", item)]))
     [(verb, _, body, kwargs)] = api.calls
     assert verb == "patch" and body == {"metadata": {"finalizers": ["other.io/keep"]}}
     assert kwargs == {"fieldManager": MANAGER}
@@ -193,11 +195,11 @@ async def test_a_finalizer_apply_on_a_stale_view_of_a_deleted_pipeline_is_not_in
     c = Controller(api=api)  # type: ignore[arg-type]
     item = {"f:metadata": {"f:finalizers": {json.dumps(ctl.FINALIZER).join(["v:", ""]): {}}}}
     obj = _deleting([_entry(MANAGER, "Apply", item)])
-    c.observe("OmniPipeline", "ADDED", obj)
-    await c.shutdown_pipeline(obj)
+    c.view.observe("OmniPipeline", "ADDED", obj)
+    await c.pipeline_reconciler.shutdown(obj)
     (verb, _, intent, _), (read, url, _, params) = api.calls
     assert verb == "apply" and intent["metadata"]["uid"] == "u0" and read == "get"
     assert url.endswith("/namespaces/ns/omnipipelines")  # a list: the chart grants no get
     assert params == {"fieldSelector": "metadata.name=p"}
-    assert c.view("OmniPipeline", "ns", "p") is None  # forgotten, as for a 404
-    assert not c._invalid
+    assert c.view.get("OmniPipeline", "ns", "p") is None  # forgotten, as for a 404
+    assert not c.writes._invalid

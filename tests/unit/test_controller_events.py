@@ -77,7 +77,7 @@ async def test_deletion_raises_one_normal_terminating_event() -> None:
     # An orchestrator pod still draining: each reconcile writes status and comes back later.
     controller.pods[("ns", oname)] = {f"{oname}-x": {"metadata": {"name": f"{oname}-x"}}}
     for _ in range(3):
-        await controller.shutdown_pipeline(obj)
+        await controller.pipeline_reconciler.shutdown(obj)
     await _settle(controller)
     announced = [e for e in api.events if e["reason"] == "Terminating"]
     assert len(announced) == 1, api.events
@@ -89,12 +89,12 @@ async def test_deletion_raises_one_normal_terminating_event() -> None:
     # A restarted operator (no memory) finds the status already Terminating: no repeat.
     restarted_api = RecordingApi()
     restarted = Controller(api=restarted_api)  # type: ignore[arg-type]
-    restarted.pods = controller.pods
-    await restarted.shutdown_pipeline({**obj, "status": {"phase": "Terminating"}})
+    restarted.view.pods = controller.view.pods
+    await restarted.pipeline_reconciler.shutdown({**obj, "status": {"phase": "Terminating"}})
     await _settle(restarted)
     assert not [e for e in restarted_api.events if e["reason"] == "Terminating"]
     for c in (controller, restarted):  # the 1 s re-checks were scheduled on this loop
-        for handle in c._timers.values():
+        for handle in c.queue._timers.values():
             handle.cancel()
 
 
@@ -136,9 +136,9 @@ def evicted(pod: Obj) -> Obj:
 def controller_with(pool: Obj, pods: list[Obj]) -> tuple[Controller, RecordingApi]:
     api = RecordingApi()
     controller = Controller(api=api)  # type: ignore[arg-type]
-    controller.observe("StagePool", None, pool)
+    controller.view.observe("StagePool", None, pool)
     for pod in pods:
-        controller.observe("Pod", "ADDED", pod)
+        controller.view.observe("Pod", "ADDED", pod)
     return controller, api
 
 
@@ -155,14 +155,14 @@ async def test_an_evicted_replica_comes_back_under_its_own_name() -> None:
     pool = stage_pool(2)
     pods = [replica(pool, 0), replica(pool, 2)]
     controller, api = controller_with(pool, pods)
-    await controller.reconcile_pool(pool)
+    await controller.pool_reconciler.reconcile(pool)
     assert api.pods == []  # converged: two replicas, nothing to create
 
-    controller.observe("Pod", "MODIFIED", evicted(pods[1]))
-    await controller.reconcile_pool(pool)
+    controller.view.observe("Pod", "MODIFIED", evicted(pods[1]))
+    await controller.pool_reconciler.reconcile(pool)
     assert api.pods == []  # p-a-2 still terminates: its name is not free yet, and 1 is not it
-    controller.observe("Pod", "DELETED", evicted(pods[1]))
-    await controller.reconcile_pool(pool)
+    controller.view.observe("Pod", "DELETED", evicted(pods[1]))
+    await controller.pool_reconciler.reconcile(pool)
     await _settle(controller)
     assert api.pods == ["p-a-2"]
     evictions = [e for e in api.events if e["reason"] == "ReplicaEvicted"]
@@ -172,9 +172,9 @@ async def test_an_evicted_replica_comes_back_under_its_own_name() -> None:
 
     # Once it is back, the gap is not remembered for anyone else: a scale-down retires the
     # highest ordinal, and the one after that brings nobody back.
-    controller.observe("Pod", "ADDED", replica(pool, 2))
-    await controller.reconcile_pool(pool)
-    assert api.pods == ["p-a-2"] and not controller._returning.get(("ns", "p-a"))
+    controller.view.observe("Pod", "ADDED", replica(pool, 2))
+    await controller.pool_reconciler.reconcile(pool)
+    assert api.pods == ["p-a-2"] and not controller.pool_reconciler._returning.get(("ns", "p-a"))
 
 
 async def test_a_stale_pending_replica_the_operator_replaces_is_not_reported_evicted() -> None:
@@ -185,13 +185,13 @@ async def test_a_stale_pending_replica_the_operator_replaces_is_not_reported_evi
     pool = stage_pool(1)
     stale = replica(pool, 0, ready=False, spec_hash="0ld")
     controller, api = controller_with(pool, [stale])
-    await controller.reconcile_pool(pool)
+    await controller.pool_reconciler.reconcile(pool)
     assert ("delete", "/api/v1/namespaces/ns/pods/p-a-0") in api.writes
     terminating = {**stale, "metadata": {**stale["metadata"],
                                          "deletionTimestamp": "2026-01-01T00:00:00Z"}}
-    controller.observe("Pod", "MODIFIED", terminating)
-    controller.observe("Pod", "DELETED", terminating)
-    await controller.reconcile_pool(pool)
+    controller.view.observe("Pod", "MODIFIED", terminating)
+    controller.view.observe("Pod", "DELETED", terminating)
+    await controller.pool_reconciler.reconcile(pool)
     await _settle(controller)
     assert api.pods == ["p-a-0"]  # back under its name, with the new spec
     assert reasons(api).count(("Normal", "RollingUpdate")) == 1, api.events
@@ -204,8 +204,8 @@ async def test_a_replica_that_vanishes_unasked_is_a_warning() -> None:
     pool = stage_pool(2)
     pods = [replica(pool, 0), replica(pool, 1)]
     controller, api = controller_with(pool, pods)
-    controller.observe("Pod", "DELETED", pods[1])
-    await controller.reconcile_pool(pool)
+    controller.view.observe("Pod", "DELETED", pods[1])
+    await controller.pool_reconciler.reconcile(pool)
     await _settle(controller)
     assert api.pods == ["p-a-1"]
     assert ("Warning", "ReplicaLost") in reasons(api)

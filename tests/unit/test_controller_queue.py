@@ -14,7 +14,7 @@ async def test_workers_yield_to_the_loop_between_reconciles() -> None:
     handler, the watches and the probes run on the same loop and must get turns while the
     queue drains, not after it.
 
-    Kills: removing the `await asyncio.sleep(0)` at the end of Controller._worker's loop (the
+    Kills: removing the `await asyncio.sleep(0)` at the end of WorkQueue._worker's loop (the
     side task then first runs after all 2000 reconciles)."""
     class NoApi:  # the reconciles below make no call; stop() closes the client
         async def close(self) -> None:

@@ -84,7 +84,7 @@ class FakeApi:
             self.status.append(body["status"])
             c = self.controller()
             obj = c.pipelines[("ns", "p")]
-            c.observe("OmniPipeline", "MODIFIED", {**obj, "status": body["status"]})
+            c.view.observe("OmniPipeline", "MODIFIED", {**obj, "status": body["status"]})
         return body
 
     async def close(self) -> None:
@@ -123,17 +123,17 @@ class Harness:
 
         self.c.reconcile = reconcile  # type: ignore[method-assign]
         self.c.enqueue_later = later  # type: ignore[method-assign]
-        self.c._event = lambda obj, etype, reason, msg: self.events.append(  # type: ignore[method-assign]
+        self.c.writes.event = lambda obj, etype, reason, msg: self.events.append(  # type: ignore[method-assign]
             (etype, reason, msg))
 
     async def settle(self) -> None:
         """Until the queue is empty and no reconcile runs (each pass yields to the loop)."""
         for _ in range(1000):
             await asyncio.sleep(0)
-            if self.c._queue.empty() and not self.c._running:
+            if self.c.queue._queue.empty() and not self.c.queue._running:
                 for _ in range(5):
                     await asyncio.sleep(0)
-                if self.c._queue.empty() and not self.c._running:
+                if self.c.queue._queue.empty() and not self.c.queue._running:
                     return
         raise AssertionError("the work queue never drained")
 
@@ -191,7 +191,7 @@ async def test_a_refused_child_parks_the_key_with_a_condition_and_one_event() ->
     h.api.refuse = "StagePool"
     h.c.start()
     try:
-        h.c.observe("OmniPipeline", "ADDED", _pipeline(1))
+        h.c.view.observe("OmniPipeline", "ADDED", _pipeline(1))
         await h.settle()
         assert h.reconciled == [KEY]
         [status] = h.api.status
@@ -216,11 +216,11 @@ async def test_a_refused_child_parks_the_key_with_a_condition_and_one_event() ->
         assert len(h.reconciled) == 2  # parked again
 
         h.api.refuse = None  # the user fixes the spec: a new generation runs at once
-        h.c.observe("OmniPipeline", "MODIFIED", {**h.c.pipelines[("ns", "p")],
-                                                 **{"metadata": _pipeline(2)["metadata"]}})
+        h.c.view.observe("OmniPipeline", "MODIFIED", {**h.c.pipelines[("ns", "p")],
+                                                      **{"metadata": _pipeline(2)["metadata"]}})
         await h.settle()
-        assert len(h.reconciled) >= 3 and KEY not in h.c._parked  # (+1: its status write)
-        assert h.c.retry.failures(KEY) == 0
+        assert len(h.reconciled) >= 3 and KEY not in h.c.queue._parked  # (+1: its status write)
+        assert h.c.queue.retry.failures(KEY) == 0
         assert any(o["kind"] == "StagePool" for o in h.api.applied)
     finally:
         await h.c.stop()

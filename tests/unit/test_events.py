@@ -105,8 +105,9 @@ class Recorded(Controller):
     def __init__(self) -> None:
         super().__init__(FakeEvents())  # type: ignore[arg-type]
         self.sent: list[tuple[str, str]] = []
+        self.writes.event = self._record  # type: ignore[method-assign]
 
-    def _event(self, obj: dict[str, Any], etype: str, reason: str, message: str) -> None:
+    def _record(self, obj: dict[str, Any], etype: str, reason: str, message: str) -> None:
         self.sent.append((etype, reason))
 
     def enqueue(self, key: Any) -> None:
@@ -122,20 +123,20 @@ def replica(ordinal: int, uid: str, **meta: Any) -> dict[str, Any]:
 
 def test_only_unintended_deletions_are_a_replica_lost_warning() -> None:
     c = Recorded()
-    c.observe("StagePool", None, POOL)
-    c.observe("Pod", "DELETED", replica(1, "lost"))
+    c.view.observe("StagePool", None, POOL)
+    c.view.observe("Pod", "DELETED", replica(1, "lost"))
     retired = replica(1, "retired", annotations={kube.ANNOTATION_DRAINING: "true"})
-    c.observe("Pod", "DELETED", retired)
+    c.view.observe("Pod", "DELETED", retired)
     evicted = replica(0, "evicted", deletionTimestamp="2026-01-01T00:00:00Z")
     evicted["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True",
                                         "reason": "EvictionByEvictionAPI"}]
-    c.observe("Pod", "MODIFIED", evicted)
-    c.observe("Pod", "DELETED", {**evicted, "status": {}})  # the mark was seen before
-    c.observe("Pod", "DELETED", replica(5, "scaled-down"))  # beyond replicas: scale-down
+    c.view.observe("Pod", "MODIFIED", evicted)
+    c.view.observe("Pod", "DELETED", {**evicted, "status": {}})  # the mark was seen before
+    c.view.observe("Pod", "DELETED", replica(5, "scaled-down"))  # beyond replicas: scale-down
     assert c.sent == [("Warning", "ReplicaLost"), ("Normal", "ReplicaEvicted")]
     deleting = {**POOL, "metadata": {**POOL["metadata"], "deletionTimestamp": "x"}}
-    c.observe("StagePool", None, deleting)
-    c.observe("Pod", "DELETED", replica(1, "with-its-pool"))
+    c.view.observe("StagePool", None, deleting)
+    c.view.observe("Pod", "DELETED", replica(1, "with-its-pool"))
     assert len(c.sent) == 2
 
 
@@ -144,24 +145,24 @@ async def test_delayed_reenqueues_are_coalesced_per_key() -> None:
     key = ("OmniPipeline", "ns", "p")
     for _ in range(100):
         c.enqueue_later(key, 5.0)
-    assert c.pending_timers() == 1
+    assert len(c.queue._timers) == 1
     c.enqueue_later(key, 0.01)  # an earlier one replaces it
     c.enqueue_later(("StagePool", "ns", "p-a"), 5.0)
-    assert c.pending_timers() == 2
-    await until(lambda: c.pending_timers() == 1, "the 0.01 s timer to fire")
+    assert len(c.queue._timers) == 2
+    await until(lambda: len(c.queue._timers) == 1, "the 0.01 s timer to fire")
     await c.stop()
-    assert c.pending_timers() == 0
+    assert len(c.queue._timers) == 0
 
 
 def test_forget_drops_a_stale_entry_as_a_deletion_would() -> None:
     c = Recorded()
-    c.observe("StagePool", None, POOL, primed=True)
-    c.observe("Pod", None, replica(0, "u"), primed=True)
-    assert c.view("Pod", "ns", "p-a-0") is not None
+    c.view.observe("StagePool", None, POOL, primed=True)
+    c.view.observe("Pod", None, replica(0, "u"), primed=True)
+    assert c.view.get("Pod", "ns", "p-a-0") is not None
     c.forget("Pod", "ns", "p-a-0")
     c.forget("StagePool", "ns", "p-a")
-    assert c.view("Pod", "ns", "p-a-0") is None and c.view("StagePool", "ns", "p-a") is None
-    assert not c._unconfirmed
+    assert c.view.get("Pod", "ns", "p-a-0") is None and c.view.get("StagePool", "ns", "p-a") is None
+    assert not c.view._unconfirmed
 
 
 async def test_an_event_for_a_terminating_namespace_is_dropped_quietly(caplog) -> None:

@@ -240,7 +240,7 @@ async def test_a_pool_reconciled_again_before_its_pods_are_seen_creates_them_onc
     watch has brought its new pods into the view; it created them all again (409s: 648 extra
     POSTs in 600 pods at 32 workers). A created pod is now expected for a while; if its event
     never comes, the create is retried after CREATE_EXPECTED_SECONDS.
-    Kills: dropping the expectation check in Controller._converge_pods."""
+    Kills: dropping the expectation check in PoolReconciler._converge_pods."""
     from omni_operator import builders
     from omni_operator.controller import CREATE_EXPECTED_SECONDS
     from omni_operator.models import API_VERSION
@@ -257,28 +257,28 @@ async def test_a_pool_reconciled_again_before_its_pods_are_seen_creates_them_onc
     clock = FakeClock()
     api = CountingApi()
     controller = Controller(api=api, clock=clock)  # type: ignore[arg-type]
-    controller.observe("StagePool", "ADDED", pool)
+    controller.view.observe("StagePool", "ADDED", pool)
 
     def pod_creates() -> int:
         return sum(1 for verb, url in api.calls if verb == "create" and url.endswith("/pods"))
 
     try:
-        await controller.reconcile_pool(pool)
+        await controller.pool_reconciler.reconcile(pool)
         assert pod_creates() == 3
         clock.now += CREATE_EXPECTED_SECONDS / 2
-        await controller.reconcile_pool(pool)  # the pods' events have not come yet
+        await controller.pool_reconciler.reconcile(pool)  # the pods' events have not come yet
         assert pod_creates() == 3
         clock.now += CREATE_EXPECTED_SECONDS  # they never came: look again
-        await controller.reconcile_pool(pool)
+        await controller.pool_reconciler.reconcile(pool)
         assert pod_creates() == 6
         for o in range(3):  # the events arrive; a pod deleted later is created again at once
             pod = builders.pool_pod(pool, o)
             pod["metadata"].update(uid=f"pod-{o}", resourceVersion="5")
-            controller.observe("Pod", "ADDED", pod)
-        await controller.reconcile_pool(pool)
+            controller.view.observe("Pod", "ADDED", pod)
+        await controller.pool_reconciler.reconcile(pool)
         assert pod_creates() == 6
-        controller.observe("Pod", "DELETED", pod)
-        await controller.reconcile_pool(pool)
+        controller.view.observe("Pod", "DELETED", pod)
+        await controller.pool_reconciler.reconcile(pool)
         assert pod_creates() == 7
     finally:
         await controller.stop()

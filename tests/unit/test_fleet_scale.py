@@ -88,8 +88,8 @@ def _fleet(pipelines: int) -> Controller:
     for ns in ("ns", "other"):
         for i in range(pipelines):
             for stage in "abc":
-                c.observe("StagePool", "ADDED", _pool(ns, f"p{i}", stage))
-    c.pools = Visits(c.pools)
+                c.view.observe("StagePool", "ADDED", _pool(ns, f"p{i}", stage))
+    c.view.pools = Visits(c.view.pools)
     Visits.visited = 0
     return c
 
@@ -103,7 +103,7 @@ async def test_pruning_a_pipeline_s_pools_visits_none_of_the_fleet() -> None:
     pipeline = SimpleNamespace(metadata=SimpleNamespace(name="p7"),
                                spec=SimpleNamespace(stages=[SimpleNamespace(name="a"),
                                                             SimpleNamespace(name="b")]))
-    await c._prune_pools(pipeline, "ns")  # type: ignore[arg-type]
+    await c.pipeline_reconciler.prune_pools(pipeline, "ns")  # type: ignore[arg-type]
     assert c.api.calls == [("delete", f"/apis/{API_VERSION}/namespaces/ns/stagepools/p7-c")]
     assert Visits.visited == 0
 
@@ -118,11 +118,11 @@ async def test_ordered_shutdown_finds_its_pools_without_a_scan() -> None:
                         "resourceVersion": "5", "finalizers": [FINALIZER],
                         "deletionTimestamp": NOW},
            "status": {"phase": "Terminating"}}
-    await c.shutdown_pipeline(obj)
+    await c.pipeline_reconciler.shutdown(obj)
     deletes = sorted(url for verb, url in c.api.calls if verb == "delete")
     assert deletes == [f"/apis/{API_VERSION}/namespaces/ns/stagepools/p7-{s}" for s in "abc"]
     assert Visits.visited == 0
-    for handle in c._timers.values():  # the 1 s re-check was scheduled on this loop
+    for handle in c.queue._timers.values():  # the 1 s re-check was scheduled on this loop
         handle.cancel()
 
 
@@ -132,18 +132,18 @@ def test_the_pool_index_follows_every_event_and_leaves_nothing_behind() -> None:
     c = Controller(api=CountingApi())  # type: ignore[arg-type]
     c.enqueue = lambda key: None  # type: ignore[method-assign]
     a, b = _pool("ns", "p", "a"), _pool("ns", "p", "b")
-    c.observe("StagePool", "ADDED", a)
-    c.observe("StagePool", "ADDED", b)
-    c.observe("StagePool", "MODIFIED", a)
-    assert c.pools_of("ns", "p") == ["p-a", "p-b"] and c.pools_of("other", "p") == []
+    c.view.observe("StagePool", "ADDED", a)
+    c.view.observe("StagePool", "ADDED", b)
+    c.view.observe("StagePool", "MODIFIED", a)
+    assert c.view.pools_of("ns", "p") == ["p-a", "p-b"] and c.view.pools_of("other", "p") == []
     moved = copy.deepcopy(b)
     moved["spec"]["pipeline"] = "q"
-    c.observe("StagePool", "MODIFIED", moved)
-    assert c.pools_of("ns", "p") == ["p-a"] and c.pools_of("ns", "q") == ["p-b"]
-    c.observe("StagePool", "DELETED", a)
+    c.view.observe("StagePool", "MODIFIED", moved)
+    assert c.view.pools_of("ns", "p") == ["p-a"] and c.view.pools_of("ns", "q") == ["p-b"]
+    c.view.observe("StagePool", "DELETED", a)
     c.forget("StagePool", "ns", "p-b")  # a 404 drops it as its DELETED event would
-    assert c.pools_of("ns", "p") == [] and c.pools_of("ns", "q") == []
-    assert c._pools_of == {} and c.pools == {}
+    assert c.view.pools_of("ns", "p") == [] and c.view.pools_of("ns", "q") == []
+    assert c.view._pools_of == {} and c.pools == {}
 
 
 def _pod(ns: str, pool: str, ordinal: int) -> Obj:
@@ -163,17 +163,17 @@ def test_a_pod_is_found_by_name_without_visiting_the_fleet() -> None:
     for ns in ("ns", "other"):
         for p in range(200):
             for o in range(4):
-                c.observe("Pod", "ADDED", _pod(ns, f"p{p}-a", o))
-    c.pods = Visits(c.pods)
+                c.view.observe("Pod", "ADDED", _pod(ns, f"p{p}-a", o))
+    c.view.pods = Visits(c.view.pods)
     Visits.visited = 0
-    pod = c.view("Pod", "other", "p7-a-2")
+    pod = c.view.get("Pod", "other", "p7-a-2")
     assert pod is not None and pod["metadata"]["namespace"] == "other"
-    assert c.view("Pod", "ns", "nope-0") is None
+    assert c.view.get("Pod", "ns", "nope-0") is None
     assert Visits.visited == 0
     for o in range(4):
-        c.observe("Pod", "DELETED", _pod("ns", "p7-a", o))
+        c.view.observe("Pod", "DELETED", _pod("ns", "p7-a", o))
     assert ("ns", "p7-a") not in c.pods and ("other", "p7-a") in c.pods
-    assert c.view("Pod", "ns", "p7-a-0") is None and ("ns", "p7-a-0") not in c._pod_group
+    assert c.view.get("Pod", "ns", "p7-a-0") is None and ("ns", "p7-a-0") not in c.view._pod_group
 
 
 async def test_events_in_flight_are_tracked_until_done_and_cancelled_on_stop() -> None:
@@ -189,12 +189,12 @@ async def test_events_in_flight_are_tracked_until_done_and_cancelled_on_stop() -
         pass
 
     for _ in range(500):
-        c._spawn(quick())
-    c._spawn(slow())
+        c.writes._spawn(quick())
+    c.writes._spawn(slow())
     for _ in range(5):
         await asyncio.sleep(0)
-    assert len(c._spawned) == 1
-    [pending] = c._spawned
+    assert len(c.writes._spawned) == 1
+    [pending] = c.writes._spawned
     await c.stop()
     assert pending.cancelled()
 
@@ -249,7 +249,7 @@ def test_a_pod_s_view_drops_its_spec_and_answers_every_question_the_same() -> No
 
     c = Controller(api=CountingApi())  # type: ignore[arg-type]
     c.enqueue = lambda key: None  # type: ignore[method-assign]
-    c.observe("Pod", "ADDED", pod)
+    c.view.observe("Pod", "ADDED", pod)
     [stored] = c.pods[("ns", pool["metadata"]["name"])].values()
     assert stored == view
 
@@ -395,7 +395,7 @@ async def test_a_new_pipeline_s_children_are_applied_in_two_waves() -> None:
 
     api = SlowApi()
     c = Controller(api=api)  # type: ignore[arg-type]
-    c._event = lambda *a: None  # type: ignore[method-assign,assignment]
+    c.writes.event = lambda *a: None  # type: ignore[method-assign,assignment]
     obj = {"apiVersion": API_VERSION, "kind": "OmniPipeline",
            "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "generation": 1,
                         "resourceVersion": "2", "finalizers": [FINALIZER]},
@@ -403,7 +403,7 @@ async def test_a_new_pipeline_s_children_are_applied_in_two_waves() -> None:
                                {"name": "b", "kind": "echo", "inputs": ["a"]},
                                {"name": "c", "kind": "echo", "inputs": ["b"],
                                 "finalOutput": True}]}}
-    await c.reconcile_pipeline(obj)
+    await c.pipeline_reconciler.reconcile(obj)
     assert [sorted(w) for w in api.waves] == [
         ["ConfigMap", "Role", "RoleBinding", "Service", "ServiceAccount"],
         ["Deployment", "StagePool", "StagePool", "StagePool"]]
@@ -462,7 +462,7 @@ def _paging_controller(pods: list[Obj]) -> tuple[PagingApi, Controller]:
     api.expire_once = False
     c = Controller(api=api)  # type: ignore[arg-type]
     c.enqueue = lambda key: None  # type: ignore[method-assign]
-    c._replica_gone = lambda pod: None  # type: ignore[method-assign]
+    c.pool_reconciler._replica_gone = lambda pod: None  # type: ignore[method-assign]
     return api, c
 
 
@@ -477,11 +477,11 @@ async def test_checking_primed_objects_lists_in_pages_too() -> None:
     await c.prime(["ns"])
     gone = pods.pop()  # deleted after the list; no watch said so
     api.pages.clear()
-    await c.confirm_primed()
+    await c.view.confirm_primed()
     assert api.pages == [500, 500, 199] and max(api.pages) <= ctl.LIST_PAGE
-    assert c.view("Pod", "ns", gone["metadata"]["name"]) is None
-    assert c.view("Pod", "ns", pods[-1]["metadata"]["name"]) is not None
-    assert c._unconfirmed == set()
+    assert c.view.get("Pod", "ns", gone["metadata"]["name"]) is None
+    assert c.view.get("Pod", "ns", pods[-1]["metadata"]["name"]) is not None
+    assert c.view._unconfirmed == set()
 
 
 async def test_a_kind_listed_again_forgets_what_was_deleted_while_its_watch_was_lost() -> None:
@@ -496,32 +496,32 @@ async def test_a_kind_listed_again_forgets_what_was_deleted_while_its_watch_was_
     c = Controller(api=api)  # type: ignore[arg-type]
     enqueued: list[Any] = []
     c.enqueue = enqueued.append  # type: ignore[method-assign]
-    c._replica_gone = lambda pod: None  # type: ignore[method-assign]
+    c.pool_reconciler._replica_gone = lambda pod: None  # type: ignore[method-assign]
     for pod in pods:  # the watch's own events: nothing awaits confirmation
         c.watched("Pod", "ADDED", copy.deepcopy(pod))
-    assert c._unconfirmed == set()
-    await c.confirm_primed()
+    assert c.view._unconfirmed == set()
+    await c.view.confirm_primed()
     assert api.pages == []  # nothing to check: no list
 
     gone = [pods.pop(0), pods.pop()]  # deleted while the watch was lost: no DELETED events
     listed, unlisted = pods[:300], pods[300:]
     for pod in listed:  # the new listing has come this far by the resync
         c.watched("Pod", None, copy.deepcopy(pod))
-    assert {name for _, _, name in c._unconfirmed} == {
+    assert {name for _, _, name in c.view._unconfirmed} == {
         p["metadata"]["name"] for p in gone + unlisted}
     enqueued.clear()
-    await c.confirm_primed()
+    await c.view.confirm_primed()
     assert api.pages == [500, 98]
     for pod in gone:
-        assert c.view("Pod", "ns", pod["metadata"]["name"]) is None
-    assert all(c.view("Pod", "ns", p["metadata"]["name"]) is not None for p in pods)
+        assert c.view.get("Pod", "ns", pod["metadata"]["name"]) is None
+    assert all(c.view.get("Pod", "ns", p["metadata"]["name"]) is not None for p in pods)
     assert ("StagePool", "ns", "p0-a") in enqueued  # its pool looks again
-    assert c._unconfirmed == set()
+    assert c.view._unconfirmed == set()
     c.watched("Pod", None, copy.deepcopy(pods[-1]))  # the listing's rest: no new check
-    assert c._unconfirmed == set()
+    assert c.view._unconfirmed == set()
     c.watched("Pod", "MODIFIED", copy.deepcopy(pods[-1]))  # watching again
     c.watched("Pod", None, copy.deepcopy(pods[-1]))  # and the next listing is one again
-    assert len(c._unconfirmed) == len(pods) - 1
+    assert len(c.view._unconfirmed) == len(pods) - 1
 
 
 async def test_a_listing_that_follows_a_listing_with_no_event_between_is_one_again() -> None:
@@ -536,16 +536,16 @@ async def test_a_listing_that_follows_a_listing_with_no_event_between_is_one_aga
         c.watched("Pod", "ADDED", copy.deepcopy(pod))
     for pod in pods:  # the first listing: every pod, each confirmed
         c.watched("Pod", None, copy.deepcopy(pod))
-    await c.confirm_primed()
-    assert c._unconfirmed == set()
+    await c.view.confirm_primed()
+    assert c.view._unconfirmed == set()
     gone = pods.pop(5)  # deleted; the watch lost its place again before it said so
     for pod in pods[:4]:  # the second listing has come this far by the resync
         c.watched("Pod", None, copy.deepcopy(pod))
-    assert {name for _, _, name in c._unconfirmed} == {
+    assert {name for _, _, name in c.view._unconfirmed} == {
         p["metadata"]["name"] for p in [gone, *pods[4:]]}
-    await c.confirm_primed()
-    assert c.view("Pod", "ns", gone["metadata"]["name"]) is None
-    assert all(c.view("Pod", "ns", p["metadata"]["name"]) is not None for p in pods)
+    await c.view.confirm_primed()
+    assert c.view.get("Pod", "ns", gone["metadata"]["name"]) is None
+    assert all(c.view.get("Pod", "ns", p["metadata"]["name"]) is not None for p in pods)
     for pod in pods[4:]:  # the second listing's rest: part of it, no new check
         c.watched("Pod", None, copy.deepcopy(pod))
-    assert c._unconfirmed == set()
+    assert c.view._unconfirmed == set()

@@ -74,7 +74,7 @@ def _controller() -> tuple[Controller, WriteApi, Clock, list[tuple[str, ...]]]:
     api, clock = WriteApi(), Clock()
     controller = Controller(api=api, clock=clock, autoscaler=False)  # type: ignore[arg-type]
     events: list[tuple[str, ...]] = []
-    controller._event = lambda obj, *event: events.append(event)  # type: ignore[method-assign]
+    controller.writes.event = lambda obj, *event: events.append(event)  # type: ignore[method-assign]
     return controller, api, clock, events
 
 
@@ -99,39 +99,39 @@ class Pool:
         self.controller, self.api = controller, api
         self.obj = stage_pool(replicas)
         self.seen = 0
-        controller.observe("StagePool", "ADDED", self.obj)
+        controller.view.observe("StagePool", "ADDED", self.obj)
 
     def echo(self) -> None:
         for verb, url, body in self.api.calls[self.seen:]:
             if verb == "apply":  # the PodDisruptionBudget
-                self.controller.observe(body["kind"], "ADDED", body)
+                self.controller.view.observe(body["kind"], "ADDED", body)
             if verb == "patch" and url.endswith("/stagepools/p-a/status"):
                 self.obj = {**self.obj, "status": _merged(self.obj.get("status"), body["status"]),
                             "metadata": {**self.obj["metadata"],
                                          "resourceVersion": str(self.api.version)}}
-                self.controller.observe("StagePool", "MODIFIED", self.obj)
+                self.controller.view.observe("StagePool", "MODIFIED", self.obj)
         self.seen = len(self.api.calls)
 
     async def reconcile(self) -> None:
         self.echo()
-        await self.controller.reconcile_pool(self.obj)
+        await self.controller.pool_reconciler.reconcile(self.obj)
         self.echo()
 
 
 def _due(controller: Controller) -> float:
     """Seconds until the pool's delayed reconcile."""
-    return controller._timers[KEY].when() - asyncio.get_running_loop().time()
+    return controller.queue._timers[KEY].when() - asyncio.get_running_loop().time()
 
 
 def _fire(controller: Controller) -> None:
     """The pool's delayed reconcile is due: its timer goes (the test runs the reconcile)."""
-    controller._timers.pop(KEY).cancel()
+    controller.queue._timers.pop(KEY).cancel()
 
 
 def _cancel_timers(controller: Controller) -> None:
-    for handle in controller._timers.values():
+    for handle in controller.queue._timers.values():
         handle.cancel()
-    controller._timers.clear()
+    controller.queue._timers.clear()
 
 
 # ---- events ------------------------------------------------------------------------------
@@ -147,8 +147,8 @@ async def test_a_new_pipeline_says_created_once_naming_what_it_created() -> None
            "spec": {"stages": [{"name": s, "kind": "echo", "inputs": [prev] if prev else [],
                                 "finalOutput": s == "e"}
                                for prev, s in zip(["", *"abcd"], "abcde", strict=True)]}}
-    controller.observe("OmniPipeline", "ADDED", doc)
-    await controller.reconcile_pipeline(doc)
+    controller.view.observe("OmniPipeline", "ADDED", doc)
+    await controller.pipeline_reconciler.reconcile(doc)
     created = [e for e in events if e[1] == "Created"]
     assert created == [("Normal", "Created", "created 1 Deployment (p-orchestrator), "
                                              "5 StagePools (p-a, p-b, p-c and 2 more)")]
@@ -156,9 +156,9 @@ async def test_a_new_pipeline_says_created_once_naming_what_it_created() -> None
     for verb, url, body in list(api.calls):
         if verb == "apply" and body["kind"] in ("StagePool", "Deployment"):
             live = {**body, "metadata": {**body["metadata"], "uid": url}}
-            controller.observe(body["kind"], "ADDED", live)
+            controller.view.observe(body["kind"], "ADDED", live)
     events.clear()
-    await controller.reconcile_pipeline(doc)
+    await controller.pipeline_reconciler.reconcile(doc)
     assert not [e for e in events if e[1] == "Created"]
 
 
@@ -178,23 +178,23 @@ async def test_insufficient_capacity_is_said_once_per_message_per_pool() -> None
     controller, api, _, events = _controller()
     pool = Pool(controller, api, 4)
     for o in range(4):
-        controller.observe("Pod", "ADDED", _unschedulable(pool.obj, o))
+        controller.view.observe("Pod", "ADDED", _unschedulable(pool.obj, o))
     await pool.reconcile()
     said = [e for e in events if e[1] == "InsufficientCapacity"]
     assert said == [("Warning", "InsufficientCapacity",
                      f"p-a-0, p-a-1, p-a-2 and 1 more: {NO_ROOM}")]
     await pool.reconcile()
-    controller.observe("Pod", "DELETED", _unschedulable(pool.obj, 3))  # replaced: a new pod
-    controller.observe("Pod", "ADDED", _unschedulable(pool.obj, 3, uid="pod-3-again"))
+    controller.view.observe("Pod", "DELETED", _unschedulable(pool.obj, 3))  # replaced: a new pod
+    controller.view.observe("Pod", "ADDED", _unschedulable(pool.obj, 3, uid="pod-3-again"))
     await pool.reconcile()
-    controller.observe("Pod", "MODIFIED", _unschedulable(pool.obj, 0, "0/3 nodes: taint"))
+    controller.view.observe("Pod", "MODIFIED", _unschedulable(pool.obj, 0, "0/3 nodes: taint"))
     await pool.reconcile()
     said = [e for e in events if e[1] == "InsufficientCapacity"]
     assert said[1:] == [("Warning", "InsufficientCapacity", "p-a-0: 0/3 nodes: taint")]
     for o in range(4):  # room was made: every replica is placed
-        controller.observe("Pod", "MODIFIED", replica(pool.obj, o, ready=False))
+        controller.view.observe("Pod", "MODIFIED", replica(pool.obj, o, ready=False))
     await pool.reconcile()
-    controller.observe("Pod", "MODIFIED", _unschedulable(pool.obj, 2))
+    controller.view.observe("Pod", "MODIFIED", _unschedulable(pool.obj, 2))
     await pool.reconcile()
     said = [e for e in events if e[1] == "InsufficientCapacity"]
     assert said[2:] == [("Warning", "InsufficientCapacity", f"p-a-2: {NO_ROOM}")]
@@ -231,7 +231,7 @@ async def test_a_ramp_writes_pool_status_at_milestones_and_the_last_counts_late(
     assert [s["replicas"] for s in api.status_patches()] == [0]  # the first: at once
     for o in range(4):  # the pods' events arrive
         clock.now += 0.1
-        controller.observe("Pod", "ADDED", replica(pool.obj, o, ready=False))
+        controller.view.observe("Pod", "ADDED", replica(pool.obj, o, ready=False))
         await pool.reconcile()
     assert len(api.status_patches()) == 1  # held
     assert _due(controller) == pytest.approx(STATUS_COALESCE_SECONDS - 0.4, abs=0.1)
@@ -239,11 +239,11 @@ async def test_a_ramp_writes_pool_status_at_milestones_and_the_last_counts_late(
     clock.now = start + STATUS_COALESCE_SECONDS
     await pool.reconcile()
     assert [s["replicas"] for s in api.status_patches()] == [0, 4]  # the latest counts
-    assert KEY not in controller._timers
+    assert KEY not in controller.queue._timers
 
     for o in range(4):  # they become ready, one by one
         clock.now += 0.1
-        controller.observe("Pod", "MODIFIED", replica(pool.obj, o))
+        controller.view.observe("Pod", "MODIFIED", replica(pool.obj, o))
         await pool.reconcile()
     written = api.status_patches()
     flips = [{c["type"]: c["status"] for c in s.get("conditions") or []} for s in written[2:]]
@@ -256,7 +256,7 @@ async def test_a_ramp_writes_pool_status_at_milestones_and_the_last_counts_late(
     clock.now += 60  # then idle resyncs: nothing to write, nothing to come back for
     for _ in range(3):
         await pool.reconcile()
-    assert len(api.status_patches()) == 4 and not controller._timers
+    assert len(api.status_patches()) == 4 and not controller.queue._timers
 
 
 async def test_a_restarted_operator_writes_nothing_for_a_converged_pool() -> None:
@@ -266,18 +266,18 @@ async def test_a_restarted_operator_writes_nothing_for_a_converged_pool() -> Non
     controller, api, clock, _ = _controller()
     pool = Pool(controller, api, 2)
     for o in range(2):
-        controller.observe("Pod", "ADDED", replica(pool.obj, o))
+        controller.view.observe("Pod", "ADDED", replica(pool.obj, o))
     await pool.reconcile()
     clock.now += STATUS_COALESCE_SECONDS
     await pool.reconcile()
     converged = pool.obj
     restarted, api2, _, _ = _controller()
-    restarted.observe("StagePool", "ADDED", converged)
-    restarted.children = controller.children  # the PodDisruptionBudget
+    restarted.view.observe("StagePool", "ADDED", converged)
+    restarted.view.children = controller.view.children  # the PodDisruptionBudget
     for o in range(2):
-        restarted.observe("Pod", "ADDED", replica(converged, o))
-    await restarted.reconcile_pool(converged)
-    assert api2.calls == [] and not restarted._timers
+        restarted.view.observe("Pod", "ADDED", replica(converged, o))
+    await restarted.pool_reconciler.reconcile(converged)
+    assert api2.calls == [] and not restarted.queue._timers
     _cancel_timers(controller)
 
 
@@ -293,7 +293,8 @@ async def test_the_look_again_for_an_awaited_pod_survives_a_coalesced_write() ->
     assert api.pod_creates() == ["p-a-0", "p-a-1"]
     assert _due(controller) == pytest.approx(CREATE_EXPECTED_SECONDS + 1, abs=0.5)
     clock.now += 0.5
-    controller.observe("Pod", "ADDED", replica(pool.obj, 0, ready=False))  # p-a-1's never comes
+    # p-a-1's never comes
+    controller.view.observe("Pod", "ADDED", replica(pool.obj, 0, ready=False))
     await pool.reconcile()
     assert len(api.status_patches()) == 1  # held: the coalescing reconcile took the slot
     assert _due(controller) == pytest.approx(STATUS_COALESCE_SECONDS - 0.5, abs=0.1)
@@ -331,24 +332,24 @@ async def test_a_pools_budget_is_written_once_its_minimum_is_ready_and_then_kept
     pool = Pool(controller, api, 4)
     await pool.reconcile()
     for o in range(4):
-        controller.observe("Pod", "ADDED", replica(pool.obj, o, ready=False))
+        controller.view.observe("Pod", "ADDED", replica(pool.obj, o, ready=False))
         await pool.reconcile()
     assert _budgets(api) == []  # starting: nothing to protect, and a drain is not held up
     for o in range(3):
         assert _budgets(api) == []
-        controller.observe("Pod", "MODIFIED", replica(pool.obj, o))
+        controller.view.observe("Pod", "MODIFIED", replica(pool.obj, o))
         await pool.reconcile()
     assert _budgets(api) == [3]
     assert ("PodDisruptionBudget", "ns", "p-a") in controller.children
     for o in range(3):  # below the minimum again: the budget stays, unwritten
-        controller.observe("Pod", "MODIFIED", replica(pool.obj, o, ready=False))
+        controller.view.observe("Pod", "MODIFIED", replica(pool.obj, o, ready=False))
         await pool.reconcile()
     assert _budgets(api) == [3]
     assert not [c for c in api.calls if c[0] == "delete"]
     # Scaled to 6 with none ready: the kept budget follows the spec at once.
     pool.obj = {**pool.obj, "spec": {**pool.obj["spec"], "replicas": 6},
                 "metadata": {**pool.obj["metadata"], "generation": 2}}
-    controller.observe("StagePool", "MODIFIED", pool.obj)
+    controller.view.observe("StagePool", "MODIFIED", pool.obj)
     await pool.reconcile()
     assert _budgets(api) == [3, 5]
     _cancel_timers(controller)

@@ -1,4 +1,4 @@
-"""Releases across stages (omni_operator.release, Controller._converge_pods): the gate as a pure
+"""Releases across stages (omni_operator.release, PoolReconciler._converge_pods): the gate as a pure
 function over fake pods, the release order as builders write it, and the controller's whole
 rollout of a two-stage change against an in-memory API server and kubelet, checked after every
 step: no changed stage below its routable count before the change, at most one extra replica
@@ -200,7 +200,7 @@ class Cluster:
     def controller(self) -> Controller:
         ctl = Controller(api=self, workers=1, resync_seconds=3600)  # type: ignore[arg-type]
         ctl.enqueue = lambda key: None  # type: ignore[method-assign]
-        ctl._event = lambda *a: None  # type: ignore[method-assign]
+        ctl.writes.event = lambda *a: None  # type: ignore[method-assign]
         return ctl
 
     # -- the API surface the controller calls
@@ -215,7 +215,7 @@ class Cluster:
         if self.slow:
             self.unseen.append(pod)
         else:
-            self.ctl.observe("Pod", "ADDED", pod)
+            self.ctl.view.observe("Pod", "ADDED", pod)
         return pod
 
     async def patch(self, url: str, body: Obj, kind: str = "merge", **_: Any) -> Obj:
@@ -226,13 +226,13 @@ class Cluster:
         if name in self.pools and sub:
             status = merged(self.pools[name].get("status") or {}, body["status"])
             pool = self.pools[name] = {**self.pools[name], "status": status}
-            self.ctl.observe("StagePool", "MODIFIED", pool)
+            self.ctl.view.observe("StagePool", "MODIFIED", pool)
             return pool
         pod = self.pods[name]
         if not sub:
             pod["metadata"]["annotations"].update(body["metadata"]["annotations"])
             self.check_drain(pod)
-        self.ctl.observe("Pod", "MODIFIED", copy.deepcopy(pod))
+        self.ctl.view.observe("Pod", "MODIFIED", copy.deepcopy(pod))
         return pod
 
     async def delete(self, url: str, body: Any = None, **_: Any) -> Obj:
@@ -242,27 +242,27 @@ class Cluster:
             self.violations.append(f"deleted {name} while it was routable")
         if self.slow:  # terminating until gone() (a kubelet's grace period)
             self.pods[name]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-            self.ctl.observe("Pod", "MODIFIED", copy.deepcopy(self.pods[name]))
+            self.ctl.view.observe("Pod", "MODIFIED", copy.deepcopy(self.pods[name]))
         else:
-            self.ctl.observe("Pod", "DELETED", self.pods.pop(name))
+            self.ctl.view.observe("Pod", "DELETED", self.pods.pop(name))
         return {}
 
     def gone(self) -> None:
         """The terminating pods leave (slow world)."""
         for name in [n for n, p in self.pods.items() if p["metadata"].get("deletionTimestamp")]:
-            self.ctl.observe("Pod", "DELETED", self.pods.pop(name))
+            self.ctl.view.observe("Pod", "DELETED", self.pods.pop(name))
 
     def deliver(self) -> None:
         """The watch catches up with the creates (slow world)."""
         for pod in self.unseen:
-            self.ctl.observe("Pod", "ADDED", copy.deepcopy(pod))
+            self.ctl.view.observe("Pod", "ADDED", copy.deepcopy(pod))
         self.unseen.clear()
 
     async def apply(self, url: str, body: Obj, **_: Any) -> Applied:
         kind = body["kind"]
         self.writes.append(("apply", body["metadata"]["name"]))
         self.applied[f"{kind}/{body['metadata']['name']}"] = body
-        self.ctl.observe(kind, "ADDED", body)
+        self.ctl.view.observe(kind, "ADDED", body)
         return Applied(body, True)
 
     # -- the world
@@ -275,7 +275,7 @@ class Cluster:
                                     resourceVersion="1")
             pool["status"] = (old or {}).get("status", {})
             self.pools[name] = pool
-            self.ctl.observe("StagePool", "MODIFIED", pool)
+            self.ctl.view.observe("StagePool", "MODIFIED", pool)
 
     def kubelet(self, ready: Callable[[Obj], bool]) -> None:
         for pod in self.pods.values():
@@ -284,7 +284,7 @@ class Cluster:
                                  "conditions": [{"type": "Ready", "status": "True"}]}
                 if self.running:
                     pod["status"].update(phase="Running", podIP="127.0.0.1")
-                self.ctl.observe("Pod", "MODIFIED", copy.deepcopy(pod))
+                self.ctl.view.observe("Pod", "MODIFIED", copy.deepcopy(pod))
 
     def schedulable(self, pod: Obj) -> bool:
         """A node fits it: it asks for no GPU (no node of this world has one)."""
@@ -322,7 +322,7 @@ class Cluster:
 
     async def step(self, ready: Callable[[Obj], bool]) -> None:
         for name in sorted(self.pools):
-            await self.ctl.reconcile_pool(self.pools[name])
+            await self.ctl.pool_reconciler.reconcile(self.pools[name])
             self.check()
         self.gone()
         self.deliver()
@@ -399,11 +399,11 @@ async def test_a_two_stage_release_retires_nothing_old_until_both_stages_serve_t
     assert world.writes == []
     world.ctl = world.controller()
     for pool in world.pools.values():
-        world.ctl.observe("StagePool", "ADDED", pool)
+        world.ctl.view.observe("StagePool", "ADDED", pool)
     for obj in world.applied.values():
-        world.ctl.observe(obj["kind"], "ADDED", obj)
+        world.ctl.view.observe(obj["kind"], "ADDED", obj)
     for pod in world.pods.values():
-        world.ctl.observe("Pod", "ADDED", copy.deepcopy(pod))
+        world.ctl.view.observe("Pod", "ADDED", copy.deepcopy(pod))
     await world.step(everyone)
     assert world.writes == []
 
@@ -428,7 +428,7 @@ async def test_an_old_replica_that_blinks_unready_while_the_release_is_held_is_k
     blinked = world.pods["p-b-1"]
     assert release.pod_revision(blinked) == first["b"]
     blinked["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]}
-    world.ctl.observe("Pod", "MODIFIED", copy.deepcopy(blinked))
+    world.ctl.view.observe("Pod", "MODIFIED", copy.deepcopy(blinked))
     world.baseline = {"a": 2, "b": 1}
     for _ in range(5):
         await world.step(not_b_new)
@@ -504,12 +504,13 @@ async def test_a_surge_replaced_while_the_view_lags_is_created_once() -> None:
     world.set_pools(pipeline_doc(3, 3))
     world.slow = True
     pool_b = world.pools[kube.pool_name("p", "b")]
-    await world.ctl.reconcile_pool(pool_b)  # the stale surge p-b-2: deleted, terminating
+    await world.ctl.pool_reconciler.reconcile(pool_b)  # the stale surge p-b-2: deleted, terminating
     assert ("delete", "p-b-2") in world.writes
-    await world.ctl.reconcile_pool(pool_b)  # its replacement, above it: p-b-3, not yet seen
+    # its replacement, above it: p-b-3, not yet seen
+    await world.ctl.pool_reconciler.reconcile(pool_b)
     world.gone()  # p-b-2 leaves before p-b-3 reaches the view
     for _ in range(3):
-        await world.ctl.reconcile_pool(pool_b)
+        await world.ctl.pool_reconciler.reconcile(pool_b)
         world.check()
     surges = sorted(p["metadata"]["name"] for p in world.of("b") if release.is_surge(p))
     assert surges == ["p-b-3"], world.describe()
@@ -576,7 +577,7 @@ def wire(world: Cluster, servers: list[FakeOrchestrator]) -> list[tuple[str, str
     """Put the orchestrator's Service and pods in the controller's view (a third pod is not
     Running yet: it is not asked); record the events."""
     events: list[tuple[str, str, str]] = []
-    world.ctl._event = lambda obj, kind, reason, msg: events.append(  # type: ignore[method-assign]
+    world.ctl.writes.event = lambda obj, kind, reason, msg: events.append(  # type: ignore[method-assign]
         (kind, reason, msg))
     world.ctl.children[("Service", "ns", "p-orchestrator")] = {
         "spec": {"ports": [{"name": "http", "port": servers[0].port}]}}
@@ -694,7 +695,7 @@ async def test_a_replica_of_the_target_revision_never_waits_for_pins(
         server.pinned = {(s, first[s]): 4 for s in "ab"}
     name = kube.pool_name("p", "b")
     world.pools[name] = {**world.pools[name], "spec": {**world.pools[name]["spec"], "replicas": 0}}
-    world.ctl.observe("StagePool", "MODIFIED", world.pools[name])
+    world.ctl.view.observe("StagePool", "MODIFIED", world.pools[name])
     world.baseline = {"a": 2, "b": 0}
     await world.run(everyone, lambda: not world.of("b"))
     assert ("delete", "p-b-0") in world.writes and ("delete", "p-b-1") in world.writes
@@ -709,7 +710,7 @@ async def test_a_replica_of_the_target_revision_never_waits_for_pins(
     pool = kube.pool_name("p", "a")
     world.pools[pool] = {**world.pools[pool], "metadata": {
         **world.pools[pool]["metadata"], "deletionTimestamp": "2027-01-01T00:00:00Z"}}
-    world.ctl.observe("Pod", "DELETED", world.pods.pop(held["metadata"]["name"]))  # cascade
+    world.ctl.view.observe("Pod", "DELETED", world.pods.pop(held["metadata"]["name"]))  # cascade
     before = len(world.writes)
-    await world.ctl.reconcile_pool(world.pools[pool])
+    await world.ctl.pool_reconciler.reconcile(world.pools[pool])
     assert world.writes[before:] == []

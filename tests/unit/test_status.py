@@ -513,7 +513,7 @@ async def test_the_controller_writes_only_changes_and_one_event_per_transition()
     clock = [100.0]
     ctl = Controller(api=api, clock=lambda: clock[0])  # type: ignore[arg-type]
     events: list[tuple[str, ...]] = []
-    ctl._event = lambda obj, *event: events.append(event)  # type: ignore[method-assign]
+    ctl.writes.event = lambda obj, *event: events.append(event)  # type: ignore[method-assign]
     url = "/apis/omnistage.io/v1alpha1/namespaces/ns/omnipipelines/p/status"
     obj = pipeline()
     obj["metadata"]["resourceVersion"] = "1"
@@ -522,38 +522,39 @@ async def test_the_controller_writes_only_changes_and_one_event_per_transition()
         return typed.pipeline_status(o, ["a"], pools, dep_, 1, ENDPOINT, now)
 
     pending = compute(obj, {"a": None}, None, NOW)
-    await ctl._pipeline_status(obj, pending)
+    await ctl.pipeline_reconciler.write_status(obj, pending)
     assert api.patches == [(url, {"status": pending.wire()})]
     assert events == [("Normal", "Pending", "stage a: pool not reconciled yet")]
-    await ctl._pipeline_status(obj, pending)  # the watch has not delivered our write yet
+    # the watch has not delivered our write yet
+    await ctl.pipeline_reconciler.write_status(obj, pending)
     stored = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "2"},
               "status": pending.wire()}
-    await ctl._pipeline_status(stored, compute(stored, {"a": None}, None, LATER))
+    await ctl.pipeline_reconciler.write_status(stored, compute(stored, {"a": None}, None, LATER))
     assert len(api.patches) == 1 and len(events) == 1
     # The pool appears, starting: a new Ready reason, one event.
     starting = compute(stored, {"a": settle(pool(1), [pod(0, ready=False)])}, None, LATER)
     clock[0] += STATUS_COALESCE_SECONDS
-    await ctl._pipeline_status(stored, starting)
+    await ctl.pipeline_reconciler.write_status(stored, starting)
     assert len(api.patches) == 2
     assert events[1:] == [("Normal", "Pending", "stage a: 0/1 replicas ready (minimum 1)")]
     # Scaled up while starting: a new message, the same phase and reason: a write, no event.
     stored = {**stored, "status": starting.wire()}
     moved = compute(stored, {"a": settle(pool(2), [pod(0, ready=False)])}, None, LATER)
     clock[0] += STATUS_COALESCE_SECONDS
-    await ctl._pipeline_status(stored, moved)
+    await ctl.pipeline_reconciler.write_status(stored, moved)
     assert len(api.patches) == 3 and len(events) == 2
     assert typed.transition_event(PipelineStatus.stored(stored), moved) is None
     # Serving: one write, one event.
     stored = {**stored, "status": moved.wire()}
     serving = compute(stored, {"a": serving_pool()}, converged(1), LATER)
-    await ctl._pipeline_status(stored, serving)
+    await ctl.pipeline_reconciler.write_status(stored, serving)
     assert api.patches[-1] == (url, {"status": serving.wire()}) and len(api.patches) == 4
     assert events[2:] == [("Normal", "Ready", "pipeline is serving (1/1 stages)")]
     # A pool's status: its wire form, no phase.
     refused = typed.invalid_status(pool(1), [("spec.image", "bad")], NOW)
-    assert await ctl.patch_status(pool(1), refused)
+    assert await ctl.writes.patch_status(pool(1), refused)
     assert api.patches[-1][1] == {"status": refused.wire()} and "phase" not in refused.wire()
-    assert not ctl._timers
+    assert not ctl.queue._timers
 
 
 class _VersioningApi(_RecordingApi):
@@ -577,18 +578,18 @@ async def test_a_status_is_not_rewritten_when_the_watch_delivers_an_older_write_
     obj["metadata"].update(resourceVersion="1", deletionTimestamp=NOW)
     draining = typed.terminating_status(obj, "draining the orchestrator", NOW)
     stopping = typed.terminating_status(obj, "stopping the stage pools", LATER)
-    assert await ctl.patch_status(obj, draining)
-    assert await ctl.patch_status(obj, stopping)
+    assert await ctl.writes.patch_status(obj, draining)
+    assert await ctl.writes.patch_status(obj, stopping)
     delivered = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "101"},
                  "status": draining.wire()}
-    assert not await ctl.patch_status(delivered, stopping)
+    assert not await ctl.writes.patch_status(delivered, stopping)
     assert len(api.patches) == 2
     current = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "102"},
                "status": stopping.wire()}
-    assert not await ctl.patch_status(current, stopping)  # stored: nothing to write
+    assert not await ctl.writes.patch_status(current, stopping)  # stored: nothing to write
     reverted = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "7"},
                 "status": draining.wire()}
-    assert await ctl.patch_status(reverted, stopping)
+    assert await ctl.writes.patch_status(reverted, stopping)
     assert [body["status"] for _, body in api.patches] == [draining.wire(), stopping.wire(),
                                                            stopping.wire()]
 

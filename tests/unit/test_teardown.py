@@ -112,20 +112,20 @@ class Fleet:
         self.ctl.enqueue_later = lambda key, delay: None  # type: ignore[method-assign]
         self.pods: dict[str, Obj] = {}
         for name in ("p", "q"):
-            self.ctl.observe("OmniPipeline", "ADDED", _pipeline(name))
+            self.ctl.view.observe("OmniPipeline", "ADDED", _pipeline(name))
             for stage in "abc":
-                self.ctl.observe("StagePool", "ADDED", _pool(name, stage))
-                self.ctl.observe("PodDisruptionBudget", "ADDED", _pdb(name, stage))
+                self.ctl.view.observe("StagePool", "ADDED", _pool(name, stage))
+                self.ctl.view.observe("PodDisruptionBudget", "ADDED", _pdb(name, stage))
                 for ordinal in range(4):
                     pod = _pod(name, stage, ordinal)
                     self.pods[pod["metadata"]["name"]] = pod
-                    self.ctl.observe("Pod", "ADDED", pod)
+                    self.ctl.view.observe("Pod", "ADDED", pod)
         self.enqueued.clear()
 
     async def shutdown(self, name: str = "p") -> list[tuple[str, str, Any, dict[str, Any]]]:
         """One shutdown step of a pipeline; the calls it made."""
         before = len(self.api.calls)
-        await self.ctl.shutdown_pipeline(self.ctl.pipelines[(NS, name)])
+        await self.ctl.pipeline_reconciler.shutdown(self.ctl.pipelines[(NS, name)])
         return self.api.calls[before:]
 
     def terminating(self, pipeline: str) -> None:
@@ -134,7 +134,7 @@ class Fleet:
         for pod in self.pods.values():
             if pod["metadata"]["labels"][kube.LABEL_PIPELINE] == pipeline:
                 pod["metadata"]["deletionTimestamp"] = NOW
-                self.ctl.observe("Pod", "MODIFIED", copy.deepcopy(pod))
+                self.ctl.view.observe("Pod", "MODIFIED", copy.deepcopy(pod))
 
 
 def _writes(calls: list[tuple[str, str, Any, dict[str, Any]]]) -> list[tuple[str, str]]:
@@ -167,11 +167,11 @@ async def test_the_stage_pods_go_in_one_collection_after_the_budgets_and_before_
     names = sorted(n for n in fleet.pods if n.startswith("p-"))
     fleet.enqueued.clear()
     for name in names[:-1]:
-        fleet.ctl.observe("Pod", "DELETED", fleet.pods.pop(name))
+        fleet.ctl.view.observe("Pod", "DELETED", fleet.pods.pop(name))
     assert ("OmniPipeline", NS, "p") in fleet.enqueued  # pools a and b emptied
     assert _writes(await fleet.shutdown("p")) == []
     fleet.enqueued.clear()
-    fleet.ctl.observe("Pod", "DELETED", fleet.pods.pop(names[-1]))
+    fleet.ctl.view.observe("Pod", "DELETED", fleet.pods.pop(names[-1]))
     assert ("OmniPipeline", NS, "p") in fleet.enqueued
 
     # No pod left: the pools go, plainly (nothing left for a cascade to wait on). Their
@@ -183,12 +183,12 @@ async def test_the_stage_pods_go_in_one_collection_after_the_budgets_and_before_
     assert pools == [("delete", f"/apis/{API_VERSION}/namespaces/{NS}/stagepools/p-{s}", None)
                      for s in "abc"]
     assert _writes(calls)[-1] == ("apply", f"/apis/{API_VERSION}/namespaces/{NS}/omnipipelines/p")
-    assert fleet.ctl.pools_of(NS, "p") == [] and (NS, "p") not in fleet.ctl.pipelines
+    assert fleet.ctl.view.pools_of(NS, "p") == [] and (NS, "p") not in fleet.ctl.pipelines
 
     # The other pipeline was not touched: its pods, pools and budgets are all there.
     assert all(p["metadata"].get("deletionTimestamp") is None for n, p in fleet.pods.items()
                if n.startswith("q-"))
-    assert len(fleet.ctl.pools_of(NS, "q")) == 3
+    assert len(fleet.ctl.view.pools_of(NS, "q")) == 3
 
 
 async def test_a_collection_is_asked_again_only_for_a_pod_not_yet_terminating() -> None:
@@ -200,11 +200,11 @@ async def test_a_collection_is_asked_again_only_for_a_pod_not_yet_terminating() 
     await fleet.shutdown("p")
     fleet.terminating("p")
     late = _pod("p", "a", 7)
-    fleet.ctl.observe("Pod", "ADDED", late)
+    fleet.ctl.view.observe("Pod", "ADDED", late)
     calls = await fleet.shutdown("p")
     assert _writes(calls) == [("delete", f"/api/v1/namespaces/{NS}/pods")]
     late["metadata"]["deletionTimestamp"] = NOW
-    fleet.ctl.observe("Pod", "MODIFIED", late)
+    fleet.ctl.view.observe("Pod", "MODIFIED", late)
     assert _writes(await fleet.shutdown("p")) == []
 
 
@@ -223,7 +223,7 @@ async def test_a_deleting_pool_is_reconciled_without_building_anything(
     monkeypatch.setattr(builders, "pod_template", counted)
     fleet = Fleet()
     for stage in "abc":
-        await fleet.ctl.reconcile_pool(fleet.ctl.pools[(NS, kube.pool_name("p", stage))])
+        await fleet.ctl.pool_reconciler.reconcile(fleet.ctl.pools[(NS, kube.pool_name("p", stage))])
     assert built == [] and fleet.api.calls == []
 
 
