@@ -1,8 +1,6 @@
-"""A GET-only JSON HTTP server on loopback, for the fakes of an orchestrator's GET /v1/load.
-
-The autoscaler's cluster test, the release unit tests and the autoscale fleet bench each stand
-in for orchestrator pods; the HTTP around their documents is this one class. HTTP/1.1
-keep-alive, as the API server's service proxy and the operator's reader speak it."""
+"""A GET-only JSON HTTP server on loopback: the HTTP of tests.harness.fakeload, the one fake of
+orchestrator pods' GET /v1/load. HTTP/1.1 keep-alive, as the API server's service proxy and the
+operator's reader speak it."""
 from __future__ import annotations
 
 import json

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -28,6 +26,7 @@ from omni_operator.status import pool_status
 from omnistage.autoscaling import ANNOTATION_WAKE_REQUESTED, LOAD_PATH
 from omnistage.kubeapi import ApiError
 from omnistage.spec import parse_pipeline
+from tests.harness.fakeload import FakeLoadServer, load_document, stage_load
 
 Obj = dict[str, Any]
 T0 = 1_800_000_000.0  # the fake clock's start (wall time, as the loop's clock is)
@@ -91,10 +90,7 @@ def pool(replicas: int, *, rv: str = "1", annotations: dict[str, str] | None = N
 
 
 def load(**figures: Any) -> Obj:
-    entry = {"replicas": 1, "inflight": 0, "held": 0, "arrivals_per_s": 0.0, "service_s": 0.0,
-             "queue_wait_p95_s": 0.0, "ttfo_p95_s": 0.0, "last_request_unix": None,
-             "wake_pending": False, **figures}
-    return {"window_s": 60.0, "now": T0, "stages": {"a": entry}}
+    return load_document({"a": stage_load(**figures)}, now=T0)
 
 
 class Rig:
@@ -333,29 +329,15 @@ def test_a_pool_at_zero_that_wakes_on_demand_is_ready() -> None:
         assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
 
 
-def _serve(doc: Any, served: list[str] | None = None) -> ThreadingHTTPServer:
+def _serve(doc: Any, served: list[str] | None = None) -> FakeLoadServer:
     """A loopback orchestrator stand-in answering every GET with `doc` (keep-alive, as the
     LoadClient expects); the paths asked are appended to `served`."""
-    body = json.dumps(doc).encode()
+    def document(path: str) -> Any:
+        if served is not None:
+            served.append(path)
+        return doc
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self) -> None:
-            if served is not None:
-                served.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    return FakeLoadServer(document=document)
 
 
 def test_the_load_is_read_from_a_ready_orchestrator_pod_else_through_the_service_proxy() -> None:
@@ -376,7 +358,7 @@ def test_the_load_is_read_from_a_ready_orchestrator_pod_else_through_the_service
                 await scaler._read_load("ns", "p")
             assert api.calls == [("GET", proxy_path, None)]
             controller.children[("Service", "ns", "p-orchestrator")] = {
-                "spec": {"ports": [{"name": "http", "port": server.server_address[1]}]}}
+                "spec": {"ports": [{"name": "http", "port": server.port}]}}
             orchestrator = {"metadata": {"name": "p-orchestrator-x", "namespace": "ns"},
                             "status": {"podIP": "127.0.0.1",
                                        "conditions": [{"type": "Ready", "status": "True"}]}}
@@ -391,8 +373,7 @@ def test_the_load_is_read_from_a_ready_orchestrator_pod_else_through_the_service
 
         asyncio.run(main())
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def test_a_pipeline_read_through_the_proxy_tries_the_proxy_first_next_time() -> None:
@@ -650,7 +631,7 @@ def test_every_running_orchestrator_pod_is_read_and_the_proxy_only_for_the_one_r
 
     serve = _serve
     first = serve({"revisions": {"b": {"r": {"pinned": 1}}}})
-    port = first.server_address[1]
+    port = first.port
     proxied = "/api/v1/namespaces/ns/services/p-orchestrator:http/proxy/v1/load"
 
     def orchestrator(name: str, ip: str, phase: str = "Running") -> Obj:
@@ -699,5 +680,4 @@ def test_every_running_orchestrator_pod_is_read_and_the_proxy_only_for_the_one_r
     try:
         asyncio.run(main())
     finally:
-        first.shutdown()
-        first.server_close()
+        first.close()

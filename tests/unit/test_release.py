@@ -22,7 +22,7 @@ from omni_operator.readiness import is_ready
 from omnistage import kube
 from omnistage.kubeapi import Applied
 from omnistage.spec import parse_pipeline
-from tests.harness.jsonhttp import JsonServer
+from tests.harness.fakeload import FakeLoadServer
 
 Obj = dict[str, Any]
 NEW, OLD = "aaaaaaaaaa", "bbbbbbbbbb"
@@ -523,35 +523,15 @@ async def test_a_surge_replaced_while_the_view_lags_is_created_once() -> None:
 # ---- the last replica of a leaving revision waits for the requests pinned to it ---------------
 
 
-class FakeOrchestrator:
+class FakeOrchestrator(FakeLoadServer):
     """One orchestrator pod's GET /v1/load on loopback, real HTTP: `pinned` per (stage,
     revision) as the orchestrator reports it (revisions[stage][revision].pinned), a document
-    without the field (`with_field` False: an older orchestrator), or HTTP 500 (`broken`)."""
-
-    def __init__(self, host: str, port: int = 0) -> None:
-        self.pinned: dict[tuple[str, str], int] = {}
-        self.with_field = True
-        self.broken = False
-        self.server = JsonServer(
-            lambda path: (500 if self.broken or path != kube.LOAD_PATH else 200, self.document()),
-            host, port)
-        self.host, self.port = host, self.server.port
+    without the field (`without = ("pinned",)`: an older orchestrator), or HTTP 500
+    (`broken`)."""
 
     @property
     def hits(self) -> int:
-        return self.server.reads
-
-    def document(self) -> Obj:
-        revisions: Obj = {}
-        for (stage, revision), n in self.pinned.items():
-            entry = {"order": 1, "newest": False, "replicas": 1, "routable": 0}
-            if self.with_field:
-                entry["pinned"] = n
-            revisions.setdefault(stage, {})[revision] = entry
-        return {"window_s": 60.0, "now": 0.0, "stages": {}, "revisions": revisions}
-
-    def close(self) -> None:
-        self.server.close()
+        return self.reads
 
 
 @pytest.fixture
@@ -643,7 +623,7 @@ async def test_an_orchestrator_without_the_field_counts_as_nothing_pinned(
     first = world.targets()
     wire(world, orchestrators)
     for server in orchestrators:
-        server.with_field = False
+        server.without = ("pinned",)
         server.pinned = {(s, first[s]): 7 for s in "ab"}
     world.set_pools(pipeline_doc(2, 3))
     await world.run(everyone, world.converged)
