@@ -14,8 +14,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
+# What each module mutates: mutmut only_mutate patterns, separated by spaces.
 declare -A FILE=(
-  [admission]=omnistage/admission.py [spec]=omnistage/spec.py
+  [admission]=omnistage/admission.py [spec]='omnistage/spec/*.py'
   [engine]=omnistage/orchestrator/engine.py [drain]=omni_operator/drain.py
   [status]=omni_operator/status.py [placement]=omni_operator/placement.py
   [readiness]=omni_operator/readiness.py [devices]=omnistage/devices.py
@@ -51,7 +52,7 @@ for mod in "${MODULES[@]}"; do
     sed '/^\[tool.mutmut\]/,$d' pyproject.toml
     echo '[tool.mutmut]'
     echo 'source_paths = ["omnistage", "omni_operator"]'
-    echo "only_mutate = [\"$file\"]"
+    printf 'only_mutate = [%s]\n' "$(set -f; printf '"%s", ' $file | sed 's/, $//')"
     printf 'pytest_add_cli_args_test_selection = [%s]\n' \
       "$(printf '"%s", ' $tests | sed 's/, $//')"
     echo 'use_git_change_detection = false'

@@ -3,14 +3,13 @@
 Why this module: EngineOptions (omnistage.spec) declares every engine knob once, with its bounds.
 The HTTP API types its bodies with `engine_type`, and each executor validates a request's params
 with a model from `stage_params`, so the spec, the API and the workers cannot disagree about a
-range. `describe` turns a pydantic error into the wording both sides use (a path, a sentence that
-names it, an OpenAI-style code), so a worker's refusal and the API's read the same.
+range. `describe` gives a pydantic error the wording both sides use (a path, a sentence that
+names it, an OpenAI-style code), so a worker's refusal and the API's read the same: the
+"request" wording of the one pydantic-error formatter, omnistage.spec.errors.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, TypeVar
 
 import annotated_types
@@ -20,6 +19,7 @@ from pydantic_core import ErrorDetails
 from omnistage.kinds import get as get_kind
 from omnistage.models import BUILTIN_CONTEXT
 from omnistage.spec import EngineOptions, PerRequest, Stage
+from omnistage.spec.errors import Problem, describe_errors, error_path, json_type
 
 __all__ = [
     "Problem",
@@ -124,84 +124,6 @@ def stage_params(kind: str, base: type[B]) -> type[B]:
 # --------------------------------------------------------------------------- error wording
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One validation error: the field's path, a sentence that starts with it, and a code."""
-
-    path: str
-    message: str
-    code: str  # invalid_type | invalid_value | missing_required_parameter | unsupported_parameter
-
-
-# Custom pydantic error types whose code is already the API's.
-_OWN_CODES = frozenset({"invalid_type", "invalid_value", "unsupported_parameter",
-                        "missing_required_parameter"})
-_OBJECT_ERRORS = frozenset({"model_type", "model_attributes_type", "dict_type"})
-
-
-def json_type(value: Any) -> str:
-    """A value's JSON type name, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list | tuple):
-        return "array"
-    return "object"
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{...}"
-    try:
-        text = json.dumps(value, ensure_ascii=True)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def error_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
-    """('messages', 0, '<message>', 'content') -> messages[0].content. Union tags are spelt
-    <tag> in the models (see orchestrator/schemas.py) so they can be dropped here, and a bad
-    dict key is named by the key itself."""
-    out = prefix
-    for item in loc:
-        if isinstance(item, int):
-            out += f"[{item}]"
-        elif item != "[key]" and not (item.startswith("<") and item.endswith(">")):
-            out += f".{item}" if out else item
-    return out
-
-
 def describe(err: ErrorDetails, prefix: str = "") -> Problem:
-    """Readable wording of one pydantic error, naming the field by its request path. A custom
-    error may carry `at` in its context: where inside the value the problem is."""
-    ctx = err.get("ctx") or {}
-    path = error_path(tuple(err["loc"]), prefix) + str(ctx.get("at", ""))
-    kind, value, msg = err["type"], err.get("input"), err["msg"]
-    name = path or "the request body"
-    is_type = kind.endswith("_type") or kind in _OBJECT_ERRORS
-    if kind == "missing" or (value is None and is_type):
-        return Problem(path, f"{name} is required", "missing_required_parameter")
-    if kind == "string_unicode":  # pydantic's own check, on the name of an extra field
-        return Problem(path, f"{path or 'a field name'} is not valid Unicode text (lone "
-                       "surrogate)", "invalid_value")
-    if kind == "extra_forbidden":
-        return Problem(path, f"unknown field {_short(err['loc'][-1])}", "unsupported_parameter")
-    got = f", got {json_type(value)}" if is_type or kind == "invalid_type" else \
-        f", got {_short(value)}"
-    if kind in _OWN_CODES:
-        return Problem(path, f"{name} {msg}{got if kind == 'invalid_type' else ''}", kind)
-    if kind in _OBJECT_ERRORS:
-        msg = "must be an object"
-    elif kind == "list_type":
-        msg = "must be an array"
-    for lead in ("Input should", "List should", "String should", "Value should"):
-        if msg.startswith(lead):
-            msg = "must" + msg[len(lead):]
-    msg = msg.replace(" after validation", "").split(", not ")[0]
-    return Problem(path, f"{name} {msg}{got}", "invalid_type" if is_type else "invalid_value")
+    """Readable wording of one pydantic error, naming the field by its request path."""
+    return describe_errors([err], wording="request", prefix=prefix)[0]

@@ -6,7 +6,8 @@ with the exact path and message a user sees. The other bounded fields of a pipel
 treatment, and every model's defaults are pinned.
 
 The bounds live in class bodies (Field(...)), which mutmut does not mutate; these tests pin them
-against hand edits. The "Kills:" lines name the mutants of spec.py functions they also catch.
+against hand edits. The "Kills:" lines name the mutants of omnistage.spec functions they also
+catch.
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ BOUNDS: list[tuple[str, Any, str | None]] = [
                          ids=[f"{p.rsplit('.', 1)[-1]}={v!r:.20}" for p, v, _ in BOUNDS])
 def test_each_bound_at_its_edge(path: str, value: Any, expected: str | None) -> None:
     """The value at the edge passes and is kept; one step outside fails with the field's path,
-    the bound and the bad value. Kills: _convert's `message += " (got ...)"` -> `=` and its
-    `_short(value)` -> `_short(None)`, _strict's strict=True -> False (the '30s' and bool cases)."""
+    the bound and the bad value. Kills: _spec_message's `message + " (got ...)"` -> `message`
+    and its `short_repr(value)` -> `short_repr(None)`, _strict's strict=True -> False (the '30s'
+    and bool cases)."""
     doc = one_stage()
     _set(doc, path, value)
     if expected is None:
@@ -218,8 +220,8 @@ def test_each_bound_at_its_edge(path: str, value: Any, expected: str | None) -> 
 
 
 def test_several_field_errors_are_all_reported_with_their_paths() -> None:
-    """Kills: _convert's `continue` -> `break` after a cross-field error (the later errors must
-    still be listed)."""
+    """Kills: describe_errors' `continue` -> `break` after a cross-field error (the later errors
+    must still be listed)."""
     doc = manifest(stage("a", finalOutput=True, replicas=-1, engine={"height": 9, "seed": -1}),
                    orchestrator={"api": ["chat", "chat"], "port": 0})
     assert errors_of(doc) == [
@@ -234,7 +236,7 @@ def test_several_field_errors_are_all_reported_with_their_paths() -> None:
 def test_a_model_stage_asks_for_at_most_one_gpu() -> None:
     """A replica loads its model onto one device. Kills: a changed bound or message of
     Stage._one_gpu_per_model (a decorated validator, which mutmut leaves alone), and
-    _path_errors' relative default True -> False (the path would lose spec.stages[0])."""
+    path_errors' relative default True -> False (the path would lose spec.stages[0])."""
     for kind in ("ar", "diffusion"):
         doc = manifest(stage("a", kind, finalOutput=True, resources={"gpus": 2}))
         assert errors_of(doc) == [(
@@ -308,8 +310,8 @@ QUANTITY_HELP = "must be a Kubernetes quantity such as '500m', '2', '1.5' or '4G
 
 @pytest.mark.parametrize("value", ["2 gigs", "4gi", "1.5.5", "-1", "", "Gi", "1KB", "1e", "0x10"])
 def test_quantities_that_do_not(value: str) -> None:
-    """Kills: a widened QUANTITY_PATTERN, and in _convert the "string_pattern_mismatch" branch
-    and _PATTERN_HELP lookup (ctx.get("pattern", "") -> get(None, "") / "XXpatternXX")."""
+    """Kills: a widened QUANTITY_PATTERN, and in _spec_message the "string_pattern_mismatch"
+    branch and PATTERN_HELP lookup (ctx.get("pattern", "") -> get(None, "") / "XXpatternXX")."""
     doc = manifest(stage("a", finalOutput=True, resources={"memory": value}))
     assert errors_of(doc) == [
         ("spec.stages[0].resources.memory", f"{QUANTITY_HELP} (got {value!r})")]

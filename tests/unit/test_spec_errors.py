@@ -2,8 +2,8 @@
 stage-graph checks, metadata keys, updates, YAML files, and the helpers of a valid spec.
 
 Each test asserts whole messages and whole error lists (a substring check lets a mutated message
-through). The "Kills:" lines name the spec.py mutants (mutmut 3.8.1) each test catches; the
-mutation run is `hack/mutation.sh spec` (docs/testing.md).
+through). The "Kills:" lines name the omnistage.spec mutants (mutmut 3.8.1) each test catches;
+the mutation run is `hack/mutation.sh spec` (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from omnistage import spec as spec_module
 from omnistage.kube import ANNOTATION_SHARED_MEMORY
 from omnistage.modelref import ModelRef
 from omnistage.spec import (
@@ -36,6 +35,7 @@ from omnistage.spec import (
     parse_stagepool,
     validate_manifest,
 )
+from omnistage.spec import fields as spec_fields
 from tests.unit.test_spec import chain, manifest, pool_doc, stage
 
 
@@ -90,7 +90,7 @@ def one_stage(**extra: Any) -> dict[str, Any]:
         "missing", "literal", "bool", "int", "float", "str", "dns-label", "url", "subdomain"])
 def test_each_kind_of_error_reads_as_documented(doc: dict[str, Any],
                                                 expected: list[tuple[str, str]]) -> None:
-    """Kills: in _convert, the type strings "model_type", "dict_type", "list_type" (their
+    """Kills: in _spec_message, the type strings "model_type", "dict_type", "list_type" (their
     message names the type, not the value), "too_long" / "too_short" (no "(got ...)"), "missing",
     "literal_error", the _TYPE_NAMES lookup (`in` -> `not in`), ctx.get("expected") and
     ctx.get("pattern", "") -> get(None, ...), `err.get("ctx") or {}` -> `and`, and
@@ -110,7 +110,7 @@ def test_a_pattern_without_help_text_quotes_the_pattern_as_written() -> None:
 @pytest.mark.parametrize(("length", "shown"), [(58, None), (59, 56)])
 def test_long_values_are_cut_to_sixty_characters(length: int, shown: int | None) -> None:
     """A value whose repr is 60 characters is shown whole; at 61 it is cut to 57 and '...'.
-    Kills: _short's `<= 60` -> `< 60`, 60 -> 61, 57 -> 58, `+ "..."` -> `+ "XX...XX"`."""
+    Kills: short_repr's `<= 60` -> `< 60`, 60 -> 61, 57 -> 58, `+ "..."` -> `+ "XX...XX"`."""
     value = "x" * length
     got = repr(value) if shown is None else "'" + "x" * shown + "..."
     doc = one_stage(resources={"memory": value})
@@ -119,8 +119,8 @@ def test_long_values_are_cut_to_sixty_characters(length: int, shown: int | None)
 
 
 def test_paths_at_the_root_have_no_leading_dot() -> None:
-    """Kills: in _format_loc, `f".{key}" if parts else key` -> always `.key` and
-    `f".{alias}" if parts else alias` -> always `.alias` (for both branches)."""
+    """Kills: in error_path, `f".{key}" if out else key` -> always `.key` (for fields and for
+    unknown keys)."""
     doc = chain()
     doc["zzz"] = {}
     doc["metadata"]["name"] = "Bad"
@@ -133,10 +133,10 @@ def test_paths_at_the_root_have_no_leading_dot() -> None:
 
 def test_a_map_key_is_a_field_not_an_index() -> None:
     """A YAML map may have an integer key; it is named as a map key (.1), never as a list index
-    ([1]). Kills the resolution of field types in _format_loc / _unwrap / _field_of:
+    ([1]). Kills the resolution of field types in error_path / _unwrap / _field_of:
     `get_args(annotation)[0]` -> `[1]` for Annotated, `origin in (list, dict)` -> `not in`,
     "list" if origin is list else "dict" (both arms), `container == "dict"` -> `!=`,
-    `continue` -> `break` after a map key, `_format_loc(..., root)` -> `(..., None)`,
+    `continue` -> `break` after a map key, `error_path(..., root)` -> `(..., None)`,
     _field_of's `key == (...)` -> `!=` and `info.alias or name` -> `and`."""
     for path, doc in (
         ("spec.stages[0].placement.nodeSelector.1.[key]",
@@ -173,7 +173,7 @@ def test_a_map_key_is_a_field_not_an_index() -> None:
 def test_unknown_fields_suggest_the_right_model_s_fields(where: str, key: str, path: str,
                                                           message: str) -> None:
     """The suggestion comes from the model at the key's parent, however deep. Kills: in
-    _convert `err["loc"][-1]` -> `[+1]` / `[-2]`, `[:-1]` -> `[:+1]` / `[:-2]`,
+    _spec_message `err["loc"][-1]` -> `[+1]` / `[-2]`, `[:-1]` -> `[:+1]` / `[:-2]`,
     `_model_at(..., root)` -> `(..., None)`; in _model_at `continue` -> `break`, `not (...)` ->
     `(...)`, `field is None` -> `is not None`, `_unwrap(field[1])` -> `field[0]` / `field[2]`;
     in _unknown_field `info.alias or n` -> `and`, `camel != key and camel in allowed` -> `or` /
@@ -195,8 +195,8 @@ def test_unknown_fields_suggest_the_right_model_s_fields(where: str, key: str, p
 
 def test_python_callers_get_the_readable_message_too() -> None:
     """Code that builds the models by field name (the operator) sees the same sentence in the
-    pydantic error. Kills: _path_errors' "{summary}" template, its "summary" key, `"; ".join`,
-    "spec_errors"; _field_error's "{message}" template and "spec_field" (uppercase or XX)."""
+    pydantic error. Kills: path_errors' "{summary}" template, its "summary" key, `"; ".join`,
+    "spec_errors"; field_error's "{message}" template and "spec_field" (uppercase or XX)."""
     with pytest.raises(ValidationError) as info:
         Toleration(key=None, operator="Equal", toleration_seconds=5)
     [error] = info.value.errors()
@@ -214,7 +214,7 @@ def test_python_callers_get_the_readable_message_too() -> None:
 def test_errors_of_a_list_entry_are_named_by_index() -> None:
     """Kills: _reject_duplicates' `item in seen` -> `not in`, `seen.add(item)` -> `add(None)`,
     `errors.append(...)` -> `append(None)`; _join's `rel.startswith("[")` -> "XX[XX" and its two
-    conditional arms; _convert's `_join(base, rel)` -> `_join(None, rel)`; _path_errors'
+    conditional arms; describe_errors' `_join(base, rel)` -> `_join(None, rel)`; path_errors'
     relative default True -> False (a nested cross-field error would lose its prefix)."""
     doc = manifest(stage("a", finalOutput=True),
                    orchestrator={"api": ["chat", "images", "chat", "images", "generic"]})
@@ -260,7 +260,7 @@ def test_cross_field_errors_at_the_root_are_not_prefixed() -> None:
 def test_image_errors_in_full(image: str, expected: str) -> None:
     """Kills: image_error's `value == ""` -> `!=`, `"://" in value` -> `not in`, `index` ->
     `rindex` (the second '://'), `+ 3` -> `- 3` / `+ 4`; _check_image's `is not None` -> `is None`
-    and `_field_error(problem)` -> `_field_error(None)`."""
+    and `field_error(problem)` -> `field_error(None)`."""
     assert image_error(image) == expected
     assert errors_of(manifest(stage("a", finalOutput=True), image=image)) == [
         ("spec.image", expected)]
@@ -424,7 +424,7 @@ def test_label_values_at_the_edges(labels: dict[str, str], expected: str | None)
     """Kills: _check_labels' `problem is None and value and (...)` -> `is not None` / either
     `and` -> `or` (an empty value is valid; a bad key is reported, not its value),
     `len(value) > 63` -> `>= 63` / `> 64`, `or` -> `and`, `not re.fullmatch` -> `re.fullmatch`,
-    `_field_error(problem)` -> `_field_error(None)`."""
+    `field_error(problem)` -> `field_error(None)`."""
     doc = labels_doc(labels)
     if expected is None:
         assert parse_pipeline(doc).metadata.labels == labels
@@ -786,14 +786,14 @@ def test_nullable_branches_collapse_in_either_order() -> None:
         "b": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": "x"},
         "c": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
     }}
-    spec_module._collapse_nullable(schema)
+    spec_fields._collapse_nullable(schema)
     assert schema == {"properties": {
         "a": {"type": "integer"},
         "b": {"type": "string", "default": "x"},
         "c": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
     }}
     empty: dict[str, Any] = {"type": "object"}
-    spec_module._collapse_nullable(empty)
+    spec_fields._collapse_nullable(empty)
     assert empty == {"type": "object"}
 
 

@@ -103,6 +103,9 @@ def test_operator_escapes_dollar_for_kubelet_expansion() -> None:
         (["--stage-json", '{"name":"a","kind":"echo","admission":{"maxRequests":0}}'],
          "--stage-json: admission.maxRequests: Input should be greater than or equal to 1"),
         (["--stage-json", '{"name":"a","kind":"ar"}'], "model: a model is required"),
+        # A check across fields names its own path (the one formatter, spec.errors), not (root).
+        (["--stage-json", '{"name":"a","kind":"ar","model":"tiny-llama","resources":{"gpus":2}}'],
+         "--stage-json: resources.gpus: replicas of kind 'ar' load"),
         (["--stage-json", '{"name":"a","kind":"echo","replics":2}'], "replics: Extra inputs"),
         (["--stage-json", "{not json"], "(root): Invalid JSON"),
         (["--stage-json", '{"name":"a","kind":"echo"}', "--stage", "a"], "--stage: only with"),

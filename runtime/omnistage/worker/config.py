@@ -1,8 +1,8 @@
 """A stage worker's configuration and its one command-line form.
 
-What a replica does is a `Stage` (spec.py, already validated: kinds, models, bounds); where it
-runs (replica id, address, ports, device, port file) is the only thing added here. The stage
-travels as JSON of the Stage model, so no stage field is ever re-described as a flag:
+What a replica does is a `Stage` (omnistage.spec, already validated: kinds, models, bounds);
+where it runs (replica id, address, ports, device, port file) is the only thing added here. The
+stage travels as JSON of the Stage model, so no stage field is ever re-described as a flag:
 
     omnistage stage --stage-json '{"name":"enc","kind":"ar","model":"tiny-llama"}' --port 5555
     omnistage stage --pipeline-file pipeline.yaml --stage enc --port 5555     # for people
@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omnistage.spec import SpecError, Stage, load_pipeline
+from omnistage.spec.errors import describe_errors
 
 # The Stage fields a worker reads. The rest (replicas, inputs, finalOutput, resources,
 # placement, maxUnavailable) belong to the orchestrator and to placement; leaving them out of
@@ -123,8 +124,8 @@ def parse_stage_json(text: str) -> Stage:
     try:
         return Stage.model_validate_json(text)
     except ValidationError as exc:
-        raise SpecError([(_path(err["loc"]), err["msg"]) for err in exc.errors()],
-                        source="--stage-json") from None
+        problems = describe_errors(exc.errors(), wording="pydantic", root=Stage)
+        raise SpecError([(p.path, p.message) for p in problems], source="--stage-json") from None
 
 
 def stage_from_file(file: str, name: str | None) -> Stage:
@@ -144,9 +145,3 @@ def resolve_model(stage: Stage, base_dir: Path) -> Stage:
     path = stage.model_path(base_dir)
     return stage if path is None else stage.model_copy(update={"model": str(path)})
 
-
-def _path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for item in loc:
-        out += f"[{item}]" if isinstance(item, int) else f".{item}" if out else str(item)
-    return out or "(root)"
