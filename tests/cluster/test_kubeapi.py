@@ -25,6 +25,7 @@ from omnistage.kubeapi import (
     WatchEvent,
     path,
 )
+from omnistage.kubeapi import auth as kubeauth
 from tests.harness.cluster import Cluster
 from tests.harness.waiting import HANG_GUARD, until
 
@@ -136,7 +137,7 @@ async def test_in_cluster_service_account(
     assert k.config.ca_file
     shutil.copy(k.config.ca_file, sa / "ca.crt")
     server = urlparse(k.config.server)
-    monkeypatch.setattr(kubeapi, "SA_DIR", sa)
+    monkeypatch.setattr(kubeauth, "SA_DIR", sa)  # read where it is used
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", server.hostname or "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.port))
     monkeypatch.delenv("POD_NAMESPACE", raising=False)

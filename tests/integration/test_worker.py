@@ -315,6 +315,11 @@ async def test_a_restart_at_the_same_address_refuses_work_for_the_old_process(
     _, text = await asyncio.to_thread(_get, w2.http + "/metrics")
     assert sample(text, "omnistage_worker_stale_messages_total", **labels) == 2
     assert sample(text, "omnistage_worker_admitted_total", **labels) == 1  # only "live" ran
+    assert sample(text, "omnistage_worker_late_aborts_total", **labels) == 0  # stale, not late
+    ch.abort("live", incarnation=second)  # finished: dropped, counted as late
+    await until(lambda: sample(_get(w2.http + "/metrics")[1],
+                               "omnistage_worker_late_aborts_total", **labels) == 1,
+                "the late abort counted", interval=0.05)
 
 
 async def test_handshake_of_another_version_is_refused(start_worker, channels,

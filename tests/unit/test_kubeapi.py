@@ -32,6 +32,7 @@ from omnistage.kubeapi import (
     path,
     resource_path,
 )
+from omnistage.kubeapi import auth as kubeauth
 from tests.harness.execplugin import API_VERSION, ExecPluginScript
 
 # ---- conditions ------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def service_account(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (sa / "token").write_text("sa-token\n")
     (sa / "namespace").write_text("prod\n")
     (sa / "ca.crt").write_text("ca")
-    monkeypatch.setattr(kubeapi, "SA_DIR", sa)
+    monkeypatch.setattr(kubeauth, "SA_DIR", sa)  # read where it is used
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "8443")
     monkeypatch.delenv("POD_NAMESPACE", raising=False)

@@ -55,6 +55,9 @@ class WorkerCollector:
         yield family(counter, "omnistage_worker_stale_messages_total",
                      "Submits and aborts for a previous process at this address, refused",
                      common, [((), c["stale_messages"])])
+        yield family(counter, "omnistage_worker_late_aborts_total",
+                     "Aborts for a request this replica does not hold (unknown or finished), "
+                     "dropped", common, [((), c["late_aborts"])])
         yield family(counter, "omnistage_worker_revision_refusals_total",
                      "Submits and fed chunks of another payload revision than this replica's "
                      "or than the request expects, refused with revision_mismatch", common,
