@@ -50,7 +50,7 @@ BODY = {"model": "m", "messages": [{"role": "system", "content": "be brief"},
 SERVER = r'''
 import json, sys
 kind, port = sys.argv[1], int(sys.argv[2])
-from omnistage.orchestrator.http_api import parse_json_body, validate
+from omnistage.orchestrator.request_parsing import parse_json_body, validate
 from omnistage.orchestrator.schemas import ChatCompletionRequest
 
 def answer(req):

@@ -21,18 +21,22 @@ from typing import Annotated, Any
 import numpy as np
 import openai
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import ClientPayloadError, ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 from PIL import Image
 from prometheus_client import CollectorRegistry, Gauge
 from pydantic import Field
 
 from omnistage.client import ControlError
+from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import http_api as h
+from omnistage.orchestrator import http_streaming as st
 from omnistage.orchestrator import render as rd
+from omnistage.orchestrator import request_parsing as rp
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import (
     ApiError,
+    chat_param,
     error_from_request_error,
     images_param,
     outcome_error,
@@ -249,7 +253,7 @@ CHAT_BODY = {"model": "text-to-image", "messages": [{"role": "user", "content": 
 ])
 def test_parse_chat_names_the_bad_field(patch: dict, param: str, code: str) -> None:
     with pytest.raises(ApiError) as info:
-        h.parse_chat({**CHAT_BODY, **patch}, T2I)
+        rp.parse_chat({**CHAT_BODY, **patch}, T2I)
     assert info.value.status == 400
     assert (info.value.param, info.value.code) == (param, code), info.value.message
     assert param.split("[")[0].split(".")[0] in info.value.message
@@ -257,13 +261,13 @@ def test_parse_chat_names_the_bad_field(patch: dict, param: str, code: str) -> N
 
 def test_parse_chat_wrong_model_is_404_model_not_found() -> None:
     with pytest.raises(ApiError) as info:
-        h.parse_chat({**CHAT_BODY, "model": "gpt-4"}, T2I)
+        rp.parse_chat({**CHAT_BODY, "model": "gpt-4"}, T2I)
     assert (info.value.status, info.value.code, info.value.param) == (
         404, "model_not_found", "model")
 
 
 def test_parse_chat_builds_the_pipeline_request() -> None:
-    call = h.parse_chat({
+    call = rp.parse_chat({
         "messages": [{"role": "system", "content": "be brief"},
                      {"role": "user", "content": [{"type": "text", "text": "a"},
                                                   {"type": "text", "text": "b"}]}],
@@ -285,7 +289,7 @@ def test_parse_chat_builds_the_pipeline_request() -> None:
 
 
 def test_parse_chat_defaults_leave_stage_defaults_alone() -> None:
-    call = h.parse_chat({"messages": [{"role": "user", "content": "x"}]}, CHAT)
+    call = rp.parse_chat({"messages": [{"role": "user", "content": "x"}]}, CHAT)
     # Only hidden states are switched off (chat returns text); the rest stays stage defaults.
     assert call.request.params == {"llm": {"messages": [{"role": "user", "content": "x"}],
                                            "return_hidden_states": False}}
@@ -312,27 +316,27 @@ def test_parse_chat_defaults_leave_stage_defaults_alone() -> None:
 ])
 def test_parse_images_names_the_bad_field(patch: dict, param: str) -> None:
     with pytest.raises(ApiError) as info:
-        h.parse_images({"prompt": "a cat", **patch}, T2I)
+        rp.parse_images({"prompt": "a cat", **patch}, T2I)
     assert (info.value.status, info.value.param) == (400, param), info.value.message
 
 
 def test_parse_images_builds_the_pipeline_request() -> None:
-    call = h.parse_images({"prompt": "a cat", "negative_prompt": "blurry", "n": 2,
-                           "size": "64x32", "response_format": "b64_json", "seed": 7,
-                           "num_inference_steps": 2, "guidance_scale": 3.0,
-                           "quality": "hd", "user": "bob"}, T2I)
+    call = rp.parse_images({"prompt": "a cat", "negative_prompt": "blurry", "n": 2,
+                            "size": "64x32", "response_format": "b64_json", "seed": 7,
+                            "num_inference_steps": 2, "guidance_scale": 3.0,
+                            "quality": "hd", "user": "bob"}, T2I)
     req = call.request
     assert call.stages == ["denoiser"] and req.finals == ["denoiser"]
     assert req.params == {"denoiser": {"width": 64, "height": 32, "num_inference_steps": 2,
                                        "guidance_scale": 3.0, "seed": 7}}
     assert (req.prompt, req.negative_prompt, req.n, req.session) == ("a cat", "blurry", 2, "bob")
-    assert h.parse_images({"prompt": "x", "size": "auto"}, T2I).request.params == {
+    assert rp.parse_images({"prompt": "x", "size": "auto"}, T2I).request.params == {
         "denoiser": {}}
 
 
 def test_images_on_a_pipeline_without_diffusion_is_404() -> None:
     with pytest.raises(ApiError) as info:
-        h.parse_images({"prompt": "x"}, CHAT)
+        rp.parse_images({"prompt": "x"}, CHAT)
     assert info.value.status == 404
 
 
@@ -353,14 +357,14 @@ def test_images_on_a_pipeline_without_diffusion_is_404() -> None:
 ])
 def test_parse_generic_names_the_bad_field(body: dict, param: str) -> None:
     with pytest.raises(ApiError) as info:
-        h.parse_generic(body, T2I)
+        rp.parse_generic(body, T2I)
     assert (info.value.status, info.value.param) == (400, param), info.value.message
 
 
 def test_parse_generic_builds_the_pipeline_request() -> None:
-    req = h.parse_generic({"prompt": "p", "negative_prompt": "n", "n": 2, "finals": ["encoder"],
-                           "params": {"encoder": {"max_tokens": 2}, "*": {"seed": 1}},
-                           "timeout_s": 1.5, "session": "s"}, T2I)
+    req = rp.parse_generic({"prompt": "p", "negative_prompt": "n", "n": 2, "finals": ["encoder"],
+                            "params": {"encoder": {"max_tokens": 2}, "*": {"seed": 1}},
+                            "timeout_s": 1.5, "session": "s"}, T2I)
     assert req.stage_params("encoder") == {"max_tokens": 2, "seed": 1}
     assert (req.prompt, req.negative_prompt, req.n, req.finals, req.timeout_s, req.session) == (
         "p", "n", 2, ["encoder"], 1.5, "s")
@@ -370,19 +374,19 @@ def test_parse_generic_builds_the_pipeline_request() -> None:
                                  b"\xff\xfe\x00", b"[" * 100_000])
 def test_parse_json_body_rejects_what_is_not_a_json_object(raw: bytes) -> None:
     with pytest.raises(ApiError) as info:
-        h.parse_json_body(raw)
+        rp.parse_json_body(raw)
     assert info.value.status == 400 and info.value.param is None
 
 
 def test_parse_control() -> None:
-    assert h.parse_control({"op": "pause"}, T2I) == ("pause", None)
-    assert h.parse_control({"op": "sleep", "stages": ["denoiser"]}, T2I) == (
+    assert rp.parse_control({"op": "pause"}, T2I) == ("pause", None)
+    assert rp.parse_control({"op": "sleep", "stages": ["denoiser"]}, T2I) == (
         "sleep", ["denoiser"])
     for body, param in [({}, "op"), ({"op": "explode"}, "op"),
                         ({"op": "pause", "stages": ["x"]}, "stages[0]"),
                         ({"op": "pause", "extra": 1}, "extra")]:
         with pytest.raises(ApiError) as info:
-            h.parse_control(body, T2I)
+            rp.parse_control(body, T2I)
         assert info.value.param == param
 
 
@@ -419,7 +423,7 @@ def test_outcome_error_treats_a_failed_child_as_the_response_error() -> None:
 
 
 def test_render_chat_completion_and_usage() -> None:
-    call = h.parse_chat({**CHAT_BODY, "n": 2}, T2I)
+    call = rp.parse_chat({**CHAT_BODY, "n": 2}, T2I)
     outcome = rq.Outcome("r", "ok", [
         rq.ChildOutcome(1, "ok", {"encoder": ar_output("encoder", "x y z", "length")}),
         rq.ChildOutcome(0, "abort", {"encoder": ar_output("encoder", "w", "abort")}),
@@ -432,8 +436,8 @@ def test_render_chat_completion_and_usage() -> None:
 
 
 def test_chat_stream_chunk_order() -> None:
-    call = h.parse_chat({**CHAT_BODY, "n": 2, "stream": True,
-                         "stream_options": {"include_usage": True}}, T2I)
+    call = rp.parse_chat({**CHAT_BODY, "n": 2, "stream": True,
+                          "stream_options": {"include_usage": True}}, T2I)
     s = rd.ChatStream(call, "id", 1)
     start = s.start()
     assert [c["choices"][0]["delta"] for c in start] == [
@@ -460,7 +464,7 @@ def test_chat_stream_chunk_order() -> None:
 
 
 def test_render_images_refuses_what_is_not_an_image() -> None:
-    call = h.parse_images({"prompt": "x"}, T2I)
+    call = rp.parse_images({"prompt": "x"}, T2I)
 
     def outcome(tensors: dict[str, Any]) -> rq.Outcome:
         out = rq.StageOutput("denoiser", {}, tensors)
@@ -678,9 +682,9 @@ async def test_integral_numbers_meet_integer_fields(client: TestClient) -> None:
     resp = await client.post("/v1/images/generations", json={"prompt": "x", "n": 2.0})
     assert resp.status == 200, await resp.text()
     assert len((await resp.json())["data"]) == 2
-    assert h.parse_json_body(b'{"n": 4.0, "t": 0.5, "big": 1e20, "e": 2E1}') == {
+    assert rp.parse_json_body(b'{"n": 4.0, "t": 0.5, "big": 1e20, "e": 2E1}') == {
         "n": 4, "t": 0.5, "big": 10**20, "e": 20}
-    assert type(h.parse_json_body(b'{"n": 4.0}')["n"]) is int
+    assert type(rp.parse_json_body(b'{"n": 4.0}')["n"]) is int
     resp = await client.post("/v1/images/generations", json={"prompt": "x", "n": 2.5})
     assert_error(await resp.json(), param="n", code="invalid_type")
 
@@ -764,7 +768,7 @@ async def test_max_tokens_bound_is_documented_and_enforced(engine: dict[str, Any
             assert f"less than or equal to {most}" in err["message"]
     # parse_chat without a model validates with the same pipeline's bound.
     with pytest.raises(ApiError) as info:
-        h.parse_chat({**body, "max_tokens": most + 1}, orch.pipeline)
+        rp.parse_chat({**body, "max_tokens": most + 1}, orch.pipeline)
     assert info.value.param == "max_tokens"
 
 
@@ -986,11 +990,11 @@ async def test_ignored_field_names_are_percent_encoded_in_the_header(client: Tes
 
 
 def test_ignored_header_is_bounded() -> None:
-    assert h.ignored_header([]) == {}
+    assert rp.ignored_header([]) == {}
     many = [f"field{i}" for i in range(500)]
-    value = h.ignored_header(many)["X-Omnistage-Ignored-Fields"]
+    value = rp.ignored_header(many)["X-Omnistage-Ignored-Fields"]
     assert len(value) <= 1024 + 4 and value.endswith(",...") and value.startswith("field0,")
-    assert h.ignored_header(["x" * 2000])["X-Omnistage-Ignored-Fields"] == "..."
+    assert rp.ignored_header(["x" * 2000])["X-Omnistage-Ignored-Fields"] == "..."
 
 
 async def test_document_and_validator_agree_on_required_content(client: TestClient) -> None:
@@ -1067,7 +1071,7 @@ def test_size_is_accepted_exactly_when_the_document_allows_it(size: str) -> None
     schema = openapi_document()["components"]["schemas"]["ImagesRequest"]["properties"]["size"]
     documented = jsonschema_rs.validator_for(schema).is_valid(size)
     try:
-        h.parse_images({"prompt": "x", "size": size}, T2I)
+        rp.parse_images({"prompt": "x", "size": size}, T2I)
         accepted = True
     except ApiError as err:
         assert (err.status, err.param) == (400, "size")
@@ -1186,3 +1190,234 @@ async def test_serve_http_reports_a_bound_url(orch: FakeOrchestrator) -> None:
             assert (resp.status, await resp.text()) == (200, "ok")
     finally:
         await runner.cleanup()
+
+
+# --------------------------------------------------------------------------- the stream pump
+
+TTS = load_pipeline(ROOT / "examples/tts.yaml")  # speech, generic
+SPEECH = {"input": "hello", "voice": "default"}
+FORMATS = ["chat", "speech-sse", "speech-file"]
+
+
+class FakeWriter:
+    """http_streaming.ResponseWriter in memory; from write number `fail_at` on, writes fail as a
+    closed connection does."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.writes: list[bytes] = []
+        self.started = False
+        self.ended = False
+        self.was_cut = False
+        self.fail_at = fail_at
+        self.wrote = asyncio.Event()
+
+    async def write(self, data: bytes) -> None:
+        self.started = True
+        if self.fail_at is not None and len(self.writes) >= self.fail_at:
+            raise ConnectionResetError("Cannot write to closing transport")
+        self.writes.append(data)
+        self.wrote.set()
+
+    async def end(self) -> None:
+        self.ended = True
+
+    def cut(self) -> None:
+        self.was_cut = True
+
+
+def _stream_format(kind: str) -> tuple[st.StreamFormat, rq.PipelineRequest, Callable]:
+    """A format, its request and a good event of it (n: the event's sequence number)."""
+    if kind == "chat":
+        call = rp.parse_chat({**CHAT_BODY, "stream": True}, T2I)
+        return (st.ChatSse(call, "chatcmpl-r1", 1), call.request,
+                lambda n: rq.Delta(0, "encoder", f"w{n} ", [n]))
+    sse = kind == "speech-sse"
+    call = rp.parse_speech({**SPEECH, "response_format": "pcm" if sse else "wav",
+                            "stream_format": "sse" if sse else "audio"}, TTS)
+    assert call.request.stream
+    fmt = st.SpeechSse(call) if sse else st.SpeechFile(call)
+    return fmt, call.request, lambda n: rq.AudioChunk(
+        0, "vocoder", n, np.full(2400, 0.25, dtype=np.float32), 24000)
+
+
+class PumpRun:
+    """One pump over a FakeHandle, with the Flight and metrics the handlers give it."""
+
+    def __init__(self, kind: str, writer: FakeWriter | None = None) -> None:
+        self.kind = kind
+        self.fmt, req, self.event = _stream_format(kind)
+        self.handle = FakeHandle("r1", req)
+        self.writer = writer or FakeWriter()
+        self.registry = CollectorRegistry()
+        self.flight = st.Flight(self.handle, HttpMetrics(self.registry), gone=lambda: False,
+                                poll_s=None)
+
+    async def run(self) -> None:
+        async with self.flight:
+            await st.pump(self.flight, self.fmt, self.writer, chat_param)
+
+    def count(self, name: str) -> float:
+        return self.registry.get_sample_value(f"omnistage_http_{name}_total") or 0.0
+
+    def events(self) -> list[str]:
+        return parse_sse(b"".join(self.writer.writes).decode())
+
+    def fail_on_call(self, number: int, exc: Exception) -> None:
+        """The format's handling of its `number`th event (1-based) raises exc."""
+        method = "delta" if self.kind == "chat" else "audio"
+        real = getattr(self.fmt, method)
+        calls = itertools.count(1)
+
+        def handling(event: Any) -> list[bytes]:
+            if next(calls) == number:
+                raise exc
+            return real(event)
+
+        setattr(self.fmt, method, handling)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+async def test_pump_streams_each_format_to_its_end_and_credits_chunks_once_written(
+        kind: str) -> None:
+    run = PumpRun(kind)
+    credits: list[int] = []
+    for n in (1, 2):
+        event = run.event(n)
+        if isinstance(event, rq.AudioChunk):
+            event.credit = lambda: credits.append(len(run.writer.writes))
+        run.handle.push(event)
+    run.handle.push(rq.Outcome("r1", "ok", [rq.ChildOutcome(0, "ok", {
+        "encoder": ar_output("encoder", "w1 w2 "),
+        "vocoder": rq.StageOutput("vocoder", {"sample_rate": 24000}, {
+            "audio": WireTensor.from_any(np.full(4800, 0.25, dtype=np.float32))})})]))
+    await run.run()
+    assert run.writer.ended and not run.writer.was_cut and run.handle.aborts == []
+    assert (run.count("stream_errors"), run.count("client_disconnects")) == (0, 0)
+    if kind != "chat":  # each chunk's credit came after its bytes were written
+        assert credits == [1, 2] if kind == "speech-file" else credits[0] >= 1
+    if kind == "chat":
+        assert run.events()[-1] == "[DONE]"
+    elif kind == "speech-sse":
+        assert json.loads(run.events()[-1])["type"] == "speech.audio.done"
+    else:
+        samples, rate = sf_read(b"".join(run.writer.writes))
+        assert rate == 24000 and samples.size == 4800
+
+
+def sf_read(data: bytes) -> tuple[np.ndarray, int]:
+    """A streamed wav (its sizes say `unknown`) read to its end."""
+    soundfile = pytest.importorskip("soundfile")
+    return soundfile.read(io.BytesIO(data), dtype="float32")
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize(("exc", "code"), [
+    (ApiError(502, "chunk 2 cannot be encoded", code="stage_failed"), "stage_failed"),
+    (RuntimeError("a bug"), "internal"),
+])
+async def test_pump_failure_after_the_first_bytes_is_one_path_for_every_format(
+        kind: str, exc: Exception, code: str) -> None:
+    """Kills: a format whose mid-stream failure leaves the request running, counts it as a
+    disconnect, misses stream_errors, sends [DONE], or (a file) ends the body normally."""
+    run = PumpRun(kind)
+    run.fail_on_call(2, exc)
+    run.handle.push(run.event(1))
+    run.handle.push(run.event(2))
+    await run.run()
+    assert run.handle.aborts == [None]  # the server gave up: the stages stop
+    assert (run.count("stream_errors"), run.count("client_disconnects")) == (1, 0)
+    if kind == "speech-file":  # no room for an error: the body is cut short
+        assert run.writer.was_cut and not run.writer.ended
+        return
+    assert run.writer.ended and not run.writer.was_cut
+    events = run.events()
+    assert "[DONE]" not in events
+    assert_error(json.loads(events[-1]), code=code)
+    assert not any('"speech.audio.done"' in e for e in events)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+async def test_pump_failure_before_the_first_bytes_is_a_real_status(kind: str) -> None:
+    """An outcome that is an error, first: raised with its status, nothing written; the
+    request is terminal, so nothing is aborted."""
+    run = PumpRun(kind)
+    fail_with("no_replica", "no live replica")(run.handle, run.handle.req)
+    with pytest.raises(ApiError) as info:
+        await run.run()
+    assert (info.value.status, info.value.code) == (503, "no_replica")
+    assert not run.writer.started and run.handle.aborts == []
+    assert run.count("stream_errors") == 0
+
+
+@pytest.mark.parametrize("kind", ["speech-sse", "speech-file"])
+async def test_pump_bad_first_chunk_is_a_real_status_and_aborts(kind: str) -> None:
+    run = PumpRun(kind)
+    chunk = run.event(1)
+    chunk.sample_rate = None
+    run.handle.push(chunk)
+    with pytest.raises(ApiError) as info:
+        await run.run()
+    assert (info.value.status, info.value.code) == (502, "stage_failed")
+    assert "no sample_rate" in info.value.message
+    assert not run.writer.started and run.handle.aborts == [None]
+    assert (run.count("stream_errors"), run.count("client_disconnects")) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+async def test_pump_failed_write_is_a_disconnect_for_every_format(kind: str) -> None:
+    run = PumpRun(kind, FakeWriter(fail_at=0))
+    credited: list[int] = []
+    event = run.event(1)
+    if isinstance(event, rq.AudioChunk):
+        event.credit = lambda: credited.append(1)
+    run.handle.push(event)
+    await run.run()
+    assert run.handle.aborts == [None]
+    assert (run.count("stream_errors"), run.count("client_disconnects")) == (0, 1)
+    assert credited == [] and not run.writer.ended and not run.writer.was_cut
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+async def test_pump_cancelled_mid_stream_aborts_once_for_every_format(kind: str) -> None:
+    run = PumpRun(kind)
+    run.handle.push(run.event(1))
+    task = asyncio.create_task(run.run())
+    await asyncio.wait_for(run.writer.wrote.wait(), HANG_GUARD)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert run.handle.aborts == [None]
+    assert (run.count("stream_errors"), run.count("client_disconnects")) == (0, 1)
+
+
+@pytest.mark.parametrize("stream_format", ["sse", "audio"])
+async def test_streamed_speech_failing_mid_stream_over_http(stream_format: str) -> None:
+    """The aiohttp side of the pump: an SSE error event, or a file cut before its end (the
+    client sees a truncated body, not a short file); a bad first chunk is a real 502."""
+    def behaviour(handle: FakeHandle, req: rq.PipelineRequest) -> None:
+        audio = np.zeros(2400, dtype=np.float32)
+        if req.prompt == "early":
+            handle.push(rq.AudioChunk(0, "vocoder", 1, audio, None))  # no sample_rate
+        else:
+            handle.push(rq.AudioChunk(0, "vocoder", 1, audio, 24000))
+            handle.push(rq.AudioChunk(0, "vocoder", 2, audio, 16000))  # the rate changed
+
+    orch = FakeOrchestrator(TTS, behaviour)
+    fmt = "pcm" if stream_format == "sse" else "wav"
+    body = {**SPEECH, "response_format": fmt, "stream_format": stream_format}
+    async with TestClient(TestServer(h.build_app(orch, disconnect_poll_s=0.02))) as client:
+        resp = await client.post("/v1/audio/speech", json={**body, "input": "early"})
+        assert resp.status == 502
+        assert_error(await resp.json(), code="stage_failed")
+        resp = await client.post("/v1/audio/speech", json={**body, "input": "late"})
+        assert resp.status == 200
+        if stream_format == "sse":
+            events = parse_sse(await resp.text())
+            assert json.loads(events[0])["type"] == "speech.audio.delta"
+            assert_error(json.loads(events[-1]), code="stage_failed")
+        else:
+            with pytest.raises(ClientPayloadError):
+                await resp.read()
+    assert [hd.aborts for hd in orch.handles] == [[None], [None]]
+    assert orch.registry.get_sample_value("omnistage_http_stream_errors_total") == 1
+    assert orch.registry.get_sample_value("omnistage_http_client_disconnects_total") == 0

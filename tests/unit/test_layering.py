@@ -1,4 +1,5 @@
-"""Dependency direction: the operator depends on the runtime, never the reverse.
+"""Dependency direction: the operator depends on the runtime, never the reverse; and the HTTP
+layer's request parsing and stream pump never depend on the web framework (aiohttp).
 
 `omnistage operator` still works: the operator registers it through the `omnistage.commands`
 entry point, which the runtime's CLI discovers without naming the operator package.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import tomllib
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -94,3 +97,41 @@ def test_drain_and_status_commands_come_from_the_operator_package() -> None:
     assert parser.parse_args(["drain", "p-a-1"]).mode == "replace"
     status = parser.parse_args(["status", "p"])
     assert status.pipeline == "p" and status.handler.__module__ == "omni_operator.replicas_cli"
+
+
+# The HTTP layer's pure halves: body -> request (request_parsing) and the stream pump with its
+# formats (http_streaming) work without the web framework, so they are tested without a server
+# and the framework stays a detail of http_api.py.
+FRAMEWORK_FREE = ("omnistage.orchestrator.request_parsing",
+                  "omnistage.orchestrator.http_streaming")
+AIOHTTP_MODULE = re.compile(r"^aiohttp(\.|$)")
+
+
+def _aiohttp_imports(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every import of aiohttp, at module level or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        found += [(node.lineno, n) for n in names if AIOHTTP_MODULE.match(n)]  # type: ignore[attr-defined]
+    return found
+
+
+def test_parsing_and_the_stream_pump_never_import_aiohttp() -> None:
+    for module in FRAMEWORK_FREE:
+        path = ROOT / "runtime" / Path(*module.split(".")).with_suffix(".py")
+        assert _aiohttp_imports(path.read_text()) == [], path
+    # Nor through what they import: in a fresh interpreter, importing them loads no aiohttp.
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in FRAMEWORK_FREE)
+            + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'aiohttp'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.strip()
+    assert out == "[]", f"aiohttp loaded by {FRAMEWORK_FREE}: {out}"
+
+
+def test_the_aiohttp_scan_catches_lazy_imports() -> None:
+    source = "import aiohttp.web\ndef f():\n    from aiohttp import web\nx = 'aiohttp'\n"
+    assert _aiohttp_imports(source) == [(1, "aiohttp.web"), (3, "aiohttp")]

@@ -1,42 +1,35 @@
 """The orchestrator's HTTP front door: OpenAI-compatible routes plus operational ones.
 
-Handlers stay thin: validate the body against its model (schemas.py; openapi.py makes the
-OpenAPI document from the same models and route table), submit one PipelineRequest, render its
-Outcome (pure functions). The HTTP layer never routes; the engine does. Every error leaves in
-OpenAI's JSON error shape, and a client that goes away aborts its request through the pipeline
-so no stage keeps working for nobody. See docs/http-api.md for the user-facing contract.
+Handlers stay thin: parse the body into a request (request_parsing.py, pure; it validates
+against the models in schemas.py, from which openapi.py makes the OpenAPI document with the
+same route table), submit one PipelineRequest, then render its Outcome (render.py, pure) or
+pump its events to the client (http_streaming.py). The HTTP layer never routes; the engine
+does. Every error leaves in OpenAI's JSON error shape, and a client that goes away aborts its
+request through the pipeline so no stage keeps working for nobody. See docs/http-api.md for
+the user-facing contract.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
-from urllib.parse import quote
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any, Protocol
 
 import msgspec
-import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ValidationError
 
 from omnistage import media
 from omnistage.client import ControlError
-from omnistage.kinds import Payload
-from omnistage.kinds import get as get_kind
 from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.errors import (
-    INVALID_MEDIA,
-    MEDIA_TOO_LARGE,
     ApiError,
+    ParamMap,
     bad,
     chat_param,
     error_from_request_error,
@@ -45,90 +38,67 @@ from omnistage.orchestrator.errors import (
     outcome_error,
     speech_param,
 )
+from omnistage.orchestrator.http_streaming import (
+    DISCONNECT_POLL_S,
+    ChatSse,
+    Flight,
+    RequestHandleLike,
+    SpeechFile,
+    SpeechSse,
+    StreamFormat,
+    pump,
+)
 from omnistage.orchestrator.load import PipelineLoad
 from omnistage.orchestrator.openapi import OPS_HANDLERS, ROUTES, Route, openapi_document
 from omnistage.orchestrator.render import (
-    ChatCall,
-    ChatStream,
-    ImagesCall,
-    MediaPart,
-    SpeechCall,
-    SpeechStream,
     dumps,
     jsonable,
     render_chat_completion,
     render_generic,
     render_images,
     render_speech,
-    speech_sse,
-    sse_event,
     tensor_bytes,
 )
-from omnistage.orchestrator.schemas import (
-    PART_TYPES,
-    ChatCompletionRequest,
-    ControlRequest,
-    GenericRequest,
-    ImagePart,
-    ImagesRequest,
-    ModelCard,
-    SpeechRequest,
-    TextPart,
-    VoiceId,
-    image_size,
-    pipeline_bodies,
+from omnistage.orchestrator.request_parsing import (
+    decode_media,
+    ignored_header,
+    parse_chat,
+    parse_control,
+    parse_generic,
+    parse_images,
+    parse_json_body,
+    parse_speech,
+    pipeline_body,
+    speech_plan,
 )
-from omnistage.params import describe, json_type, max_tokens_bound
+from omnistage.orchestrator.schemas import ModelCard
 from omnistage.protocol import ControlConflict
 from omnistage.sideport import add_ops_routes, serve_app
-from omnistage.spec import OmniPipeline, PipelineSpec, stage_voices
+from omnistage.spec import OmniPipeline
 
 __all__ = [
     "API_KEY",
+    "DISCONNECT_POLL_S",
+    "MAX_BODY_BYTES",
     "HttpApi",
+    "OrchestratorLike",
     "build_app",
     "error_response",
-    "ignored_header",
-    "parse_chat",
-    "parse_control",
-    "parse_generic",
-    "parse_images",
-    "parse_json_body",
-    "parse_speech",
-    "render_chat_prompt",
     "serve_http",
-    "speech_plan",
-    "validate",
 ]
 
 log = logging.getLogger("omnistage.http")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
-DISCONNECT_POLL_S = 0.25
-_IGNORED_HEADER = "X-Omnistage-Ignored-Fields"
-_IGNORED_MAX_CHARS = 1024
 _INLINE_RENDER_BYTES = 256 * 1024
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # keep reverse proxies from buffering the stream
 }
-M = TypeVar("M", bound=BaseModel)
 
 
 # --------------------------------------------------------------------------- engine interface
-
-
-class RequestHandleLike(Protocol):
-    """What the HTTP layer needs from engine.RequestHandle."""
-
-    id: str
-
-    def events(self) -> AsyncIterator[rq.Event]: ...
-
-    def abort(self, child: int | None = None) -> None: ...
-
-    async def outcome(self) -> rq.Outcome: ...
 
 
 class OrchestratorLike(Protocol):
@@ -148,48 +118,7 @@ class OrchestratorLike(Protocol):
     def load(self) -> PipelineLoad: ...
 
 
-# --------------------------------------------------------------------------- JSON and validation
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _parse_float(text: str) -> float | int:
-    """JSON has one number type: 4.0 and 1e20 are integers (JSON Schema's `integer` agrees),
-    so an integral value parses as int and meets integer fields and their bounds."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:40]} is out of range")
-    return int(value) if value.is_integer() else value
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Strict JSON object: no NaN/Infinity, no overflowing floats, no absurd nesting."""
-    if not raw.strip():
-        raise bad(None, "request body is empty; expected a JSON object", "invalid_json")
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_parse_float)
-    except (ValueError, RecursionError) as exc:
-        raise bad(None, f"invalid JSON body: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad(None, f"request body must be a JSON object, got {json_type(body)}",
-                   "invalid_type")
-    return body
-
-
-def validate(model: type[M], body: Mapping[str, Any]) -> M:
-    """The body as its model (schemas.py); the first problem is a 400 whose `param` is the
-    field's request path, e.g. messages[0].content."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        problem = describe(err)
-        message = problem.message
-        if err["type"] == "extra_forbidden":
-            message += f"; allowed: {', '.join(model.model_fields)}"
-        raise ApiError(400, message, param=problem.path or None, code=problem.code) from None
+# --------------------------------------------------------------------------- responses
 
 
 def _json_response(obj: Any, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -202,428 +131,34 @@ def error_response(err: ApiError) -> web.Response:
                         content_type="application/json", headers=err.headers())
 
 
-def ignored_header(ignored: list[str]) -> dict[str, str]:
-    """Unknown fields that were ignored, so a typo is visible. A JSON field name may hold any
-    character and a header only visible ASCII, so names are percent-encoded (UTF-8; commas
-    inside names too) and the list is cut at about 1 KiB, ending in `...` when cut."""
-    if not ignored:
-        return {}
-    text = ",".join(quote(n.encode("utf-8", "surrogatepass"), safe="") for n in ignored)
-    if len(text) > _IGNORED_MAX_CHARS:
-        cut = text[:_IGNORED_MAX_CHARS]
-        text = (cut.rsplit(",", 1)[0] + ",..." if "," in cut else "...")
-    return {_IGNORED_HEADER: text}
+class _StreamWriter:
+    """http_streaming.ResponseWriter over an aiohttp StreamResponse, prepared by the first write
+    so that a stream failing before its first bytes still answers with a real status."""
 
+    def __init__(self, request: web.Request, headers: Mapping[str, str]) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers=dict(headers))
 
-def _check_model(model: str | None, served: str) -> str:
-    """OpenAI semantics: an unknown model is a 404 model_not_found; omitting it is fine."""
-    if model is None:
-        return served
-    if model != served:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                       f"`{served}`.", param="model", code="model_not_found")
-    return model
+    @property
+    def started(self) -> bool:
+        return self.response.prepared
 
+    async def write(self, data: bytes) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(data)
 
-def _put(params: dict[str, Any], key: str, value: Any) -> None:
-    """Set a stage parameter only when the client gave it: absent means the stage default."""
-    if value is not None:
-        params[key] = value
+    async def end(self) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write_eof()
 
-
-# --------------------------------------------------------------------------- chat
-
-
-def render_chat_prompt(messages: Iterable[tuple[str, str]]) -> str:
-    """The chat template: `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`.
-
-    Deliberately simple and model-agnostic (the orchestrator has no tokenizer); see
-    docs/http-api.md. Pipelines that need a model's own template can send the rendered prompt
-    through the generic route.
-    """
-    parts = [f"<|{role}|>\n{text}\n" for role, text in messages]
-    return "".join(parts) + "<|assistant|>\n"
-
-
-def _message_text(content: str | list[Any] | None) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part.text for part in content if isinstance(part, TextPart))
-
-
-# --------------------------------------------------------------------------- voices & media
-
-
-def _needs(spec: PipelineSpec, finals: Iterable[str]) -> list[str]:
-    """finals and every stage they need, in topological order."""
-    needed: set[str] = set()
-    stack = list(finals)
-    while stack:
-        name = stack.pop()
-        if name not in needed:
-            needed.add(name)
-            stack.extend(spec.stage(name).inputs)
-    return [s for s in spec.topo_order() if s in needed]
-
-
-@dataclass(frozen=True)
-class SpeechPlan:
-    """Where a pipeline's speech comes from: the stage whose kind emits audio, the stages
-    that take a `voice` (their kind lists the engine option; else none is sent), the voices
-    offered (by the first voice stage, else the audio stage) and the default."""
-
-    stage: str
-    voice_stages: tuple[str, ...]
-    voices: tuple[str, ...]
-    default: str
-
-    def voice(self, value: str | VoiceId | None, param: str) -> str:
-        name = value.id if isinstance(value, VoiceId) else value
-        if name is None:
-            return self.default
-        if name not in self.voices:
-            raise ApiError(400, f"{param} must be one of this pipeline's voices: "
-                           f"{', '.join(self.voices)}; got {name!r}", param=param,
-                           code="invalid_value")
-        return name
-
-    def params(self, voice: str) -> dict[str, dict[str, Any]]:
-        return {s: {"voice": voice} for s in self.voice_stages}
-
-
-def speech_plan(spec: PipelineSpec) -> SpeechPlan | None:
-    """The speech stage (a final one whose kind emits AUDIO, else the last such stage in
-    topological order), or None when no stage's kind emits audio."""
-    def speaks(name: str) -> bool:
-        return Payload.AUDIO in get_kind(spec.stage(name).kind).emits
-
-    finals = [s for s in spec.final_stages() if speaks(s)]
-    speaking = finals or [s for s in spec.topo_order() if speaks(s)][-1:]
-    if not speaking:
-        return None
-    stage = speaking[0]
-    voiced = tuple(s for s in _needs(spec, [stage])
-                   if "voice" in get_kind(spec.stage(s).kind).engine_options)
-    source = spec.stage(voiced[0] if voiced else stage)
-    voices = tuple(stage_voices(source)) or ("default",)
-    default = source.engine.voice if source.engine.voice in voices else voices[0]
-    return SpeechPlan(stage, voiced, voices, default)
-
-
-def _media_parts(req: ChatCompletionRequest) -> list[MediaPart]:
-    """The image_url and input_audio parts in request order; remote URLs are refused."""
-    parts: list[MediaPart] = []
-    for m, message in enumerate(req.messages):
-        if not isinstance(message.content, list):
-            continue
-        for p, part in enumerate(message.content):
-            at = f"messages[{m}].content[{p}]"
-            if isinstance(part, ImagePart):  # a data URL: the schema refuses remote ones
-                parts.append(MediaPart("image", f"{at}.image_url.url", part.image_url.url))
-            elif not isinstance(part, TextPart):
-                parts.append(MediaPart("audio", f"{at}.input_audio.data", part.input_audio.data,
-                                       part.input_audio.format))
-    if len(parts) > media.MAX_MEDIA_PARTS:
-        raise ApiError(400, f"messages hold {len(parts)} image and audio parts; at most "
-                       f"{media.MAX_MEDIA_PARTS} are accepted", param="messages",
-                       code=MEDIA_TOO_LARGE)
-    return parts
-
-
-def _check_entry(spec: PipelineSpec, finals: list[str], parts: list[MediaPart]) -> None:
-    """Input media go to the entry stages of the request; each must take that payload."""
-    entries = [s for s in _needs(spec, finals) if not spec.stage(s).inputs]
-    for part in parts:
-        payload = Payload.IMAGE if part.kind == "image" else Payload.AUDIO
-        if not any(payload in get_kind(spec.stage(s).kind).consumes for s in entries):
-            field = part.param.rsplit(".", 2)[0]
-            raise ApiError(400, f"{field} is not supported: this request's entry stage "
-                           f"({', '.join(entries)}) does not take {part.kind} input",
-                           param=field, code="unsupported_parameter")
-
-
-def decode_media(parts: list[MediaPart]) -> dict[str, Any]:
-    """The parts as the entry stage's tensors `input_image.<i>` / `input_audio.<i>`, i
-    counting every media part in request order. CPU-bound: the handler runs it off the loop;
-    a part that does not decode is a 400 naming it."""
-    tensors: dict[str, Any] = {}
-    for i, part in enumerate(parts):
-        try:
-            if part.kind == "image":
-                tensors[f"input_image.{i}"] = media.decode_image_url(part.data)
-            else:
-                tensors[f"input_audio.{i}"] = media.decode_audio(part.data, part.format)
-        except media.MediaError as exc:
-            code = MEDIA_TOO_LARGE if isinstance(exc, media.MediaTooLarge) else INVALID_MEDIA
-            raise ApiError(400, f"{part.param} {exc}", param=part.param, code=code) from None
-    return tensors
-
-
-def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
-               model: type[ChatCompletionRequest] | None = None) -> ChatCall:
-    """Validate an OpenAI chat body into a PipelineRequest for the chat stage only. The model
-    (default: ChatCompletionRequest for this pipeline) bounds max_tokens by the chat stage."""
-    stage = pipeline.spec.chat_stage()
-    if stage is None:
-        raise ApiError(404, "this pipeline has no ar stage to answer chat completions",
-                       code="api_not_enabled")
-    req = validate(model or _pipeline_body(pipeline, ChatCompletionRequest), body)
-    served = _check_model(req.model, pipeline.served_model_name())
-    params: dict[str, Any] = {}
-    _put(params, "max_tokens", req.max_completion_tokens if req.max_completion_tokens is not None
-         else req.max_tokens)
-    _put(params, "temperature", req.temperature)
-    _put(params, "seed", req.seed)
-    if req.ignore_eos:
-        params["ignore_eos"] = True
-    turns = [(m.role, _message_text(m.content)) for m in req.messages]
-    # The worker renders the turns with the model's chat template when it has one; the prompt
-    # (this module's model-agnostic rendering) is the fallback.
-    params["messages"] = [{"role": role, "content": text} for role, text in turns]
-    # Without audio, chat returns text only: don't compute or ship hidden states a stage may
-    # be set to emit (the engine turns them on for a stage that feeds a requested one).
-    by_stage: dict[str, dict[str, Any]] = {stage: {**params, "return_hidden_states": False}}
-    finals = [stage]
-    speaking = req.modalities is not None and "audio" in req.modalities
-    plan = None
-    if speaking and req.audio is None:
-        raise bad("audio", "audio is required when modalities include audio, for example "
-                  '{"voice": "default", "format": "wav"}', "missing_required_parameter")
-    if req.audio is not None and not speaking:
-        raise bad("modalities", 'modalities must be ["text", "audio"] when audio is given')
-    if req.audio is not None:
-        plan = speech_plan(pipeline.spec)
-        if plan is None:
-            raise bad("audio", "audio output is not supported: this pipeline has no speech "
-                      "stage (no stage's kind emits audio)", "unsupported_parameter")
-        if req.stream and req.audio.format != "pcm16":
-            raise bad("audio.format", "streamed audio is pcm16 (OpenAI's streaming format); "
-                      f"set audio.format to pcm16, got {req.audio.format}")
-        voice = plan.voice(req.audio.voice, "audio.voice")
-        for name, values in plan.params(voice).items():
-            by_stage.setdefault(name, {}).update(values)
-        if plan.stage != stage:
-            finals.append(plan.stage)
-    parts = _media_parts(req)
-    _check_entry(pipeline.spec, finals, parts)
-    request = rq.PipelineRequest(
-        prompt=render_chat_prompt(turns), params=by_stage,
-        n=req.n or 1, stream=bool(req.stream), session=req.user or None, finals=finals,
-    )
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ChatCall(request, stage, served, include_usage, sorted(req.model_extra or {}),
-                    speech=plan.stage if plan else None,
-                    audio_format=req.audio.format if req.audio else "wav", media=parts)
-
-
-# --------------------------------------------------------------------------- speech
-
-
-def parse_speech(body: Mapping[str, Any], pipeline: OmniPipeline,
-                 model: type[SpeechRequest] | None = None) -> SpeechCall:
-    """Validate an OpenAI speech body into a PipelineRequest for the speech stage: `input`
-    is the prompt of the stages it needs, `voice` goes to the stages that take one."""
-    plan = speech_plan(pipeline.spec)
-    if plan is None:
-        raise ApiError(404, "this pipeline has no speech stage (no stage's kind emits audio)",
-                       code="api_not_enabled")
-    req = validate(model or _pipeline_body(pipeline, SpeechRequest), body)
-    _check_model(req.model, pipeline.served_model_name())
-    voice = plan.voice(req.voice, "voice")
-    fmt = req.response_format or "mp3"
-    speed = 1.0 if req.speed is None else float(req.speed)
-    sse = req.stream_format == "sse"
-    # At the normal speed the audio streams as the stage makes it: the file itself (stream_format
-    # audio, every format of media.STREAMED_FORMATS), or pcm deltas (sse). SSE of a file format,
-    # flac, and a changed speed (atempo over the whole) need the whole audio first.
-    streams = fmt == "pcm" if sse else fmt in media.STREAMED_FORMATS
-    request = rq.PipelineRequest(prompt=req.input, params=plan.params(voice), finals=[plan.stage],
-                                 stream=streams and speed == 1.0)
-    return SpeechCall(request, plan.stage, fmt, speed, sse, sorted(req.model_extra or {}))
-
-
-class _SpeechFile:
-    """/v1/audio/speech with stream_format audio: the file of the speech stage's chunks (child
-    0), through one media.AudioFileStream; a chunk that breaks the contract (tensor `audio`, a
-    `sample_rate`, the same on every chunk) is a 502, as for pcm."""
-
-    def __init__(self, call: SpeechCall) -> None:
-        self.call = call
-        self.encoder: media.AudioFileStream | None = None
-
-    def audio(self, event: rq.AudioChunk) -> bytes:
-        """The file's bytes this chunk makes ready (CPU work: run off the loop)."""
-        if event.stage != self.call.stage or event.child != 0:
-            return b""
-        try:
-            if event.sample_rate is None:
-                raise media.MediaError("the chunk has no sample_rate")
-            if self.encoder is None:
-                self.encoder = media.AudioFileStream(self.call.response_format,
-                                                     event.sample_rate)
-            elif self.encoder.rate != event.sample_rate:
-                raise media.MediaError(f"sample_rate changed from {self.encoder.rate} to "
-                                       f"{event.sample_rate}")
-            audio = event.audio
-            return self.encoder.feed(audio.numpy() if hasattr(audio, "numpy")
-                                     else np.asarray(audio))
-        except media.MediaError as exc:
-            raise ApiError(502, f"stage {event.stage} streamed audio that cannot be encoded "
-                           f"(chunk {event.seq}): {exc}", code="stage_failed") from None
-
-    def finish(self, outcome: rq.Outcome) -> bytes:
-        """The file's end, or the whole file when the stage made no chunks."""
-        if self.encoder is None:
-            return render_speech(outcome, self.call)
-        return self.encoder.close()
-
-
-# --------------------------------------------------------------------------- images
-
-
-def image_stages(pipeline: OmniPipeline) -> list[str]:
-    """The stages whose images answer /v1/images/generations (their kind emits images, as
-    diffusion does): the final ones, else the last one in topological order."""
-    spec = pipeline.spec
-    finals = [s for s in spec.final_stages() if get_kind(spec.stage(s).kind).serves_images]
-    if finals:
-        return finals
-    imaging = [s for s in spec.topo_order() if get_kind(spec.stage(s).kind).serves_images]
-    return imaging[-1:]
-
-
-def parse_images(body: Mapping[str, Any], pipeline: OmniPipeline,
-                 model: type[ImagesRequest] = ImagesRequest) -> ImagesCall:
-    """Validate an OpenAI images body into a PipelineRequest for the diffusion final stages."""
-    stages = image_stages(pipeline)
-    if not stages:
-        raise ApiError(404, "this pipeline has no diffusion stage to generate images",
-                       code="api_not_enabled")
-    req = validate(model, body)
-    _check_model(req.model, pipeline.served_model_name())
-    size = image_size(req.size)
-    params: dict[str, Any] = {}
-    if size is not None:
-        params["width"], params["height"] = size
-    _put(params, "num_inference_steps", req.num_inference_steps)
-    _put(params, "guidance_scale", req.guidance_scale)
-    _put(params, "seed", req.seed)
-    request = rq.PipelineRequest(
-        prompt=req.prompt, negative_prompt=req.negative_prompt,
-        params={s: dict(params) for s in stages}, n=req.n or 1, session=req.user or None,
-        finals=list(stages),
-    )
-    return ImagesCall(request, list(stages), size, sorted(req.model_extra or {}))
-
-
-# --------------------------------------------------------------------------- generic & control
-
-
-def _entry_parts(spec: PipelineSpec, chat: str | None) -> tuple[str, ...]:
-    """The content part types the chat stage's entry stages take (text always)."""
-    if chat is None:
-        return PART_TYPES
-    entries = [get_kind(spec.stage(s).kind) for s in _needs(spec, [chat])
-               if not spec.stage(s).inputs]
-    takes = {p for row in entries for p in row.consumes}
-    return ("text", *(part for part, payload in (("image_url", Payload.IMAGE),
-                                                   ("input_audio", Payload.AUDIO))
-                      if payload in takes))
-
-
-def _pipeline_body(pipeline: OmniPipeline, stock: type[M]) -> type[M]:
-    """The stock body model narrowed to the pipeline: its stage names, its chat stage's
-    max_tokens bound, its voices (no audio without a speech stage) and the content parts its
-    entry stage takes (schemas.pipeline_bodies)."""
-    spec = pipeline.spec
-    chat = spec.chat_stage()
-    most = None if chat is None else max_tokens_bound(spec.stage(chat))
-    plan = speech_plan(spec)
-    return pipeline_bodies(tuple(spec.stage_names()), most,  # type: ignore[return-value]
-                           None if plan is None else plan.voices,
-                           _entry_parts(spec, chat)).get(stock, stock)
-
-
-def parse_generic(body: Mapping[str, Any], pipeline: OmniPipeline,
-                  model: type[GenericRequest] | None = None) -> rq.PipelineRequest:
-    """Validate the generic route's body; unknown fields are errors (typos must not pass).
-    The model (default: GenericRequest for this pipeline's stages) names unknown stages."""
-    req = validate(model or _pipeline_body(pipeline, GenericRequest), body)
-    params = {stage: dict(values) for stage, values in (req.params or {}).items()}
-    return rq.PipelineRequest(
-        prompt=req.prompt or "", negative_prompt=req.negative_prompt, params=params,
-        n=req.n or 1, session=req.session or None, timeout_s=req.timeout_s,
-        finals=list(req.finals) if req.finals is not None else None,
-    )
-
-
-def parse_control(body: Mapping[str, Any], pipeline: OmniPipeline,
-                  model: type[ControlRequest] | None = None) -> tuple[str, list[str] | None]:
-    """{op, stages?} -> (op, stages); unknown stages are refused before anything pauses."""
-    req = validate(model or _pipeline_body(pipeline, ControlRequest), body)
-    return req.op, list(req.stages) if req.stages is not None else None
-
-
+    def cut(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.close()
 
 
 # --------------------------------------------------------------------------- the app
-
-
-class _Flight:
-    """Ties one pipeline request to its HTTP connection: if the client goes away before the
-    outcome (handler cancelled, write failed, or the socket seen closed), abort it."""
-
-    def __init__(self, api: HttpApi, request: web.Request, handle: RequestHandleLike) -> None:
-        self.api = api
-        self.request = request
-        self.handle = handle
-        self.finished = False
-        self.aborted = False
-        self._watch: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> _Flight:
-        if self.api.disconnect_poll_s is not None:
-            self._watch = asyncio.create_task(self._watch_loop())
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-        if not self.finished:
-            # Leaving without an outcome: cancelled (client gone) or a server-side failure.
-            gone = exc_type is None or issubclass(exc_type,
-                                                  asyncio.CancelledError | ConnectionError)
-            self.client_gone(disconnected=gone)
-
-    async def _watch_loop(self) -> None:
-        """aiohttp only cancels handlers on disconnect when asked to, so also look."""
-        interval = self.api.disconnect_poll_s or DISCONNECT_POLL_S
-        while not self.finished:
-            await asyncio.sleep(interval)
-            transport = self.request.transport
-            if transport is None or transport.is_closing():
-                self.client_gone()
-                return
-
-    def client_gone(self, *, disconnected: bool = True) -> None:
-        """Abort the request once; counted as a disconnect unless the server gave up."""
-        if self.aborted or self.finished:
-            return
-        self.aborted = True
-        if disconnected:
-            self.api.metrics.disconnects.inc()
-            log.info("client went away; aborting request %s", self.handle.id)
-        try:
-            self.handle.abort()
-        except Exception:  # never let cleanup mask the real exit
-            log.exception("abort of request %s failed", self.handle.id)
-
-    async def outcome(self) -> rq.Outcome:
-        result = await self.handle.outcome()
-        self.finished = True
-        return result
 
 
 def _path_pattern(path: str) -> re.Pattern[str]:
@@ -652,7 +187,7 @@ class HttpApi:
         self.started = int(time.time())
         table = list(routes)
         # The generic and control bodies name this pipeline's stages, in validator and document.
-        self.served = [replace(r, body=_pipeline_body(self.pipeline, r.body)) if r.body else r
+        self.served = [replace(r, body=pipeline_body(self.pipeline, r.body)) if r.body else r
                        for r in table if r.surface is None or r.surface in self.apis]
         self.disabled = [(_path_pattern(r.path),
                           f"the {r.surface} API is not enabled for pipeline {self.name} "
@@ -731,6 +266,23 @@ class HttpApi:
         except (UnicodeError, OverflowError) as exc:  # the engine promises not to; be safe
             raise bad(None, f"request cannot be encoded: {exc}") from None
 
+    def _flight(self, request: web.Request, handle: RequestHandleLike) -> Flight:
+        """The request tied to this connection: aborted if the client goes away first."""
+        def gone() -> bool:
+            transport = request.transport
+            return transport is None or transport.is_closing()
+
+        return Flight(handle, self.metrics, gone=gone, poll_s=self.disconnect_poll_s)
+
+    async def _stream(self, request: web.Request, handle: RequestHandleLike, fmt: StreamFormat,
+                      headers: Mapping[str, str], param: ParamMap) -> web.StreamResponse:
+        """Every streamed answer: http_streaming.pump writes fmt's bytes of the request's events
+        (and handles failure, disconnect and cancellation alike for every format)."""
+        writer = _StreamWriter(request, headers)
+        async with self._flight(request, handle) as flight:
+            await pump(flight, fmt, writer, param)
+        return writer.response
+
     # -- OpenAI routes ----------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -743,8 +295,9 @@ class HttpApi:
         created = int(time.time())
         headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
         if call.request.stream:
-            return await self._stream_chat(request, handle, call, rid, created, headers)
-        async with _Flight(self, request, handle) as flight:
+            return await self._stream(request, handle, ChatSse(call, rid, created),
+                                      {**_SSE_HEADERS, **headers}, chat_param)
+        async with self._flight(request, handle) as flight:
             outcome = await flight.outcome()
         err = outcome_error(outcome, chat_param)
         if err is not None:
@@ -755,63 +308,12 @@ class HttpApi:
             payload = render_chat_completion(outcome, call, rid, created)
         return _json_response(payload, headers)
 
-    async def _stream_chat(self, request: web.Request, handle: RequestHandleLike,
-                           call: ChatCall, rid: str, created: int,
-                           headers: dict[str, str]) -> web.StreamResponse:
-        """SSE. The response starts only once the first event is in, so a request that fails
-        at once (overload, no replica) still gets a real HTTP status."""
-        renderer = ChatStream(call, rid, created)
-        response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
-        async with _Flight(self, request, handle) as flight:
-            events, event = await self._first_event(handle, flight, chat_param)
-            try:
-                await response.prepare(request)
-                for chunk in renderer.start():
-                    await response.write(sse_event(chunk))
-                while True:
-                    if isinstance(event, rq.Outcome):
-                        flight.finished = True
-                        await self._finish_stream(response, renderer, event)
-                        break
-                    if isinstance(event, rq.AudioChunk):
-                        chunks = await asyncio.to_thread(renderer.audio, event)
-                    else:
-                        chunks = renderer.delta(event)
-                    for chunk in chunks:
-                        await response.write(sse_event(chunk))
-                    if isinstance(event, rq.AudioChunk):
-                        event.credit()  # written: the stage may make the next one
-                    event = await anext(events)
-                await response.write_eof()
-            except ConnectionError:
-                flight.client_gone()
-            except ApiError as err:  # a streamed chunk broke the contract: too late for a status
-                await self._in_band_error(response, flight, err)
-            except Exception:
-                log.exception("chat stream %s failed", handle.id)
-                await self._in_band_error(
-                    response, flight, ApiError(500, "internal server error", code="internal"))
-        return response
-
-    async def _finish_stream(self, response: web.StreamResponse, renderer: ChatStream,
-                             outcome: rq.Outcome) -> None:
-        try:
-            chunks = renderer.finish(outcome)
-        except ApiError as err:
-            # Too late for an HTTP status: OpenAI clients raise on an error event.
-            self.metrics.stream_errors.inc()
-            await response.write(sse_event(err.body()))
-            return
-        for chunk in chunks:
-            await response.write(sse_event(chunk))
-        await response.write(sse_event("[DONE]"))
-
     async def images_generations(self, request: web.Request) -> web.Response:
         call = parse_images(await self._body(request), self.pipeline,
                             self.bodies["images_generations"])
         handle = self._submit(call.request)
         created = int(time.time())
-        async with _Flight(self, request, handle) as flight:
+        async with self._flight(request, handle) as flight:
             outcome = await flight.outcome()
         err = outcome_error(outcome, images_param)
         if err is not None:
@@ -821,131 +323,26 @@ class HttpApi:
         return _json_response(payload, headers)
 
     async def audio_speech(self, request: web.Request) -> web.StreamResponse:
+        """The file whole, or streamed as the stage makes it (call.request.stream), or SSE
+        events (streamed as the stage makes pcm, else the whole file's at the end)."""
         call = parse_speech(await self._body(request), self.pipeline,
                             self.bodies["audio_speech"])
         handle = self._submit(call.request)
         headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
-        if call.request.stream and not call.sse:
-            return await self._stream_speech_file(request, handle, call, headers)
+        if call.sse:
+            return await self._stream(request, handle, SpeechSse(call),
+                                      {**_SSE_HEADERS, **headers}, speech_param)
+        file_type = {"Content-Type": media.MEDIA_TYPES[call.response_format]}
         if call.request.stream:
-            return await self._stream_speech(request, handle, call, headers)
-        async with _Flight(self, request, handle) as flight:
+            return await self._stream(request, handle, SpeechFile(call),
+                                      {**headers, **file_type}, speech_param)
+        async with self._flight(request, handle) as flight:
             outcome = await flight.outcome()
         err = outcome_error(outcome, speech_param)
         if err is not None:
             raise err
         data = await asyncio.to_thread(render_speech, outcome, call)
-        if not call.sse:
-            return web.Response(body=data, headers={
-                **headers, "Content-Type": media.MEDIA_TYPES[call.response_format]})
-        response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
-        await response.prepare(request)
-        for event in speech_sse(data, outcome):
-            await response.write(event)
-        await response.write_eof()
-        return response
-
-    async def _stream_speech(self, request: web.Request, handle: RequestHandleLike,
-                             call: SpeechCall, headers: dict[str, str]) -> web.StreamResponse:
-        """SSE of pcm as the speech stage streams it: each chunk is written, then credited, so
-        a slow client holds the stage back. As chat, the response starts with the first
-        event, so a request that fails at once still gets a real HTTP status."""
-        renderer = SpeechStream(call)
-        response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
-        async with _Flight(self, request, handle) as flight:
-            events, event = await self._first_event(handle, flight, speech_param)
-            try:
-                await response.prepare(request)
-                while not isinstance(event, rq.Outcome):
-                    if isinstance(event, rq.AudioChunk):
-                        for data in await asyncio.to_thread(renderer.audio, event):
-                            await response.write(data)
-                        event.credit()
-                    event = await anext(events)
-                flight.finished = True
-                err = outcome_error(event, speech_param)
-                if err is not None:
-                    raise err
-                for data in await asyncio.to_thread(renderer.finish, event):
-                    await response.write(data)
-                await response.write_eof()
-            except ConnectionError:
-                flight.client_gone()
-            except ApiError as err:
-                await self._in_band_error(response, flight, err)
-            except Exception:
-                log.exception("speech stream %s failed", handle.id)
-                await self._in_band_error(
-                    response, flight, ApiError(500, "internal server error", code="internal"))
-        return response
-
-    async def _stream_speech_file(self, request: web.Request, handle: RequestHandleLike,
-                                  call: SpeechCall, headers: dict[str, str],
-                                  ) -> web.StreamResponse:
-        """stream_format audio: the audio file's bytes as the speech stage makes the audio
-        (media.AudioFileStream), each chunk credited once written. The status line goes with
-        the first event, so a request that fails at once gets a real HTTP status; one that fails
-        later is aborted and its connection cut before the file's end (an audio body has no
-        room for an error), so the client sees a truncated response, not a short file."""
-        file = _SpeechFile(call)
-        response = web.StreamResponse(headers={
-            **headers, "Content-Type": media.MEDIA_TYPES[call.response_format]})
-        async with _Flight(self, request, handle) as flight:
-            events, event = await self._first_event(handle, flight, speech_param)
-            try:
-                await response.prepare(request)
-                while not isinstance(event, rq.Outcome):
-                    if isinstance(event, rq.AudioChunk):
-                        data = await asyncio.to_thread(file.audio, event)
-                        if data:
-                            await response.write(data)
-                        event.credit()
-                    event = await anext(events)
-                flight.finished = True
-                err = outcome_error(event, speech_param)
-                if err is not None:
-                    raise err
-                await response.write(await asyncio.to_thread(file.finish, event))
-                await response.write_eof()
-            except ConnectionError:
-                flight.client_gone()
-            except Exception as exc:
-                if not isinstance(exc, ApiError):
-                    log.exception("speech stream %s failed", handle.id)
-                else:
-                    log.warning("speech stream %s failed after its first bytes: %s", handle.id,
-                                exc.body())
-                flight.client_gone(disconnected=False)
-                self.metrics.stream_errors.inc()
-                if request.transport is not None:
-                    request.transport.close()
-        return response
-
-    @staticmethod
-    async def _first_event(handle: RequestHandleLike, flight: _Flight,
-                           param: Callable[[str, str | None], str | None],
-                           ) -> tuple[AsyncIterator[Any], Any]:
-        """A stream's events and its first one; a request that ended at once with an error
-        (overload, no replica) raises it here, before the response starts, so the client
-        gets a real HTTP status."""
-        events = handle.events().__aiter__()
-        event = await anext(events)
-        if isinstance(event, rq.Outcome):
-            flight.finished = True
-            err = outcome_error(event, param)
-            if err is not None:
-                raise err
-        return events, event
-
-    async def _in_band_error(self, response: web.StreamResponse, flight: _Flight,
-                             err: ApiError) -> None:
-        """The status line is gone already: abort the request, report the error in the
-        stream, and end it (a client that left is not written to)."""
-        flight.client_gone(disconnected=False)
-        with contextlib.suppress(ConnectionError):
-            self.metrics.stream_errors.inc()
-            await response.write(sse_event(err.body()))
-            await response.write_eof()
+        return web.Response(body=data, headers={**headers, **file_type})
 
     async def list_models(self, _request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
@@ -976,7 +373,7 @@ class HttpApi:
         req = parse_generic(await self._body(request), self.pipeline,
                             self.bodies["pipeline_request"])
         handle = self._submit(req)
-        async with _Flight(self, request, handle) as flight:
+        async with self._flight(request, handle) as flight:
             outcome = await flight.outcome()
         if outcome.error is not None:
             raise error_from_request_error(outcome.error, generic_param)

@@ -102,8 +102,8 @@ def api_routes(pipeline: OmniPipeline) -> list[str]:
     api = pipeline.spec.orchestrator.api
     routes = ["/v1/models"]
     routes += ["/v1/chat/completions"] if "chat" in api else []
-    # The speech route is there only where a stage's kind emits audio (http_api.speech_plan).
-    from omnistage.orchestrator.http_api import speech_plan
+    # The speech route is there only where a stage's kind emits audio.
+    from omnistage.orchestrator.request_parsing import speech_plan
     routes += ["/v1/audio/speech"] if "speech" in api and speech_plan(pipeline.spec) else []
     routes += ["/v1/images/generations"] if "images" in api else []
     routes += [f"/v1/pipelines/{pipeline.metadata.name}/requests"] if "generic" in api else []

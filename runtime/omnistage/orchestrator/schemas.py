@@ -1,6 +1,6 @@
 """The HTTP API's types: request bodies as pydantic models, response bodies as TypedDicts.
 
-Why: the body models validate requests (http_api.validate), name the field at fault (the
+Why: the body models validate requests (request_parsing.validate), name the field at fault (the
 error's `param`) and are the schemas of the OpenAPI document (openapi.py), so what
 /openapi.json says and what the server accepts cannot drift. The renderers are typed to return
 the response TypedDicts the document shows. Engine knobs take their type and bounds from
