@@ -17,7 +17,11 @@ cd "$ROOT"
 # What each module mutates: mutmut only_mutate patterns, separated by spaces.
 declare -A FILE=(
   [admission]=omnistage/admission.py [spec]='omnistage/spec/*.py'
-  [engine]=omnistage/orchestrator/engine.py [drain]=omni_operator/drain.py
+  [engine]='omnistage/orchestrator/engine.py omnistage/orchestrator/plan.py
+            omnistage/orchestrator/routing.py omnistage/orchestrator/holds.py
+            omnistage/orchestrator/failover.py omnistage/orchestrator/streams.py
+            omnistage/orchestrator/replicas.py'
+  [drain]=omni_operator/drain.py
   [status]=omni_operator/status.py [placement]=omni_operator/placement.py
   [readiness]=omni_operator/readiness.py [devices]=omnistage/devices.py
 )

@@ -152,11 +152,11 @@ def _http_probe(path: str, port: int, period: int, failures: int, timeout: int =
 # Ready. The kubelet probes one at a time, so a worker that never answers is NotReady after
 # FAILURES x (TIMEOUT, or PERIOD when longer) seconds, plus up to one PERIOD before the first
 # failing probe: 3 x 1 + 1 = 4 s at most. With the former 5 s timeout that was 15-16 s, while
-# the orchestrator had declared the replica lost at its 3 s heartbeat timeout (engine.py
-# heartbeat_timeout; 3.4 s measured). A busy worker does not flap: /readyz and the
-# heartbeats are answered by its event loop while the model runs on its own thread, in
-# milliseconds; a loop that misses three 1 s answers in a row misses the heartbeats too, and
-# the orchestrator has already stopped routing to it.
+# the orchestrator had declared the replica lost at its 3 s heartbeat timeout
+# (orchestrator/replicas.py heartbeat_timeout; 3.4 s measured). A busy worker does not flap: /readyz
+# and the heartbeats are answered by its event loop while the model runs on its own thread, in
+# milliseconds; a loop that misses three 1 s answers in a row misses the heartbeats too, and the
+# orchestrator has already stopped routing to it.
 WORKER_READINESS_PERIOD_SECONDS = 1
 WORKER_READINESS_TIMEOUT_SECONDS = 1
 WORKER_READINESS_FAILURES = 3

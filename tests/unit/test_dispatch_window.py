@@ -36,7 +36,7 @@ def submits(rig: Rig, replica: str) -> list[str]:
 
 def waiting(rig: Rig, stage: str = "a") -> list[str]:
     """The request ids of the stage's waiting tasks, in queue order."""
-    return [t.child.request.id for t in rig.orch.holds.get(stage, ())]
+    return [t.child.request.id for t in rig.orch.holds.queue(stage)]
 
 
 def finish(rig: Rig, rid: str) -> None:
@@ -53,7 +53,7 @@ async def test_without_a_window_every_task_goes_to_a_replica_at_once(make: Make)
     """The default (null): nothing waits in the orchestrator; five tasks queue on the one
     replica, as before the window existed."""
     rig = await make(ONE, {"a": 1})
-    assert rig.orch.windows == {}
+    assert rig.orch.router.windows == {}
     hs = [rig.submit("x", request_id=f"r{i}") for i in range(5)]
     assert submits(rig, "a-0") == [f"r{i}/0/a" for i in range(5)]
     assert rig.replica("a-0").inflight == 5
@@ -226,7 +226,7 @@ async def test_a_waiting_task_keeps_its_revision_pin(make: Make) -> None:
     assert (submits(rig, "a-1"), submits(rig, "a-0")) == (["r0/0/a"], ["r2/0/a"])
     assert waiting(rig) == ["r1"]
     finish(rig, "r2")  # room on a-0, of the wrong revision for r1
-    await until(lambda: not rig.orch._drains, "the queue drained")
+    await until(lambda: not rig.orch.router.pending, "the queue drained")
     assert waiting(rig) == ["r1"] and submits(rig, "a-0") == ["r2/0/a"]
     finish(rig, "r0")
     await until(lambda: waiting(rig) == [], "r1 sent")

@@ -481,12 +481,12 @@ async def test_finals_choose_the_stages_a_request_runs(make: Make) -> None:
     out = outcome(h)
     assert out.status == "ok" and set(out.children[0].outputs) == {"a"}
     assert rig.net.link("b-0").sent == []
-    plan = rig.orch._plans[("a",)]
+    plan = rig.orch.planner._plans[("a",)]
     assert plan == (("a",), frozenset({"a"}))
-    assert rig.orch._stage_plan(("a",)) is plan
-    assert rig.orch._stage_plan(("b",)) == (("a", "b"), frozenset({"a", "b"}))
+    assert rig.orch.planner.stage_plan(("a",)) is plan
+    assert rig.orch.planner.stage_plan(("b",)) == (("a", "b"), frozenset({"a", "b"}))
     rig2 = await make([echo("x"), echo("y", ("x",)), echo("z", ("y",), final=True)])
-    assert rig2.orch._stage_plan(("z",)) == (("x", "y", "z"), frozenset({"x", "y", "z"}))
+    assert rig2.orch.planner.stage_plan(("z",)) == (("x", "y", "z"), frozenset({"x", "y", "z"}))
 
 
 async def test_stage_params_merge_and_samples_get_their_own_seed(make: Make) -> None:
@@ -955,7 +955,7 @@ async def test_aborting_one_sample_drops_the_parent_only_when_none_remain(make: 
     and one aborted the request is ok, each child with its own status.
 
     Kills: a child abort aborting its siblings, the parent ending with the first terminal
-    child, the ok/abort roll-up of `_child_terminal`."""
+    child, the ok/abort roll-up of `_outcome`."""
     rig = await make(ONE, {"a": 2})
     h = rig.submit("p", n=3)
     h.abort(child=1)
@@ -1494,7 +1494,7 @@ async def test_a_silent_handshake_puts_the_replica_on_probation_until_it_answers
     re-admitted (a new channel and handshake) and the probe channel closes.
 
     Kills: the timeout not losing the replica, probation not set, the probe not re-admitting,
-    the probe channel leaked, the re-admission not going through `_on_member`."""
+    the probe channel leaked, the re-admission not going through `Replicas.on_member`."""
     rig = await make(ONE, {"a": 1}, workers=[Worker("s", "a", hello="silent", pings="silent")],
                      heartbeat_interval=0, heartbeat_timeout=0.01)
     await until(lambda: "s" in rig.orch.suspects, "s on probation")
@@ -1560,7 +1560,7 @@ async def test_a_lost_replica_with_an_aborted_child_ends_it_as_abort(make: Make)
     """Twin: test_kill_9_one_replica_fails_only_its_bound_requests. Work whose abort was asked
     before its replica was lost ends as abort, not replica_lost; a lost replica is lost once.
 
-    Kills: `abort_requested` ignored in `_fail_bound`, `_lose` not idempotent."""
+    Kills: `abort_requested` ignored in `Failover.lost`, `Replicas.lose` not idempotent."""
     rig = await make(ONE)
     h = rig.submit("x")
     h.abort()
@@ -1571,7 +1571,7 @@ async def test_a_lost_replica_with_an_aborted_child_ends_it_as_abort(make: Make)
     lost = rig.net.link("a-0")
     replica = lost.on_message.args[0]  # the Replica the channel served
     assert not replica.alive
-    rig.orch._lose(replica, "again")
+    rig.orch.replicas.lose(replica, "again")
     assert rig.orch.counters["replicas_lost"] == 1 and rig.orch.suspects == {}
 
 
@@ -1624,7 +1624,7 @@ async def test_membership_updates_for_a_suspect(make: Make) -> None:
     membership update at the same address only refreshes what the probe re-admits; one at a new
     address replaces it at once; `gone` ends the probation.
 
-    Kills: the suspect checks of `_on_member` (same endpoint re-added at once, new endpoint
+    Kills: the suspect checks of `Replicas.on_member` (same endpoint re-added at once, new endpoint
     ignored, gone leaving the suspect)."""
     rig = await make(ONE, {"a": 0}, workers=[Worker("s", "a", hello="silent", pings="silent"),
                                              Worker("t", "a", hello="silent", pings="silent"),
@@ -1673,7 +1673,7 @@ async def test_stop_lets_requests_in_flight_finish_then_closes_everything(make: 
     rig.membership.stop = record_stop  # type: ignore[method-assign]
     await until(lambda: "s" in rig.orch.suspects, "s on probation")
     h, h2 = rig.submit("x"), rig.submit("y")
-    hb = rig.orch._heartbeat
+    hb = rig.orch.replicas.heartbeat
     stopping = asyncio.ensure_future(rig.orch.stop(drain_timeout=3600))
     await until(lambda: not rig.orch.accepting, "stop began")
     assert outcome(rig.submit("late")).error.code == "shutting_down"
@@ -1685,7 +1685,7 @@ async def test_stop_lets_requests_in_flight_finish_then_closes_everything(make: 
     rig.answer(h2, "a", text="done")
     assert outcome(h2).status == "ok"
     await asyncio.wait_for(stopping, HANG)
-    assert rig.orch._heartbeat is None and hb.done() and stopped == [True]
+    assert rig.orch.replicas.heartbeat is None and hb.done() and stopped == [True]
     assert all(not pool.replicas for pool in rig.orch.pools.values())
     assert rig.orch.suspects == {} and not rig.orch._background
     assert all(ln.closed for ln in rig.net.links)
@@ -1949,7 +1949,7 @@ async def test_losing_a_replica_with_both_halves_of_a_companion_fails_the_sample
     companion both run on the AR replica that is lost: the sample fails once, and the other
     sample's work elsewhere is untouched; nothing stays bound.
 
-    Kills: `_fail_bound` failing a child twice or stopping at the first terminal child, the
+    Kills: `Failover.lost` failing a child twice or stopping at the first terminal child, the
     detach of an already detached task raising."""
     rig = await make(T2I, {"enc": 2, "img": 1})
     rig.orch.pools["enc"].sessions["s"] = "enc-0"

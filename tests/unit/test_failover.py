@@ -1,4 +1,4 @@
-"""Failover (engine._failover) against in-process fake replicas: the rig of test_engine.py.
+"""Failover (failover.Failover.retry) against in-process fake replicas: the rig of test_engine.py.
 
 A lost replica's task goes to another replica of its stage, from what the orchestrator kept;
 the bounds (maxRetries, the deadline, an abort, a suspect) make it fail as before. The same

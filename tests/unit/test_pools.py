@@ -100,12 +100,12 @@ def test_stage_plan_per_finals_is_reused_and_matches_the_dag() -> None:
     orch = Orchestrator(pipe, StaticMembership([]))
     topo = orch.topo
     final = orch.final_stages
-    order, needed = orch._stage_plan(final)
+    order, needed = orch.planner.stage_plan(final)
     assert list(order) == [s for s in topo if s in needed]
     assert set(final) <= needed
-    assert orch._stage_plan(final) is orch._stage_plan(tuple(final))  # cached
+    assert orch.planner.stage_plan(final) is orch.planner.stage_plan(tuple(final))  # cached
     first = topo[0]
-    assert orch._stage_plan((first,)) == ((first,), frozenset({first}))
+    assert orch.planner.stage_plan((first,)) == ((first,), frozenset({first}))
 
 
 def test_plan_refuses_a_stage_without_routable_replica() -> None:

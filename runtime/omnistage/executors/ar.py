@@ -12,10 +12,10 @@ what it would alone. A joining sequence is prefilled on its own (its prompt pass
 one-at-a-time pass) and its cache row is merged in; a leaving sequence's row is dropped and
 columns that are padding in every remaining row are trimmed.
 
-Failover resume (omnistage.orchestrator.engine._failover): `resume_token_ids` and `resume_text`
-are what a lost replica had already streamed to the client. The job starts with them generated:
-its prompt pass takes prompt + those tokens, its deltas go on after that text, and its final
-reply carries the whole answer. Sampling draws token i from a generator seeded with (seed, i)
+Failover resume (omnistage.orchestrator.failover.Failover.retry): `resume_token_ids` and
+`resume_text` are what a lost replica had already streamed to the client. The job starts with them
+generated: its prompt pass takes prompt + those tokens, its deltas go on after that text, and its
+final reply carries the whole answer. Sampling draws token i from a generator seeded with (seed, i)
 (_step_seed), so a resumed sequence samples exactly what the uninterrupted one would have.
 """
 
@@ -42,7 +42,7 @@ class _ARRequest(StageParams):
     token_ids: list[int] | None = None
     stream: bool = False
     ignore_eos: bool = False
-    # A failover resumes a stream (omnistage.orchestrator.engine._failover): the tokens, and
+    # A failover resumes a stream (omnistage.orchestrator.failover.Failover.retry): the tokens, and
     # the text, the client already has. Generation goes on after them, as if never cut.
     resume_token_ids: list[int] | None = None
     resume_text: str | None = None

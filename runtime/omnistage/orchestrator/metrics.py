@@ -31,7 +31,7 @@ LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
      "p95 of the time from dispatch to the stage's first output, over the load window"),
 )
 
-# Failovers by stage (engine.Orchestrator.failovers): (kind, help).
+# Failovers by stage (failover.Failover.counts, the engine's `failovers`): (kind, help).
 FAILOVER_COUNTERS: tuple[tuple[str, str], ...] = (
     ("retries", "Stage tasks sent again to another replica after their replica was lost"),
     ("resumes", "Of those retries, streams that went on from the tokens the client already "
