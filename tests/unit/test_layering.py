@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_MODULE = re.compile(r"^omni_operator(\.|:|$)")
 
 
-def _operator_references(source: str) -> list[tuple[int, str]]:
-    """(line, name) of every import of omni_operator, at module level or inside a function,
-    and of every string naming it as a module (importlib.import_module(...) and the like)."""
+def _references(source: str, module: re.Pattern[str], *, strings: bool
+                ) -> list[tuple[int, str]]:
+    """(line, name) of every import of a module matching `module`, at module level or inside a
+    function, and with `strings` of every string naming one (importlib.import_module(...))."""
     found = []
     for node in ast.walk(ast.parse(source)):
         names: list[str] = []
@@ -33,10 +34,14 @@ def _operator_references(source: str) -> list[tuple[int, str]]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
             names = [node.value]
-        found += [(node.lineno, n) for n in names if OPERATOR_MODULE.match(n)]  # type: ignore[attr-defined]
+        found += [(node.lineno, n) for n in names if module.match(n)]  # type: ignore[attr-defined]
     return found
+
+
+def _operator_references(source: str) -> list[tuple[int, str]]:
+    return _references(source, OPERATOR_MODULE, strings=True)
 
 
 def test_runtime_never_imports_the_operator() -> None:
@@ -108,16 +113,7 @@ AIOHTTP_MODULE = re.compile(r"^aiohttp(\.|$)")
 
 
 def _aiohttp_imports(source: str) -> list[tuple[int, str]]:
-    """(line, name) of every import of aiohttp, at module level or inside a function."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        found += [(node.lineno, n) for n in names if AIOHTTP_MODULE.match(n)]  # type: ignore[attr-defined]
-    return found
+    return _references(source, AIOHTTP_MODULE, strings=False)
 
 
 def test_parsing_and_the_stream_pump_never_import_aiohttp() -> None:

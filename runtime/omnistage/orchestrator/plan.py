@@ -23,6 +23,7 @@ class Planner:
     by name) and the plans derived from them."""
 
     def __init__(self, spec: PipelineSpec) -> None:
+        self.spec = spec
         self.rows: dict[str, StageKind] = {s.name: get_kind(s.kind) for s in spec.stages}
         self.default_deadlines = {
             s.name: float(s.admission.default_deadline_seconds) for s in spec.stages}
@@ -92,14 +93,8 @@ class Planner:
         per distinct finals (a pipeline has few), not on every request."""
         plan = self._plans.get(finals)
         if plan is None:
-            needed: set[str] = set()
-            stack = list(finals)
-            while stack:
-                stage = stack.pop()
-                if stage not in needed:
-                    needed.add(stage)
-                    stack.extend(self.inputs[stage])
-            plan = tuple(s for s in self.topo if s in needed), frozenset(needed)
+            needed = tuple(self.spec.needed_by(finals))
+            plan = needed, frozenset(needed)
             self._plans[finals] = plan
         return plan
 

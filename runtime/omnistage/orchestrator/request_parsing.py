@@ -162,16 +162,6 @@ def _message_text(content: str | list[Any] | None) -> str:
 # --------------------------------------------------------------------------- voices & media
 
 
-def _needs(spec: PipelineSpec, finals: Iterable[str]) -> list[str]:
-    """finals and every stage they need, in topological order."""
-    needed: set[str] = set()
-    stack = list(finals)
-    while stack:
-        name = stack.pop()
-        if name not in needed:
-            needed.add(name)
-            stack.extend(spec.stage(name).inputs)
-    return [s for s in spec.topo_order() if s in needed]
 
 
 @dataclass(frozen=True)
@@ -210,7 +200,7 @@ def speech_plan(spec: PipelineSpec) -> SpeechPlan | None:
     if not speaking:
         return None
     stage = speaking[0]
-    voiced = tuple(s for s in _needs(spec, [stage])
+    voiced = tuple(s for s in spec.needed_by([stage])
                    if "voice" in get_kind(spec.stage(s).kind).engine_options)
     source = spec.stage(voiced[0] if voiced else stage)
     voices = tuple(stage_voices(source)) or ("default",)
@@ -240,7 +230,7 @@ def _media_parts(req: ChatCompletionRequest) -> list[MediaPart]:
 
 def _check_entry(spec: PipelineSpec, finals: list[str], parts: list[MediaPart]) -> None:
     """Input media go to the entry stages of the request; each must take that payload."""
-    entries = [s for s in _needs(spec, finals) if not spec.stage(s).inputs]
+    entries = [s for s in spec.needed_by(finals) if not spec.stage(s).inputs]
     for part in parts:
         payload = Payload.IMAGE if part.kind == "image" else Payload.AUDIO
         if not any(payload in get_kind(spec.stage(s).kind).consumes for s in entries):
@@ -395,7 +385,7 @@ def _entry_parts(spec: PipelineSpec, chat: str | None) -> tuple[str, ...]:
     """The content part types the chat stage's entry stages take (text always)."""
     if chat is None:
         return PART_TYPES
-    entries = [get_kind(spec.stage(s).kind) for s in _needs(spec, [chat])
+    entries = [get_kind(spec.stage(s).kind) for s in spec.needed_by([chat])
                if not spec.stage(s).inputs]
     takes = {p for row in entries for p in row.consumes}
     return ("text", *(part for part, payload in (("image_url", Payload.IMAGE),

@@ -7,6 +7,7 @@ CRD's CEL rules word them the same way.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -258,6 +259,18 @@ class PipelineSpec(SpecModel):
                 raise ValueError("stage graph has a cycle")
         return order
 
+    def needed_by(self, finals: Iterable[str]) -> list[str]:
+        """finals and every stage they need, in topological order (the engine's plans and the
+        HTTP API's speech and chat checks walk the graph the same way)."""
+        needed: set[str] = set()
+        stack = list(finals)
+        while stack:
+            name = stack.pop()
+            if name not in needed:
+                needed.add(name)
+                stack.extend(self.stage(name).inputs)
+        return [s for s in self.topo_order() if s in needed]
+
     def downstream(self, name: str) -> list[str]:
         """Stages that consume name's output, in declaration order."""
         self.stage(name)
@@ -279,6 +292,23 @@ class PipelineSpec(SpecModel):
             if stage_kinds.get(self.stage(name).kind).serves_chat:
                 return name
         return None
+
+
+def _reference_errors(names: Iterable[str], path: str, own: str, index: Mapping[str, int],
+                      own_message: str, duplicate: str) -> list[tuple[str, str]]:
+    """A list of stage names that must name other, known stages, each once."""
+    errors: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for j, name in enumerate(names):
+        at = f"{path}[{j}]"
+        if name == own:
+            errors.append((at, f"stage {name!r} {own_message}"))
+        elif name not in index:
+            errors.append((at, f"unknown stage {name!r}"))
+        elif name in seen:
+            errors.append((at, f"{duplicate} {name!r}"))
+        seen.add(name)
+    return errors
 
 
 def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
@@ -304,26 +334,11 @@ def _graph_errors(spec: PipelineSpec) -> list[tuple[str, str]]:
     # cannot join a list within its cost budget, so the known stages are not listed).
 
     for i, stage in enumerate(spec.stages):
-        seen: set[str] = set()
-        for j, upstream in enumerate(stage.inputs):
-            path = f"stages[{i}].inputs[{j}]"
-            if upstream == stage.name:
-                errors.append((path, f"stage {upstream!r} cannot consume its own output"))
-            elif upstream not in index:
-                errors.append((path, f"unknown stage {upstream!r}"))
-            elif upstream in seen:
-                errors.append((path, f"duplicate input {upstream!r}"))
-            seen.add(upstream)
-        seen = set()
-        for j, other in enumerate(stage.placement.colocate_with):
-            path = f"stages[{i}].placement.colocateWith[{j}]"
-            if other == stage.name:
-                errors.append((path, f"stage {other!r} cannot colocate with itself"))
-            elif other not in index:
-                errors.append((path, f"unknown stage {other!r}"))
-            elif other in seen:
-                errors.append((path, f"duplicate entry {other!r}"))
-            seen.add(other)
+        errors += _reference_errors(stage.inputs, f"stages[{i}].inputs", stage.name, index,
+                                    "cannot consume its own output", "duplicate input")
+        errors += _reference_errors(stage.placement.colocate_with,
+                                    f"stages[{i}].placement.colocateWith", stage.name, index,
+                                    "cannot colocate with itself", "duplicate entry")
 
     errors.extend(_cycle_errors(spec, index))
 
