@@ -349,34 +349,30 @@ def test_orchestrator_process_routes_by_pod_membership(
     def log_tail() -> str:
         return log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
 
-    try:
+    def start(port: int) -> subprocess.Popen[bytes]:
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "omnistage.cli",
-                    "orchestrator",
-                    "--namespace",
-                    ns,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(api_port),
-                    "--zmq-port",
-                    str(zmq_port),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
+            return subprocess.Popen(
+                [sys.executable, "-m", "omnistage.cli", "orchestrator", "--namespace", ns,
+                 "--host", "127.0.0.1", "--port", str(port), "--zmq-port", str(zmq_port)],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    try:
         worker.wait_ready(60)
-        wait_until(
-            lambda: _http(url + "/readyz")[0] == 503,
-            20,
-            "orchestrator up, not ready",
-            on_timeout=log_tail,
-        )
+        # free_port() is a guess: a test session running beside this one (hack/test.sh runs
+        # e2e and cluster side by side) can take the port first. Only that is retried.
+        for attempt in range(3):
+            proc = start(api_port)
+            wait_until(
+                lambda p=proc, u=url: p.poll() is not None or _http(u + "/readyz")[0] == 503,
+                20,
+                "orchestrator up, not ready",
+                on_timeout=log_tail,
+            )
+            if proc.poll() is None or "Address already in use" not in log_tail() or attempt == 2:
+                break
+            api_port = free_port()
+            url = f"http://127.0.0.1:{api_port}"
+        assert proc.poll() is None, log_tail()
         k.create(resource_path("v1", "pods", ns), _pod("mp-a-0", "a"))
         _set_status(k, ns, "mp-a-0", "127.0.0.1", ready=True)
         wait_until(
