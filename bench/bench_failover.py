@@ -126,6 +126,7 @@ class Phase:
     total: int = 0
     kills: list[tuple[str, float]] = field(default_factory=list)  # (replica, time.time())
     log: Path = Path()  # the orchestrator's log
+    holds: int = 0  # the killer's waits (a round not due, or no victim allowed): tests see it
 
 
 def log_times(log: Path, pattern: str) -> list[float]:
@@ -252,6 +253,7 @@ async def killer(phase: Phase, fleet: Fleet, stages: dict[str, int], every: int,
     rounds = 0
     while rounds < kills and not done.is_set():
         if phase.total < every * (rounds + 1):
+            phase.holds += 1
             await asyncio.sleep(0.05)
             continue
         for stage, replicas in stages.items():
@@ -259,6 +261,7 @@ async def killer(phase: Phase, fleet: Fleet, stages: dict[str, int], every: int,
                 up, down = await asyncio.to_thread(fleet.state, stage)
                 if len(up) >= 2 and (overlap or may_strike(replicas, down)):
                     break
+                phase.holds += 1
                 await asyncio.sleep(0.2)
             else:
                 return

@@ -52,9 +52,15 @@ class FakeFleet:
         self.down.discard(name)
 
 
-async def _settle() -> None:
-    """Long enough for a round that may kill to have done so (the killer polls every 0.2 s)."""
-    await asyncio.sleep(0.6)
+async def _settle(phase: Any) -> None:
+    """Until the killer has held off twice more from here: it looked at the state as it is now
+    and chose not to strike (a sleep would pass on a machine too slow to have looked at all)."""
+    target = phase.holds + 2
+    for _ in range(1000):  # a far guard (10 s) against a killer that died
+        if phase.holds >= target:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the killer never held off twice (holds {phase.holds})")
 
 
 @pytest.mark.parametrize(("replicas", "down", "may"), [
@@ -124,13 +130,13 @@ def test_kills_never_pile_up_and_a_round_waits_for_a_victim_back(bench: Any) -> 
 
         async def then(n: int) -> None:  # wait for n kills, then see that no more come
             await asyncio.wait_for(fleet.kills(n), 5)
-            await _settle()
+            await _settle(phase)
             counts.append(len(fleet.killed))
 
         phase.total = 10
         await then(2)  # round 1: one of each stage
         phase.total = 40  # rounds 2-4 are due, but a has its victim down (a quarter of 4)
-        await _settle()
+        await _settle(phase)
         counts.append(len(fleet.killed))
         fleet.back(fleet.killed[0])
         await then(4)  # round 2: a, and llm (1 of 8 down); round 3 waits on a
@@ -160,7 +166,7 @@ def test_overlap_kills_is_the_old_rule_kills_pile_up(bench: Any) -> None:
         task = asyncio.ensure_future(bench.killer(phase, fleet, {"a": 4}, 10, 5, done,
                                                   overlap=True))
         await asyncio.wait_for(fleet.kills(3), 5)  # nothing came back: 3 of 4 down
-        await _settle()
+        await _settle(phase)
         done.set()
         await asyncio.wait_for(task, 5)
         return fleet.killed
@@ -175,7 +181,7 @@ def test_the_phase_ending_stops_a_waiting_round(bench: Any) -> None:
         phase.total = 100
         done = asyncio.Event()
         task = asyncio.ensure_future(bench.killer(phase, fleet, {"a": 1}, 10, 5, done))
-        await asyncio.sleep(0.3)
+        await _settle(phase)  # the round is due and waits for a victim
         done.set()
         await asyncio.wait_for(task, 5)
         return fleet.killed
