@@ -1,14 +1,16 @@
 """The operator's autoscaler: sizes every StagePool whose stage has `autoscaling`.
 
-Every periodSeconds per pool it reads the pipeline's load from the orchestrator (GET /v1/load
-through the API server's service proxy, one read per pipeline per period), decides with
-omnistage.autoscaling.decide (the same maths `omnistage serve` uses) and, when the size
-changes, writes spec.replicas through the scale subresource, as `kubectl scale` does: the pool's
-reconcile then creates replicas, or drains one before deleting it. A pool at zero whose
-orchestrator asks for a wake (the annotation omnistage.io/wake-requested-at) is scaled at once,
-on the pool's watch event, not on the next period. The same reader answers the pool reconcile's
-question about all of a pipeline's requests (Autoscaler.orchestrator_loads: every running
-orchestrator pod's load, for the pin wait of a leaving revision's last replica, drain.py).
+Every periodSeconds per pool it reads the pipeline's load from EVERY ready orchestrator pod
+(GET /v1/load, straight from each pod, once per pipeline per period; through the API server's
+service proxy where a pod cannot be reached), combines them (combine_loads: each orchestrator
+measures only the requests it routes), decides with omnistage.autoscaling.decide (the same
+maths `omnistage serve` uses) and, when the size changes, writes spec.replicas through the scale
+subresource, as `kubectl scale` does: the pool's reconcile then creates replicas, or drains one
+before deleting it. A pool at zero whose orchestrator asks for a wake (the annotation
+omnistage.io/wake-requested-at) is scaled at once, on the pool's watch event, not on the next
+period. The same reader answers the pool reconcile's question about all of a pipeline's
+requests (Autoscaler.orchestrator_loads: every running orchestrator pod's load, for the pin
+wait of a leaving revision's last replica, drain.py).
 
 What it writes, and when (docs/architecture.md, "Autoscaling"):
 - spec.replicas (field manager omnistage-autoscaler, subresource scale) and one Event, only
@@ -16,10 +18,13 @@ What it writes, and when (docs/architecture.md, "Autoscaling"):
   write;
 - status.autoscaler, the decision explained (inputs, figure, decision, time), through the
   pool's own reconcile (omni_operator.writes.Writes.patch_status writes only what changed),
-  only when the desired size, the signal's availability or an external autoscaler's presence
+  only when the desired size, the signal's availability, the number of orchestrators read or
+  not read (a partial read from the second in a row) or an external autoscaler's presence
   changes;
 - nothing when the load cannot be read, except to bring a pool up to minReplicas or to wake
-  it: an unreadable signal never scales down.
+  it: an unreadable signal never scales down. When some orchestrators are read and others are
+  not, the figures are a floor of the load: the pool may grow on them, never shrink (decide's
+  `complete=False`). Every decision names the orchestrators it read and those it could not.
 
 A pool that a HorizontalPodAutoscaler (or KEDA, which drives one) targets has two owners for
 one count: the autoscaler refuses it (status condition Autoscaling False, reason
@@ -36,8 +41,8 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -63,7 +68,9 @@ __all__ = [
     "LOAD_URL_ENV",
     "Autoscaler",
     "LoadUnavailable",
+    "OrchestratorLoads",
     "StageFigures",
+    "combine_loads",
     "hpa_targets",
     "stage_figures",
     "status_of",
@@ -93,6 +100,10 @@ MAX_READS_IN_FLIGHT = 32
 #: Consecutive failed reads before the status says the signal is Unavailable: one lost read (a
 #: timeout on a busy node) keeps the size and writes nothing.
 MISSES_BEFORE_UNAVAILABLE = 2
+#: Orchestrators named in a decision's reason (the rest counted), and the length of each
+#: one's failure: a reason stays within the status's 1,024 characters.
+NAMED_ORCHESTRATORS = 4
+FAILURE_CHARS = 160
 _HPA_VERSION = "autoscaling/v2"
 
 
@@ -142,6 +153,118 @@ def stage_figures(doc: Any, stage: str) -> StageFigures | None:
     return StageFigures(**values)
 
 
+def _weighted_mean(pairs: Sequence[tuple[float, float]]) -> float:
+    """The mean of the positive values, weighted (equal weights when every weight is 0)."""
+    present = [(v, w) for v, w in pairs if v > 0]
+    if not present:
+        return 0.0
+    total = sum(w for _, w in present)
+    if total <= 0:
+        return sum(v for v, _ in present) / len(present)
+    return sum(v * w for v, w in present) / total
+
+
+def _combine_stage(parts: Sequence[tuple[StageFigures, float]]) -> StageFigures:
+    """One stage's figures from several orchestrators' ((figures, shift onto the common
+    clock) each): combine_loads says how and why."""
+    figs = [f for f, _ in parts]
+    exec_s = 0.0
+    if any(f.exec_s > 0 for f in figs):  # an older orchestrator's service_s stands for its own
+        exec_s = _weighted_mean([(f.exec_s or f.service_s, f.arrivals_per_s) for f in figs])
+    lasts = [f.last_request_unix + shift for f, shift in parts
+             if f.last_request_unix is not None]
+    return StageFigures(
+        replicas=max(f.replicas for f in figs),
+        inflight=sum(f.inflight for f in figs),
+        held=sum(f.held for f in figs),
+        arrivals_per_s=sum(f.arrivals_per_s for f in figs),
+        service_s=_weighted_mean([(f.service_s, f.arrivals_per_s) for f in figs]),
+        exec_s=exec_s,
+        queue_wait_p95_s=max(f.queue_wait_p95_s for f in figs),
+        ttfo_p95_s=max(f.ttfo_p95_s for f in figs),
+        last_request_unix=max(lasts, default=None),
+        wake_pending=any(f.wake_pending for f in figs),
+    )
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def combine_loads(docs: Sequence[Any]) -> Any:
+    """One GET /v1/load document from every orchestrator's (pure; one document is returned as
+    it is). Why: each orchestrator measures only the requests it routes, and a pipeline runs up
+    to 16; sized on one of two, a pool sees half its load, and a stage the other still sends to
+    looks idle.
+
+    Per stage, over the orchestrators that report it:
+    - inflight, held and arrivals_per_s add up; replicas is the most any one routes to;
+    - service_s and exec_s are means weighted by each one's arrivals_per_s. That makes Little's
+      law add up (arrivals x service of the whole is the sum of each one's), and over a window
+      arrivals stand for completions, of which the document has no count;
+    - queue_wait_p95_s and ttfo_p95_s are the largest: an upper bound of the pooled p95 (95%
+      of every orchestrator's samples lie under it), so a latency target errs towards growth;
+    - last_request_unix is the latest, each moved onto the latest `now` by the difference of
+      the two `now`s, so clock skew between nodes does not shorten an idle time (the idle time
+      is the shortest any orchestrator reports);
+    - wake_pending if any asks; a stage is in use when ANY orchestrator sends to it.
+    `now` is the latest, `window_s` the longest; `revisions` are left out (a question about
+    pinned requests reads each orchestrator's own: drain.pinned_in_flight)."""
+    parsed = [d for d in docs if isinstance(d, dict)]
+    if len(parsed) == 1:
+        return parsed[0]
+    nows = [_number(d.get("now")) for d in parsed]
+    known = [n for n in nows if n is not None]
+    now = max(known) if known else None
+    names: dict[str, None] = {}
+    for d in parsed:
+        if isinstance(d.get("stages"), dict):
+            names.update(dict.fromkeys(d["stages"]))
+    stages: dict[str, Obj] = {}
+    for name in names:
+        parts = []
+        for d, own in zip(parsed, nows, strict=True):
+            figures = stage_figures(d, name)
+            if figures is not None:
+                shift = now - own if now is not None and own is not None else 0.0
+                parts.append((figures, shift))
+        if parts:
+            stages[name] = asdict(_combine_stage(parts))
+    windows = [w for w in (_number(d.get("window_s")) for d in parsed) if w is not None]
+    return {"window_s": max(windows, default=0.0), "now": now, "stages": stages}
+
+
+@dataclass(frozen=True)
+class OrchestratorLoads:
+    """One period's read of a pipeline's orchestrators: each ready one's /v1/load by pod name,
+    and those that could not be read, with why. Not complete: the load is a floor."""
+
+    docs: dict[str, Any]
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
+
+    def note(self) -> str:
+        """Which orchestrators the decision read and which it could not, for its reason."""
+        read = sorted(self.docs)
+        out = f"read {len(read)} orchestrator{'' if len(read) == 1 else 's'} ({_few(read)})"
+        if self.failed:
+            failed = sorted(self.failed.items())
+            named = [f"{name} ({why[:FAILURE_CHARS]})" for name, why in
+                     failed[:NAMED_ORCHESTRATORS]]
+            more = len(failed) - len(named)
+            out += (f"; not read: {len(failed)} (" + ", ".join(named)
+                    + (f" and {more} more" if more > 0 else "") + ")")
+        return out
+
+
+def _few(names: list[str]) -> str:
+    more = len(names) - NAMED_ORCHESTRATORS
+    return ", ".join(names[:NAMED_ORCHESTRATORS]) + (f" and {more} more" if more > 0 else "")
+
+
 def hpa_targets(hpas: list[Obj]) -> dict[str, str]:
     """Pool name -> the HorizontalPodAutoscaler that scales it (scaleTargetRef kind StagePool)."""
     out: dict[str, str] = {}
@@ -183,8 +306,11 @@ class _Tracked:
     # The pool's autoscaling, parsed, and the metadata.generation it was parsed at.
     scaling: tuple[int, Autoscaling] | None = None
     misses: int = 0  # consecutive reads that gave no figures for this pool
+    partials: int = 0  # consecutive reads that missed some orchestrator
 
 
+#: (namespace, pipeline) -> its OrchestratorLoads, or one document (one orchestrator's: the
+#: tests' and benches' hook).
 ReadLoad = Callable[[str, str], Awaitable[Any]]
 
 
@@ -300,12 +426,13 @@ class Autoscaler:
             return
         items = list(groups.items())
         loads = await asyncio.gather(*(self._load(ns, pipe) for (ns, pipe), _ in items))
-        for ((ns, _), members), (doc, error) in zip(items, loads, strict=True):
+        for ((ns, _), members), (reads, error) in zip(items, loads, strict=True):
             targets = await self._external(ns)
+            doc = None if reads is None else combine_loads(list(reads.docs.values()))
             for pool, scaling, woken in members:
                 key = _key(pool)
                 try:
-                    await self._settle(pool, scaling, doc, error, now, woken,
+                    await self._settle(pool, scaling, doc, reads, error, now, woken,
                                        targets.get(pool["metadata"]["name"]))
                 except Exception:
                     log.exception("autoscaling %s/%s failed", ns, pool["metadata"]["name"])
@@ -331,8 +458,9 @@ class Autoscaler:
 
     # ---- one pool --------------------------------------------------------------------------
 
-    async def _settle(self, pool: Obj, scaling: Autoscaling, doc: Any, error: str | None,
-                      now: float, woken: bool, hpa: str | None) -> None:
+    async def _settle(self, pool: Obj, scaling: Autoscaling, doc: Any,
+                      reads: OrchestratorLoads | None, error: str | None, now: float,
+                      woken: bool, hpa: str | None) -> None:
         meta = pool["metadata"]
         key = (meta["namespace"], meta["name"])
         tracked = self._tracked.get(key) or self._restore(pool)
@@ -358,11 +486,17 @@ class Autoscaler:
             decision = _blind(scaling, current, tracked.state, now, woken, error or "")
         else:
             load_now = doc.get("now") if isinstance(doc, dict) else None
+            complete = reads is None or reads.complete
             decision = decide(scaling, figures, current, tracked.state, now,
                               load_now=float(load_now) if load_now is not None else None,
-                              placeable=self._placeable(pool, current))
+                              placeable=self._placeable(pool, current), complete=complete)
             if woken and decision.desired < 1:
                 decision = _woken(scaling, decision, current, now)
+            if reads is not None:
+                decision = replace(decision, reason=f"{decision.reason}; {reads.note()}",
+                                   inputs={**decision.inputs,
+                                           "orchestratorsRead": float(len(reads.docs)),
+                                           "orchestratorsUnread": float(len(reads.failed))})
         if decision.desired != current:
             if not await self._scale(pool, decision.desired):
                 return  # not written: decided again next period
@@ -371,13 +505,23 @@ class Autoscaler:
             self.controller._event(pool, "Normal", reason, decision.reason)
         tracked.state = decision.state
         tracked.misses = 0 if figures is not None else tracked.misses + 1
+        partial = reads is not None and not reads.complete
+        tracked.partials = tracked.partials + 1 if partial else 0
         signal = "Available" if figures is not None else "Unavailable"
         last = tracked.report
         if (signal == "Unavailable" and last is not None and last.signal == "Available"
                 and tracked.misses < MISSES_BEFORE_UNAVAILABLE and decision.desired == current):
             return  # one lost read: nothing changed, nothing to say yet
+        # how many orchestrators were read, or not, changed (a lost read of one of them, as
+        # of all, is told from the second in a row)
+        shown = (last.inputs or {}) if last is not None else {}
+        sources = (decision.inputs.get("orchestratorsRead"),
+                   decision.inputs.get("orchestratorsUnread"))
+        recount = (figures is not None and sources != (shown.get("orchestratorsRead"),
+                                                       shown.get("orchestratorsUnread"))
+                   and (not partial or tracked.partials >= MISSES_BEFORE_UNAVAILABLE))
         if (last is None or decision.desired != current or last.signal != signal
-                or last.rule == "external"):
+                or last.rule == "external" or recount):
             tracked.report = status_of(decision, scaling, now, signal, error)
             self.controller.enqueue(("StagePool", *key))
 
@@ -439,54 +583,70 @@ class Autoscaler:
 
     # ---- reading ---------------------------------------------------------------------------
 
-    async def _load(self, ns: str, pipeline: str) -> tuple[Any, str | None]:
-        """(the /v1/load document, None) or (None, why it could not be read)."""
+    async def _load(self, ns: str, pipeline: str) -> tuple[OrchestratorLoads | None, str | None]:
+        """(what was read of the pipeline's orchestrators, None) or (None, why none could be)."""
         self.reads += 1
         try:
             async with self._reading:
-                return await self.read_load(ns, pipeline), None
+                got = await self.read_load(ns, pipeline)
         except Exception as exc:  # any failure means no signal, never a crash of the loop
             why = f"{type(exc).__name__}: {exc}"[:512]
             log.info("load of %s/%s unavailable: %s", ns, pipeline, why)
             return None, why
+        if not isinstance(got, OrchestratorLoads):  # the hook's one document
+            got = OrchestratorLoads({builders.orchestrator_name(pipeline): got})
+        if got.failed:
+            log.info("load of %s/%s partial: %s", ns, pipeline, got.note())
+        return got, None
 
-    async def _read_load(self, ns: str, pipeline: str) -> Any:
-        """GET /v1/load of the pipeline's orchestrator: from a ready orchestrator pod straight
-        (no load on the API server), else through the API server's service proxy (an operator
-        outside the pods' network). The way that worked last is tried first."""
-        template = os.environ.get(LOAD_URL_ENV)
-        if template:
-            return await self._client.get_json(template.format(namespace=ns, pipeline=pipeline))
-        key = (ns, pipeline)
-        ways = (self._proxy, self._straight) if key in self._proxied else (
-            self._straight, self._proxy)
-        failures: list[str] = []
-        for way in ways:
-            try:
-                doc = await way(ns, pipeline)
-            except Exception as exc:
-                failures.append(f"{way.__name__.strip('_')}: {type(exc).__name__}: {exc}")
-                continue
-            if way == self._proxy:
-                self._proxied.add(key)
-            else:
-                self._proxied.discard(key)
-            return doc
-        raise LoadUnavailable(f"GET {LOAD_PATH} of {builders.orchestrator_name(pipeline)}: "
-                              + "; ".join(failures))
-
-    async def _straight(self, ns: str, pipeline: str) -> Any:
+    async def _read_load(self, ns: str, pipeline: str) -> OrchestratorLoads:
+        """GET /v1/load of EVERY ready orchestrator pod of the pipeline, straight (no load on
+        the API server), at once. Where a pod cannot be read straight: through the API
+        server's service proxy only while it is the one ready pod (the proxy answers for a
+        ready pod of its choosing), in the order that worked last for the pipeline. With
+        several ready and none read straight, one read through the proxy stands for one of
+        them: a partial read. No ready pod in the view: the proxy (the view may lag). Raises
+        LoadUnavailable, naming each pod and why, when nothing could be read."""
         oname = builders.orchestrator_name(pipeline)
+        template = os.environ.get(LOAD_URL_ENV)
+        if template:  # the test hook stands for the pipeline's one orchestrator
+            url = template.format(namespace=ns, pipeline=pipeline)
+            return OrchestratorLoads({oname: await self._client.get_json(url)})
         port = self._port(ns, oname)
-        failure = "no ready orchestrator pod"
-        for pod in (self.controller.pods.get((ns, oname)) or {}).values():
-            ip = (pod.get("status") or {}).get("podIP")
-            if ip and port and is_ready(pod):
-                try:
-                    return await self._client.get_json(_load_url(ip, port))
-                except Exception as exc:
-                    failure = str(exc)
-        raise LoadUnavailable(failure)
+        ready = sorted(((pod["metadata"]["name"], pod)
+                        for pod in (self.controller.pods.get((ns, oname)) or {}).values()
+                        if (pod.get("status") or {}).get("podIP") and is_ready(pod)),
+                       key=lambda item: item[0])
+        if not ready:
+            try:
+                return OrchestratorLoads({oname: await self._proxy(ns, pipeline)})
+            except Exception as exc:
+                raise LoadUnavailable(f"GET {LOAD_PATH} of {oname}: straight: no ready "
+                                      f"orchestrator pod; proxy: {type(exc).__name__}: "
+                                      f"{exc}") from exc
+        alone = len(ready) == 1
+        results = await asyncio.gather(
+            *(self._pod_load(ns, pipeline, pod, port, alone=alone) for _, pod in ready),
+            return_exceptions=True)
+        docs: dict[str, Any] = {}
+        failed: dict[str, str] = {}
+        for (name, _), result in zip(ready, results, strict=True):
+            if isinstance(result, Exception):
+                failed[name] = str(result).removeprefix(f"GET {LOAD_PATH} of {name}: ")
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                docs[name] = result
+        if not docs and not alone:  # none straight: the proxy's one pod, a floor of the load
+            try:
+                docs[f"{oname} (service proxy: one of {len(ready)})"] = await self._proxy(
+                    ns, pipeline)
+            except Exception as exc:
+                failed[oname] = f"service proxy: {type(exc).__name__}: {exc}"
+        if not docs:
+            raise LoadUnavailable(f"GET {LOAD_PATH} of " + "; of ".join(
+                f"{name}: {why}" for name, why in sorted(failed.items())))
+        return OrchestratorLoads(docs, failed)
 
     def _port(self, ns: str, oname: str) -> int | None:
         """The orchestrator's HTTP port, from its Service (port == targetPort, builders)."""
@@ -497,12 +657,12 @@ class Autoscaler:
     async def orchestrator_loads(self, ns: str, pipeline: str) -> list[Any]:
         """GET /v1/load of EVERY running orchestrator pod of the pipeline (podIP, phase
         Running: two during an orchestrator rollout, a terminating one still finishing its
-        requests included). The autoscaler's signal needs one orchestrator; a question about
-        all of the pipeline's requests in flight (drain.pinned_in_flight) needs each. Each pod
-        straight; where that fails, through the service proxy only while that pod is the one
-        running (the proxy answers for a Ready pod of its choosing; the operator's RBAC has no
-        pod proxy). Raises LoadUnavailable, naming the pod, when one cannot be read; no running
-        orchestrator pod: no document (nothing is in flight)."""
+        requests included), for a question about all of the pipeline's requests in flight
+        (drain.pinned_in_flight). Each pod straight; where that fails, through the service
+        proxy only while that pod is the one running (the proxy answers for a Ready pod of its
+        choosing; the operator's RBAC has no pod proxy). Raises LoadUnavailable, naming the
+        pod, when one cannot be read; no running orchestrator pod: no document (nothing is in
+        flight)."""
         template = os.environ.get(LOAD_URL_ENV)
         if template:  # the test hook stands for the pipeline's one orchestrator
             return [await self._client.get_json(template.format(namespace=ns, pipeline=pipeline))]
@@ -516,9 +676,11 @@ class Autoscaler:
 
     async def _pod_load(self, ns: str, pipeline: str, pod: Obj, port: int | None, *,
                         alone: bool) -> Any:
-        """One orchestrator pod's /v1/load: straight, else (`alone`: the one running) through
-        the service proxy, in the order that worked last for the pipeline (as _read_load)."""
+        """One orchestrator pod's /v1/load: straight, else (`alone`: the one running or ready)
+        through the service proxy, in the order that worked last for the pipeline, which a
+        read of the one pod then remembers."""
         name = pod["metadata"]["name"]
+        key = (ns, pipeline)
 
         async def straight() -> Any:
             if not port:
@@ -529,14 +691,20 @@ class Autoscaler:
             return await self._proxy(ns, pipeline)
 
         ways = [straight, proxy] if alone else [straight]
-        if alone and (ns, pipeline) in self._proxied:
+        if alone and key in self._proxied:
             ways.reverse()
         failures: list[str] = []
         for way in ways:
             try:
-                return await way()
+                doc = await way()
             except Exception as exc:
                 failures.append(f"{way.__name__}: {type(exc).__name__}: {exc}")
+                continue
+            if alone and way is proxy:
+                self._proxied.add(key)
+            elif alone:
+                self._proxied.discard(key)
+            return doc
         if not alone:
             failures.append("proxy: not tried (the service proxy may answer for another pod)")
         raise LoadUnavailable(f"GET {LOAD_PATH} of {name}: " + "; ".join(failures))

@@ -23,16 +23,22 @@ The rules, in the order they apply (docs/architecture.md, "Autoscaling"):
    queueWaitSeconds and p95TimeToFirstOutputSeconds: the
    measured p95 over its target; above 1 the pool grows in proportion (ceil(current x ratio)),
    below LATENCY_HEADROOM it shrinks by one replica.
-   **Dead band** (inflightPerReplica): a pool shrinks only to ceil(figure x (1 + DOWN_MARGIN)),
-   so a figure that sits just over a whole number, and moves across it as the window's arrival
-   count moves, does not turn the pool once per cool-down.
+   **Dead band** (inflightPerReplica), the same TOLERANCE both ways: a pool shrinks only to
+   ceil(figure x (1 + TOLERANCE)), and grows only when the figure passes its size by more than
+   TOLERANCE of it (before the one-a-period limit of 1c). So a figure that sits just over a
+   whole number, and moves across it as the window's arrival count moves, does not turn the
+   pool once per cool-down; and one serial client (2.5/s x 0.402 s = 1.005) keeps one replica
+   instead of asking for two, one of them idle.
 2. **Bounds**: within [minReplicas, maxReplicas] (and the replicas that can be placed, when the
    caller knows it). A pool outside its bounds is brought back at once, whatever the cool-down.
 3. **Zero** only with minReplicas 0, after idleSeconds with nothing in flight, held or
    arriving; otherwise a pool that would go to 0 keeps 1.
 4. **Wake**: a pool at 0 with held requests, a pending wake or work in flight gets at least 1,
    at once (no cool-down applies).
-5. **Cool-down**: at most one change of direction per coolDownSeconds: a change against the
+5. **Partial signal** (`complete=False`: some orchestrator's load could not be read): the
+   figures are a floor of the pipeline's load, so the pool may grow on them, never shrink
+   (save back within its bounds), and an idle time does not start on them.
+6. **Cool-down**: at most one change of direction per coolDownSeconds: a change against the
    direction of the last change is held until coolDownSeconds after it.
 """
 
@@ -47,9 +53,9 @@ from omnistage.spec import Autoscaling
 
 __all__ = [
     "ANNOTATION_WAKE_REQUESTED",
-    "DOWN_MARGIN",
     "LATENCY_HEADROOM",
     "LOAD_PATH",
+    "TOLERANCE",
     "AutoscalerState",
     "Decision",
     "StageLoadLike",
@@ -59,8 +65,9 @@ __all__ = [
 
 #: A latency target's measured p95 below this fraction of the target lets the pool shrink by one.
 LATENCY_HEADROOM = 0.5
-#: inflightPerReplica's dead band: a shrink keeps this fraction of the figure spare.
-DOWN_MARGIN = 0.2
+#: inflightPerReplica's dead band, both ways: a shrink keeps this fraction of the figure spare,
+#: and a figure within this fraction over the pool's size keeps the size.
+TOLERANCE = 0.2
 
 
 class StageLoadLike(Protocol):
@@ -112,14 +119,15 @@ class Decision:
     direction: int
     #: The unbounded figure: replicas the target asks for (Little's law or the latency ratio).
     figure: float = 0.0
-    #: The rule that settled it: target, dead-band, bounds, idle, wake, cool-down.
+    #: The rule that settled it: target, dead-band, bounds, idle, wake, partial, cool-down.
     rule: str = "target"
     #: The state to pass to the next call.
     state: AutoscalerState = field(default_factory=AutoscalerState)
 
 
-def _figure(spec: Autoscaling, load: StageLoadLike, current: int) -> tuple[float, str]:
-    """The replicas the target asks for, unbounded, and how it was reached."""
+def _figure(spec: Autoscaling, load: StageLoadLike, current: int) -> tuple[float, str, float]:
+    """The replicas the target asks for, unbounded, how it was reached, and the figure before
+    the one-replica-a-period limit (what the dead band compares with the pool's size)."""
     kind, target = spec.target.kind, spec.target.value
     if kind == "inflightPerReplica":
         # 1a: Little's law on the queue-free service time (service_s from an older signal)
@@ -130,20 +138,23 @@ def _figure(spec: Autoscaling, load: StageLoadLike, current: int) -> tuple[float
         now_figure = present / max(1.0, target)
         if service > 0 and rate >= now_figure:
             return rate, (f"Little's law {load.arrivals_per_s:.3g}/s x {service:.3g}s "
-                          f"/ {target:g} per replica")
+                          f"/ {target:g} per replica"), rate
         how = f"{present} in flight or held / {max(1.0, target):g} per replica"
         # 1c: what is in flight grows a running pool one replica a period
         if current > 0 and now_figure > current + 1:
-            return max(rate, float(current + 1)), how + f"; +1 a period ({now_figure:.2f})"
-        return now_figure, how
+            return (max(rate, float(current + 1)), how + f"; +1 a period ({now_figure:.2f})",
+                    now_figure)
+        return now_figure, how, now_figure
     measured = load.queue_wait_p95_s if kind == "queueWaitSeconds" else load.ttfo_p95_s
     ratio = measured / target
     base = max(current, 1)
     if ratio > 1:
-        return base * ratio, f"p95 {measured:.3g}s over target {target:g}s: x{ratio:.2f}"
+        figure = base * ratio
+        return figure, f"p95 {measured:.3g}s over target {target:g}s: x{ratio:.2f}", figure
     if ratio < LATENCY_HEADROOM and current > 0:
-        return float(current - 1), f"p95 {measured:.3g}s under half of target {target:g}s: -1"
-    return float(current), f"p95 {measured:.3g}s within target {target:g}s"
+        return (float(current - 1), f"p95 {measured:.3g}s under half of target {target:g}s: -1",
+                float(current - 1))
+    return float(current), f"p95 {measured:.3g}s within target {target:g}s", float(current)
 
 
 def decide(
@@ -155,16 +166,20 @@ def decide(
     *,
     load_now: float | None = None,
     placeable: int | None = None,
+    complete: bool = True,
 ) -> Decision:
     """The desired replicas of one stage now, explained (module docstring: the rules).
 
     current: the pool's spec.replicas. now: the caller's clock (cool-down and idle time).
     load_now: the signal's own clock (GET /v1/load's `now`), against which last_request_unix
     is measured; without it the idle time is the caller's observation alone. placeable: the
-    most replicas that can be placed (GPUs), when known.
+    most replicas that can be placed (GPUs), when known. complete: False when the load is
+    only part of the pipeline's (an orchestrator could not be read): rule 5.
     """
     busy = load.inflight > 0 or load.held > 0 or load.arrivals_per_s > 0
-    idle_since = None if busy else (state.idle_since if state.idle_since is not None else now)
+    # an idle time starts only on a whole signal: an orchestrator not read may be sending
+    start = now if complete else None
+    idle_since = None if busy else (state.idle_since if state.idle_since is not None else start)
     inputs: dict[str, float] = {
         "current": float(current),
         "inflight": float(load.inflight),
@@ -175,17 +190,23 @@ def decide(
         "queueWaitP95Seconds": load.queue_wait_p95_s,
         "ttfoP95Seconds": load.ttfo_p95_s,
     }
-    figure, how = _figure(spec, load, current)
+    figure, how, raw = _figure(spec, load, current)
     desired = math.ceil(round(figure, 9))  # 2.0000000001 from float noise is 2, not 3
     rule = "target"
-    # 1, dead band: a shrink keeps DOWN_MARGIN of the figure spare
+    # 1, dead band: a shrink keeps TOLERANCE of the figure spare
     if spec.target.kind == "inflightPerReplica" and desired < current:
-        banded = min(current, math.ceil(round(figure * (1 + DOWN_MARGIN), 9)))
+        banded = min(current, math.ceil(round(figure * (1 + TOLERANCE), 9)))
         if banded > desired:
             rule = "dead-band"
-            how += (f"; {figure:.2f} x {1 + DOWN_MARGIN:g} needs {banded}"
+            how += (f"; {figure:.2f} x {1 + TOLERANCE:g} needs {banded}"
                     + (" (dead band)" if banded == current else ""))
             desired = banded
+    # ... and a growth needs the figure past TOLERANCE over the size
+    if (spec.target.kind == "inflightPerReplica" and desired > current > 0
+            and round(raw, 9) <= current * (1 + TOLERANCE)):
+        rule = "dead-band"
+        how += f"; {raw:.3f} within {TOLERANCE:.0%} over {current} (dead band)"
+        desired = current
     high = spec.max_replicas if placeable is None else min(spec.max_replicas, placeable)
     low = spec.min_replicas
 
@@ -221,8 +242,15 @@ def decide(
         rule = "wake"
         how = (f"woken: {load.held} held" + (", wake pending" if load.wake_pending else "")
                + f"; {how}")
+    # 5. partial signal: a floor of the load; never down on it, save back within the bounds
+    if not complete and desired < current:
+        kept = min(current, high)  # over maxReplicas still comes back
+        if kept != desired:
+            how = (f"{how} asks {desired}, but not every orchestrator's load was read "
+                   "(a partial read never scales down)")
+            desired, rule = kept, "partial"
     direction = (desired > current) - (desired < current)
-    # 5. cool-down: one change of direction per window (bounds and wake are not held back)
+    # 6. cool-down: one change of direction per window (bounds and wake are not held back)
     if (
         direction != 0
         and not wake

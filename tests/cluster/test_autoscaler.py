@@ -5,11 +5,15 @@ pointed at a tiny HTTP server on loopback that serves GET /v1/load with figures 
 reaching a real orchestrator's load needs its pod, which the decision and the writes under test
 do not. What is real: the API server, the CRDs (the spec's CEL rules), the scale subresource,
 the pool's reconcile (pods created, and removed on scale-down), the status and the Events.
+The last test drops the hook: the operator reads each orchestrator pod (a real Deployment's
+pods on kwok nodes, at their loopback pod IPs) where a FakeLoadServer stands in for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from tests.cluster.test_operator_writes import _sa_kubeconfig
 from tests.harness.cluster import Cluster, pods
 from tests.harness.fakeload import FakeLoadServer, stage_load
 from tests.harness.kubeclient import Kube
+from tests.harness.local import free_port
 from tests.harness.operator import Operator, apply, pipeline_doc, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -218,3 +223,123 @@ def test_an_hpa_on_an_autoscaled_pool_is_refused(kube: Cluster, namespace: str,
                        "the ExternalAutoscaler event")
     assert event["type"] == "Warning" and "external" in event["message"]
     assert _replicas(kube, namespace)[0] == 1  # the load asks 3: left to the HPA
+
+
+# ---- several orchestrators (issue 37) --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _reading_pods(operator: Operator) -> Iterator[None]:
+    """The operator without its load hook for a while: it reads the orchestrator pods."""
+    env = dict(operator.env)
+    operator.stop()
+    operator.env = {k: v for k, v in env.items() if k != LOAD_URL_ENV}
+    operator.start()
+    try:
+        yield
+    finally:
+        operator.stop()
+        operator.env = env
+        operator.start()
+
+
+def _orchestrators(kube: Cluster, namespace: str, pipeline: str,
+                   count: int) -> list[dict[str, Any]]:
+    """The pipeline's `count` orchestrator pods once each is Ready with a pod IP."""
+    selector = f"{k.LABEL_PIPELINE}={pipeline},{k.LABEL_COMPONENT}=orchestrator"
+
+    def ready() -> list[dict[str, Any]] | None:
+        found = [p for p in pods(kube.kube, namespace, selector)
+                 if not p["metadata"].get("deletionTimestamp")
+                 and (p.get("status") or {}).get("podIP")
+                 and k.condition_status(p, "Ready") == "True"]
+        return found if len(found) == count else None
+
+    found = wait_for(ready, 120, f"{count} Ready orchestrator pods of {pipeline}")
+    assert all(p["status"]["podIP"].startswith("127.") for p in found)  # loopback only
+    return found
+
+
+def _spec_replicas(kube: Cluster, namespace: str, pool: str) -> int | None:
+    return (kube.kube.get(resource_path(k.API_VERSION, "stagepools", namespace, pool),
+                          ignore=(404,)) or {}).get("spec", {}).get("replicas")
+
+
+def _autoscaler_status(kube: Cluster, namespace: str, pool: str) -> dict[str, Any]:
+    doc = kube.kube.get(resource_path(k.API_VERSION, "stagepools", namespace, pool),
+                        ignore=(404,)) or {}
+    return (doc.get("status") or {}).get("autoscaler") or {}
+
+
+def test_two_orchestrators_size_pools_as_one_and_keep_a_stage_either_sends_to(
+        kube: Cluster, namespace: str, operator: Operator) -> None:
+    """Issue 37: the same total load through one orchestrator (pipeline solo) and through two
+    (pipeline duo, half each) sizes stage a the same (within one replica); stage b of duo,
+    which only one of its orchestrators sends to at a time (x, then y), is never scaled to zero,
+    though the other reports it idle for far longer than its idleSeconds; each decision names
+    both orchestrators. Each orchestrator pod's GET /v1/load is a FakeLoadServer at the pod's
+    own loopback IP and the orchestrator port, read by the operator straight, as it reads a
+    real one. Kills: an autoscaler that reads one orchestrator of two."""
+    if not kube.is_local:
+        pytest.skip("serves /v1/load at kwok's loopback pod IPs: local control plane only")
+    port = free_port()
+    a = {"name": "a", "kind": "echo", "placement": KWOK,
+         "autoscaling": {"minReplicas": 1, "maxReplicas": 6, "periodSeconds": 1,
+                         "coolDownSeconds": 0}}
+    b = {"name": "b", "kind": "echo", "inputs": ["a"], "finalOutput": True, "placement": KWOK,
+         "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "periodSeconds": 1,
+                         "idleSeconds": 1, "coolDownSeconds": 0}}
+    servers: list[FakeLoadServer] = []
+
+    def serve(pod: dict[str, Any]) -> FakeLoadServer:
+        server = FakeLoadServer(pod["status"]["podIP"], port)
+        server.clock = time.time
+        servers.append(server)
+        return server
+
+    def busy(arrivals_per_s: float) -> Any:
+        return stage_load(inflight=round(arrivals_per_s), arrivals_per_s=arrivals_per_s,
+                          service_s=1.0, exec_s=1.0, last_request_unix=time.time())
+
+    with _reading_pods(operator):
+        try:
+            for name, count in (("solo", 1), ("duo", 2)):
+                apply(kube, namespace, pipeline_doc(name, [dict(a), dict(b)], orchestrator={
+                    **KWOK, "replicas": count, "port": port}))
+            [solo] = [serve(p) for p in _orchestrators(kube, namespace, "solo", 1)]
+            x, y = [serve(p) for p in sorted(_orchestrators(kube, namespace, "duo", 2),
+                                             key=lambda p: p["metadata"]["name"])]
+            solo.stages = {"a": busy(4.0), "b": busy(1.0)}
+            x.stages = {"a": busy(2.0), "b": busy(1.0)}  # x sends to b, y does not
+            y.stages = {"a": busy(2.0), "b": stage_load()}
+
+            wait_for(lambda: _spec_replicas(kube, namespace, "solo-a") == 4, 90,
+                     "solo-a sized 4 on its one orchestrator", operator.log_tail)
+            wait_for(lambda: abs((_spec_replicas(kube, namespace, "duo-a") or 0) - 4) <= 1, 60,
+                     "duo-a sized within one of solo-a on two orchestrators' load",
+                     operator.log_tail)
+            scaler = wait_for(lambda: (_autoscaler_status(kube, namespace, "duo-a")
+                                       .get("inputs", {}).get("orchestratorsRead") == 2
+                                       and _autoscaler_status(kube, namespace, "duo-a")), 30,
+                              "duo-a's decision on both orchestrators", operator.log_tail)
+            assert scaler["inputs"]["arrivalsPerSecond"] == 4.0
+            assert "read 2 orchestrators (duo-orchestrator-" in scaler["reason"], scaler
+
+            # b: x sends, y idle; then the other way round. Each phase lasts several periods
+            # (reads counted at both fakes), each far past b's idleSeconds for the idle one.
+            for sender, idle in ((x, y), (y, x)):
+                sender.stages = {**sender.stages, "b": busy(1.0)}
+                idle.stages = {**idle.stages, "b": stage_load(last_request_unix=time.time() - 60)}
+                def periods(start: int = x.reads + y.reads) -> bool:
+                    return x.reads + y.reads >= start + 10
+
+                wait_for(periods, 60, "5 periods or more", operator.log_tail)
+            downs = [e["message"] for e in _events(kube, namespace, "Autoscaled")
+                     if e["involvedObject"]["name"] == "duo-b" and "-> 0" in e["message"]]
+            assert downs == [], downs
+            assert _spec_replicas(kube, namespace, "duo-b") == 1
+            assert x.reads > 0 and y.reads > 0  # each orchestrator read, not one of them
+            assert _spec_replicas(kube, namespace, "duo-a") == 4  # steady at solo's size
+        finally:
+            for server in servers:
+                server.close()

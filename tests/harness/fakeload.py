@@ -60,7 +60,8 @@ class FakeLoadServer:
     requests pinned, each as a leaving revision), on LOAD_PATH only (any other path is a 500),
     and a 500 while `broken`. `document(path)` replaces that for fakes that answer per path
     (for example per pipeline behind `url`). Several servers may share a port at different
-    loopback addresses (several orchestrator pods)."""
+    loopback addresses (several orchestrator pods). `clock` gives the document's `now` (0 by
+    default; time.time for a fake whose `last_request_unix` is a wall time)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  document: Callable[[str], Obj] | None = None) -> None:
@@ -68,6 +69,7 @@ class FakeLoadServer:
         self.pinned: dict[tuple[str, str], int] = {}
         self.without: tuple[str, ...] = ()
         self.broken = False
+        self.clock: Callable[[], float] = lambda: 0.0
         self._per_path = document
         self.server = JsonServer(self._reply, host, port)
         self.host, self.port = host, self.server.port
@@ -82,7 +84,8 @@ class FakeLoadServer:
         revisions: dict[str, dict[str, RevisionLoad]] = {}
         for (stage, revision), n in self.pinned.items():
             revisions.setdefault(stage, {})[revision] = revision_load(pinned=n)
-        return load_document(self.stages, revisions=revisions, without=self.without)
+        return load_document(self.stages, revisions=revisions, without=self.without,
+                             now=self.clock())
 
     def _reply(self, path: str) -> tuple[int, Obj]:
         if self.broken:

@@ -366,8 +366,9 @@ def test_the_load_is_read_from_a_ready_orchestrator_pod_else_through_the_service
                          "status": {"podIP": "127.0.0.2", "conditions": []}}
             controller.pods[("ns", "p-orchestrator")] = {"y": not_ready, "x": orchestrator}
             api.calls.clear()
-            assert await scaler._read_load("ns", "p") == load(inflight=2)  # straight
-            assert await scaler._read_load("ns", "p") == load(inflight=2)  # kept alive
+            for _ in range(2):  # straight, then on the kept-alive connection
+                reads = await scaler._read_load("ns", "p")
+                assert reads.docs == {"p-orchestrator-x": load(inflight=2)} and reads.complete
             assert served == [LOAD_PATH, LOAD_PATH] and api.calls == []  # not the proxy
             await scaler.close()
 
@@ -377,6 +378,10 @@ def test_the_load_is_read_from_a_ready_orchestrator_pod_else_through_the_service
 
 
 def test_a_pipeline_read_through_the_proxy_tries_the_proxy_first_next_time() -> None:
+    """Its one ready orchestrator pod cannot be reached straight (an operator outside the pods'
+    network): the service proxy answers, and is asked first from then on."""
+    import socket
+
     async def main() -> None:
         api = CountingApi()
         answers = [json.dumps(load(inflight=1))]
@@ -389,17 +394,27 @@ def test_a_pipeline_read_through_the_proxy_tries_the_proxy_first_next_time() -> 
         controller = Controller(api)  # type: ignore[arg-type]
         scaler = controller.autoscaler
         straight: list[str] = []
-        real = scaler._straight
+        real = scaler._client.get_json
 
-        async def counted(ns: str, pipeline: str) -> Any:
-            straight.append(pipeline)
-            return await real(ns, pipeline)
+        async def counted(url: str) -> Any:
+            straight.append(url)
+            return await real(url)
 
-        scaler._straight = counted  # type: ignore[method-assign]
-        assert await scaler._read_load("ns", "p") == load(inflight=1)
-        assert straight == ["p"]  # tried first, no pod: then the proxy
-        assert await scaler._read_load("ns", "p") == load(inflight=1)
-        assert straight == ["p"] and len(api.calls) == 2  # the proxy first now
+        scaler._client.get_json = counted  # type: ignore[method-assign]
+        with socket.socket() as refused:  # bound, never listening: the straight read fails
+            refused.bind(("127.0.0.2", 0))
+            controller.children[("Service", "ns", "p-orchestrator")] = {
+                "spec": {"ports": [{"name": "http", "port": refused.getsockname()[1]}]}}
+            controller.pods[("ns", "p-orchestrator")] = {"x": {
+                "metadata": {"name": "p-orchestrator-x", "namespace": "ns"},
+                "status": {"podIP": "127.0.0.2",
+                           "conditions": [{"type": "Ready", "status": "True"}]}}}
+            reads = await scaler._read_load("ns", "p")
+            assert reads.docs == {"p-orchestrator-x": load(inflight=1)} and reads.complete
+            assert len(straight) == 1 and len(api.calls) == 1  # straight first, then the proxy
+            reads = await scaler._read_load("ns", "p")
+            assert reads.docs == {"p-orchestrator-x": load(inflight=1)}
+            assert len(straight) == 1 and len(api.calls) == 2  # the proxy first now
         await scaler.close()
 
     asyncio.run(main())
@@ -681,3 +696,145 @@ def test_every_running_orchestrator_pod_is_read_and_the_proxy_only_for_the_one_r
         asyncio.run(main())
     finally:
         first.close()
+
+
+# ---- every orchestrator (issue 37, defect 1) ------------------------------------------------
+
+
+def test_combining_loads_adds_the_counts_and_weights_the_times_by_arrivals() -> None:
+    """Little's law adds up over orchestrators (arrivals x service of the whole is the sum of
+    each one's); a latency p95 errs high; the idle time is the shortest any one reports, on
+    its own clock; a stage is in use if any one sends to it. Kills: taking one document, a
+    plain mean of the service times, a sum of the p95s or of the replicas."""
+    from omni_operator.autoscaler import combine_loads
+
+    x = load_document({"a": stage_load(replicas=3, inflight=2, held=1, arrivals_per_s=3.0,
+                                       service_s=1.0, exec_s=0.8, queue_wait_p95_s=0.2,
+                                       ttfo_p95_s=0.5, last_request_unix=T0 - 30)},
+                      now=T0)
+    y = load_document({"a": stage_load(replicas=3, inflight=1, arrivals_per_s=1.0,
+                                       service_s=2.0, exec_s=1.6, queue_wait_p95_s=0.9,
+                                       ttfo_p95_s=0.1, last_request_unix=T0 - 12,
+                                       wake_pending=True),
+                       "b": stage_load(inflight=1, arrivals_per_s=0.5)},
+                      now=T0 - 10)  # y's clock is 10 s behind: its last request was 2 s ago
+    both = combine_loads([x, y])
+    a = stage_figures(both, "a")
+    assert a is not None
+    assert (a.replicas, a.inflight, a.held, a.arrivals_per_s) == (3, 3, 1, 4.0)
+    assert a.service_s == pytest.approx((3 * 1.0 + 1 * 2.0) / 4)  # 1.25, not the mean 1.5
+    assert a.exec_s == pytest.approx((3 * 0.8 + 1 * 1.6) / 4)
+    assert (a.queue_wait_p95_s, a.ttfo_p95_s, a.wake_pending) == (0.9, 0.5, True)
+    assert both["now"] == T0 and a.last_request_unix == pytest.approx(T0 - 2)
+    b = stage_figures(both, "b")  # reported by y alone: in use
+    assert b is not None and (b.inflight, b.arrivals_per_s) == (1, 0.5)
+    assert combine_loads([x]) is x  # one orchestrator: its document as it is
+    idle = combine_loads([load(), load()])
+    assert stage_figures(idle, "a") == StageFigures(replicas=1)
+
+
+def _two_orchestrators(controller: Controller, port: int) -> None:
+    """Ready orchestrator pods x (127.0.0.1) and y (127.0.0.2), the same port, x first."""
+    controller.children[("Service", "ns", "p-orchestrator")] = {
+        "spec": {"ports": [{"name": "http", "port": port}]}}
+    controller.pods[("ns", "p-orchestrator")] = {
+        name: {"metadata": {"name": f"p-orchestrator-{name}", "namespace": "ns"},
+               "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+        for name, ip in (("x", "127.0.0.1"), ("y", "127.0.0.2"))}
+
+
+def test_every_ready_orchestrator_is_read_and_its_load_counted() -> None:
+    """Two orchestrators each carry half the load: the pool is sized on the sum (4, not 2),
+    and a stage only y sends to is not scaled to zero however long x has been idle for it.
+    Kills: reading the first ready orchestrator pod only (issue 37: pools sized on half the
+    load, a stage scaled to zero while another orchestrator still sent to it)."""
+    x, y = FakeLoadServer("127.0.0.1"), None
+    try:
+        y = FakeLoadServer("127.0.0.2", x.port)
+        x.clock = y.clock = lambda: T0
+        half = stage_load(inflight=2, arrivals_per_s=2.0, service_s=1.0, exec_s=1.0)
+        x.stages = {"a": half, "b": stage_load()}  # x never sends to b
+        y.stages = {"a": half, "b": stage_load(inflight=1, arrivals_per_s=0.5, service_s=1.0,
+                                               last_request_unix=T0)}
+
+        async def main() -> None:
+            api = CountingApi()
+            clock = Clock()
+            controller = Controller(api)  # type: ignore[arg-type]
+            scaler = Autoscaler(controller, clock=clock)  # the real reader
+            controller.autoscaler = scaler
+            _two_orchestrators(controller, x.port)
+            b = pool(1, minReplicas=0, idleSeconds=10, coolDownSeconds=0)
+            b["metadata"].update(name="p-b", uid="u-b")
+            b["spec"]["stage"]["name"] = "b"
+            controller.view.observe("StagePool", "MODIFIED", pool(1))
+            controller.view.observe("StagePool", "MODIFIED", b)
+            for at in (0, 15, 30, 45, 60):  # past idleSeconds, a period at a time
+                clock.now = T0 + at
+                await scaler.step()
+            sizes = {url.split("/")[-2]: call["body"]["spec"]["replicas"]
+                     for _, url, call in api.writes("/scale")}
+            assert sizes == {"p-a": 4}  # b stays at 1: y sends to it
+            assert x.reads >= 2 and y.reads >= 2
+            report = scaler.report(pool(1))
+            assert report is not None and report.inputs is not None
+            assert report.inputs["orchestratorsRead"] == 2
+            assert report.inputs["orchestratorsUnread"] == 0
+            assert report.reason is not None and report.reason.endswith(
+                "read 2 orchestrators (p-orchestrator-x, p-orchestrator-y)")
+            [event] = [e for e in api.events() if e["reason"] == "Autoscaled"]
+            assert "read 2 orchestrators" in event["message"]
+            await scaler.close()
+
+        asyncio.run(main())
+    finally:
+        x.close()
+        if y is not None:
+            y.close()
+
+
+def test_a_partial_read_grows_but_never_shrinks_and_names_what_it_missed() -> None:
+    """y cannot be read (HTTP 500): what x reports is a floor of the load, so the pool may
+    grow on it but not shrink, nor go to zero; the decision says which orchestrator it read
+    and which not, and why. Kills: deciding on the orchestrators that answered as if they
+    were all, and a decision silent about the one it missed."""
+    x, y = FakeLoadServer("127.0.0.1"), None
+    try:
+        y = FakeLoadServer("127.0.0.2", x.port)
+        y.broken = True
+        x.stages = {"a": stage_load()}  # idle for x: asks for zero
+
+        async def main() -> None:
+            api = CountingApi()
+            clock = Clock()
+            controller = Controller(api)  # type: ignore[arg-type]
+            scaler = Autoscaler(controller, clock=clock)
+            controller.autoscaler = scaler
+            _two_orchestrators(controller, x.port)
+            controller.view.observe("StagePool", "MODIFIED",
+                                     pool(4, minReplicas=0, idleSeconds=10, coolDownSeconds=0))
+            for at in (0, 15, 30, 45):
+                clock.now = T0 + at
+                await scaler.step()
+            assert api.writes("/scale") == []
+            report = scaler.report(pool(4))
+            assert report is not None and report.inputs is not None
+            assert (report.desired_replicas, report.rule, report.signal) == (4, "partial",
+                                                                             "Available")
+            assert report.inputs["orchestratorsUnread"] == 1
+            assert report.reason is not None
+            assert "a partial read never scales down" in report.reason
+            assert ("read 1 orchestrator (p-orchestrator-x); not read: 1 (p-orchestrator-y "
+                    "(straight: LoadReadError: HTTP 500") in report.reason
+            x.stages = {"a": stage_load(inflight=6, arrivals_per_s=6.0, service_s=1.0)}
+            clock.now = T0 + 60
+            await scaler.step()
+            [(_, _, call)] = api.writes("/scale")
+            assert call["body"] == {"spec": {"replicas": 6}}  # growth on a floor is safe
+            await scaler.close()
+
+        asyncio.run(main())
+    finally:
+        x.close()
+        if y is not None:
+            y.close()

@@ -122,7 +122,7 @@ def test_in_flight_is_not_divided_by_a_target_under_one() -> None:
 def test_a_shrink_keeps_a_dead_band() -> None:
     """A figure just over a whole number moves across it as the window's arrival count moves;
     without a dead band the pool turned once per cool-down. A shrink goes only as far as
-    keeps DOWN_MARGIN of the figure spare; growth has no band."""
+    keeps TOLERANCE of the figure spare (growth has its own side of the band: below)."""
     s = spec(target={"inflightPerReplica": 0.8})
     near = Load(arrivals_per_s=1.17, service_s=1.3, exec_s=1.3)  # 1.90: ceil says 2
     d = decide(s, near, 3, AutoscalerState(), 0)
@@ -133,6 +133,55 @@ def test_a_shrink_keeps_a_dead_band() -> None:
     assert decide(s, low, 3, AutoscalerState(), 0).desired == 2
     quiet = Load(arrivals_per_s=0.31, service_s=1.3, exec_s=1.3)
     assert decide(s, quiet, 3, AutoscalerState(), 0).desired == 1
+
+
+def test_a_figure_within_the_tolerance_over_the_size_keeps_it() -> None:
+    """The same tolerance up as down (issue 37): one serial client measured at 2.5/s x
+    0.402 s = 1.005 replicas keeps its one replica instead of asking for a second that would
+    sit idle. A figure past TOLERANCE over the size still grows the pool, to ceil(figure); the
+    one-a-period growth of a saturated pool is not held back by it; a pool at zero is not
+    banded. Kills: rounding 1.005 up to 2, and a band that stops a saturated pool growing."""
+    serial = Load(inflight=1, arrivals_per_s=2.5, service_s=0.402, exec_s=0.402)
+    d = decide(spec(), serial, 1, AutoscalerState(), 0)
+    assert (d.desired, d.direction, d.rule) == (1, 0, "dead-band")
+    assert d.reason == ("keep 1: Little's law 2.5/s x 0.402s / 1 per replica; 1.005 within "
+                        "20% over 1 (dead band)")
+    assert decide(spec(), Load(arrivals_per_s=1.19, service_s=1.0), 1, AutoscalerState(),
+                  0).desired == 1
+    assert decide(spec(), Load(arrivals_per_s=1.25, service_s=1.0), 1, AutoscalerState(),
+                  0).desired == 2
+    assert decide(spec(), Load(arrivals_per_s=5.9, service_s=1.0), 5, AutoscalerState(),
+                  0).desired == 5
+    assert decide(spec(), Load(arrivals_per_s=6.1, service_s=1.0), 5, AutoscalerState(),
+                  0).desired == 7
+    # saturated: 13 in flight on 10 replicas grows by one a period (11 is within 20% of 10)
+    grown = decide(spec(maxReplicas=16), Load(inflight=13, arrivals_per_s=5.0, service_s=1.0),
+                   10, AutoscalerState(), 0)
+    assert (grown.desired, grown.rule) == (11, "target")
+    assert decide(spec(minReplicas=0), Load(arrivals_per_s=0.5, service_s=1.0), 0,
+                  AutoscalerState(), 0).desired == 1
+
+
+def test_a_partial_signal_grows_but_never_shrinks() -> None:
+    """complete=False (an orchestrator's load could not be read): the figures are a floor of
+    the load. Up is safe, down is not: no shrink, no zero, and no idle time starts on it; a
+    pool over maxReplicas still comes back to it."""
+    s = spec(minReplicas=0, idleSeconds=10, coolDownSeconds=0)
+    quiet = Load(arrivals_per_s=1.0, service_s=1.0)
+    d = decide(s, quiet, 4, AutoscalerState(), 0, complete=False)
+    assert (d.desired, d.direction, d.rule) == (4, 0, "partial")
+    assert d.reason.startswith("keep 4: Little's law") and "partial read" in d.reason
+    assert decide(s, quiet, 4, AutoscalerState(), 0).desired == 2  # whole: down
+    busy = Load(arrivals_per_s=6.0, service_s=1.0)
+    assert decide(s, busy, 4, AutoscalerState(), 0, complete=False).desired == 6
+    c = Clock(s, current=1)
+    for at in (0, 20, 40):  # idle as far as the orchestrators read can tell
+        d = c.at(at, Load(), complete=False)
+        assert (d.desired, d.state.idle_since) == (1, None)
+    assert c.at(50, Load()).desired == 1  # the idle time starts on the first whole read
+    assert c.at(60, Load()).desired == 0
+    over = decide(spec(maxReplicas=4), quiet, 6, AutoscalerState(), 0, complete=False)
+    assert (over.desired, over.direction) == (4, -1)
 
 
 def test_queue_wait_over_target_grows_in_proportion() -> None:
