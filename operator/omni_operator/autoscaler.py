@@ -60,7 +60,7 @@ from omnistage.autoscaling import (
     Decision,
     decide,
 )
-from omnistage.kubeapi import ApiError, gather_all, path, resource_path
+from omnistage.kubeapi import ApiError, ConfigError, gather_all, path, resource_path
 from omnistage.spec import Autoscaling
 
 __all__ = [
@@ -388,6 +388,8 @@ class Autoscaler:
             self._kick.clear()
             try:
                 await self.step()
+            except ConfigError as exc:  # credentials (an exec plugin failed): one line
+                log.warning("autoscaler step failed: %s", exc)
             except Exception:
                 log.exception("autoscaler step failed")
 
@@ -434,6 +436,9 @@ class Autoscaler:
                 try:
                     await self._settle(pool, scaling, doc, reads, error, now, woken,
                                        targets.get(pool["metadata"]["name"]))
+                except ConfigError as exc:  # credentials (an exec plugin failed): one line
+                    log.warning("autoscaling %s/%s failed: %s", ns, pool["metadata"]["name"],
+                                exc)
                 except Exception:
                     log.exception("autoscaling %s/%s failed", ns, pool["metadata"]["name"])
                 tracked = self._tracked.get(key)

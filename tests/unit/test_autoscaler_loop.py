@@ -838,3 +838,26 @@ def test_a_partial_read_grows_but_never_shrinks_and_names_what_it_missed() -> No
         x.close()
         if y is not None:
             y.close()
+
+
+def test_a_credentials_failure_while_scaling_is_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """An exec plugin that fails at run time reaches the autoscaler as a ConfigError from its
+    scale write: logged as one line with the plugin's message, no traceback (issue 37, 13)."""
+    from omnistage.kubeapi import ConfigError
+
+    async def main() -> None:
+        rig = Rig(load(inflight=3, arrivals_per_s=3.0, service_s=1.0))
+
+        async def failing(url: str, body: Any, kind: str = "merge", **params: Any) -> Obj:
+            raise ConfigError("kubeconfig user 'u': exec credential plugin `get-token` "
+                              "failed: exit 1: token service down")
+
+        rig.api.patch = failing  # type: ignore[method-assign]
+        rig.see(pool(1))
+        with caplog.at_level("WARNING", logger="omnistage.operator"):
+            await rig.step(0)
+
+    asyncio.run(main())
+    [record] = [r for r in caplog.records if "autoscaling ns/p-a failed" in r.getMessage()]
+    assert "token service down" in record.getMessage()
+    assert record.exc_info is None and "\n" not in record.getMessage()
