@@ -20,11 +20,13 @@ from omni_operator.release import (
     doc_revision,
     format_order,
     pool_order,
+    pool_revision,
     release_order,
     stored_orders,
 )
 from omnistage import kube
 from omnistage.orchestrator.shutdown import shutdown_seconds
+from omnistage.revision import IMAGE_ENV
 from omnistage.spec import ModelCache, OmniPipeline, Stage, engine_for_kind
 from omnistage.tuning import worker_env
 from omnistage.worker.config import worker_args
@@ -215,7 +217,7 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage,
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     meta = _meta(kube.pool_name(name, stage.name), ns, labels(name, "stage", stage.name), owner)
     stored = pool_stage(stage)
-    revision = doc_revision(stored)
+    revision = doc_revision(stored, pipeline.spec.image)
     order = release_order(current, revision, int(owner["metadata"].get("generation") or 0))
     meta["annotations"] = {
         ANNOTATION_SEED_REPLICAS: str(stage.replicas),
@@ -453,6 +455,8 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
                          "limits": {"memory": res.memory}})
     env, mounts, volumes = _downward_env(), [{"name": "tmp", "mountPath": "/tmp"}], [
         {"name": "tmp", "emptyDir": {}}]
+    # The image is part of the revision: the worker computes the one its pod is labelled with.
+    env.append({"name": IMAGE_ENV, "value": spec["image"]})
     inits: list[Obj] = []
     if fetch is not None:
         init, volume, fetch_env = fetch
@@ -514,7 +518,7 @@ def pool_pod(pool: Obj, ordinal: int, *, surge: bool = False) -> Obj:
     meta = pool["metadata"]
     pipeline, stage = pool["spec"]["pipeline"], pool["spec"]["stage"]["name"]
     lbls = {**labels(pipeline, "stage", stage), kube.LABEL_ORDINAL: str(ordinal),
-            kube.LABEL_REVISION: doc_revision(pool["spec"]["stage"])}
+            kube.LABEL_REVISION: pool_revision(pool)}
     annotations = {kube.ANNOTATION_SPEC_HASH: spec_hash,
                    kube.ANNOTATION_REVISION_ORDER: str(pool_order(pool))}
     if surge:

@@ -31,6 +31,7 @@ from typing import Any
 from omni_operator import builders, release
 from omnistage import kube
 from omnistage.kubeapi import KubeApi, path
+from omnistage.revision import base_revision
 from omnistage.spec import Stage
 
 Obj = dict[str, Any]
@@ -79,13 +80,20 @@ def pinned_in_flight(loads: Iterable[Any], stage: str, revision: str) -> int | N
     for doc in loads:
         if not isinstance(doc, dict):
             return None
-        entry = ((doc.get("revisions") or {}).get(stage) or {}).get(revision) or {}
-        if not isinstance(entry, dict):
+        # The label's revision, and each refinement of it by a resolved hub commit
+        # (revision.worker_revision: what the orchestrator pins by).
+        stage_revs = (doc.get("revisions") or {}).get(stage) or {}
+        if not isinstance(stage_revs, dict):
             return None
-        count = entry.get("pinned", 0)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            return None
-        total += count
+        for key, entry in stage_revs.items():
+            if base_revision(str(key)) != revision:
+                continue
+            if not isinstance(entry, dict):
+                return None
+            count = entry.get("pinned", 0)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                return None
+            total += count
     return total
 
 

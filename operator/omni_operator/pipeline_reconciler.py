@@ -9,7 +9,12 @@ import logging
 
 from omni_operator import builders
 from omni_operator.events import now_iso
-from omni_operator.status import pipeline_status, terminating_status, transition_event
+from omni_operator.status import (
+    pipeline_status,
+    terminating_status,
+    transition_event,
+    waking_for,
+)
 from omni_operator.status_models import PipelineStatus
 from omni_operator.view import Key, Obj, ObjectView, Scheduler, meta_key
 from omni_operator.writes import Writes, few, owners, owns, removed
@@ -86,6 +91,10 @@ class PipelineReconciler:
             for s in pipeline.spec.stages
         }
         deployment = self.view.deployments.get((ns, builders.orchestrator_name(name)))
+        now = now_iso()
+        # A stage waking from zero serves while its held requests can still wait: up to the
+        # request timeout (status.py, "Waking").
+        bound = float(pipeline.spec.orchestrator.request_timeout_seconds)
         status = pipeline_status(
             obj,
             [s.name for s in pipeline.spec.stages],
@@ -93,9 +102,15 @@ class PipelineReconciler:
             deployment,
             pipeline.spec.orchestrator.replicas,
             builders.endpoint(pipeline, ns),
-            now_iso(),
+            now,
+            wake_bound_s=bound,
         )
         await self.write_status(obj, status)
+        # No pool event may come when the bound passes: look again then.
+        waking = [w for pool in stages.values() if (w := waking_for(pool, now)) is not None
+                  and w < bound]
+        if waking:
+            self.scheduler.enqueue_later(("OmniPipeline", ns, name), bound - max(waking) + 1.0)
 
     async def write_status(self, obj: Obj, status: PipelineStatus) -> None:
         """Write the status; when the phase or the Ready reason changed, say so in one event on

@@ -65,15 +65,16 @@ __all__ = [
 ]
 
 
-def doc_revision(stage_doc: Obj) -> str:
-    """The revision of a stage as a StagePool stores it (spec.stage): what its workers compute
-    from the same document, so the pod label and the worker's stamp agree."""
-    return stage_revision(Stage.model_validate(dict(stage_doc)))
+def doc_revision(stage_doc: Obj, image: str | None) -> str:
+    """The revision of a stage as a StagePool stores it (spec.stage), run in `image`: what its
+    workers compute from the same document and $OMNISTAGE_IMAGE, so the pod label and the
+    worker's stamp agree (the worker adds its resolved hub commit: revision.worker_revision)."""
+    return stage_revision(Stage.model_validate(dict(stage_doc)), image)
 
 
 def pool_revision(pool: Obj) -> str:
-    """The revision the pool's replicas should run: its spec's."""
-    return doc_revision(pool["spec"]["stage"])
+    """The revision the pool's replicas should run: its spec's stage in its spec's image."""
+    return doc_revision(pool["spec"]["stage"], pool["spec"].get("image"))
 
 
 #: Revisions (with their orders) a StagePool remembers: the spec's and the ones before it.

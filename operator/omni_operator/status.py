@@ -7,6 +7,12 @@
   maxUnavailable keeps Ready True; losing replicas that were serving does not.
 - Progressing: a rollout, a scale or replicas still starting.
 - Degraded (phase): below the minimum after having served; Pending: not served yet.
+- Waking: a pool the autoscaler took to zero (IdleAtZero) and now asked for replicas is below
+  its minimum only because they are starting: its Ready is False with reason Waking from the
+  moment it left zero (lastTransitionTime), and the pipeline counts the stage as serving
+  (requests for it are held, not failed) until the wake has lasted the pipeline's
+  requestTimeoutSeconds, past which a held request has timed out: then Degraded, as any stage
+  below its minimum.
 - Terminating (phase): the object is being deleted.
 - Invalid (phase), Ready=False reason InvalidSpec: the spec is refused, with every field error.
 
@@ -19,6 +25,7 @@ of omni_operator.status_models; the controller writes their wire form.
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from omni_operator import release
@@ -41,6 +48,7 @@ from omnistage import kube
 from omnistage.spec import Autoscaling
 
 __all__ = [
+    "IDLE_AT_ZERO",
     "INVALID_SPEC",
     "MODEL_FAILURES",
     "PHASES",
@@ -55,11 +63,18 @@ __all__ = [
     "summary",
     "terminating_status",
     "transition_event",
+    "waking_for",
 ]
 
 Obj = dict[str, Any]
 
 INVALID_SPEC = "InvalidSpec"
+#: Ready reasons of a pool at zero that serves through the hold and the wake, and of one that
+#: is coming up from there (see the module doc).
+IDLE_AT_ZERO = "IdleAtZero"
+WAKING = "Waking"
+#: The pipeline's Ready reason when a stage's wake lasted past its bound.
+WAKE_TIMEOUT = "WakeTimeout"
 #: Phases after which a pipeline below its minimum is Degraded rather than still Pending.
 _HAS_SERVED = ("Ready", "Progressing", "Degraded")
 
@@ -144,19 +159,30 @@ def pool_status(pool: Obj, pods: list[Obj], template_hash: str, now: str,
     settled = desired if settled_now else int(old.settled_replicas or 0)
     minimum = stage_minimum(desired, settled, max_unavailable)
     counts = f"{min(ready, desired)}/{desired} replicas ready"
+    failures = [f for p in live if (f := model_failure(p))]
+    old_ready = old.condition("Ready")
+    # Up from zero, and not settled since: starting replicas are a wake, not a loss. A model
+    # that cannot load is a failure all the same.
+    waking = (_wakes_on_demand(spec) and not failures and old_ready is not None
+              and old_ready.reason in (IDLE_AT_ZERO, WAKING))
 
     if desired == 0 and _wakes_on_demand(spec):
-        ok, reason, message = True, "IdleAtZero", (
+        ok, reason, message = True, IDLE_AT_ZERO, (
             "scaled to zero by the autoscaler: a request for the stage is held and wakes it")
     elif desired == 0:
         ok, reason, message = False, "ScaledToZero", "replicas is 0: the stage cannot serve"
     elif ready >= minimum:
         reason = "AllReplicasReady" if ready >= desired else "MinimumReplicasReady"
         ok, message = True, f"{counts} (minimum {minimum})"
+    elif waking:
+        waits = f"; {unschedulable[0][0]}: {unschedulable[0][1]}" if unschedulable else ""
+        ok, reason, message = False, WAKING, (
+            f"waking from zero: {counts} (minimum {minimum}); requests for the stage are "
+            f"held meanwhile{waits}")
     elif unschedulable:
         name, msg = unschedulable[0]
         ok, reason, message = False, "InsufficientCapacity", f"{name}: {msg}"
-    elif failures := [f for p in live if (f := model_failure(p))]:
+    elif failures:
         ok, (reason, message) = False, failures[0]
     else:
         ok, reason, message = False, "ReplicasNotReady", f"{counts} (minimum {minimum})"
@@ -246,11 +272,28 @@ def _autoscaling(scaler: AutoscalerStatus) -> tuple[bool, str, str]:
 Why = tuple[str, str]  # (reason, message)
 
 
-def _stage_view(pool: Obj | None) -> tuple[bool, Why | None, Why | None]:
+def _seconds(stamp: str) -> float:
+    """An RFC 3339 time (as conditions carry it) in epoch seconds."""
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def waking_for(pool: Obj | None, now: str) -> float | None:
+    """How long the pool has been waking from zero (seconds since its Ready turned Waking), or
+    None when it is not waking."""
+    ready = PoolStatus.stored(pool).condition("Ready")
+    if ready is None or ready.status == "True" or ready.reason != WAKING:
+        return None
+    since = ready.last_transition_time
+    return max(0.0, _seconds(now) - _seconds(since)) if since else 0.0
+
+
+def _stage_view(pool: Obj | None, now: str, wake_bound_s: float
+                ) -> tuple[bool, Why | None, Why | None]:
     """(serving, why it is not, why it is progressing) for one stage's pool.
 
     A pool whose status predates its spec (a rollout or scale just began) keeps its last Ready
-    verdict, so a spec change alone never flips the pipeline out of Ready.
+    verdict, so a spec change alone never flips the pipeline out of Ready. A pool waking from
+    zero serves (its requests are held) until the wake has lasted wake_bound_s.
     """
     status = PoolStatus.stored(pool)
     ready = status.condition("Ready")
@@ -264,6 +307,13 @@ def _stage_view(pool: Obj | None) -> tuple[bool, Why | None, Why | None]:
         why_moving = (_or(moving.reason, "Progressing"), _or(moving.message, ""))
     elif not fresh:
         why_moving = ("Progressing", "applying the new spec")
+    waking = waking_for(pool, now)
+    if waking is not None and waking < wake_bound_s:
+        return True, None, (WAKING, _or(ready.message, ""))
+    if waking is not None:
+        return False, (WAKE_TIMEOUT, f"still waking after {waking:.0f}s, past the pipeline's "
+                       f"requestTimeoutSeconds ({wake_bound_s:g}s) that a held request waits "
+                       f"at most: {_or(ready.message, '')}"), why_moving
     if ready.status != "True":
         return False, (_or(ready.reason, "ReplicasNotReady"), _or(ready.message, "")), (
             why_moving)
@@ -275,10 +325,19 @@ def _or(value: str | None, default: str) -> str:
     return default if value is None else value
 
 
+#: The wake bound when the caller names none: OrchestratorOptions.requestTimeoutSeconds'
+#: default.
+DEFAULT_WAKE_BOUND_S = 300.0
+
+
 def pipeline_status(
     pipeline: Obj, stages: list[str], pools: dict[str, Obj | None], deployment: Obj | None,
-    want_orchestrators: int, endpoint: str, now: str,
+    want_orchestrators: int, endpoint: str, now: str, *,
+    wake_bound_s: float = DEFAULT_WAKE_BOUND_S,
 ) -> PipelineStatus:
+    """The pipeline's status from its pools and orchestrator Deployment. wake_bound_s: how long
+    a stage may wake from zero and still count as serving (the pipeline's
+    requestTimeoutSeconds)."""
     gen = int(pipeline["metadata"].get("generation", 0))
     old = PipelineStatus.stored(pipeline)
     previous = old.conditions
@@ -287,6 +346,7 @@ def pipeline_status(
     moving: list[tuple[str, str]] = []
     stable: dict[str, str] = {}
     candidate: dict[str, str] = {}
+    waking: list[str] = []  # stages waking from zero within the bound: serving, held
     for name in stages:
         pool = pools.get(name)
         st = PoolStatus.stored(pool)
@@ -302,9 +362,11 @@ def pipeline_status(
             others = [r.revision for r in st.revisions or []
                       if r.revision and r.revision != st.revision and (r.replicas or 0) > 0]
             stable[name] = others[0] if others else st.revision
-        serving, why_down, why_moving = _stage_view(pool)
+        serving, why_down, why_moving = _stage_view(pool, now, wake_bound_s)
         if not serving and why_down:
             down.append((why_down[0], f"stage {name}: {why_down[1]}"))
+        if serving and why_moving and why_moving[0] == WAKING:
+            waking.append(name)
         if why_moving:
             moving.append((why_moving[0], f"stage {name}: {why_moving[1]}"))
     capacity = [d for d in down if d[0] == "InsufficientCapacity"]
@@ -334,7 +396,9 @@ def pipeline_status(
 
     ok = stages_ok and orch_ok
     if ok:
-        r_reason, r_msg = "Serving", "pipeline is serving"
+        r_reason, r_msg = "Serving", "pipeline is serving" + (
+            f"; waking from zero: {', '.join(waking)} (requests for it are held)"
+            if waking else "")
     elif not stages_ok:
         r_reason, r_msg = s_reason, s_msg
     else:

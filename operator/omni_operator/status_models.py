@@ -167,8 +167,8 @@ class AutoscalerStatus(_Model):
     reason: str | None = Field(None, max_length=1024,
                                description="The decision in one line: the figure and the rule.")
     rule: str | None = Field(
-        None, max_length=64, description="The rule that settled it: target, bounds, idle, wake, "
-        "cool-down or signal.")
+        None, max_length=64, description="The rule that settled it: target, dead-band, bounds, "
+        "idle, wake, partial (not every orchestrator could be read), cool-down or signal.")
     target: str | None = Field(None, max_length=128,
                                description="The target, such as inflightPerReplica=1.")
     figure: float | None = Field(

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from omni_operator.view import Key, ObjectView, Scheduler
 from omni_operator.writes import PermanentError, Writes, permanent
 from omnistage.backoff import Backoff
-from omnistage.kubeapi import namespace_terminating
+from omnistage.kubeapi import ConfigError, namespace_terminating
 from omnistage.spec import SpecError
 
 log = logging.getLogger("omnistage.operator")
@@ -146,8 +146,10 @@ class WorkQueue:
             return
         delay = self.retry.failed(key)
         count = self.retry.failures(key)
-        if count == 1:
+        if count == 1 and not isinstance(exc, ConfigError):
             log.warning("reconcile %s failed; retrying in %.1fs", key, delay, exc_info=exc)
+        elif count == 1:  # credentials (an exec plugin failed): the message says it all
+            log.warning("reconcile %s failed: %s; retrying in %.1fs", key, exc, delay)
         else:
             log.warning("reconcile %s failed again (%d in a row): %s: %s; retrying in %.1fs",
                         key, count, type(exc).__name__, exc, delay)

@@ -201,6 +201,8 @@ class LocalStageRuntime:
         # The size each stage's pool heads for: the spec's replicas until scale() changes it;
         # the supervisor starts and retires processes to match.
         self.desired: dict[str, int] = {s.name: s.replicas for s in pipeline.spec.stages}
+        # Replicas scaled away through the drain path, by stage: planned, never restarts.
+        self.retired: dict[str, int] = dict.fromkeys(self.desired, 0)
         self._sockets = itertools.count()
         self._gpu_list: list[str] = []  # the visible GPUs plan() found, for scaled-up replicas
 
@@ -475,6 +477,7 @@ class LocalStageRuntime:
         self._drained(rep)
         with self._lock:
             self.replicas.pop(rep.plan.name, None)
+            self.retired[rep.plan.stage.name] += 1
         if rep.ipc is not None:
             rep.ipc.unlink(missing_ok=True)
         self.progress(f"replica {rep.plan.name} stopped (scaled down)")
@@ -654,6 +657,11 @@ class RuntimeCollector:
         yield family(CounterMetricFamily, "omnistage_runtime_replica_restarts_total",
                      "Times a replica was started again after its process exited", common,
                      [(k, r.restarts) for k, r in rows], labels)
+        with rt._lock:
+            retired = sorted(rt.retired.items())
+        yield family(CounterMetricFamily, "omnistage_runtime_replicas_retired_total",
+                     "Replicas scaled away and stopped through the drain path: planned, not "
+                     "restarts", common, [((stage,), n) for stage, n in retired], ["stage"])
         yield family(GaugeMetricFamily, "omnistage_runtime_replica_crash_looping",
                      f"1 while a replica has crashed {CRASH_LOOP_AFTER} or more times in a row",
                      common, [(k, 1 if r.crash_looping else 0) for k, r in rows], labels)

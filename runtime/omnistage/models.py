@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -364,6 +365,25 @@ def fetch(ref: ModelRef, *, download: bool | None = None, progress: bool = True)
     except (HfHubHTTPError, OSError) as exc:
         raise ModelUnavailable(name, f"cannot be fetched: {exc}", _pull_fix(ref)) from None
     return Path(path)
+
+
+def resolved_commit(model: str) -> str | None:
+    """The commit a hub reference resolves to in the hub cache, as the loader resolves it
+    (the ref file of its branch or tag, `main` when it names none; a commit names itself);
+    None for built-ins, local paths and a model not in the cache. No network: the revision
+    a worker reports (omnistage.revision.worker_revision) must be what it loads."""
+    ref = parse_model_ref(model)
+    if ref.kind != "hub":
+        return None
+    name = ref.revision or "main"
+    if re.fullmatch(r"[0-9a-f]{40}", name):
+        return name
+    repo = hub_cache() / ("models--" + ref.source.replace("/", "--"))
+    try:
+        commit = (repo / "refs" / name).read_text().strip()
+    except OSError:
+        return None
+    return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
 def resolve(model: str, stage_kind: str) -> Path:

@@ -10,7 +10,9 @@ names it, an OpenAI-style code), so a worker's refusal and the API's read the sa
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, TypeVar
+from collections.abc import Iterable
+from types import UnionType
+from typing import Annotated, Any, ClassVar, TypeVar, get_args
 
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -22,6 +24,7 @@ from omnistage.spec import EngineOptions, PerRequest, Stage
 from omnistage.spec.errors import Problem, describe_errors, error_path, json_type
 
 __all__ = [
+    "WORKER_SEED",
     "Problem",
     "StageParams",
     "describe",
@@ -31,6 +34,7 @@ __all__ = [
     "json_type",
     "max_tokens_bound",
     "per_request",
+    "seed_defaults",
     "stage_params",
 ]
 
@@ -44,7 +48,12 @@ def engine_type(name: str) -> Any:
     """EngineOptions.<name>'s type with its bounds, for a request field that sets that knob."""
     info = EngineOptions.model_fields[name]
     bounds = [m for m in info.metadata if not isinstance(m, PerRequest)]
-    return Annotated[info.annotation, *bounds] if bounds else info.annotation
+    # A knob the spec may leave unset (seed) is still a plain value in a request: the request
+    # field adds its own `| None`.
+    args = [a for a in get_args(info.annotation) if a is not type(None)]
+    kind = args[0] if isinstance(info.annotation, UnionType) and len(args) == 1 \
+        else info.annotation
+    return Annotated[kind, *bounds] if bounds else kind
 
 
 def engine_bounds(name: str) -> tuple[Any, Any, Any]:
@@ -75,6 +84,12 @@ def max_tokens_bound(stage: Stage) -> int:
     return max(most, 0)
 
 
+def seed_defaults(stages: Iterable[Stage]) -> dict[str, int | None]:
+    """Stage name -> its spec's seed (None: unset), for each stage whose kind takes a seed:
+    what the orchestrator fixes a request's seeds from (PipelineRequest.seeded)."""
+    return {s.name: s.engine.seed for s in stages if "seed" in per_request(s.kind).values()}
+
+
 def per_request(kind: str) -> dict[str, str]:
     """Request key -> EngineOptions field, for the knobs a request to this kind may override:
     the kind's engine options (omnistage.kinds) that carry a PerRequest mark."""
@@ -99,13 +114,20 @@ class StageParams(BaseModel):
 
     def options(self, engine: EngineOptions) -> EngineOptions:
         """The stage's options with this request's overrides. They were validated against the
-        same bounds, so the copy needs no second check."""
+        same bounds, so the copy needs no second check. The orchestrator gives every request
+        a seed (requests.PipelineRequest.seeded); a worker asked directly with none, and no
+        seed in its spec, uses WORKER_SEED, so its executors always have one."""
         given = {field: getattr(self, key) for key, field in self.knobs.items()
                  if getattr(self, key) is not None}
+        if engine.seed is None and "seed" not in given:
+            given["seed"] = WORKER_SEED
         return engine.model_copy(update=given) if given else engine
 
 
 B = TypeVar("B", bound=StageParams)
+
+#: The seed of a request that reaches a worker without one (not through an orchestrator).
+WORKER_SEED = 0
 
 
 def stage_params(kind: str, base: type[B]) -> type[B]:

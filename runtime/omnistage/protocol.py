@@ -246,6 +246,10 @@ class HelloReply(_Wire, tag="hello_reply"):
     incarnation: str  # a new random id at every process start
     shm: ShmProbe | None = None  # the worker's segment, when it could read the client's
     revision: Revision | None = None  # its stage's payload revision: what it stamps and checks
+    # It copies a fed chunk's shared-memory tensors as the feed arrives, so a chunk's blocks
+    # may go back to the upstream once it credits them; a worker without it (an older one in a
+    # rollout) reads them in place, so they stay lent until the request ends.
+    copies_fed: bool = False
 
 
 # A task's first output (delta seq 1, chunk seq 1) and its final or aborted reply carry how long

@@ -8,8 +8,9 @@ lease) travels over ZMQ, and the reader views the bytes where they lie.
 
 Lifetimes are explicit:
 - A block lent in a reply belongs to its owner until the borrower sends `release` (the
-  orchestrator does at the end of each request), or until the borrower's segment is gone or
-  unlocked: a borrower that dies, even by SIGKILL, gives its blocks back.
+  orchestrator does at the end of each request, and for a streamed chunk once its downstream
+  credited it), or until the borrower's segment is gone or unlocked: a borrower that dies,
+  even by SIGKILL, gives its blocks back.
 - A block sent in a request is freed when that request's terminal reply arrives (the worker is
   then done with it), or when the channel closes.
 - A segment whose owner died (its lock is free) is unlinked by whichever live process sweeps
@@ -17,7 +18,8 @@ Lifetimes are explicit:
   leaves a reaper behind that sweeps its session once the serve process is gone.
 
 Each segment is capped (`ShmConfig.cap_bytes`, the sum over processes bounds the machine): a
-sender that finds its segment full waits for blocks to come back (back-pressure). Pages are
+sender that finds its segment full waits for blocks to come back (back-pressure), or, given a
+patience (streamed chunks), only that long before it sends frames instead. Pages are
 reserved with fallocate before anything is written, so a full tmpfs makes the sender wait or
 fall back to frames; it never faults with SIGBUS or runs the machine out of memory.
 """
@@ -493,11 +495,14 @@ class SegmentManager:
         borrower: str | None = None,
         deadline: float | None = None,
         cancelled: Callable[[], bool] | None = None,
+        patience: float | None = None,
     ) -> p.WireTensor | None:
         """Like try_place, but waits (FIFO) for room while the segment is full: back-pressure.
 
         Returns None when waiting cannot help (the tensor exceeds the cap, or the directory is
-        full while nothing of ours is live): send it as frames then. Raises TimeoutError at the
+        full while nothing of ours is live) or, with patience, once it waited that many seconds
+        (a sender whose own window bounds what it has out, a streamed chunk, must not wait on
+        blocks that other requests hold): send it as frames then. Raises TimeoutError at the
         deadline (a time.monotonic() value) and WaitCancelled when cancelled() turns true.
         """
         wt = p.WireTensor.from_any(value)
@@ -507,7 +512,7 @@ class SegmentManager:
             return None
         block = seg.alloc(wt.nbytes) if not self._waiters else None
         if block is None:
-            block = await self._wait_for(wt.nbytes, deadline, cancelled)
+            block = await self._wait_for(wt.nbytes, deadline, cancelled, patience)
             if block is None:
                 self.counters["fallbacks"] += 1
                 return None
@@ -517,12 +522,14 @@ class SegmentManager:
         return self._fill(block, wt, borrower)
 
     async def _wait_for(
-        self, nbytes: int, deadline: float | None, cancelled: Callable[[], bool] | None
+        self, nbytes: int, deadline: float | None, cancelled: Callable[[], bool] | None,
+        patience: float | None = None,
     ) -> Block | None:
         self.counters["waits"] += 1
         changed = self._event()
         ticket = object()
         self._waiters.append(ticket)
+        give_up = None if patience is None else time.monotonic() + patience
         try:
             while True:
                 if self._waiters[0] is ticket:
@@ -534,6 +541,11 @@ class SegmentManager:
                 if cancelled is not None and cancelled():
                     raise WaitCancelled("cancelled while waiting for room in shared memory")
                 wait = SWEEP_S / 4
+                if give_up is not None:
+                    left = give_up - time.monotonic()
+                    if left <= 0 and (deadline is None or time.monotonic() < deadline):
+                        return None  # patience spent: frames, not a wait on others' blocks
+                    wait = min(wait, max(left, 0.0))
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:

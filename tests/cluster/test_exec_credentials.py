@@ -172,3 +172,50 @@ def test_a_failing_plugin_is_one_error_line_naming_it(
         assert named in out.stderr and "token service unreachable" in out.stderr, out
         assert "Traceback" not in out.stderr, out
     assert len(plugin.calls()) == 3 and all(c["failed"] for c in plugin.calls())
+
+
+def test_a_plugin_that_fails_at_run_time_is_one_line_each_time(
+        kube: Cluster, crds: None, namespace: str, tmp_path: Path, tokens: list[str]) -> None:
+    """The plugin worked at start-up, then fails when the operator renews its expired token:
+    every failure is one log line naming the plugin and its stderr, never a traceback; once
+    the plugin works again, the operator carries on."""
+    plugin = ExecPluginScript(tmp_path / "plugin", tokens, ttl_s=TTL_S)
+    config = _kubeconfig(kube, tmp_path / "exec.kubeconfig", {"exec": plugin.user()}, "exec")
+    op = Operator(kube, tmp_path / "operator.log", webhook=False, kubeconfig=config)
+    op.start()
+    try:
+        apply(kube, namespace, kwok_pipeline("before", [stage("s", final=True, replicas=1)]))
+        wait_for(lambda: stage_pods(kube, namespace, "before"), 90,
+                 "the operator's stage pod for 'before'", op.log_tail)
+        start = op.log_offset()
+        plugin.fail = "token service unreachable"
+        plugin.save()
+        expired = max(c["expires"] for c in plugin.calls())
+        wait_for(lambda: time.time() > expired + 0.5, TTL_S + 5, "the plugin's token to expire")
+        # Work for the controller: its writes need a token, which the failing plugin must renew.
+        apply(kube, namespace, kwok_pipeline("p", [stage("s", final=True, replicas=1)]))
+        named = f"exec credential plugin `{plugin.command} --cluster test` failed"
+
+        def failures() -> list[str]:
+            with open(op.log_path, "rb") as f:
+                f.seek(start)
+                text = f.read().decode(errors="replace")
+            return [line for line in text.splitlines() if "token service unreachable" in line]
+
+        # The controller's writes (and kopf's re-login) run the failing plugin, again and again
+        # as they retry.
+        wait_for(lambda: len([c for c in plugin.calls() if c["failed"]]) >= 3
+                 and len(failures()) >= 3, 60,
+                 "three failed runs of the plugin, logged", op.log_tail)
+        with open(op.log_path, "rb") as f:
+            f.seek(start)
+            since = f.read().decode(errors="replace")
+        assert "Traceback" not in since, since[-6000:]
+        assert all(named in line for line in failures()), failures()
+        plugin.fail = None
+        plugin.save()
+        wait_for(lambda: stage_pods(kube, namespace, "p"), 90,
+                 "the stage pod for 'p' once the plugin works again", op.log_tail)
+        assert op.proc is not None and op.proc.poll() is None
+    finally:
+        op.stop()

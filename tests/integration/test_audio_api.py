@@ -233,7 +233,7 @@ def test_image_and_audio_parts_reach_the_entry_stage(servers: dict[str, str]) ->
             {"type": "input_audio", "input_audio": {"data": wav_b64(0.5, 44100),
                                                     "format": "wav"}}]}])
     assert reply.choices[0].message.content == (
-        f"what is this image 0 32x24 audio 1 {media.INPUT_AUDIO_SAMPLE_RATE // 2} samples")
+        f"what is this image 0 32x24 audio 0 {media.INPUT_AUDIO_SAMPLE_RATE // 2} samples")
 
 
 # --------------------------------------------------------------------------- bad input

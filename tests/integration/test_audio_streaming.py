@@ -210,10 +210,12 @@ def test_a_client_gone_mid_stream_stops_the_stage(server: Server) -> None:
 
 async def test_the_vocoder_streams_its_windows_to_a_streaming_request(serve) -> None:
     orch = await serve("tts.yaml")
-    whole = audio_of(await run(orch, PipelineRequest(prompt="hello there")))
+    seed = {"*": {"seed": 1}}  # the same audio twice: unseeded, each request draws its own
+    whole = audio_of(await run(orch, PipelineRequest(prompt="hello there", params=seed)))
     chunks: list[np.ndarray] = []
     outcome = None
-    async for event in orch.submit(PipelineRequest(prompt="hello there", stream=True)).events():
+    streamed = PipelineRequest(prompt="hello there", stream=True, params=seed)
+    async for event in orch.submit(streamed).events():
         if isinstance(event, AudioChunk):
             assert outcome is None and event.stage == "vocoder"
             assert event.sample_rate == TINY_SAMPLE_RATE and event.seq == len(chunks) + 1

@@ -13,6 +13,7 @@ import pytest
 from omnistage.models import TINY_SAMPLE_RATE
 from omnistage.orchestrator.engine import Orchestrator
 from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
+from omnistage.orchestrator.render import speech_usage
 from omnistage.orchestrator.requests import Outcome, PipelineRequest
 from omnistage.spec import load_pipeline
 
@@ -60,10 +61,18 @@ def audio_of(out: Outcome, stage: str = "vocoder") -> np.ndarray:
 
 async def test_tts_example_speaks_the_prompt(serve) -> None:
     orch = await serve("tts.yaml")
-    one = audio_of(await run(orch, PipelineRequest(prompt="hello there")))
-    again = audio_of(await run(orch, PipelineRequest(prompt="hello there")))
+    seed = {"*": {"seed": 1}}  # unseeded, each request draws its own (the talker samples)
+    first = await run(orch, PipelineRequest(prompt="hello there", params=seed))
+    one = audio_of(first)
+    # Usage (speech.audio.done's): no thinker here, so the talker counts the text it read.
+    talker = first.children[0].outputs["talker"].fields
+    usage = speech_usage(first)
+    assert usage["input_tokens"] == talker["prompt_tokens"] > 0
+    assert usage["output_tokens"] == talker["completion_tokens"] > 0
+    again = audio_of(await run(orch, PipelineRequest(prompt="hello there", params=seed)))
     assert np.array_equal(one, again)  # seeded: the same request, the same audio
-    other = audio_of(await run(orch, PipelineRequest(prompt="something else entirely")))
+    other = audio_of(await run(orch, PipelineRequest(prompt="something else entirely",
+                                                     params=seed)))
     assert not np.array_equal(one[:other.size], other[:one.size])  # the text conditions it
     bad = await run(orch, PipelineRequest(prompt="hi", params={"talker": {"voice": "nobody"}}))
     assert bad.status == "request_error" and "params.voice" in bad.error.message, bad

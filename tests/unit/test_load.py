@@ -161,11 +161,13 @@ def test_the_json_shape_is_the_contract() -> None:
     t, _ = tracker()
     load = PipelineLoad(window_s=10.0, now=1.0, stages={"a": figures(t)})
     doc = msgspec.json.decode(msgspec.json.encode(load))
-    assert set(doc) == {"window_s", "now", "stages", "revisions"}
+    assert set(doc) == {"window_s", "now", "stages", "revisions", "held_by_cause"}
     assert set(doc["stages"]["a"]) == {
         "replicas", "inflight", "held", "arrivals_per_s", "service_s", "exec_s", "queue_wait_p95_s",
         "ttfo_p95_s", "last_request_unix", "wake_pending"}
     assert msgspec.json.decode(msgspec.json.encode(load), type=PipelineLoad) == load
+    del doc["held_by_cause"]  # an orchestrator older than the field: read as none held
+    assert msgspec.json.decode(msgspec.json.encode(doc), type=PipelineLoad).held_by_cause == {}
 
 
 def test_a_revision_says_how_many_requests_are_pinned_to_it_and_old_readers_get_0() -> None:

@@ -700,7 +700,8 @@ def test_validate_manifest_dispatches_on_kind_and_checks_updates() -> None:
 def test_a_pool_stores_only_the_engine_options_of_its_kind() -> None:
     stages = parse_pipeline(chain()).spec
     ar = engine_for_kind(stages.stage("a").engine, "ar")
-    assert {"dtype", "maxTokens", "temperature", "returnHiddenStates", "seed"} <= set(ar)
+    assert {"dtype", "maxTokens", "temperature", "returnHiddenStates"} <= set(ar)
+    assert "seed" not in ar  # unset: each request gets its own (stored only when pinned)
     assert not {"height", "numInferenceSteps", "echoDelayMs"} & set(ar)
     diffusion = engine_for_kind(stages.stage("c").engine, "diffusion")
     assert "height" in diffusion and "maxTokens" not in diffusion

@@ -256,7 +256,7 @@ def test_engine_defaults() -> None:
     (class bodies are not mutated by mutmut; this pins them against hand edits)."""
     assert EngineOptions().model_dump() == {
         "dtype": "auto", "max_tokens": 16, "temperature": 0.0, "return_hidden_states": False,
-        "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": 0,
+        "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": None,
         "echo_delay_ms": 0, "echo_chunk_chars": 0, "echo_chunk_delay_ms": 0,
         "voices": None, "voice": None, "max_frames": 256, "chunk_frames": 8,
         "max_batch_size": 16, "max_batch_tokens": None,
@@ -354,9 +354,9 @@ def test_durations_are_plain_seconds() -> None:
 # --------------------------------------------------------------------------- engine by kind
 
 AR = {"dtype": "auto", "maxTokens": 16, "temperature": 0.0, "returnHiddenStates": False,
-      "seed": 0, "maxBatchSize": 16}
+      "maxBatchSize": 16}
 DIFFUSION = {"dtype": "auto", "height": 32, "width": 32, "numInferenceSteps": 4,
-             "guidanceScale": 1.0, "seed": 0, "maxBatchSize": 16}
+             "guidanceScale": 1.0, "maxBatchSize": 16}
 ECHO = {"echoDelayMs": 0, "echoChunkChars": 0, "echoChunkDelayMs": 0}
 
 

@@ -130,7 +130,8 @@ def test_thinker_encodes_images_and_audio(thinker) -> None:
     ({"input_image.0": np.zeros((1, 300, 3), dtype=np.uint8)},
      "tensors.input_image.0: the model's image processor refused it: absolute aspect ratio"),
     ({"input_audio.0": np.zeros(200, dtype=np.float32)},
-     "tensors.input_audio.0: at least 201 samples"),
+     "tensors.input_audio.0: the audio is too short for this model: at least 13 ms, got "
+     "12.5 ms"),
 ])
 def test_thinker_refuses_corrupt_media(thinker, tensors, field) -> None:
     with pytest.raises(BadRequest, match=re.escape(field)):

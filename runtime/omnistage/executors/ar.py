@@ -22,6 +22,7 @@ final reply carries the whole answer. Sampling draws token i from a generator se
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -369,7 +370,8 @@ class ThinkerExecutor(ARExecutor):
                                      f"{wt.dtype} {list(wt.shape)}")
                 pcm = np.array(wt.numpy())
                 if not np.isfinite(pcm).all() or float(np.abs(pcm).max()) > 1.0:
-                    raise BadRequest(f"tensors.{name}: samples must be finite and in [-1, 1]")
+                    raise BadRequest(f"tensors.{name}: the audio's samples must be finite "
+                                     "and in [-1, 1]")
                 found[what][i] = pcm
         for what, got in found.items():
             if sorted(got) != list(range(len(got))):
@@ -413,9 +415,11 @@ class ThinkerExecutor(ARExecutor):
             shortest = int(getattr(self.feature_extractor, "n_fft", 0)) // 2 + 1
             for i, clip in enumerate(audio):
                 if clip.shape[0] < shortest:
-                    raise BadRequest(f"tensors.input_audio.{i}: at least {shortest} samples "
-                                     f"({shortest / INPUT_AUDIO_SAMPLE_RATE * 1000:.0f} ms at "
-                                     f"{INPUT_AUDIO_SAMPLE_RATE} Hz), got {clip.shape[0]}")
+                    ms = 1000 / INPUT_AUDIO_SAMPLE_RATE
+                    raise BadRequest(f"tensors.input_audio.{i}: the audio is too short for this "
+                                     f"model: at least {math.ceil(shortest * ms)} ms, got "
+                                     f"{clip.shape[0] * ms:.1f} ms ({shortest} and "
+                                     f"{clip.shape[0]} samples at {INPUT_AUDIO_SAMPLE_RATE} Hz)")
             out = self.feature_extractor(audio, sampling_rate=INPUT_AUDIO_SAMPLE_RATE,
                                          return_attention_mask=True, padding=True,
                                          return_tensors="pt")

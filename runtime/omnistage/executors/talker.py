@@ -65,6 +65,7 @@ class TalkerJob:
     chunk_frames: int = 8  # frames per streamed chunk (engine.chunk_frames)
     speaker: int = 0
     prompt: str | None = None  # the TTS text (checked again when a job not fed has no input)
+    prompt_tokens: int | None = None  # the TTS text's tokens (usage); a thinker counts its own
 
 
 @dataclass
@@ -146,6 +147,7 @@ class TalkerExecutor(BatchExecutor):
                 context, text = self._from_thinker(tensors)
             else:
                 context, text = self._from_prompt(req.prompt)
+                job.prompt_tokens = int(text.shape[1])
             job.prefill, job.trailing, job.pad = self._talker_inputs(context, text, speaker)
         self._check_length(job)
         return job
@@ -349,8 +351,10 @@ class TalkerExecutor(BatchExecutor):
         import torch
 
         codes = torch.tensor(frames, dtype=torch.int64).reshape(len(frames), self.groups)
-        return Outcome({"finish_reason": finish, "completion_tokens": len(frames)},
-                       {"codec_codes": codes}, aborted=aborted)
+        fields: dict[str, Any] = {"finish_reason": finish, "completion_tokens": len(frames)}
+        if job.prompt_tokens is not None:
+            fields["prompt_tokens"] = job.prompt_tokens
+        return Outcome(fields, {"codec_codes": codes}, aborted=aborted)
 
     def aborted_before_start(self, job: TalkerJob) -> Outcome:
         return self._outcome([], "abort", job, aborted=True)

@@ -3,7 +3,9 @@
 In a pod, the service account; elsewhere kubeconfig as kubectl reads it (merged $KUBECONFIG
 list, contexts, certificates, token files, exec plugins), through the `kubernetes` package's
 loader, imported only then. The loader supplies server, CA, client certificate and a token; an
-exec plugin's token is renewed on expiry or a 401. Why apart from the client: kopf's own watches
+exec plugin's token is renewed on expiry or a 401; a plugin that fails is one ConfigError
+whose message names the plugin and carries its stderr, logged as one line wherever it surfaces
+(at start-up, in a reconcile, in kopf's login). Why apart from the client: kopf's own watches
 take the same credentials (`KubeConfig.connection_info()`) without any of the REST code.
 """
 
@@ -68,6 +70,8 @@ def kubeconfig_paths(spec: str | os.PathLike[str] | None = None) -> list[str]:
 #: A plugin's token is renewed this long before its expirationTimestamp (at most a quarter
 #: of its lifetime, so a short-lived token is not renewed on every call).
 EXEC_RENEW_EARLY_S = 30.0
+#: kopf's next login after the credentials could not be had (an exec plugin failed).
+LOGIN_RETRY_S = 5.0
 
 
 class ExecPlugin:
@@ -120,11 +124,13 @@ class ExecPlugin:
         self.runs += 1
         try:
             status = ExecProvider(self._exec, self._cwd, self._cluster).run()
+        # `from None`: the message says all (the plugin, its exit and its stderr); the
+        # ExecProvider's own traceback would only lengthen every log line that reports it.
         except FileNotFoundError as exc:
             hint = f"; {self.install_hint}" if self.install_hint else ""
-            raise ConfigError(f"{what} not found: {exc}{hint}") from exc
+            raise ConfigError(f"{what} not found: {exc}{hint}") from None
         except (ConfigException, OSError) as exc:
-            raise ConfigError(f"{what} failed: {exc}") from exc
+            raise ConfigError(f"{what} failed: {exc}") from None
         token = status.get("token") if isinstance(status, dict) else None
         if not token:
             got = "a client certificate" if isinstance(status, dict) and status.get(
@@ -328,9 +334,14 @@ class KubeConfig:
         so an exec plugin runs again."""
         import kopf
 
-        token = self.bearer_token()
-        if token is not None and token == self._kopf_token and self.renew(token):
+        try:
             token = self.bearer_token()
+            if token is not None and token == self._kopf_token and self.renew(token):
+                token = self.bearer_token()
+        except ConfigError as exc:
+            # kopf logs a TemporaryError as one line and tries again; any other exception
+            # with its traceback.
+            raise kopf.TemporaryError(str(exc), delay=LOGIN_RETRY_S) from None
         self._kopf_token = token
         return kopf.ConnectionInfo(
             server=self.server, ca_path=self.ca_file, insecure=self.insecure,

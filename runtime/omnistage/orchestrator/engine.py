@@ -56,11 +56,11 @@ from omnistage import protocol as p
 from omnistage.client import ReplicaChannel
 from omnistage.metrics import new_registry
 from omnistage.orchestrator.failover import Failover
-from omnistage.orchestrator.holds import HoldCause, Holds, Wakes
+from omnistage.orchestrator.holds import HoldCause, Holds, Wakes, hold_bounds
 from omnistage.orchestrator.load import LoadTracker, PipelineLoad, window_of
 from omnistage.orchestrator.membership import Membership
 from omnistage.orchestrator.metrics import OrchestratorCollector
-from omnistage.orchestrator.pins import Pins
+from omnistage.orchestrator.pins import Pins, pipeline_revision
 from omnistage.orchestrator.plan import MAX_N, Planner
 from omnistage.orchestrator.pools import Replica, StagePool
 from omnistage.orchestrator.replicas import Replicas
@@ -77,10 +77,11 @@ from omnistage.orchestrator.requests import (
     RequestError,
     StageOutput,
 )
-from omnistage.orchestrator.routing import Router
+from omnistage.orchestrator.routing import Router, wake_shares
 from omnistage.orchestrator.streams import Streams
 from omnistage.orchestrator.tasks import Child, Reply, Request, Stream, Task, tell_abort
 from omnistage.orchestrator.wake import Waker
+from omnistage.params import seed_defaults
 from omnistage.shm import SegmentManager, ShmConfig, start_segment_manager
 from omnistage.spec import OmniPipeline
 
@@ -92,7 +93,7 @@ _Request = Request  # its name here before tasks.py held it
 _OUTPUTS = (p.Delta, p.Chunk, p.Final, p.Aborted)  # what a stage's first output may be
 # What metrics.py counts (revision_refusals: tasks a worker refused with revision_mismatch).
 _COUNTERS = ("late_messages", "late_aborts", "replicas_lost", "replica_restarts",
-             "suspect_requests", "revision_refusals")
+             "replicas_retired", "suspect_requests", "revision_refusals")
 
 
 class RequestHandle:
@@ -102,6 +103,11 @@ class RequestHandle:
         self._orch = orch
         self._request = request
         self.id = request.id
+
+    @property
+    def revision(self) -> str | None:
+        """The pipeline revision the request is pinned to (pins.pipeline_revision)."""
+        return pipeline_revision(self._request.pins)
 
     async def events(self) -> AsyncIterator[Event]:
         while True:
@@ -136,11 +142,13 @@ class Orchestrator:
         shm: ShmConfig | None = None,
         waker: Waker | None = None,
         revision_rng: random.Random | None = None,
+        seed_rng: random.Random | None = None,
     ) -> None:
         """notes() adds lines to /readyz's reason, for what the placement knows and the
         orchestrator cannot (a local replica crash-looping). waker: asked to start a stage
         that is at zero replicas while a request is held for it (holds.Wakes). revision_rng:
-        the random source of the newest/previous choice at admission (tests seed it)."""
+        the random source of the newest/previous choice at admission (tests seed it).
+        seed_rng: where a request without a seed gets one at admission (PipelineRequest.seeded)."""
         self.pipeline = pipeline
         self.shm_config = shm
         self.shm: SegmentManager | None = None
@@ -158,17 +166,20 @@ class Orchestrator:
         self.counters: dict[str, float] = {**dict.fromkeys(_COUNTERS, 0), "latency_sum": 0.0}
         self.outcomes: dict[str, int] = {}
         self._background: set[asyncio.Task[None]] = set()
-        # A stage with autoscaling may be at zero replicas: its tasks are held (bounded by
-        # holdQueue) while the waker starts one.
+        # A stage with autoscaling may be at zero replicas: its tasks are held while the waker
+        # starts one. Every held task, whatever its cause, counts against one bound per stage
+        # (holdQueue, holds.hold_bounds).
         self.autoscaling = {s.name: s.autoscaling for s in self.spec.stages
                             if s.autoscaling is not None}
-        self.holds = Holds({s: a.hold_queue for s, a in self.autoscaling.items()})
+        self.holds = Holds(hold_bounds(self.spec.stages))
         self.wakes = Wakes(waker, self.holds, clock=time.monotonic, spawn=self._in_background)
         self.router = Router(
             self.pools, self.holds, {s.name: s.dispatch.per_replica for s in self.spec.stages
                                      if s.dispatch.per_replica is not None},
-            frozenset(self.autoscaling), send=self._send, fail=self._fail_child)
+            frozenset(self.autoscaling), send=self._send, fail=self._fail_child,
+            shares=wake_shares(self.spec.stages))
         self.pins = Pins(self.pools, (revision_rng or random.Random()).random)
+        self.seed_rng = seed_rng or random.Random()
         self.streams = Streams(self.counters, self.tasks, release=self._release,
                                start=self._start, fail=self._fail_child)
         self.failover = Failover(
@@ -189,7 +200,8 @@ class Orchestrator:
         self.registry = new_registry(OrchestratorCollector(
             pipeline=self.name, outcomes=self.outcomes, requests=self.requests,
             pools=self.pools, counters=self.counters, load=self.load,
-            failovers=self.failovers, admissions=self.admissions))
+            failovers=self.failovers, admissions=self.admissions,
+            hold_refusals=self.holds.refused))
         self._zctx: zmq.asyncio.Context | None = None
         self._stopped: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None  # set when the last request ends (for stop)
@@ -261,6 +273,7 @@ class Orchestrator:
         if pool is None or not pool.has_routable():
             return
         self.wakes.woke(stage)
+        self.router.at_wake(stage)  # held tasks spread over replicas as they arrive
         for task in self.holds.ready(stage, pool.has_routable):
             self._send(task)
 
@@ -276,6 +289,10 @@ class Orchestrator:
             self._emit_outcome(request, Outcome(rid, error.kind, [], error))  # type: ignore[arg-type]
             return handle
         self.requests[rid] = request
+        # Seeds are fixed before any task goes out, so a failover retry samples the same.
+        request.req = request.req.seeded(
+            seed_defaults(self.spec.stage(s) for s in request.order),
+            lambda most: self.seed_rng.randint(0, most))
         self.pins.admit(request)
         request.timer = asyncio.get_running_loop().call_later(timeout, self._on_deadline, request)
         request.children = [Child(request, i) for i in range(req.n)]
@@ -532,6 +549,8 @@ class Orchestrator:
 
     def _child_terminal(self, child: Child) -> None:
         request = child.request
+        if child.outcome is not None:
+            child.outcome.usage = _usage(child)
         if request.outcome is None and all(c.outcome is not None for c in request.children):
             self._emit_outcome(request, _outcome(request))
 
@@ -617,10 +636,22 @@ class Orchestrator:
             if (revs := self.pins.revisions(stage)) is not None:
                 revisions[stage] = revs
         return PipelineLoad(window_s=self.load_tracker.window_s, now=self.load_tracker.wall(),
-                            stages=stages, revisions=revisions)
+                            stages=stages, revisions=revisions,
+                            held_by_cause={s: self.holds.by_cause(s) for s in self.pools})
 
     def status(self) -> dict[str, Any]:
         return self.replicas.status()
+
+
+def _usage(child: Child) -> dict[str, dict[str, int]]:
+    """The token counts every stage of the child reported on success, final or not."""
+    usage = {}
+    for stage, msg in child.done.items():
+        counts = {f: v for f in ("prompt_tokens", "completion_tokens")
+                  if isinstance(v := getattr(msg.header, f, None), int)}
+        if counts:
+            usage[stage] = counts
+    return usage
 
 
 def _output(task: Task, msg: Reply, replica: Replica | None) -> StageOutput:

@@ -88,6 +88,7 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiErro
 
 
 _PARAM_IN_MESSAGE = re.compile(r"\bparams\.([A-Za-z_]\w*)")
+_INPUT_IN_MESSAGE = re.compile(r"\btensors\.(input_(?:image|audio)\.\d+)\b")
 ParamMap = Callable[[str, str | None], str | None]
 
 
@@ -95,32 +96,42 @@ def _same_name(key: str, _stage: str | None) -> str | None:
     return key
 
 
-def error_from_request_error(err: rq.RequestError, param_map: ParamMap = _same_name) -> ApiError:
+def error_from_request_error(err: rq.RequestError, param_map: ParamMap = _same_name,
+                             inputs: Mapping[str, str] | None = None) -> ApiError:
     """Engine/worker error to HTTP. A worker names a bad field as `params.X`; param_map turns
-    that into the field the client actually sent (for example height -> size)."""
+    that into the field the client actually sent (for example height -> size). A refusal of
+    an input tensor (`tensors.input_audio.0`) names the part of the body it came from
+    (`inputs`, PipelineRequest.inputs), in `param` and in place of the tensor and the stage
+    in the message: the client never sees the internal names."""
     param = None
-    match = _PARAM_IN_MESSAGE.search(err.message or "")
+    message = err.message or err.code
+    tensor = _INPUT_IN_MESSAGE.search(message)
+    if tensor and err.http_status == 400 and tensor.group(1) in (inputs or {}):
+        param = (inputs or {})[tensor.group(1)]
+        return ApiError(400, param + message[tensor.end():], param=param, code=err.code)
+    match = _PARAM_IN_MESSAGE.search(message)
     if match and err.http_status == 400:
         param = param_map(match.group(1), err.stage)
-    message = err.message or err.code
     if err.stage and err.http_status >= 500:
         message = f"{message} (stage {err.stage})"
     return ApiError(err.http_status, message, param=param, code=err.code,
                     retry_after=err.retry_after)
 
 
-def outcome_error(outcome: rq.Outcome, param_map: ParamMap = _same_name) -> ApiError | None:
-    """The error an OpenAI route answers with, or None when the outcome can be rendered.
+def outcome_error(outcome: rq.Outcome, param_map: ParamMap = _same_name,
+                  inputs: Mapping[str, str] | None = None) -> ApiError | None:
+    """The error an OpenAI route answers with, or None when the outcome can be rendered
+    (param_map and inputs: as error_from_request_error).
 
     OpenAI responses have no room for partial failure, so a failed child fails the response.
     An abort keeps whatever the stages returned (an AR prefix); with nothing left it is a 503.
     """
     if outcome.error is not None:
-        return error_from_request_error(outcome.error, param_map)
+        return error_from_request_error(outcome.error, param_map, inputs)
     for child in sorted(outcome.children, key=lambda c: c.index):
         if child.status in (rq.REQUEST_ERROR, rq.FATAL):
             if child.error is not None:
-                return error_from_request_error(child.error, param_map)
+                return error_from_request_error(child.error, param_map, inputs)
             return ApiError(502, f"sample {child.index} failed", code="stage_failed")
     if outcome.status in (rq.REQUEST_ERROR, rq.FATAL):
         return ApiError(500, "request failed without an error report", code="internal")

@@ -65,10 +65,12 @@ class Failover:
         must fail instead (the caller fails it with replica_lost).
 
         Its inputs are the upstream outputs the request still holds (child.done, and a fed
-        task's kept chunks, all sent again). A final AR stream the client already saw part of
-        resumes from the delivered tokens; audio the client already has cannot be resumed. A
-        lost upstream of a streamed edge restarts the downstream chain it fed, unless that
-        chain's output already reached the client.
+        task's kept chunks, all sent again: those its downstream had credited as copies in
+        process memory, their blocks already given back, the rest as the same handles). A
+        final AR stream the client already saw part of resumes from the delivered tokens;
+        audio the client already has cannot be resumed. A lost upstream of a streamed edge
+        restarts the downstream chain it fed, unless that chain's output already reached the
+        client.
         """
         child, request, stage = task.child, task.child.request, task.stage
         losses = request.losses[stage] = request.losses.get(stage, 0) + 1
@@ -110,8 +112,8 @@ class Failover:
     def _restart_chain(self, child: Child, stage: str, chain: list[str]) -> None:
         """Before a lost stage runs again: abort the downstream stages its chunks fed and
         forget those chunks, so its first new chunk starts them afresh (a stage run again
-        need not make the same chunks: sampling). Their blocks stay in request.held until the
-        outcome: an aborted downstream may still be reading them."""
+        need not make the same chunks: sampling). Blocks of chunks not yet credited stay in
+        request.held until the outcome: an aborted downstream may still be copying them."""
         for s in [stage, *chain]:
             stream = child.streams.get(s)
             if stream is not None:

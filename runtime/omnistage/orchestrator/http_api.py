@@ -121,6 +121,17 @@ class OrchestratorLike(Protocol):
 # --------------------------------------------------------------------------- responses
 
 
+#: The pipeline revision a request ran on, on every response of a route that ran the pipeline
+#: (docs/http-api.md): a client can see that its answers came from one release.
+REVISION_HEADER = "X-Omnistage-Revision"
+
+
+def request_headers(handle: RequestHandleLike) -> dict[str, str]:
+    """X-Request-Id and, when its stages name revisions, X-Omnistage-Revision."""
+    revision = getattr(handle, "revision", None)  # a test's fake handle may have none
+    return {"X-Request-Id": handle.id, **({REVISION_HEADER: revision} if revision else {})}
+
+
 def _json_response(obj: Any, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.Response(body=dumps(obj), content_type="application/json",
                         headers=dict(headers or {}))
@@ -293,13 +304,13 @@ class HttpApi:
         handle = self._submit(call.request)
         rid = f"chatcmpl-{handle.id}"
         created = int(time.time())
-        headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
+        headers = {**request_headers(handle), **ignored_header(call.ignored)}
         if call.request.stream:
             return await self._stream(request, handle, ChatSse(call, rid, created),
                                       {**_SSE_HEADERS, **headers}, chat_param)
         async with self._flight(request, handle) as flight:
             outcome = await flight.outcome()
-        err = outcome_error(outcome, chat_param)
+        err = outcome_error(outcome, chat_param, call.request.inputs)
         if err is not None:
             raise err
         if call.speech is not None:  # audio encoding is CPU work: off the event loop
@@ -319,7 +330,7 @@ class HttpApi:
         if err is not None:
             raise err
         payload = await asyncio.to_thread(render_images, outcome, call, created)
-        headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
+        headers = {**request_headers(handle), **ignored_header(call.ignored)}
         return _json_response(payload, headers)
 
     async def audio_speech(self, request: web.Request) -> web.StreamResponse:
@@ -328,7 +339,7 @@ class HttpApi:
         call = parse_speech(await self._body(request), self.pipeline,
                             self.bodies["audio_speech"])
         handle = self._submit(call.request)
-        headers = {"X-Request-Id": handle.id, **ignored_header(call.ignored)}
+        headers = {**request_headers(handle), **ignored_header(call.ignored)}
         if call.sse:
             return await self._stream(request, handle, SpeechSse(call),
                                       {**_SSE_HEADERS, **headers}, speech_param)
@@ -381,7 +392,7 @@ class HttpApi:
             payload = await asyncio.to_thread(render_generic, outcome, handle.id)
         else:  # small answers: a thread hop would cost more than the encoding
             payload = render_generic(outcome, handle.id)
-        return _json_response(payload, {"X-Request-Id": handle.id})
+        return _json_response(payload, request_headers(handle))
 
     async def pipeline_control(self, request: web.Request) -> web.Response:
         self._check_pipeline(request)

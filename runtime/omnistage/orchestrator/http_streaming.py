@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -67,6 +67,7 @@ class RequestHandleLike(Protocol):
     """What the HTTP layer needs from engine.RequestHandle."""
 
     id: str
+    revision: str | None  # the pipeline revision it is pinned to (engine.RequestHandle)
 
     def events(self) -> AsyncIterator[rq.Event]: ...
 
@@ -152,6 +153,8 @@ class StreamFormat:
 
     name = "stream"  # for logs
     heavy_finish = True
+    #: The request's input tensor -> body field (PipelineRequest.inputs), for its errors.
+    inputs: Mapping[str, str] = {}
 
     def start(self) -> list[bytes]:
         """Bytes that open the stream, sent with the first event that is not an error."""
@@ -180,6 +183,7 @@ class ChatSse(StreamFormat):
     def __init__(self, call: ChatCall, rid: str, created: int) -> None:
         self.stream = ChatStream(call, rid, created)
         self.heavy_finish = call.speech is not None  # text only: cheaper than a thread hop
+        self.inputs = call.request.inputs
 
     def start(self) -> list[bytes]:
         return [sse_event(c) for c in self.stream.start()]
@@ -273,7 +277,7 @@ async def pump(flight: Flight, fmt: StreamFormat, writer: ResponseWriter,
         async for event in handle.events():
             if isinstance(event, rq.Outcome):
                 flight.finished = True
-                err = outcome_error(event, param)
+                err = outcome_error(event, param, fmt.inputs)
                 if err is not None:
                     raise err
             if not begun:

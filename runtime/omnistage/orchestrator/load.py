@@ -70,9 +70,10 @@ class StageLoad(msgspec.Struct, kw_only=True):
     replicas: Annotated[int, _doc("Routable replicas.")]
     inflight: Annotated[int, _doc("Tasks admitted to the stage's replicas (queued in workers "
                                   "included).")]
-    held: Annotated[int, _doc("Tasks the orchestrator holds because the stage has no routable "
-                              "replica (scaled to zero), or because every replica they may go "
-                              "to is full (dispatch.perReplica).")]
+    held: Annotated[int, _doc("Tasks the orchestrator holds for the stage, every cause "
+                              "together (held_by_cause splits them): it is at zero replicas "
+                              "(wake), a replica of their revision is on its way (revision), "
+                              "or no replica they may go to has room (window).")]
     arrivals_per_s: Annotated[float, _doc("Tasks that needed the stage, per second over the "
                                           "window.")]
     service_s: Annotated[float, _doc("Mean time from dispatch to the stage's last reply over "
@@ -96,10 +97,15 @@ class PipelineLoad(msgspec.Struct, kw_only=True):
     window_s: Annotated[float, _doc("The window the rates and percentiles cover, seconds.")]
     now: Annotated[float, _doc("Unix time of this snapshot.")]
     stages: dict[str, StageLoad]
-    # Apart from `stages`: the operator's autoscaler mirrors StageLoad field by field.
+    # Apart from `stages`: the operator's autoscaler mirrors StageLoad field by field, so a
+    # figure it does not need lives out here (it ignores what it does not know).
     revisions: Annotated[dict[str, dict[str, RevisionLoad]], _doc(
         "Per stage, its payload revisions among its replicas, by revision (docs/architecture.md, "
         "\"Revisions\"); a stage whose replicas say no revision is left out.")] = {}
+    held_by_cause: Annotated[dict[str, dict[str, int]], _doc(
+        "Per stage, its held tasks by cause (wake, revision, window; every cause named): "
+        "they add up to the stage's `held`, and together they count against its one bound, "
+        "holdQueue.")] = {}
 
 
 def p95(values: Iterable[float]) -> float:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Mapping, Sized
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from omnistage.metrics import family, summary
+from omnistage.orchestrator.holds import HoldCause
 from omnistage.orchestrator.load import PipelineLoad
 from omnistage.orchestrator.pools import StagePool
 
@@ -16,8 +17,8 @@ LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("omnistage_stage_inflight", "inflight",
      "Tasks admitted to the stage's replicas (queued in workers included)"),
     ("omnistage_stage_held", "held",
-     "Tasks held by the orchestrator while the stage has no routable replica, or no free "
-     "slot of its dispatch window"),
+     "Tasks held by the orchestrator for the stage, every cause together (by cause: "
+     "omnistage_stage_held_requests)"),
     ("omnistage_stage_arrivals_per_second", "arrivals_per_s",
      "Tasks that needed the stage per second, over the load window"),
     ("omnistage_stage_service_seconds", "service_s",
@@ -50,7 +51,10 @@ class OrchestratorCollector:
                  pools: Mapping[str, StagePool], counters: Mapping[str, float],
                  load: Callable[[], PipelineLoad] | None = None,
                  failovers: Mapping[str, Mapping[str, int]] | None = None,
-                 admissions: Mapping[tuple[str, str], int] | None = None) -> None:
+                 admissions: Mapping[tuple[str, str], int] | None = None,
+                 hold_refusals: Mapping[tuple[str, HoldCause], int] | None = None) -> None:
+        """hold_refusals: holds.Holds.refused, (stage, HoldCause) -> tasks refused at the
+        stage's hold bound."""
         self.common = {"pipeline": pipeline}
         self.outcomes = outcomes
         self.requests = requests
@@ -59,6 +63,7 @@ class OrchestratorCollector:
         self.load = load
         self.failovers = failovers or {}
         self.admissions = admissions if admissions is not None else {}
+        self.hold_refusals = hold_refusals if hold_refusals is not None else {}
 
     def collect(self) -> Iterator[Metric]:
         c, common = self.counters, self.common
@@ -86,11 +91,22 @@ class OrchestratorCollector:
         yield family(counter, "omnistage_orchestrator_late_aborts_total",
                      "Aborts for finished requests, dropped", common, [((), c["late_aborts"])])
         yield family(counter, "omnistage_orchestrator_replicas_lost_total",
-                     "Replicas declared lost", common, [((), c["replicas_lost"])])
+                     "Replicas lost to a fault (missed heartbeats, or gone from the "
+                     "membership without a drain); planned retirements are not counted here",
+                     common, [((), c["replicas_lost"])])
         yield family(counter, "omnistage_orchestrator_replica_restarts_total",
-                     "Replica processes seen gone (connection closed or a new incarnation); "
-                     "the work bound to each failed at once", common,
+                     "Replica processes seen gone unplanned (connection closed or a new "
+                     "incarnation); the work bound to each was failed over or failed", common,
                      [((), c["replica_restarts"])])
+        yield family(counter, "omnistage_orchestrator_replicas_retired_total",
+                     "Replicas that left after a drain (scale-down, rollout, node drain): "
+                     "planned, not faults", common, [((), c.get("replicas_retired", 0))])
+        yield family(counter, "omnistage_orchestrator_hold_refusals_total",
+                     "Tasks refused because their stage's hold queue (holdQueue) was full, by "
+                     "the cause they would have been held for", common,
+                     sorted(((stage, cause.value), n)
+                            for (stage, cause), n in self.hold_refusals.items()),
+                     ["stage", "cause"])
         for kind, help_text in FAILOVER_COUNTERS:
             yield family(counter, f"omnistage_orchestrator_{kind}_total", help_text, common,
                          [((stage,), n) for stage, n in
@@ -115,6 +131,14 @@ class OrchestratorCollector:
                 yield family(gauge, name, help_text, common,
                              [((stage,), float(getattr(fig, field)))
                               for stage, fig in stages.items()], ["stage"])
+            yield family(gauge, "omnistage_stage_held_requests",
+                         "Tasks held by the orchestrator for the stage, by cause (wake: at "
+                         "zero replicas; revision: a replica of their revision on its way; "
+                         "window: no replica with room)", common,
+                         [((stage, cause), float(n))
+                          for stage, causes in load.held_by_cause.items()
+                          for cause, n in sorted(causes.items())],
+                         ["stage", "cause"])
             yield family(gauge, "omnistage_stage_revision_replicas",
                          "Routable replicas of each stage revision", common,
                          [((stage, rev, "true" if r.newest else "false"), float(r.routable))

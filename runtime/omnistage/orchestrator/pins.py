@@ -4,7 +4,7 @@ operator keeps the last replica of a revision a release leaves while requests ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from omnistage.orchestrator.load import RevisionLoad
 from omnistage.orchestrator.pools import StagePool
@@ -55,3 +55,11 @@ class Pins:
         return {rev: RevisionLoad(order=c.order, newest=rev == top, replicas=c.replicas,
                                   routable=c.routable, pinned=self.pinned.get((stage, rev), 0))
                 for rev, c in counts.items()}
+
+
+def pipeline_revision(pins: Mapping[str, str | None]) -> str | None:
+    """A request's pipeline revision as its responses say it (the X-Omnistage-Revision
+    header): `stage=revision` per stage it is pinned at, by stage name, comma-separated (a
+    worker's revision, with its image and resolved hub commit: omnistage.revision); None when
+    no stage names one. Two responses of one release read the same."""
+    return ",".join(f"{stage}={rev}" for stage, rev in sorted(pins.items()) if rev) or None

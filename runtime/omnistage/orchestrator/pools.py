@@ -35,6 +35,7 @@ class Replica:
     incarnation: str | None = None  # from the hello reply: the process that answers
     refused: str = ""  # why the handshake failed (another protocol version)
     said_revision: str | None = None  # the revision its hello reply named (None: not said)
+    said_draining: bool = False  # its process said it drains (a pong, a `draining` reply)
 
     @property
     def name(self) -> str:
@@ -45,6 +46,14 @@ class Replica:
         """Its stage revision: what the worker said in its hello (what it checks submits
         against), else what the membership knows (the pod's label); None when neither knows."""
         return self.said_revision or self.info.revision
+
+    @property
+    def retiring(self) -> bool:
+        """On its way out by plan: the membership says draining (a scale-down, a rollout, a
+        drain mark, a terminating pod) or its process said it drains. Its process ending, or
+        its leaving the membership, is then a retirement, not a fault (replicas.py counts them
+        apart)."""
+        return self.info.state == "draining" or self.said_draining
 
     @property
     def routable(self) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "render_speech",
     "speech_audio",
     "speech_sse",
+    "speech_usage",
     "sse_event",
     "tensor_bytes",
 ]
@@ -298,7 +299,7 @@ class ChatStream:
 
     def finish(self, outcome: rq.Outcome) -> list[ChatCompletionChunk]:
         """Closing chunks; raises ApiError when the outcome is an error (sent as an event)."""
-        err = outcome_error(outcome, chat_param)
+        err = outcome_error(outcome, chat_param, self.call.request.inputs)
         if err is not None:
             raise err
         chunks = []
@@ -367,18 +368,28 @@ def speech_deltas(data: bytes) -> list[bytes]:
             for i in range(0, len(data), SSE_AUDIO_CHUNK_BYTES)]
 
 
-def speech_sse(data: bytes, outcome: rq.Outcome) -> list[bytes]:
-    """stream_format sse: speech.audio.delta events (base64 chunks of the file), then
-    speech.audio.done with usage (token counts of the stages that report them)."""
-    events = speech_deltas(data)
+def speech_usage(outcome: rq.Outcome) -> dict[str, int]:
+    """speech.audio.done's usage, from every stage the request ran (ChildOutcome.usage; the
+    speech stage's own outputs rarely count tokens): input_tokens is the prompt as the stages
+    read it, counted once (the largest prompt_tokens, the thinker's); output_tokens is every
+    token they made, summed over stages (the thinker's text tokens, the talker's codec
+    frames)."""
     tokens_in = tokens_out = 0
     for child in outcome.children:
-        for out in child.outputs.values():
-            tokens_in = max(tokens_in, _as_int(out.fields.get("prompt_tokens")))
-            tokens_out += _as_int(out.fields.get("completion_tokens"))
-    events.append(sse_event({"type": "speech.audio.done", "usage": {
-        "input_tokens": tokens_in, "output_tokens": tokens_out,
-        "total_tokens": tokens_in + tokens_out}}))
+        stages: dict[str, Mapping[str, Any]] = {s: out.fields for s, out in child.outputs.items()}
+        stages.update(child.usage)
+        for counts in stages.values():
+            tokens_in = max(tokens_in, _as_int(counts.get("prompt_tokens")))
+            tokens_out += _as_int(counts.get("completion_tokens"))
+    return {"input_tokens": tokens_in, "output_tokens": tokens_out,
+            "total_tokens": tokens_in + tokens_out}
+
+
+def speech_sse(data: bytes, outcome: rq.Outcome) -> list[bytes]:
+    """stream_format sse: speech.audio.delta events (base64 chunks of the file), then
+    speech.audio.done with usage (speech_usage)."""
+    events = speech_deltas(data)
+    events.append(sse_event({"type": "speech.audio.done", "usage": speech_usage(outcome)}))
     return events
 
 

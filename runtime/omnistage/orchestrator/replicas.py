@@ -6,6 +6,11 @@ work bound to the old one is lost with it. A replica that misses heartbeats is l
 probation: membership still lists it, so it is pinged on a fresh channel and re-admitted (as a
 new binding) once it answers. What is bound to a lost or restarted replica is the engine's to
 fail or fail over (fail_bound); replies for tasks go to the engine (on_reply).
+
+Faults and retirements are counted apart: a replica that was retiring (Replica.retiring: the
+membership said draining, or its process said it drains) and then exits or leaves the
+membership counts in `replicas_retired`, not in `replicas_lost` or `replica_restarts`, so a
+scale-down does not read as an outage. Its bound work is failed over all the same.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from omnistage.client import ChannelClosed, ReplicaChannel
 from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.orchestrator.pools import Replica, StagePool
 from omnistage.orchestrator.tasks import Reply
+from omnistage.revision import base_revision
 from omnistage.shm import SegmentManager
 
 log = logging.getLogger("omnistage.orchestrator")
@@ -155,6 +161,8 @@ class Replicas:
         h = msg.header
         if isinstance(h, p.Pong):
             return self._on_pong(replica, h)
+        if isinstance(h, p.Draining):  # its process retires: its end is planned
+            replica.said_draining = True
         if isinstance(h, p.HelloReply) or (isinstance(h, p.Error) and h.id is None
                                            and h.cid is None):
             return self._on_hello(replica, h)
@@ -182,6 +190,8 @@ class Replicas:
         if replica.incarnation is not None and new != replica.incarnation:
             self.restarted(replica, f"restarted: incarnation {replica.incarnation} -> {new}")
             replica.channel.hello()
+        elif pong.state.draining:
+            replica.said_draining = True
 
     def _on_hello(self, replica: Replica, hello: p.HelloReply | p.Error) -> None:
         """A handshake after a reconnect: the new process may be routed to."""
@@ -200,6 +210,7 @@ class Replicas:
                                     f"{hello.incarnation}")
         if replica.incarnation is None:
             replica.incarnation = hello.incarnation
+            replica.said_draining = False  # a new process: it said nothing yet
             self._said_revision(replica, hello.revision)
             replica.refused = ""
             log.info("replica %s: handshake done (incarnation %s); routable again",
@@ -210,7 +221,8 @@ class Replicas:
         """Record the revision a replica's hello named: what it checks submits against, so
         what routing goes by. A membership label that disagrees is logged (the label lies)."""
         label = replica.info.revision
-        if revision is not None and label is not None and revision != label:
+        # A worker appends the commit its hub model resolved to: not a disagreement.
+        if revision is not None and label is not None and base_revision(revision) != label:
             log.warning("replica %s says it is revision %s but its membership says %s; "
                         "routing by what it says", replica.name, revision, label)
         replica.said_revision = revision
@@ -219,10 +231,16 @@ class Replicas:
 
     def restarted(self, replica: Replica, reason: str) -> None:
         """The process behind a replica is gone: fail the work bound to it at once and route
-        nothing more to the replica until the next process answers a hello."""
-        self.counters["replica_restarts"] += 1
-        log.warning("replica %s: %s; failing %d bound tasks", replica.name, reason,
-                    len(replica.bound))
+        nothing more to the replica until the next process answers a hello. A retiring
+        replica's process ending is its planned end, not a restart (its leaving the
+        membership is counted, in lose())."""
+        if replica.retiring:
+            log.info("replica %s: %s after its drain; %d bound tasks go elsewhere",
+                     replica.name, reason, len(replica.bound))
+        else:
+            self.counters["replica_restarts"] += 1
+            log.warning("replica %s: %s; failing %d bound tasks", replica.name, reason,
+                        len(replica.bound))
         replica.incarnation = None
         self.fail_bound(replica, reason)
 
@@ -235,10 +253,15 @@ class Replicas:
             self.suspects[replica.name] = replica.info
             self.spawn(self._probe(replica.info))
         replica.alive = False
-        self.counters["replicas_lost"] += 1
         self.pools[replica.info.stage].remove(replica.name)
-        log.warning("replica %s lost (%s): failing %d bound tasks", replica.name, reason,
-                    len(replica.bound))
+        if replica.retiring:
+            self.counters["replicas_retired"] += 1
+            log.info("replica %s retired (%s): %d bound tasks go elsewhere", replica.name,
+                     reason, len(replica.bound))
+        else:
+            self.counters["replicas_lost"] += 1
+            log.warning("replica %s lost (%s): failing %d bound tasks", replica.name, reason,
+                        len(replica.bound))
         self.fail_bound(replica, reason)
         self.spawn(replica.channel.close())
 

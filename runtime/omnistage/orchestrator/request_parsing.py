@@ -46,6 +46,8 @@ __all__ = [
     "decode_media",
     "ignored_header",
     "image_stages",
+    "media_inputs",
+    "media_tensors",
     "parse_chat",
     "parse_control",
     "parse_generic",
@@ -240,17 +242,34 @@ def _check_entry(spec: PipelineSpec, finals: list[str], parts: list[MediaPart]) 
                            param=field, code="unsupported_parameter")
 
 
+def media_tensors(parts: list[MediaPart]) -> list[str]:
+    """The tensor name of each part: `input_image.<i>` / `input_audio.<i>`, each kind counted
+    from 0 in request order (the entry stage reads each kind as 0, 1, ... without gaps)."""
+    counts = {"image": 0, "audio": 0}
+    names = []
+    for part in parts:
+        names.append(f"input_{part.kind}.{counts[part.kind]}")
+        counts[part.kind] += 1
+    return names
+
+
+def media_inputs(parts: list[MediaPart]) -> dict[str, str]:
+    """Tensor name -> the request field of its part (messages[0].content[1].input_audio):
+    what a stage's refusal of that tensor names (PipelineRequest.inputs)."""
+    return {name: part.param.rsplit(".", 1)[0]
+            for name, part in zip(media_tensors(parts), parts, strict=True)}
+
+
 def decode_media(parts: list[MediaPart]) -> dict[str, Any]:
-    """The parts as the entry stage's tensors `input_image.<i>` / `input_audio.<i>`, i
-    counting every media part in request order. CPU-bound: the handler runs it off the loop;
-    a part that does not decode is a 400 naming it."""
+    """The parts as the entry stage's tensors (media_tensors names them). CPU-bound: the
+    handler runs it off the loop; a part that does not decode is a 400 naming it."""
     tensors: dict[str, Any] = {}
-    for i, part in enumerate(parts):
+    for name, part in zip(media_tensors(parts), parts, strict=True):
         try:
             if part.kind == "image":
-                tensors[f"input_image.{i}"] = media.decode_image_url(part.data)
+                tensors[name] = media.decode_image_url(part.data)
             else:
-                tensors[f"input_audio.{i}"] = media.decode_audio(part.data, part.format)
+                tensors[name] = media.decode_audio(part.data, part.format)
         except media.MediaError as exc:
             code = MEDIA_TOO_LARGE if isinstance(exc, media.MediaTooLarge) else INVALID_MEDIA
             raise ApiError(400, f"{part.param} {exc}", param=part.param, code=code) from None
@@ -307,6 +326,7 @@ def parse_chat(body: Mapping[str, Any], pipeline: OmniPipeline,
     request = rq.PipelineRequest(
         prompt=render_chat_prompt(turns), params=by_stage,
         n=req.n or 1, stream=bool(req.stream), session=req.user or None, finals=finals,
+        inputs=media_inputs(parts),
     )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return ChatCall(request, stage, served, include_usage, sorted(req.model_extra or {}),

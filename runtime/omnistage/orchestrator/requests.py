@@ -6,9 +6,12 @@ exactly one Outcome, whose `status` says which of the four terminal kinds it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+#: The largest seed (EngineOptions.seed's bound: the largest integer JSON keeps exact).
+SEED_MAX = 2**53 - 1
 
 # Terminal kinds of the orchestration contract.
 OK = "ok"  # success
@@ -74,12 +77,34 @@ class PipelineRequest:
     finals: list[str] | None = None
     request_id: str | None = None
     # Input media (numpy arrays, torch tensors or WireTensors): `input_image.<i>` and
-    # `input_audio.<i>` (omnistage.kinds.Payload), sent to the entry stages that
-    # consume IMAGE or AUDIO.
+    # `input_audio.<i>` (omnistage.kinds.Payload), each kind numbered from 0, sent to the
+    # entry stages that consume IMAGE or AUDIO.
     tensors: dict[str, Any] = field(default_factory=dict)
+    # Where each input tensor came from in the client's body (input_audio.0 ->
+    # messages[0].content[1].input_audio), so a stage's refusal that names the tensor is
+    # answered in the client's terms (errors.error_from_request_error).
+    inputs: dict[str, str] = field(default_factory=dict)
 
     def stage_params(self, stage: str) -> dict[str, Any]:
         return {**self.params.get("*", {}), **self.params.get(stage, {})}
+
+    def seeded(self, stages: Mapping[str, int | None],
+               draw: Callable[[int], int]) -> PipelineRequest:
+        """This request with a seed fixed in the params of each stage in `stages` (the stages
+        it runs that take one, each with its spec's seed or None): the client's when it gave
+        one, else the spec's (an operator who pins a seed wants reproducible answers), else
+        one value drawn for the whole request, draw(most) in [0, most], so seed + i of every
+        sample stays in range. Fixed once, at admission, so every retry of a task samples
+        what the first attempt did. Unchanged (the same object) when nothing is missing."""
+        missing = {s: spec for s, spec in stages.items()
+                   if self.stage_params(s).get("seed") is None}
+        if not missing:
+            return self
+        drawn = draw(SEED_MAX - (max(self.n, 1) - 1)) if None in missing.values() else None
+        params = {s: dict(values) for s, values in self.params.items()}
+        for s, spec in missing.items():
+            params.setdefault(s, {})["seed"] = drawn if spec is None else spec
+        return replace(self, params=params)
 
 
 @dataclass
@@ -127,6 +152,10 @@ class ChildOutcome:
     status: Literal["ok", "abort", "request_error", "fatal"]
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     error: RequestError | None = None
+    # Token counts of every stage it ran, final or not (stage -> prompt_tokens and
+    # completion_tokens as the stage reported them): /v1/audio/speech reports the usage of
+    # stages whose outputs are not in `outputs` (the thinker's prompt, the talker's frames).
+    usage: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass

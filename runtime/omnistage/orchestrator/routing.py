@@ -11,6 +11,13 @@ the next free slot instead of a survivor's whole queue. Room comes when a task l
 turn later, coalesced, so never inside another operation) then sends waiting tasks in order
 while there is room. Until it ran, a new task waits behind them (FIFO). A waiting task only
 waits for a replica that is full, so one of its tasks ends and drains again: none is stranded.
+
+A wake spreads (`at_wake`): when a stage at zero gets its first routable replica, the tasks
+held for it go out only up to a share per replica (`wake_shares`: its dispatch window, else what
+a replica runs at once plus one queued), the rest wait as above (cause WINDOW) and go as more
+replicas arrive or slots free. Why: replicas of a woken stage come up a fraction of a second
+apart, and sent all at once the held tasks queued on the first one and ran one after another
+while the others sat idle. The stage routes as before once nothing waits any more.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
+from omnistage.kinds import get as get_kind
 from omnistage.orchestrator.holds import HoldCause, Holds
 from omnistage.orchestrator.pools import Replica, StagePool
 from omnistage.orchestrator.requests import RequestError
 from omnistage.orchestrator.tasks import Child, Task
+from omnistage.spec import Stage
 
 log = logging.getLogger("omnistage.orchestrator")
 
@@ -32,12 +41,16 @@ class Router:
 
     def __init__(self, pools: dict[str, StagePool], holds: Holds, windows: dict[str, int],
                  scalable: frozenset[str], *, send: Callable[[Task], None],
-                 fail: Callable[[Child, RequestError], None]) -> None:
+                 fail: Callable[[Child, RequestError], None],
+                 shares: dict[str, int] | None = None) -> None:
         """windows: perReplica by stage (the stages that have one); scalable: the stages with
         autoscaling (they may be at zero). send: the engine's send, for a task whose turn
-        came; fail: ends a child whose task cannot wait."""
+        came; fail: ends a child whose task cannot wait. shares: tasks per replica while a
+        woken stage spreads its held ones (wake_shares; a stage without one sends all)."""
         self.windows = windows
         self.scalable = scalable
+        self.shares = shares or {}
+        self.waking: set[str] = set()  # woken stages spreading their held tasks (at_wake)
         self.pools = pools
         self.holds = holds
         self.send = send
@@ -50,7 +63,32 @@ class Router:
         replica, as without one)."""
         if task.child.request.req.session is not None:
             return None
-        return self.windows.get(task.stage)
+        return self.window(task.stage)
+
+    def window(self, stage: str) -> int | None:
+        """The stage's tasks per replica now: its dispatch window, or its share while it
+        spreads a wake (until nothing waits: the task drain() sends counts as waiting);
+        None: no limit."""
+        if stage in self.windows:
+            return self.windows[stage]
+        if stage in self.waking:
+            sending = self._dispatching is not None and self._dispatching.stage == stage
+            if sending or self.holds.held(stage, HoldCause.WINDOW):
+                return self.shares[stage]
+            self.waking.discard(stage)  # nothing waits any more: the wake is spread
+        return None
+
+    def at_wake(self, stage: str) -> None:
+        """The stage has a routable replica: its tasks held for the wake (those a routable
+        replica may take) now wait for room instead, and go up to its share per replica, the
+        rest as replicas arrive or slots free (see the module's docstring)."""
+        if stage not in self.shares or stage in self.windows:
+            return
+        pool = self.pools[stage]
+        if self.holds.recause(stage, HoldCause.WAKE, HoldCause.WINDOW, lambda task: (
+                pool.has_routable(task.child.request.pins.get(stage)))):
+            self.waking.add(stage)
+            self.drain_soon(stage)
 
     def wait_for_room(self, task: Task) -> bool:
         """Whether the task waits for a free slot (queued, True) instead of going now."""
@@ -115,7 +153,7 @@ class Router:
 
     def drain_soon(self, stage: str) -> None:
         """Drain a windowed stage's waiting tasks on the next loop turn (once per turn)."""
-        if stage not in self.windows or stage in self.pending:
+        if (stage not in self.windows and stage not in self.waking) or stage in self.pending:
             return
         if not any(self.holds.cause(t) is HoldCause.WINDOW for t in self.holds.queue(stage)):
             return
@@ -127,7 +165,9 @@ class Router:
         for; one that no replica may take any more (they left) goes through the engine's own
         rules (held for a replica on its way, or failed), so none is stranded."""
         self.pending.discard(stage)
-        limit, pool = self.windows[stage], self.pools[stage]
+        limit, pool = self.window(stage), self.pools[stage]
+        if limit is None:  # a wake spread whose waiting tasks all ended meanwhile
+            return
         for task in self.holds.queue(stage):
             if (self.holds.cause(task) is not HoldCause.WINDOW
                     or task.child.running.get((stage, task.companion)) is not task):
@@ -141,8 +181,26 @@ class Router:
                 self.send(task)
             finally:
                 self._dispatching = None
+        self.window(stage)  # a spread wake ends once nothing waits
 
 
 def room(replicas: Iterable[Replica], limit: int) -> list[Replica]:
     """The replicas with a free slot of a dispatch window of `limit` tasks each."""
     return [r for r in replicas if r.inflight < limit]
+
+
+def wake_shares(stages: Iterable[Stage]) -> dict[str, int]:
+    """Per stage with autoscaling, the tasks one replica takes while a wake spreads: its
+    dispatch window, else what it runs at once (maxBatchSize for a kind that batches, else 1)
+    plus one queued so it never idles between two, within its admission's maxRequests."""
+    shares = {}
+    for stage in stages:
+        if stage.autoscaling is None:
+            continue
+        if stage.dispatch.per_replica is not None:
+            shares[stage.name] = stage.dispatch.per_replica
+            continue
+        batches = "max_batch_size" in get_kind(stage.kind).engine_options
+        at_once = stage.engine.max_batch_size if batches else 1
+        shares[stage.name] = max(1, min(at_once + 1, stage.admission.max_requests))
+    return shares

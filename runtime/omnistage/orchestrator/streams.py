@@ -9,6 +9,11 @@ event, and its credit goes back when the consumer calls the event's credit(), so
 holds the stage back instead of the orchestrator buffering without bound. Chunks of a terminal
 or aborting child are dropped like any late reply. See docs/architecture.md, "Streaming between
 stages".
+
+Shared memory: a chunk's blocks go back to its upstream as soon as the downstream credits it
+(its worker copied the chunk on arrival), kept here as a copy in process memory for a resend
+after failover. So a stream holds at most its window's blocks, never its whole output: many long
+streams cannot fill their upstream's segment and wait on each other until their deadlines.
 """
 
 from __future__ import annotations
@@ -149,9 +154,27 @@ class Streams:
             return
         if h.seq <= stream.acked:
             return
+        peer = task.replica.channel.peer if task.replica is not None else None
+        if peer is not None and peer.copies_fed:  # an older worker reads the blocks in place
+            self._let_go(stream, stream.acked, h.seq)
         stream.acked = h.seq
         up = task.child.running.get((stream.upstream, False))
         if up is not None and up.replica is not None:
             with contextlib.suppress(Exception):  # a lost upstream fails the child anyway
                 up.replica.channel.send(p.Credit(id=up.wire_id, seq=h.seq,
                                                  incarnation=up.incarnation))
+
+    def _let_go(self, stream: Stream, after: int, upto: int) -> None:
+        """The downstream took chunks after..upto (its worker copied their tensors when they
+        arrived): each one's blocks go back to the upstream now, and the chunk stays, copied
+        into process memory, to feed a resent downstream (failover) as frames. The message is
+        changed in place, so request.held (released at the outcome) finds no block left in it."""
+        for msg in stream.chunks[after:upto]:  # chunk seq n is stream.chunks[n - 1]
+            h = msg.header
+            if not isinstance(h, p.Chunk) or h.seq > upto:
+                break
+            if not any(wt.shm is not None for wt in msg.tensors.values()):
+                continue
+            kept = {name: wt.detached() for name, wt in msg.tensors.items()}
+            self.release(msg)
+            msg.tensors, msg.lender = kept, None

@@ -82,12 +82,15 @@ class EngineOptions(SpecModel):
     )
     # 2^53 - 1: the largest integer every JSON parser keeps exact. The API server stores
     # schema bounds as float64 and refuses an integer maximum that does not convert back.
-    seed: Annotated[int, PerRequest()] = Field(
-        0,
+    # Unset by default: a pinned seed makes every request sample alike, which is what an
+    # operator who sets one wants (reproducible runs) and what nobody else expects.
+    seed: Annotated[int | None, PerRequest()] = Field(
+        None,
         ge=0,
         le=2**53 - 1,
-        description="Random seed, so tiny models are reproducible; sample i of a request with "
-        "n > 1 uses seed + i.",
+        description="Random seed; sample i of a request with n > 1 uses seed + i. Set here, it "
+        "pins every request that gives none (reproducible). Unset: a request without a seed "
+        "gets one drawn at random when the orchestrator admits it (kept for its retries).",
     )
     echo_delay_ms: Annotated[int, PerRequest(key="delay_ms")] = Field(
         0, ge=0, le=60_000, description="echo: artificial latency added to every request."

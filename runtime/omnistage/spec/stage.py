@@ -276,8 +276,9 @@ class Autoscaling(SpecModel):
         64,
         ge=1,
         le=65_536,
-        description="Requests the orchestrator holds for this stage while it is at zero; beyond "
-        "them it answers 503 with Retry-After.",
+        description="Requests the orchestrator holds for this stage, whatever holds them (the "
+        "stage at zero, no replica of the request's revision yet, no room in the dispatch "
+        "window); beyond them it answers 503 with Retry-After, naming the cause.",
     )
 
     @model_validator(mode="after")

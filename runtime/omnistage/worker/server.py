@@ -56,7 +56,7 @@ from omnistage.executors import (
 )
 from omnistage.kinds import get as get_kind
 from omnistage.metrics import new_registry
-from omnistage.revision import stage_revision
+from omnistage.revision import worker_revision
 from omnistage.shm import SegmentManager, ShmConfig, WaitCancelled, start_segment_manager
 from omnistage.sideport import start_side_port
 from omnistage.spec import Stage
@@ -88,7 +88,7 @@ class StageWorker:
         self.admission = BoundedAdmission(stage.admission.max_requests, stage.admission.max_cost)
         self.scheduler = new_scheduler(stage, executor)
         # What this replica stamps on its outputs and checks submits and fed chunks against.
-        self.revision = stage_revision(stage)
+        self.revision = worker_revision(stage)  # with its image and resolved hub commit
         self.drain_timeout = float(stage.drain_timeout_seconds)
         self.requests: dict[tuple[bytes, str], Request] = {}
         self.loaded = False

@@ -2,10 +2,15 @@
 
 Out: deltas go straight to the client; chunks queue in a per-request outbox that one task sends
 in order, large tensors lent through shared memory, at most `chunk_window` unacknowledged (the
-downstream's credits open the window). In: fed chunks go to the request's StageIO, checked
-against the revisions it expects, and each one the executor takes is credited upstream. Why
-apart from the worker: this is the only part that touches a request from the executor's thread
-(StageIO's callbacks hop back onto the event loop here), and it owns the lending of blocks.
+downstream's credits open the window). A chunk waits at most CHUNK_PATIENCE_S for room in our
+segment, then goes as frames: its window already bounds it, and the blocks that fill the
+segment may be other requests' (their streams wait on theirs). In: fed chunks go to the
+request's StageIO, checked against the revisions it expects, their shared-memory tensors copied
+out at once (the orchestrator gives a chunk's block back once it is credited, and the executor
+may keep a chunk longer, as left context), and each one the executor takes is credited
+upstream. Why apart from the worker: this is the only part that touches a request from the
+executor's thread (StageIO's callbacks hop back onto the event loop here), and it owns the
+lending of blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from omnistage.worker.replies import Replies
 from omnistage.worker.request import Request
 
 log = logging.getLogger("omnistage.worker")
+
+#: How long a chunk waits for room in our segment before it goes as frames (docs/protocol.md,
+#: "Back-pressure"). Short: a chunk's window bounds it, not the segment.
+CHUNK_PATIENCE_S = 0.05
 
 
 class ChunkStreams:
@@ -83,7 +92,7 @@ class ChunkStreams:
                 continue
             try:
                 if req.borrower is not None and tensors:
-                    tensors = await self.lend(req, tensors)
+                    tensors = await self.lend(req, tensors, patience=CHUNK_PATIENCE_S)
                 wait = req.queue_wait() if seq == 1 else None
                 frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text, queue_wait_s=wait,
                                           revision=self.revision),
@@ -124,11 +133,13 @@ class ChunkStreams:
 
     # ---- lending through shared memory ---------------------------------------------------
 
-    async def lend(self, req: Request, tensors: dict[str, Any]) -> dict[str, Any]:
+    async def lend(self, req: Request, tensors: dict[str, Any],
+                   patience: float | None = None) -> dict[str, Any]:
         """Large outputs copied into our segment and lent to the client (it releases them).
 
         A full segment makes this wait for the client to give blocks back (back-pressure), up
-        to the request's deadline (TimeoutError) or its cancellation (WaitCancelled). Tensors
+        to the request's deadline (TimeoutError) or its cancellation (WaitCancelled), or with
+        patience (chunks) that many seconds, after which the tensor goes as frames. Tensors
         already in shared memory (an input passed through) keep their handle.
         """
         assert self.shm is not None
@@ -137,7 +148,7 @@ class ChunkStreams:
             for name, value in tensors.items():
                 if self.shm.wants(value):
                     placed = await self.shm.place(value, req.borrower, req.ctx.deadline,
-                                                  lambda: req.ctx.token.cancelled)
+                                                  lambda: req.ctx.token.cancelled, patience)
                     if placed is not None:
                         out[name] = placed
         except BaseException:
@@ -163,6 +174,10 @@ class ChunkStreams:
         if (feed.revision is not None and req.fed_revisions
                 and feed.revision not in req.fed_revisions):
             return self._refuse_feed(req, feed)
+        if any(wt.shm is not None for wt in tensors.values()):
+            # Copied now: the block goes back to its lender once we credit the chunk, and the
+            # executor may still read it after that (left context).
+            tensors = {name: wt.detached() for name, wt in tensors.items()}
         if req.io.feed(InputChunk(feed.seq, feed.text, tensors), feed.last):
             if feed.text is not None or tensors:  # not a bare end of input
                 self.counters["chunks_fed"] += 1
