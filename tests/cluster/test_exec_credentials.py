@@ -82,6 +82,23 @@ def _run(argv: list[str], env: dict[str, str], timeout: float = 120
                           check=False)
 
 
+def _operator_on(plugin: ExecPluginScript, kube: Cluster, namespace: str,
+                 tmp_path: Path) -> Operator:
+    """The operator logged in through ``plugin``, once it has reconciled a first pipeline
+    ('before'); the caller stops it."""
+    config = _kubeconfig(kube, tmp_path / "exec.kubeconfig", {"exec": plugin.user()}, "exec")
+    op = Operator(kube, tmp_path / "operator.log", webhook=False, kubeconfig=config)
+    op.start()
+    try:
+        apply(kube, namespace, kwok_pipeline("before", [stage("s", final=True, replicas=1)]))
+        wait_for(lambda: stage_pods(kube, namespace, "before"), 90,
+                 "the operator's stage pod for 'before'", op.log_tail)
+    except BaseException:
+        op.stop()
+        raise
+    return op
+
+
 def _pools(kube: Cluster, ns: str, pipeline: str) -> list[dict[str, Any]]:
     pools = kube.kube.list(resource_path("omnistage.io/v1alpha1", "stagepools", ns))
     return [p for p in pools if (p.get("spec") or {}).get("pipeline") == pipeline]
@@ -92,13 +109,8 @@ def test_operator_and_commands_keep_working_through_token_renewals(
     # The operator: its controller and kopf's watches log in through the plugin, whose tokens
     # expire after TTL_S; it must still reconcile a pipeline applied after that.
     plugin = ExecPluginScript(tmp_path / "operator-plugin", tokens, ttl_s=TTL_S)
-    config = _kubeconfig(kube, tmp_path / "exec.kubeconfig", {"exec": plugin.user()}, "exec")
-    op = Operator(kube, tmp_path / "operator.log", webhook=False, kubeconfig=config)
-    op.start()
+    op = _operator_on(plugin, kube, namespace, tmp_path)
     try:
-        apply(kube, namespace, kwok_pipeline("before", [stage("s", final=True, replicas=1)]))
-        wait_for(lambda: stage_pods(kube, namespace, "before"), 90,
-                 "the operator's stage pod for 'before'", op.log_tail)
         ran = plugin.calls()
         assert ran and not any(c["failed"] for c in ran)
         expired = max(c["expires"] for c in ran)
@@ -180,13 +192,8 @@ def test_a_plugin_that_fails_at_run_time_is_one_line_each_time(
     every failure is one log line naming the plugin and its stderr, never a traceback; once
     the plugin works again, the operator carries on."""
     plugin = ExecPluginScript(tmp_path / "plugin", tokens, ttl_s=TTL_S)
-    config = _kubeconfig(kube, tmp_path / "exec.kubeconfig", {"exec": plugin.user()}, "exec")
-    op = Operator(kube, tmp_path / "operator.log", webhook=False, kubeconfig=config)
-    op.start()
+    op = _operator_on(plugin, kube, namespace, tmp_path)
     try:
-        apply(kube, namespace, kwok_pipeline("before", [stage("s", final=True, replicas=1)]))
-        wait_for(lambda: stage_pods(kube, namespace, "before"), 90,
-                 "the operator's stage pod for 'before'", op.log_tail)
         start = op.log_offset()
         plugin.fail = "token service unreachable"
         plugin.save()

@@ -6,7 +6,9 @@ API server in tests/cluster/test_autoscaler.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -733,14 +735,35 @@ def test_combining_loads_adds_the_counts_and_weights_the_times_by_arrivals() -> 
     assert stage_figures(idle, "a") == StageFigures(replicas=1)
 
 
-def _two_orchestrators(controller: Controller, port: int) -> None:
-    """Ready orchestrator pods x (127.0.0.1) and y (127.0.0.2), the same port, x first."""
+@contextlib.contextmanager
+def _load_servers() -> Iterator[tuple[FakeLoadServer, FakeLoadServer]]:
+    """Two orchestrators' GET /v1/load: x at 127.0.0.1 and y at 127.0.0.2, on one port."""
+    x = FakeLoadServer("127.0.0.1")
+    try:
+        y = FakeLoadServer("127.0.0.2", x.port)
+        try:
+            yield x, y
+        finally:
+            y.close()
+    finally:
+        x.close()
+
+
+def _two_orchestrators(port: int) -> tuple[CountingApi, Clock, Controller, Autoscaler]:
+    """A controller whose pipeline p has ready orchestrator pods x (127.0.0.1) and y
+    (127.0.0.2) on the same port, x first, and its real autoscaler (reader included)."""
+    api = CountingApi()
+    clock = Clock()
+    controller = Controller(api)  # type: ignore[arg-type]
+    scaler = Autoscaler(controller, clock=clock)
+    controller.autoscaler = scaler
     controller.children[("Service", "ns", "p-orchestrator")] = {
         "spec": {"ports": [{"name": "http", "port": port}]}}
     controller.pods[("ns", "p-orchestrator")] = {
         name: {"metadata": {"name": f"p-orchestrator-{name}", "namespace": "ns"},
                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
         for name, ip in (("x", "127.0.0.1"), ("y", "127.0.0.2"))}
+    return api, clock, controller, scaler
 
 
 def test_every_ready_orchestrator_is_read_and_its_load_counted() -> None:
@@ -748,9 +771,7 @@ def test_every_ready_orchestrator_is_read_and_its_load_counted() -> None:
     and a stage only y sends to is not scaled to zero however long x has been idle for it.
     Kills: reading the first ready orchestrator pod only (issue 37: pools sized on half the
     load, a stage scaled to zero while another orchestrator still sent to it)."""
-    x, y = FakeLoadServer("127.0.0.1"), None
-    try:
-        y = FakeLoadServer("127.0.0.2", x.port)
+    with _load_servers() as (x, y):
         x.clock = y.clock = lambda: T0
         half = stage_load(inflight=2, arrivals_per_s=2.0, service_s=1.0, exec_s=1.0)
         x.stages = {"a": half, "b": stage_load()}  # x never sends to b
@@ -758,12 +779,7 @@ def test_every_ready_orchestrator_is_read_and_its_load_counted() -> None:
                                                last_request_unix=T0)}
 
         async def main() -> None:
-            api = CountingApi()
-            clock = Clock()
-            controller = Controller(api)  # type: ignore[arg-type]
-            scaler = Autoscaler(controller, clock=clock)  # the real reader
-            controller.autoscaler = scaler
-            _two_orchestrators(controller, x.port)
+            api, clock, controller, scaler = _two_orchestrators(x.port)
             b = pool(1, minReplicas=0, idleSeconds=10, coolDownSeconds=0)
             b["metadata"].update(name="p-b", uid="u-b")
             b["spec"]["stage"]["name"] = "b"
@@ -787,10 +803,6 @@ def test_every_ready_orchestrator_is_read_and_its_load_counted() -> None:
             await scaler.close()
 
         asyncio.run(main())
-    finally:
-        x.close()
-        if y is not None:
-            y.close()
 
 
 def test_a_partial_read_grows_but_never_shrinks_and_names_what_it_missed() -> None:
@@ -798,19 +810,12 @@ def test_a_partial_read_grows_but_never_shrinks_and_names_what_it_missed() -> No
     grow on it but not shrink, nor go to zero; the decision says which orchestrator it read
     and which not, and why. Kills: deciding on the orchestrators that answered as if they
     were all, and a decision silent about the one it missed."""
-    x, y = FakeLoadServer("127.0.0.1"), None
-    try:
-        y = FakeLoadServer("127.0.0.2", x.port)
+    with _load_servers() as (x, y):
         y.broken = True
         x.stages = {"a": stage_load()}  # idle for x: asks for zero
 
         async def main() -> None:
-            api = CountingApi()
-            clock = Clock()
-            controller = Controller(api)  # type: ignore[arg-type]
-            scaler = Autoscaler(controller, clock=clock)
-            controller.autoscaler = scaler
-            _two_orchestrators(controller, x.port)
+            api, clock, controller, scaler = _two_orchestrators(x.port)
             controller.view.observe("StagePool", "MODIFIED",
                                      pool(4, minReplicas=0, idleSeconds=10, coolDownSeconds=0))
             for at in (0, 15, 30, 45):
@@ -834,10 +839,6 @@ def test_a_partial_read_grows_but_never_shrinks_and_names_what_it_missed() -> No
             await scaler.close()
 
         asyncio.run(main())
-    finally:
-        x.close()
-        if y is not None:
-            y.close()
 
 
 def test_a_credentials_failure_while_scaling_is_one_line(caplog: pytest.LogCaptureFixture) -> None:

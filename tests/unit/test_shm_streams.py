@@ -77,8 +77,10 @@ def _replica(name: str, copies_fed: bool = True) -> Any:
                            alive=True)
 
 
-def test_a_credited_chunk_gives_its_block_back_and_stays_for_a_resend(managers,
-                                                                     shm_dir) -> None:
+def _stream(managers: list[S.SegmentManager], shm_dir: Path, window: int,
+            copies_fed: bool = True) -> tuple[Any, ...]:
+    """An upstream worker lending to the orchestrator, one request whose stage a streams to b
+    (tasks up and down, running), and the orchestrator's Streams over them."""
     worker = manager(managers, shm_dir)  # the upstream replica: it lends chunk tensors
     orch = manager(managers, shm_dir)
     worker.verify(orch.probe())
@@ -86,14 +88,19 @@ def test_a_credited_chunk_gives_its_block_back_and_stays_for_a_resend(managers,
     request = Request("r", PipelineRequest(prompt="x"), ["b"], ["a", "b"], set(),
                       time.monotonic() + 60)
     child = Child(request, 0)
-    stream = child.streams["a"] = Stream("a", "b", window=4)
+    stream = child.streams["a"] = Stream("a", "b", window=window)
     up = Task("r/0/a", child, "a", replica=_replica("up"))
-    down = Task("r/0/b", child, "b", fed=stream, replica=_replica("down"))
+    down = Task("r/0/b", child, "b", fed=stream, replica=_replica("down", copies_fed))
     child.running = {("a", False): up, ("b", False): down}
     child.started = {("a", False), ("b", False)}
-    tasks = {t.wire_id: t for t in (up, down)}
-    streams = Streams({"late_messages": 0}, tasks, release=orch.release,
-                      start=lambda *a: None, fail=lambda *a: None)
+    streams = Streams({"late_messages": 0}, {up.wire_id: up, down.wire_id: down},
+                      release=orch.release, start=lambda *a: None, fail=lambda *a: None)
+    return worker, orch, request, stream, up, down, streams
+
+
+def test_a_credited_chunk_gives_its_block_back_and_stays_for_a_resend(managers,
+                                                                     shm_dir) -> None:
+    worker, orch, request, _, up, down, streams = _stream(managers, shm_dir, window=4)
 
     sent = [np.full(4096, seq, np.uint8) for seq in (1, 2, 3)]
     for seq, data in enumerate(sent, 1):
@@ -125,18 +132,7 @@ def test_a_credited_chunk_gives_its_block_back_and_stays_for_a_resend(managers,
 
 def test_a_credit_never_gives_back_a_chunk_not_yet_taken(managers, shm_dir: Path) -> None:
     """Only chunks up to the credited seq go back, whatever else the stream holds."""
-    worker, orch = manager(managers, shm_dir), manager(managers, shm_dir)
-    worker.verify(orch.probe())
-    orch.attach_lender(worker.name, worker.free)
-    request = Request("r", PipelineRequest(), ["b"], ["a", "b"], set(), time.monotonic() + 60)
-    child = Child(request, 0)
-    stream = child.streams["a"] = Stream("a", "b", window=8)
-    up = Task("r/0/a", child, "a", replica=_replica("up"))
-    down = Task("r/0/b", child, "b", fed=stream, replica=_replica("down"))
-    child.running = {("a", False): up, ("b", False): down}
-    child.started = {("a", False), ("b", False)}
-    streams = Streams({"late_messages": 0}, {up.wire_id: up, down.wire_id: down},
-                      release=orch.release, start=lambda *a: None, fail=lambda *a: None)
+    worker, orch, request, stream, up, down, streams = _stream(managers, shm_dir, window=8)
     for seq in range(1, 6):
         lent = worker.try_place(np.zeros(4096, np.uint8), borrower=orch.name)
         streams.on_chunk(up, p.Message(p.Chunk(id=up.wire_id, seq=seq), {"x": lent},
@@ -154,18 +150,8 @@ def test_a_downstream_that_reads_fed_blocks_in_place_keeps_them_lent(managers,
                                                                      shm_dir: Path) -> None:
     """A worker whose hello does not say copies_fed (an older one, in a rollout) may still be
     reading a credited chunk's block: its credit opens the window but gives nothing back."""
-    worker, orch = manager(managers, shm_dir), manager(managers, shm_dir)
-    worker.verify(orch.probe())
-    orch.attach_lender(worker.name, worker.free)
-    request = Request("r", PipelineRequest(), ["b"], ["a", "b"], set(), time.monotonic() + 60)
-    child = Child(request, 0)
-    stream = child.streams["a"] = Stream("a", "b", window=8)
-    up = Task("r/0/a", child, "a", replica=_replica("up"))
-    down = Task("r/0/b", child, "b", fed=stream, replica=_replica("down", copies_fed=False))
-    child.running = {("a", False): up, ("b", False): down}
-    child.started = {("a", False), ("b", False)}
-    streams = Streams({"late_messages": 0}, {up.wire_id: up, down.wire_id: down},
-                      release=orch.release, start=lambda *a: None, fail=lambda *a: None)
+    worker, orch, request, _, up, down, streams = _stream(managers, shm_dir, window=8,
+                                                          copies_fed=False)
     for seq in (1, 2):
         lent = worker.try_place(np.zeros(4096, np.uint8), borrower=orch.name)
         streams.on_chunk(up, p.Message(p.Chunk(id=up.wire_id, seq=seq), {"x": lent},
