@@ -105,11 +105,17 @@ def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Rel
     orchestrator = str(client.base_url).rstrip("/").removesuffix("/v1")
     wait_for(lambda: routable(orchestrator, "encoder") == 2, 60,
              "both encoders routable in the orchestrator")  # spread is checked then
+    # Serial requests go to either encoder at random (two choices, both idle): each must take
+    # some. Sent until both have, up to 40 (8 all went to one in a CI run: 1 in 128 for a fair
+    # router; 40 in a row would be 1 in 2^39), so the count waits on the state it is about.
     before = [_admitted(podrunner, p) for p in encoders]
-    for i in range(8):
+    after = before
+    for i in range(40):
         client.chat.completions.create(
             model="text-to-image", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2)
-    after = [_admitted(podrunner, p) for p in encoders]
+        after = [_admitted(podrunner, p) for p in encoders]
+        if i >= 7 and all(a > b for a, b in zip(after, before, strict=True)):
+            break
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 
     # A replica deleted by hand: traffic keeps flowing on the other, and it comes back under
