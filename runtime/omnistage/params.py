@@ -10,6 +10,7 @@ names it, an OpenAI-style code), so a worker's refusal and the API's read the sa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from types import UnionType
 from typing import Annotated, Any, ClassVar, TypeVar, get_args
@@ -87,19 +88,26 @@ def max_tokens_bound(stage: Stage) -> int:
 def seed_defaults(stages: Iterable[Stage]) -> dict[str, int | None]:
     """Stage name -> its spec's seed (None: unset), for each stage whose kind takes a seed:
     what the orchestrator fixes a request's seeds from (PipelineRequest.seeded)."""
-    return {s.name: s.engine.seed for s in stages if "seed" in per_request(s.kind).values()}
+    return {s.name: s.engine.seed for s in stages if _takes_seed(s.kind)}
+
+
+@functools.cache
+def _takes_seed(kind: str) -> bool:
+    return any(field == "seed" for _, field in _per_request(kind))
 
 
 def per_request(kind: str) -> dict[str, str]:
     """Request key -> EngineOptions field, for the knobs a request to this kind may override:
-    the kind's engine options (omnistage.kinds) that carry a PerRequest mark."""
+    the kind's engine options (omnistage.kinds) that carry a PerRequest mark. A copy of the
+    kind's cached table: the orchestrator asks on every request (seed_defaults)."""
+    return dict(_per_request(kind))
+
+
+@functools.cache
+def _per_request(kind: str) -> tuple[tuple[str, str], ...]:
     options = get_kind(kind).engine_options
-    out = {}
-    for name in EngineOptions.model_fields:
-        mark = _mark(name)
-        if mark is not None and name in options:
-            out[mark.key or name] = name
-    return out
+    return tuple((mark.key or name, name) for name in EngineOptions.model_fields
+                 if (mark := _mark(name)) is not None and name in options)
 
 
 class StageParams(BaseModel):

@@ -18,6 +18,7 @@ from omnistage.executors import BadRequest, create_executor
 from omnistage.executors.ar import ARParams
 from omnistage.executors.diffusion import DiffusionParams
 from omnistage.executors.echo import EchoExecutor, EchoParams
+from omnistage.kinds import KindError
 from omnistage.models import BUILTIN_CONTEXT
 from omnistage.orchestrator.openapi import openapi_document
 from omnistage.params import max_tokens_bound, per_request
@@ -50,6 +51,18 @@ def test_every_kind_has_its_knobs() -> None:
                                      "chunk_frames": "chunk_frames", "seed": "seed"}
     assert per_request("vocoder") == {"chunk_frames": "chunk_frames"}
     assert set(STAGE_KINDS) == {"ar", "diffusion", "echo", "thinker", "talker", "vocoder"}
+
+
+def test_per_request_is_cached_but_each_caller_gets_its_own_table() -> None:
+    """The table is read on every request (seed_defaults), so it is built once per kind; a
+    caller that edits its answer must not change the next caller's."""
+    first = per_request("ar")
+    first["extra"] = "x"
+    del first["seed"]
+    assert per_request("ar") == {"max_tokens": "max_tokens", "temperature": "temperature",
+                                 "return_hidden_states": "return_hidden_states", "seed": "seed"}
+    with pytest.raises(KindError, match="unknown stage kind 'nope'"):
+        per_request("nope")
 
 
 @pytest.mark.parametrize(("model", "kind"), [(ARParams, "ar"), (DiffusionParams, "diffusion"),

@@ -43,9 +43,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -280,7 +280,7 @@ class Orchestrator:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, req: PipelineRequest) -> RequestHandle:
-        rid = req.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        rid = req.request_id or f"req-{os.urandom(8).hex()}"
         timeout = req.timeout_s or float(self.spec.orchestrator.request_timeout_seconds)
         request = Request(rid, req, [], [], set(), time.monotonic() + timeout)
         handle = RequestHandle(self, request)
