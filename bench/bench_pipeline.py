@@ -18,6 +18,13 @@ system and a summary line with the ratios. Ray needs `pip install "ray[serve]"`;
 that line says why and the other two still run.
 
 Run from the repository root: `python bench/bench_pipeline.py [--duration 10] [-c 64]`.
+
+Regression check (about a minute): `python bench/bench_pipeline.py --regression
+--baseline-commit REV` (or `--baseline-tree DIR`) runs only omnistage, from this tree and from
+REV (a temporary git worktree), alternating 8 short rounds, and fails (exit 1) when this tree's
+throughput falls below 0.9x the baseline's (the median of the rounds' ratios) or its front CPU
+per request rises above 1.1x. Ratios of two systems measured side by side, never an absolute
+time, so a loaded machine slows both alike. docs/benchmarks.md says when to run it.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -545,7 +552,7 @@ async def measure(targets: dict[str, Target], args: argparse.Namespace) -> dict[
 
 async def main_async(args: argparse.Namespace) -> int:
     keys = args.systems.split(",")
-    if args.baseline_tree:
+    if "omnistage-base" in SYSTEMS:  # --baseline-tree or --baseline-commit
         keys.insert(1, "omnistage-base")
     unknown = [k for k in keys if k not in SYSTEMS]
     if unknown:
@@ -563,14 +570,31 @@ async def main_async(args: argparse.Namespace) -> int:
             results.update(await measure(targets, args))
     for key in keys:
         print(results[key].line(args.concurrency), flush=True)
-    line, goals = summary(results)
+    line, goals = regression(results) if args.regression else summary(results)
     print(line, flush=True)
     if not all(not r.note and r.ok for r in results.values()):
         return 1
-    return exit_status(goals, args.check)
+    return exit_status(goals, args.check or args.regression)
 
 
 GOALS = {"ray": 2.0, "zmq": 0.9}  # omnistage / baseline throughput
+# --regression: this tree against the baseline tree, throughput (median of the rounds' ratios)
+# at least, and front CPU per request at most, these ratios.
+REGRESSION_THROUGHPUT, REGRESSION_CPU = 0.9, 1.1
+
+
+def regression(results: dict[str, Result]) -> tuple[str, list[Goal]]:
+    """The regression check's goals: this tree's omnistage against the baseline tree's."""
+    omni, base = results.get("omnistage"), results.get("omnistage-base")
+    rps = cpu = None
+    if omni and base and not omni.note and not base.note and base.rounds:
+        each = [o / b for o, b in zip(omni.rounds, base.rounds, strict=True) if b]
+        rps = statistics.median(each) if each else None
+        if omni.cpu_requests and base.cpu_requests and base.cpu_s:
+            cpu = (omni.cpu_s / omni.cpu_requests) / (base.cpu_s / base.cpu_requests)
+    goals = [Goal("regression/throughput", rps, REGRESSION_THROUGHPUT),
+             Goal("regression/front_cpu_per_request", cpu, REGRESSION_CPU, at_least=False)]
+    return "summary: " + "; ".join(str(g) for g in goals), goals
 
 
 def summary(results: dict[str, Result]) -> tuple[str, list[Goal]]:
@@ -601,8 +625,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-c", "--concurrency", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds/system")
-    parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="measured seconds/system (default 20; --regression: 48)")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="unmeasured seconds first (default 2; --regression: 4)")
     parser.add_argument("--max-requests", type=int, default=200_000,
                         help="upper bound on requests per phase")
     parser.add_argument("--baseline-tree", default=None,
@@ -610,8 +636,15 @@ def main() -> int:
                         "worktree of the commit before a change) as omnistage-base")
     parser.add_argument("--dynamo-python", default=str(DYNAMO_PYTHON),
                         help="the interpreter of a venv with ai-dynamo (see DYNAMO_INSTALL)")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="alternating rounds the duration is split into")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="alternating rounds the duration is split into (default 5; "
+                        "--regression: 8)")
+    parser.add_argument("--baseline-commit", default=None,
+                        help="as --baseline-tree, from a temporary git worktree of this commit")
+    parser.add_argument("--regression", action="store_true",
+                        help="the regression check: omnistage of this tree against the "
+                        "baseline (--baseline-tree or --baseline-commit) only; exit 1 on a "
+                        "throughput drop or CPU rise of more than 10%%")
     parser.add_argument("--systems", default="omnistage,zmq,ray,dynamo",
                         help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--http-client", choices=("lean", "aiohttp"), default="lean",
@@ -619,12 +652,47 @@ def main() -> int:
                         "minimal keep-alive client, see LeanHttp)")
     add_check_flag(parser)
     args = parser.parse_args()
-    if args.baseline_tree:
-        tree = Path(args.baseline_tree).resolve()
-        if not (tree / "runtime" / "omnistage").is_dir():
-            parser.error(f"--baseline-tree: {tree} has no runtime/omnistage")
-        SYSTEMS["omnistage-base"] = ("omnistage-base", omnistage_system(tree))
-    return asyncio.run(main_async(args))
+    quick = args.regression
+    args.duration = args.duration if args.duration is not None else 48.0 if quick else 20.0
+    args.warmup = args.warmup if args.warmup is not None else 4.0 if quick else 2.0
+    args.rounds = args.rounds if args.rounds is not None else 8 if quick else 5
+    if args.baseline_tree and args.baseline_commit:
+        parser.error("--baseline-tree and --baseline-commit: give one")
+    if quick:
+        if not (args.baseline_tree or args.baseline_commit):
+            parser.error("--regression needs --baseline-tree or --baseline-commit")
+        args.systems = "omnistage"
+    with contextlib.ExitStack() as stack:
+        tree = None
+        if args.baseline_commit:
+            tree = stack.enter_context(_worktree(args.baseline_commit, parser))
+        elif args.baseline_tree:
+            tree = Path(args.baseline_tree).resolve()
+        if tree is not None:
+            if not (tree / "runtime" / "omnistage").is_dir():
+                parser.error(f"--baseline-tree: {tree} has no runtime/omnistage")
+            SYSTEMS["omnistage-base"] = ("omnistage-base", omnistage_system(tree))
+        return asyncio.run(main_async(args))
+
+
+@contextlib.contextmanager
+def _worktree(commit: str, parser: argparse.ArgumentParser) -> Iterator[Path]:
+    """A detached git worktree of commit, removed afterwards (the baseline of a comparison)."""
+    tmp = Path(tempfile.mkdtemp(prefix="omnistage-baseline-"))
+    path = tmp / "tree"
+    made = subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT,
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        tmp.rmdir()
+        parser.error(f"--baseline-commit {commit}: {made.stderr.strip()}")
+    print(f"baseline: {commit} in {path}", flush=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT,
+                       capture_output=True)
+        with contextlib.suppress(OSError):
+            tmp.rmdir()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ handshake (a reconnect included) settles anew which worker segment that is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -30,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from omnistage import protocol as p
 from omnistage.shm import SegmentManager
+from omnistage.zmqio import LoopSocket
 
 log = logging.getLogger("omnistage.client")
 _cids = itertools.count(1)
@@ -72,9 +72,6 @@ class ReplicaChannel:
         # the loss is seen at once instead of at the next missed heartbeat.
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(endpoint)
-        # Synchronous views of both sockets, for non-blocking reads after a poll.
-        self._rx = zmq.Socket.shadow(self.sock.underlying)
-        self._rx_monitor = zmq.Socket.shadow(self._monitor.underlying)
         self._streams: dict[str, asyncio.Queue[Reply]] = {}
         self._calls: dict[str, asyncio.Future[Reply]] = {}
         self.unsolicited: asyncio.Queue[Reply] = asyncio.Queue()
@@ -91,47 +88,60 @@ class ReplicaChannel:
         self._peer: asyncio.Future[p.HelloReply] = loop.create_future()
         self._peer.add_done_callback(_retrieve)
         self._latest: p.HelloReply | None = None  # the newest accepted hello_reply
+        # Both sockets are read and written from the loop directly (zmqio: no futures).
+        self._loop = loop
+        self._io = LoopSocket(self.sock.underlying, self._on_readable, loop)
+        self._io_monitor = LoopSocket(self._monitor.underlying, self._on_readable, loop)
+        # Once the worker says it reads batches (hello_reply.batches), what one turn of the
+        # loop sends to it waits here and leaves as one message at the turn's end (_flush).
+        self._batches = False
+        self._outbox: list[list[Any]] = []
         self.hello()
-        self._recv_task: asyncio.Task[None] | None = asyncio.ensure_future(self._recv_loop())
 
     # ---- receiving -----------------------------------------------------------------------
 
-    async def _recv_loop(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            await poller.poll()
-            # Replies first: whatever the peer sent before its connection closed is delivered
-            # before the loss is reported, so finished requests are never counted as lost.
-            self._drain_replies()
-            self._drain_link_events()
+    def _on_readable(self) -> None:
+        """Read everything that arrived. Replies first: whatever the peer sent before its
+        connection closed is delivered before the loss is reported, so finished requests are
+        never counted as lost."""
+        if self.closed:
+            return
+        self._drain_replies()
+        self._drain_link_events()
 
     def _drain_replies(self) -> None:
-        while True:
+        while (frames := self._io.recv()) is not None:
             try:
-                frames = self._rx.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                msg = p.decode_reply(frames, self.shm.resolve if self.shm else None)
-                msg.lender = self.shm_peer
+                parts = p.unbatch(frames)
             except p.ProtocolError as exc:
-                log.warning("bad reply from %s: %s", self.name, exc)
-                rid, cid = p.salvage_ids(frames)
-                if rid is None and cid is None:
-                    continue
-                # End whatever waits for it, rather than let it wait for its deadline.
-                msg = p.Message(p.Error(code="malformed", id=rid, cid=cid,
-                                        message=f"unreadable reply from {self.name}: {exc}"))
+                # Its parts cannot be told apart: end whatever each frame that reads as a
+                # header names, rather than let it wait for its deadline.
+                log.warning("bad batch from %s: %s", self.name, exc)
+                for frame in frames[1:]:
+                    self._receive([frame])
+                continue
+            for part in parts:
+                self._receive(part)
+
+    def _receive(self, frames: Any) -> None:
+        try:
+            msg = p.decode_reply(frames, self.shm.resolve if self.shm else None)
+            msg.lender = self.shm_peer
+        except p.ProtocolError as exc:
+            log.warning("bad reply from %s: %s", self.name, exc)
+            rid, cid = p.salvage_ids(frames)
+            if rid is None and cid is None:
+                return
+            # End whatever waits for it, rather than let it wait for its deadline.
+            msg = p.Message(p.Error(code="malformed", id=rid, cid=cid,
+                                    message=f"unreadable reply from {self.name}: {exc}"))
+        try:
             self.deliver(msg)
+        except Exception:  # one reply's handler failing must not strand the rest
+            log.exception("handling a %s reply from %s failed", msg.type, self.name)
 
     def _drain_link_events(self) -> None:
-        while True:
-            try:
-                frames = self._rx_monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while (frames := self._io_monitor.recv(copy=True)) is not None:
             if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
                 self._link_lost()
 
@@ -141,6 +151,8 @@ class ReplicaChannel:
         next which process (incarnation) it is."""
         self.disconnects += 1
         log.info("connection to %s at %s closed", self.name, self.endpoint)
+        self._flush()  # what was queued for the process that left goes as it was meant to
+        self._batches = False  # until the next process says it reads them
         self._forget_peer_shm()  # frames until the next process says which segment is its own
         if not self.closed:
             self.hello()
@@ -157,6 +169,7 @@ class ReplicaChannel:
             if h.version == p.PROTOCOL_VERSION:
                 self._latest = h
                 self._peer_shm(h)  # a new process has a new segment (or none)
+                self._batches = h.batches
         cid = getattr(h, "cid", None)
         if cid is not None:
             fut = self._calls.pop(cid, None)
@@ -184,6 +197,7 @@ class ReplicaChannel:
             else:
                 self._latest = h
                 self._peer_shm(h)
+                self._batches = h.batches
                 self._peer.set_result(h)
             return True
         if isinstance(h, p.Error) and h.id is None and h.cid is None:
@@ -252,18 +266,48 @@ class ReplicaChannel:
 
     def hello(self) -> None:
         """(Re)open the handshake, offering our shared-memory segment when we have one."""
-        self.send(p.Hello(version=p.PROTOCOL_VERSION,
+        self.send(p.Hello(version=p.PROTOCOL_VERSION, batches=True,
                           shm=self.shm.probe() if self.shm is not None else None))
 
     def send(self, header: msgspec.Struct, tensors: Mapping[str, Any] | None = None) -> None:
+        """Encode and send at once (raising what encoding raises); sends keep their order."""
         if self.closed:
             raise ChannelClosed(f"channel to {self.name} is closed")
-        self.sock.send_multipart(p.encode(header, tensors, shm=self.shm_peer is not None),
-                                 copy=False)
+        self._send_frames(p.encode(header, tensors, shm=self.shm_peer is not None))
 
     def send_raw(self, frames: list[Any]) -> None:
-        """Send frames as they are (used by tests to send malformed messages)."""
-        self.sock.send_multipart(frames)
+        """Send frames as they are, one ZMQ message of their own after what is queued (tests
+        send malformed messages and hand-made batches with it)."""
+        self._flush()
+        try:
+            self._io.send(frames)
+        except zmq.ZMQError as exc:
+            raise ChannelClosed(f"channel to {self.name}: {exc}") from None
+
+    def _send_frames(self, frames: list[Any]) -> None:
+        if self._batches:
+            self._outbox.append(frames)
+            if len(self._outbox) == 1:
+                self._loop.call_soon(self._flush)
+            return
+        try:
+            self._io.send(frames)
+        except zmq.ZMQError as exc:
+            raise ChannelClosed(f"channel to {self.name}: {exc}") from None
+
+    def _flush(self) -> None:
+        """Send what this turn of the loop queued, as one message (a batch when several)."""
+        if not self._outbox or self._io.closed:
+            self._outbox.clear()
+            return
+        queued, self._outbox = self._outbox, []
+        for frames in p.batch(queued):
+            try:
+                self._io.send(frames)
+            except zmq.ZMQError as exc:  # the socket is closing: its peer is lost anyway
+                log.warning("channel to %s: %d queued messages not sent: %s", self.name,
+                            len(queued), exc)
+                return
 
     def submit(
         self,
@@ -405,12 +449,10 @@ class ReplicaChannel:
             for rid in list(self._sent):  # the worker answers nothing more on this channel
                 self._free_sent(rid)
             self._forget_peer_shm()
+        self._flush()  # aborts and releases sent just before closing still leave
         self.closed = True
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._recv_task
-            self._recv_task = None
+        self._io.close()
+        self._io_monitor.close()
         if not self._peer.done():
             self._peer.set_exception(ChannelClosed(f"channel to {self.name} closed"))
         for fut in self._calls.values():

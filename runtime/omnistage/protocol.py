@@ -38,6 +38,8 @@ MAX_TENSOR_DIMS = 8
 # The most chunks a stage may send ahead of its downstream's consumption (Submit.chunk_window);
 # a worker also refuses more fed chunks than this waiting at once.
 MAX_CHUNK_WINDOW = 1024
+# The most messages in one batch (Batch): a sender splits a longer run into several.
+MAX_BATCH = 1024
 
 # ---- control operations --------------------------------------------------------------------
 
@@ -138,6 +140,7 @@ class Hello(_Wire, tag="hello"):
 
     version: int
     shm: ShmProbe | None = None
+    batches: bool = False  # it reads batched replies (see Batch)
 
 
 class Submit(_Wire, tag="submit"):
@@ -250,6 +253,9 @@ class HelloReply(_Wire, tag="hello_reply"):
     # may go back to the upstream once it credits them; a worker without it (an older one in a
     # rollout) reads them in place, so they stay lent until the request ends.
     copies_fed: bool = False
+    # It reads batched requests (see Batch), and batches its replies to a client whose hello
+    # said it reads them. An older worker says nothing, so it is sent one message at a time.
+    batches: bool = False
 
 
 # A task's first output (delta seq 1, chunk seq 1) and its final or aborted reply carry how long
@@ -386,6 +392,17 @@ Reply = (
     | Error | ControlReply | Pong
 )
 TERMINAL_REPLIES = (Final, Aborted, Overloaded, Deadline, Draining, Error)
+
+
+class Batch(_Wire, tag="batch"):
+    """Several messages in one ZMQ message: this header, then each message's frames in order,
+    `frames` giving how many each has. A peer sends batches only to a peer that said it reads
+    them (hello.batches, hello_reply.batches): what one turn of its event loop sent to that
+    peer leaves as one message, so it costs one send and one wake-up on each side instead of
+    one per message. An older peer would refuse the unknown tag as malformed."""
+
+    frames: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]],
+                      msgspec.Meta(min_length=2, max_length=MAX_BATCH)]
 
 
 def tag(header: msgspec.Struct | type[msgspec.Struct]) -> str:
@@ -555,6 +572,53 @@ def encode(
             frames.append(wt.buffer if ref is None else bytes(_frame_buffer(wt.buffer)))
         header.tensors = descs
     return [_encoder.encode(header), *frames]
+
+
+_batch_decoder = msgspec.msgpack.Decoder(Batch)
+# How every batch header begins (a map whose first key is the tag): a message that does not
+# is one message, told apart without decoding its header twice.
+_BATCH_PREFIX = _encoder.encode(Batch(frames=[1, 1]))[:9]
+assert _BATCH_PREFIX == b"\x82\xa1t\xa5batch", _BATCH_PREFIX
+
+
+def batch(messages: Sequence[list[Any]]) -> list[list[Any]]:
+    """ZMQ messages carrying these messages (each a list of frames) in order: one message
+    stays as it is; more go as batches of at most MAX_BATCH."""
+    if len(messages) == 1:
+        return [messages[0]]
+    out = []
+    for i in range(0, len(messages), MAX_BATCH):
+        part = messages[i:i + MAX_BATCH]
+        if len(part) == 1:
+            out.append(part[0])
+            continue
+        frames: list[Any] = [_encoder.encode(Batch(frames=[len(m) for m in part]))]
+        for m in part:
+            frames.extend(m)
+        out.append(frames)
+    return out
+
+
+def unbatch(frames: Sequence[Any]) -> list[Sequence[Any]]:
+    """The messages one ZMQ message carries: itself, or a batch's parts in order. Raises
+    ProtocolError when a batch header is malformed or its counts do not match the frames."""
+    if not frames:
+        return [frames]
+    raw = _frame_buffer(frames[0])
+    if raw[:9] != _BATCH_PREFIX:
+        return [frames]
+    try:
+        counts = _batch_decoder.decode(raw).frames
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"batch header: {exc}") from None
+    if sum(counts) != len(frames) - 1:
+        raise ProtocolError(f"batch header counts {sum(counts)} frames but "
+                            f"{len(frames) - 1} follow it")
+    parts, i = [], 1
+    for n in counts:
+        parts.append(frames[i:i + n])
+        i += n
+    return parts
 
 
 # Maps a shared-memory descriptor to a read-only view of its bytes (omnistage.shm provides it);

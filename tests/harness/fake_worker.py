@@ -32,8 +32,12 @@ class FakeWorker:
     """
 
     def __init__(self, version: int | None = p.PROTOCOL_VERSION, *, stage: str = "a",
-                 on_submit: Callable[[dict[str, Any]], Frames | None] | None = None) -> None:
+                 on_submit: Callable[[dict[str, Any]], Frames | None] | None = None,
+                 batches: bool = False) -> None:
+        """batches: say in the hello reply that it reads batches (an older worker does not)."""
         self.version = version
+        self.batches = batches
+        self.zmq_messages: list[int] = []  # messages each ZMQ message carried (batches > 1)
         self.stage = stage
         self.incarnation = uuid.uuid4().hex
         self.on_submit = on_submit
@@ -46,19 +50,24 @@ class FakeWorker:
 
     async def _serve(self) -> None:
         while True:
-            ident, header, *_ = await self.sock.recv_multipart()
-            msg = msgspec.msgpack.decode(header)
-            self.received.append(msg)
-            if msg["t"] == "hello":
-                frames = self._hello()
-            elif msg["t"] == "ping":
-                frames = p.encode(p.Pong(cid=msg["cid"], state=self._state()))
-            elif msg["t"] == "submit" and self.on_submit is not None:
-                frames = self.on_submit(msg)
-            else:
-                continue
-            if frames is None:
-                continue
+            ident, *frames = await self.sock.recv_multipart()
+            parts = p.unbatch(frames) if self.batches else [frames]
+            self.zmq_messages.append(len(parts))
+            for part in parts:
+                await self._answer(ident, part[0])
+
+    async def _answer(self, ident: bytes, header: bytes) -> None:
+        msg = msgspec.msgpack.decode(header)
+        self.received.append(msg)
+        if msg["t"] == "hello":
+            frames: Frames | None = self._hello()
+        elif msg["t"] == "ping":
+            frames = p.encode(p.Pong(cid=msg["cid"], state=self._state()))
+        elif msg["t"] == "submit" and self.on_submit is not None:
+            frames = self.on_submit(msg)
+        else:
+            return
+        if frames is not None:
             await self.sock.send_multipart([ident, *frames])
 
     def _hello(self) -> Frames:
@@ -68,7 +77,8 @@ class FakeWorker:
                 "message": "unknown message type 'hello'; expected ['abort', 'control', "
                            "'ping', 'submit']"})]
         return p.encode(p.HelloReply(version=self.version, replica="fake", stage=self.stage,
-                                     kind="echo", incarnation=self.incarnation))
+                                     kind="echo", incarnation=self.incarnation,
+                                     batches=self.batches))
 
     def _state(self) -> p.WorkerState:
         return p.WorkerState(replica_id="fake", stage=self.stage, kind="echo",

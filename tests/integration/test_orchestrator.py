@@ -484,6 +484,13 @@ async def test_a_restart_at_the_same_address_fails_the_old_work_at_once(
     handles = [orch.submit(PipelineRequest(prompt=str(i), params={"a": {"delay_ms": 20000}}))
                for i in range(4)]
     await _until(lambda: replica.inflight == 4, "4 requests in flight")
+    # ... and on the worker: sent is not arrived (ZMQ keeps what never left for the next peer)
+    for _ in range(600):
+        if (await asyncio.to_thread(_state, procs["a"][0]))["in_flight"] == 4:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the worker never had the 4 requests in flight")
     procs["a"][0].kill()  # blocks the loop until the process is reaped
     killed = time.monotonic()
     # The loop has not yet seen the closed connection: this one still goes to the old process,

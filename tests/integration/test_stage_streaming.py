@@ -229,6 +229,13 @@ async def test_the_worker_speaks_chunk_feed_and_credit(start_worker, channels) -
     ch.send(p.Feed(id="down", seq=2, last=True))
     final = await next_reply()
     assert isinstance(final.header, p.Final) and final.header.text == "xy"
+    # The whole input at once (one turn, so one batch): by the time the executor takes the
+    # chunk the input has ended, nothing upstream waits for room, and no credit is sent.
+    ch.send(p.Submit(id="whole", fed=True))
+    ch.send(p.Feed(id="whole", seq=1, text="pq"))
+    ch.send(p.Feed(id="whole", seq=2, last=True))
+    final = await next_reply()
+    assert isinstance(final.header, p.Final) and final.header.text == "pq", final.header
 
     ch.send(p.Feed(id="gone", seq=1, text="x"))  # no such request: counted, no reply
     ch.send(p.Credit(id="gone", seq=1))

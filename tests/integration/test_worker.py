@@ -359,6 +359,93 @@ async def test_two_clients_share_one_worker(start_worker) -> None:
         await b.close()
 
 
+
+# ---- batches ------------------------------------------------------------------------------
+
+
+async def _raw_client(endpoint: str, *, batches: bool):
+    """A bare DEALER that handshakes as a client of this version, saying whether it reads
+    batched replies: what a ReplicaChannel does, with every ZMQ message kept as it came."""
+    import zmq.asyncio
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    await sock.send_multipart(p.encode(p.Hello(version=p.PROTOCOL_VERSION, batches=batches)))
+    hello = p.decode_reply(await asyncio.wait_for(sock.recv_multipart(copy=False), 10))
+    assert isinstance(hello.header, p.HelloReply) and hello.header.batches
+    return ctx, sock
+
+
+async def _replies(sock, ids: set[str]) -> tuple[dict[str, p.Message], list[int]]:
+    """Every reply until each id has a terminal one; and how many each ZMQ message carried."""
+    got: dict[str, p.Message] = {}
+    sizes: list[int] = []
+    while not ids <= got.keys():
+        frames = await asyncio.wait_for(sock.recv_multipart(copy=False), 10)
+        parts = p.unbatch(frames)
+        sizes.append(len(parts))
+        for part in parts:
+            msg = p.decode_reply(part)
+            if isinstance(msg.header, p.TERMINAL_REPLIES):
+                got[msg.header.id] = msg
+    return got, sizes
+
+
+async def test_a_batch_is_served_message_by_message_and_a_bad_part_answers_only_itself(
+        start_worker) -> None:
+    """Submits in one batch all run; a malformed part is answered error/malformed with its id
+    and the parts after it still run; a batch header that does not match its frames is
+    answered as one malformed message, and the worker keeps serving."""
+    w = start_worker("echo")
+    ctx, sock = await _raw_client(w.zmq, batches=True)
+    try:
+        x = np.arange(4, dtype=np.float32)
+        parts = [p.encode(p.Submit(id="one", params={"prompt": "first"})),
+                 [msgspec.msgpack.encode({"t": "submit", "id": "bad", "timeout_s": -1})],
+                 p.encode(p.Submit(id="two", params={"prompt": "second"}), {"x": x})]
+        [batch] = p.batch(parts)
+        await sock.send_multipart(batch)
+        got, _ = await _replies(sock, {"one", "bad", "two"})
+        assert got["one"].header.text == "first" and got["two"].header.text == "second"
+        assert got["two"].tensors["x"].numpy().tolist() == x.tolist()
+        bad = got["bad"].header
+        assert isinstance(bad, p.Error) and bad.code == "malformed" and "`$.timeout_s`" in (
+            bad.message)
+        await sock.send_multipart([msgspec.msgpack.encode({"t": "batch", "frames": [1, 1]}),
+                                   p.encode(p.Abort(id="x"))[0]])
+        err = p.decode_reply(await asyncio.wait_for(sock.recv_multipart(copy=False), 10))
+        assert isinstance(err.header, p.Error) and err.header.code == "malformed"
+        assert "batch header counts 2 frames but 1 follow" in err.header.message
+        await sock.send_multipart(p.encode(p.Submit(id="after", params={"prompt": "ok"})))
+        got, _ = await _replies(sock, {"after"})
+        assert got["after"].header.text == "ok" and w.proc.poll() is None
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("batches", [True, False])
+async def test_replies_are_batched_only_to_a_client_that_reads_batches(
+        start_worker, batches: bool) -> None:
+    """Many submits at once: every one is answered, to a client that did not say it reads
+    batches always one reply per ZMQ message (an older client could not read a batch)."""
+    w = start_worker("echo", admission={"maxRequests": 256, "maxQueue": 256})
+    ctx, sock = await _raw_client(w.zmq, batches=batches)
+    try:
+        ids = {f"r{i}" for i in range(200)}
+        for frames in p.batch([p.encode(p.Submit(id=i, params={"prompt": i})) for i in ids]):
+            await sock.send_multipart(frames)
+        got, sizes = await _replies(sock, ids)
+        assert {i: m.header.text for i, m in got.items()} == {i: i for i in ids}
+        if not batches:
+            assert set(sizes) == {1}
+        else:
+            assert sum(sizes) >= len(ids)
+    finally:
+        sock.close()
+        ctx.term()
+
 # ---- control RPCs -----------------------------------------------------------------------
 
 

@@ -223,7 +223,7 @@ async def test_handshake_accepts_the_same_version_and_reports_the_incarnation() 
         hello = await ch.handshake(5)
         assert hello.version == p.PROTOCOL_VERSION and hello.incarnation == fake.incarnation
         assert ch.peer == hello
-        assert fake.received[0] == {"t": "hello", "version": p.PROTOCOL_VERSION}
+        assert fake.received[0] == {"t": "hello", "version": p.PROTOCOL_VERSION, "batches": True}
     finally:
         await ch.close()
         await fake.close()
@@ -269,6 +269,95 @@ async def test_unreadable_reply_still_ends_its_request() -> None:
         _, reply = await asyncio.wait_for(ch.request("r1", {}), 5)
         assert isinstance(reply.header, p.Error) and reply.header.code == "malformed"
         assert reply.header.id == "r1" and "`$.seq`" in reply.header.message
+    finally:
+        await ch.close()
+        await fake.close()
+
+
+# ---- batches: several messages in one ZMQ message -------------------------------------------
+
+
+def test_a_batch_carries_its_messages_in_order_with_their_tensor_frames() -> None:
+    a = p.encode(p.Submit(id="a"))
+    b = p.encode(p.Feed(id="a", seq=1, text="x"), {"chunk": np.arange(3, dtype=np.uint8)})
+    c = p.encode(p.Feed(id="a", seq=2, last=True))
+    [one] = p.batch([a, b, c])
+    assert len(one) == 1 + 1 + 2 + 1  # the batch header, then each message's frames
+    parts = p.unbatch(one)
+    assert [p.decode_request(x).header for x in parts] == [
+        p.decode_request(a).header, p.decode_request(b).header, p.decode_request(c).header]
+    assert p.decode_request(parts[1]).tensors["chunk"].numpy().tolist() == [0, 1, 2]
+    assert p.batch([a]) == [a] and p.unbatch(a) == [a]  # one message goes as it is
+
+
+def test_a_long_run_is_split_into_batches_of_at_most_max_batch() -> None:
+    msgs = [p.encode(p.Abort(id=f"r{i}")) for i in range(p.MAX_BATCH + 2)]
+    out = p.batch(msgs)
+    assert [len(p.unbatch(m)) for m in out] == [p.MAX_BATCH, 2]
+    assert [bytes(x[0]) for m in out for x in p.unbatch(m)] == [m[0] for m in msgs]
+
+
+@pytest.mark.parametrize("frames, names", [
+    ([enc({"t": "batch", "frames": [1, 1]}), enc({"t": "abort", "id": "r"})],
+     "counts 2 frames but 1 follow"),
+    ([enc({"t": "batch", "frames": [1]}), enc({"t": "abort", "id": "r"})], "length >= 2"),
+    ([enc({"t": "batch", "frames": [0, 1]}), b"x"], ">= 1"),
+    ([enc({"t": "batch", "frames": "many"}), b"x"], "Expected `array`"),
+])
+def test_a_malformed_batch_header_is_refused_with_the_reason(frames: list[Any],
+                                                             names: str) -> None:
+    with pytest.raises(p.ProtocolError, match="batch header") as err:
+        p.unbatch(frames)
+    assert names in str(err.value)
+
+
+async def _wait_received(fake: FakeWorker, n: int) -> None:
+    for _ in range(500):
+        if len(fake.received) >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the fake worker got {len(fake.received)} messages, not {n}")
+
+
+@pytest.mark.parametrize("batches", [True, False])
+async def test_what_one_turn_sends_goes_as_one_batch_only_to_a_worker_that_reads_them(
+        batches: bool) -> None:
+    """A worker that says it reads batches gets one turn's messages as one ZMQ message; an
+    older worker (no `batches` in its hello reply) gets them one by one, as before."""
+    fake = FakeWorker(batches=batches)
+    ch = ReplicaChannel(fake.endpoint, name="fake")
+    try:
+        await ch.handshake(5)
+        for i in range(5):  # one turn of the loop: nothing awaited in between
+            ch.abort(f"r{i}")
+        await _wait_received(fake, 6)
+        assert [m["id"] for m in fake.received[1:]] == [f"r{i}" for i in range(5)]
+        assert fake.zmq_messages == ([1, 5] if batches else [1] * 6)
+    finally:
+        await ch.close()
+        await fake.close()
+
+
+
+async def test_a_reply_batch_that_cannot_be_split_still_ends_the_requests_it_names() -> None:
+    """A batch header whose counts do not match: every frame that reads as a header still
+    answers its request (a reply that decodes whole, or error/malformed naming its id)."""
+    def reply(m: dict[str, Any]) -> list[Any] | None:
+        if m["id"] != "whole":
+            return None  # "torn" is answered only in whole's batch
+        final = p.encode(p.Final(id="whole", text="whole"))
+        torn = p.encode(p.Final(id="torn"), {"x": np.zeros(2, np.uint8)})[0]  # frame lost
+        return [enc({"t": "batch", "frames": [1, 2]}), final[0], torn]
+
+    fake = FakeWorker(on_submit=reply, batches=True)
+    ch = ReplicaChannel(fake.endpoint, name="fake")
+    try:
+        await ch.handshake(5)
+        torn = asyncio.ensure_future(ch.request("torn", {}))
+        _, whole = await asyncio.wait_for(ch.request("whole", {}), 5)
+        assert isinstance(whole.header, p.Final) and whole.header.text == "whole"
+        _, bad = await asyncio.wait_for(torn, 5)
+        assert isinstance(bad.header, p.Error) and bad.header.code == "malformed"
     finally:
         await ch.close()
         await fake.close()

@@ -183,6 +183,11 @@ class StageIO:
 
     # ---- the worker's side (its event loop) --------------------------------------------
 
+    @property
+    def input_ended(self) -> bool:
+        """The upstream's last chunk (or the bare end of input) has arrived."""
+        return self._ended
+
     def feed(self, chunk: InputChunk, last: bool) -> bool:
         """Queue one fed chunk; False when it is out of order or after the last (dropped)."""
         with self._cond:

@@ -61,7 +61,8 @@ class ControlPlane:
             version=p.PROTOCOL_VERSION, replica=cfg.replica_id, stage=cfg.stage.name,
             kind=cfg.stage.kind, incarnation=self.incarnation, revision=self.revision,
             shm=self.shm.probe() if shared else None,  # type: ignore[union-attr]
-            copies_fed=True))  # worker/streams.py copies fed chunks on arrival
+            copies_fed=True,  # worker/streams.py copies fed chunks on arrival
+            batches=True))  # server.py reads batches; replies.py sends them to who reads them
 
     async def answer(self, ident: bytes, cid: str, op: p.ControlOp) -> None:
         """Apply a control RPC and reply with the state after it, or with why it failed."""

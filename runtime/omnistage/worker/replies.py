@@ -10,24 +10,35 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from omnistage import protocol as p
+from omnistage.zmqio import LoopSocket
 
 log = logging.getLogger("omnistage.worker")
 
 
 class Replies:
-    """Sends to one peer (a ROUTER identity). Used on the event loop only."""
+    """Sends to one peer (a ROUTER identity). Used on the event loop only.
+
+    To a client whose hello said it reads batches, what one turn of the loop sends it waits in
+    that client's outbox and leaves at the turn's end as one message (protocol.Batch)."""
 
     def __init__(self) -> None:
-        self.sock: zmq.asyncio.Socket | None = None  # bound by StageWorker.serve
+        self.io: LoopSocket | None = None  # bound by StageWorker.serve
         self.outcomes: dict[str, int] = {}  # terminal replies by type, read by /metrics
+        self._batching: set[bytes] = set()  # clients that read batches
+        self._outboxes: dict[bytes, list[tuple[list[Any], Callable[[], None] | None]]] = {}
+
+    def batching(self, ident: bytes, reads: bool) -> None:
+        """What the client's (newest) hello said about batches."""
+        if reads:
+            self._batching.add(ident)
+        else:
+            self._batching.discard(ident)
 
     def count(self, reply_type: str) -> None:
         self.outcomes[reply_type] = self.outcomes.get(reply_type, 0) + 1
@@ -48,20 +59,32 @@ class Replies:
     def send_frames(self, ident: bytes, frames: list[Any],
                     on_fail: Callable[[], None] | None = None) -> None:
         """Send encoded frames; ``on_fail`` runs when they never leave (the peer is gone)."""
-        assert self.sock is not None
+        assert self.io is not None
+        if ident in self._batching:
+            box = self._outboxes.get(ident)
+            if box is None:
+                box = self._outboxes[ident] = []
+                asyncio.get_running_loop().call_soon(self._flush, ident)
+            box.append((frames, on_fail))
+            return
+        self._send(ident, frames, on_fail)
+
+    def _flush(self, ident: bytes) -> None:
+        queued = self._outboxes.pop(ident, [])
+        if not queued:
+            return
+        fails = [f for _, f in queued if f is not None]
+        on_fail = (lambda: [f() for f in fails]) if fails else None
+        for message in p.batch([frames for frames, _ in queued]):
+            self._send(ident, message, on_fail)
+
+    def _send(self, ident: bytes, frames: list[Any],
+              on_fail: Callable[[], None] | None) -> None:
+        assert self.io is not None
         try:
-            fut = self.sock.send_multipart([ident, *frames], copy=False)
+            self.io.send([ident, *frames], on_fail=on_fail)
         except zmq.ZMQError as exc:  # the peer went away; its requests are its problem
             log.warning("dropping reply for gone peer %r: %s", ident, exc)
+            self._batching.discard(ident)
             if on_fail is not None:
                 on_fail()
-            return
-        if isinstance(fut, asyncio.Future):
-            fut.add_done_callback(partial(_log_send_failure, on_fail=on_fail))
-
-
-def _log_send_failure(fut: asyncio.Future[Any], on_fail: Callable[[], None] | None) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("reply not delivered: %s", fut.exception())
-        if on_fail is not None:
-            on_fail()

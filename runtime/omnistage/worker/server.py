@@ -33,7 +33,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from omnistage import kube
 from omnistage import protocol as p
@@ -67,6 +66,7 @@ from omnistage.worker.metrics import WorkerCollector
 from omnistage.worker.replies import Replies
 from omnistage.worker.request import Request
 from omnistage.worker.streams import ChunkStreams
+from omnistage.zmqio import LoopSocket
 
 log = logging.getLogger("omnistage.worker")
 
@@ -136,7 +136,7 @@ class StageWorker:
     async def serve(self) -> int:
         """Run until drained; returns the process exit code."""
         loop = asyncio.get_running_loop()
-        zctx = zmq.asyncio.Context()
+        zctx = zmq.Context()
         self.sock = zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 2000)
@@ -146,7 +146,9 @@ class StageWorker:
             self.sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
         else:
             self.sock.bind_to_random_port(f"tcp://{self.cfg.host}")
-        self.replies.sock = self.sock
+        # Read and written from the loop directly (zmqio: no futures on the request path).
+        self.io = LoopSocket(self.sock.underlying, self._on_readable, loop)
+        self.replies.io = self.io
         self.zmq_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ipc_endpoint = ""
         if self.cfg.ipc:
@@ -163,17 +165,16 @@ class StageWorker:
         self._write_port_file()
         log.info("replica %s of stage %s (%s) zmq=%s http=%s", self.cfg.replica_id,
                  self.cfg.stage.name, self.cfg.stage.kind, self.zmq_endpoint, self.http_url)
-        recv = asyncio.create_task(self._recv_loop())
         load = asyncio.create_task(self._load())
+        self.io.read_soon()  # anything that came before the reader was watching
         try:
             await self._exit.wait()
         finally:
-            recv.cancel()
             load.cancel()
-            for t in (recv, load):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await load
             await runner.cleanup()
+            self.io.close()
             self.sock.close(linger=2000)
             zctx.term()
             self.scheduler.close()
@@ -286,28 +287,42 @@ class StageWorker:
 
     # ---- message handling ----------------------------------------------------------------
 
-    async def _recv_loop(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
+    def _on_readable(self) -> None:
+        """Handle every message that arrived (zmqio.LoopSocket calls this), a batch's in order."""
+        while (frames := self.io.recv()) is not None:
             ident = frames[0].bytes
             try:
-                msg = p.decode_request(frames[1:], self.shm.resolve if self.shm else None)
+                parts = p.unbatch(frames[1:])
             except p.ProtocolError as exc:
-                self.counters["malformed"] += 1
-                log.warning("malformed message from %r: %s", ident, exc)
-                rid, cid = p.salvage_ids(frames[1:])
-                self.replies.send(ident, p.Error(code="malformed", message=str(exc), id=rid,
-                                                 cid=cid, replica=self.cfg.replica_id))
+                self._malformed(ident, frames[1:], exc)
                 continue
-            try:
-                self._dispatch(ident, msg)
-            except Exception as exc:  # never let one message stop the worker
-                log.exception("failed to handle %s", msg.type)
-                h = msg.header
-                self.replies.send(ident, p.Error(code="internal", message=str(exc),
-                                                 id=getattr(h, "id", None),
-                                                 cid=getattr(h, "cid", None),
-                                                 replica=self.cfg.replica_id))
+            for part in parts:
+                self._receive(ident, part)
+
+    def _receive(self, ident: bytes, frames: Any) -> None:
+        try:
+            msg = p.decode_request(frames, self.shm.resolve if self.shm else None)
+        except p.ProtocolError as exc:
+            self._malformed(ident, frames, exc)
+            return
+        try:
+            self._dispatch(ident, msg)
+        except Exception as exc:  # never let one message stop the worker
+            log.exception("failed to handle %s", msg.type)
+            h = msg.header
+            self.replies.send(ident, p.Error(code="internal", message=str(exc),
+                                             id=getattr(h, "id", None),
+                                             cid=getattr(h, "cid", None),
+                                             replica=self.cfg.replica_id))
+
+    def _malformed(self, ident: bytes, frames: Any, exc: p.ProtocolError) -> None:
+        """Answer what cannot be read with error/malformed, naming its ids when they can be
+        read, so whoever waits for it is answered."""
+        self.counters["malformed"] += 1
+        log.warning("malformed message from %r: %s", ident, exc)
+        rid, cid = p.salvage_ids(frames)
+        self.replies.send(ident, p.Error(code="malformed", message=str(exc), id=rid,
+                                         cid=cid, replica=self.cfg.replica_id))
 
     def _dispatch(self, ident: bytes, msg: p.Message[p.Request]) -> None:
         match msg.header:
@@ -334,7 +349,8 @@ class StageWorker:
                 self.replies.send(ident, p.Pong(cid=cid, state=self.snapshot()))
             case p.Control(cid=cid, op=op):
                 self._spawn(self.control_plane.answer(ident, cid, op))
-            case p.Hello(version=version, shm=probe):
+            case p.Hello(version=version, shm=probe, batches=batches):
+                self.replies.batching(ident, batches)
                 self.control_plane.hello(ident, version, probe)
             case p.Release(leases=leases):
                 if self.shm is not None:

@@ -1,16 +1,17 @@
 """Streaming between stages on a replica: each request's StageIO, its chunks out, fed chunks in.
 
-Out: deltas go straight to the client; chunks queue in a per-request outbox that one task sends
-in order, large tensors lent through shared memory, at most `chunk_window` unacknowledged (the
-downstream's credits open the window). A chunk waits at most CHUNK_PATIENCE_S for room in our
-segment, then goes as frames: its window already bounds it, and the blocks that fill the
-segment may be other requests' (their streams wait on theirs). In: fed chunks go to the
-request's StageIO, checked against the revisions it expects, their shared-memory tensors copied
-out at once (the orchestrator gives a chunk's block back once it is credited, and the executor
-may keep a chunk longer, as left context), and each one the executor takes is credited
-upstream. Why apart from the worker: this is the only part that touches a request from the
-executor's thread (StageIO's callbacks hop back onto the event loop here), and it owns the
-lending of blocks.
+Out: deltas go straight to the client; chunks are sent as they come, at most `chunk_window`
+unacknowledged (the downstream's credits open the window). From a request's first chunk with a
+tensor to lend through shared memory on, its chunks queue in a per-request outbox that one task
+lends and sends in order. A chunk waits at most CHUNK_PATIENCE_S for room in our segment, then
+goes as frames: its window already bounds it, and the blocks that fill the segment may be other
+requests' (their streams wait on theirs). In: fed chunks go to the request's StageIO, checked
+against the revisions it expects, their shared-memory tensors copied out at once (the
+orchestrator gives a chunk's block back once it is credited, and the executor may keep a chunk
+longer, as left context), and each one the executor takes is credited upstream; once the input
+has ended only a lent chunk's credit is sent (nothing upstream waits for room any more). Why
+apart from the worker: this is the only part that touches a request from the executor's thread
+(StageIO's callbacks hop back onto the event loop here), and it owns the lending of blocks.
 """
 
 from __future__ import annotations
@@ -58,9 +59,6 @@ class ChunkStreams:
             req.ctx, partial(self._delta, loop, req), fed=fed, window=window or 0,
             send_chunk=partial(self._chunk, loop, req) if window else None,
             consumed=partial(self._consumed, loop, req), max_waiting=p.MAX_CHUNK_WINDOW)
-        if window:
-            req.outbox = asyncio.Queue()
-            req.sender = asyncio.ensure_future(self._send_chunks(req))
 
     # ---- out: the executor's StageIO calls these on its thread ---------------------------
 
@@ -73,12 +71,54 @@ class ChunkStreams:
 
     def _chunk(self, loop: asyncio.AbstractEventLoop, req: Request, seq: int, text: str | None,
                tensors: dict[str, Any]) -> None:
-        assert req.outbox is not None
-        loop.call_soon_threadsafe(req.outbox.put_nowait, (seq, text, tensors))
+        loop.call_soon_threadsafe(self._out, req, (seq, text, tensors))
+
+    def _out(self, req: Request, item: tuple[int, str | None, dict[str, Any]]) -> None:
+        """One chunk on the loop: sent now, unless it (or one before it) needs lending."""
+        seq, text, tensors = item
+        if req.outbox is None:
+            lend = req.borrower is not None and self.shm is not None and any(
+                self.shm.wants(v) for v in tensors.values())
+            if not lend:
+                self._send_chunk(req, seq, text, tensors)
+                return
+            req.outbox = asyncio.Queue()
+            req.sender = asyncio.ensure_future(self._send_chunks(req))
+        req.outbox.put_nowait(item)
+
+    def _send_chunk(self, req: Request, seq: int, text: str | None,
+                    tensors: dict[str, Any]) -> None:
+        """Encode and send one chunk (its tensors lent already, or frames); a chunk that
+        cannot be encoded ends the request with that error (`complete` raises chunk_error)."""
+        if req.chunk_error is not None:
+            self.take_back(tensors)
+            return
+        try:
+            wait = req.queue_wait() if seq == 1 else None
+            frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text, queue_wait_s=wait,
+                                      revision=self.revision),
+                              tensors, shm=req.borrower is not None)
+        except Exception as exc:
+            self.take_back(tensors)
+            req.chunk_error = exc
+            req.ctx.cancel()  # the executor stops at its next look at the context
+            return
+        self.counters["chunks_sent"] += 1
+        self.replies.send_frames(req.ident, frames, on_fail=partial(self.take_back, tensors))
 
     def _consumed(self, loop: asyncio.AbstractEventLoop, req: Request, seq: int) -> None:
-        """The executor took fed chunk seq: credit the upstream (through the orchestrator)."""
-        loop.call_soon_threadsafe(self.replies.send, req.ident, p.Credit(id=req.rid, seq=seq))
+        """The executor took fed chunk seq (on its thread): credit it from the loop."""
+        loop.call_soon_threadsafe(self.credit, req, seq)
+
+    def credit(self, req: Request, seq: int) -> None:
+        """Credit the upstream (through the orchestrator) for fed chunks up to seq. Once the
+        input has ended nothing upstream waits for room, so the credit is left out unless it
+        gives back a chunk lent through shared memory (the orchestrator returns a credited
+        chunk's block to its lender at once): a message fewer per streamed request."""
+        if seq <= req.credited or (req.io.input_ended and req.lent_upto <= req.credited):
+            return
+        req.credited = seq
+        self.replies.send(req.ident, p.Credit(id=req.rid, seq=seq))
 
     async def _send_chunks(self, req: Request) -> None:
         """Send a request's chunks in order, large tensors lent as for a final reply. After a
@@ -87,31 +127,24 @@ class ChunkStreams:
         assert req.outbox is not None
         while (item := await req.outbox.get()) is not None:
             seq, text, tensors = item
-            if req.chunk_error is not None:
-                self.take_back(tensors)
-                continue
-            try:
-                if req.borrower is not None and tensors:
+            if req.chunk_error is None and req.borrower is not None and tensors:
+                try:
                     tensors = await self.lend(req, tensors, patience=CHUNK_PATIENCE_S)
-                wait = req.queue_wait() if seq == 1 else None
-                frames = p.encode(p.Chunk(id=req.rid, seq=seq, text=text, queue_wait_s=wait,
-                                          revision=self.revision),
-                                  tensors, shm=req.borrower is not None)
-            except Exception as exc:  # TimeoutError, WaitCancelled, an unencodable chunk
-                self.take_back(tensors)
-                req.chunk_error = exc
-                req.ctx.cancel()  # the executor stops at its next look at the context
-                continue
-            self.counters["chunks_sent"] += 1
-            self.replies.send_frames(req.ident, frames, on_fail=partial(self.take_back, tensors))
+                except Exception as exc:  # TimeoutError, WaitCancelled
+                    self.take_back(tensors)
+                    req.chunk_error = exc
+                    req.ctx.cancel()
+                    continue
+            self._send_chunk(req, seq, text, tensors)
 
     async def _flush(self, req: Request) -> None:
         """Every chunk of the request on its way before its terminal reply."""
-        if req.sender is None or req.outbox is None:
-            return
-        req.outbox.put_nowait(None)
-        await req.sender
+        if req.sender is not None and req.outbox is not None:
+            req.outbox.put_nowait(None)
+            await req.sender
         io = req.io
+        if not io.window:
+            return
         self.counters["window_waits"] += io.window_waits
         self.counters["chunks_outstanding_peak"] = max(
             self.counters["chunks_outstanding_peak"], io.peak_outstanding)
@@ -178,6 +211,7 @@ class ChunkStreams:
             # Copied now: the block goes back to its lender once we credit the chunk, and the
             # executor may still read it after that (left context).
             tensors = {name: wt.detached() for name, wt in tensors.items()}
+            req.lent_upto = max(req.lent_upto, feed.seq)
         if req.io.feed(InputChunk(feed.seq, feed.text, tensors), feed.last):
             if feed.text is not None or tensors:  # not a bare end of input
                 self.counters["chunks_fed"] += 1
