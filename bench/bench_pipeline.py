@@ -587,14 +587,16 @@ def regression(results: dict[str, Result]) -> tuple[str, list[Goal]]:
     """The regression check's goals: this tree's omnistage against the baseline tree's."""
     omni, base = results.get("omnistage"), results.get("omnistage-base")
     rps = cpu = None
+    spread = ""
     if omni and base and not omni.note and not base.note and base.rounds:
-        each = [o / b for o, b in zip(omni.rounds, base.rounds, strict=True) if b]
+        each = sorted(o / b for o, b in zip(omni.rounds, base.rounds, strict=True) if b)
         rps = statistics.median(each) if each else None
+        spread = f" [rounds {each[0]:.2f}-{each[-1]:.2f}]" if each else ""
         if omni.cpu_requests and base.cpu_requests and base.cpu_s:
             cpu = (omni.cpu_s / omni.cpu_requests) / (base.cpu_s / base.cpu_requests)
     goals = [Goal("regression/throughput", rps, REGRESSION_THROUGHPUT),
              Goal("regression/front_cpu_per_request", cpu, REGRESSION_CPU, at_least=False)]
-    return "summary: " + "; ".join(str(g) for g in goals), goals
+    return f"summary: {goals[0]}{spread}; {goals[1]}", goals
 
 
 def summary(results: dict[str, Result]) -> tuple[str, list[Goal]]:
