@@ -29,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from omnistage import protocol as p
 from omnistage.shm import SegmentManager
-from omnistage.zmqio import LoopSocket
+from omnistage.zmqio import LoopSocket, Outbox
 
 log = logging.getLogger("omnistage.client")
 _cids = itertools.count(1)
@@ -95,7 +95,7 @@ class ReplicaChannel:
         # Once the worker says it reads batches (hello_reply.batches), what one turn of the
         # loop sends to it waits here and leaves as one message at the turn's end (_flush).
         self._batches = False
-        self._outbox: list[list[Any]] = []
+        self._outbox = Outbox(self._io, self._unsent)
         self.hello()
 
     # ---- receiving -----------------------------------------------------------------------
@@ -286,9 +286,7 @@ class ReplicaChannel:
 
     def _send_frames(self, frames: list[Any]) -> None:
         if self._batches:
-            self._outbox.append(frames)
-            if len(self._outbox) == 1:
-                self._loop.call_soon(self._flush)
+            self._outbox.put(frames)
             return
         try:
             self._io.send(frames)
@@ -296,18 +294,12 @@ class ReplicaChannel:
             raise ChannelClosed(f"channel to {self.name}: {exc}") from None
 
     def _flush(self) -> None:
-        """Send what this turn of the loop queued, as one message (a batch when several)."""
-        if not self._outbox or self._io.closed:
-            self._outbox.clear()
-            return
-        queued, self._outbox = self._outbox, []
-        for frames in p.batch(queued):
-            try:
-                self._io.send(frames)
-            except zmq.ZMQError as exc:  # the socket is closing: its peer is lost anyway
-                log.warning("channel to %s: %d queued messages not sent: %s", self.name,
-                            len(queued), exc)
-                return
+        """Send what this turn of the loop queued, now."""
+        self._outbox.flush()
+
+    def _unsent(self, exc: zmq.ZMQError, on_fail: Any) -> None:
+        """The socket is closing: its peer is lost anyway."""
+        log.warning("channel to %s: queued messages not sent: %s", self.name, exc)
 
     def submit(
         self,

@@ -21,6 +21,8 @@ from typing import Any
 
 import zmq
 
+from omnistage import protocol as p
+
 log = logging.getLogger("omnistage.zmqio")
 
 
@@ -37,7 +39,7 @@ class LoopSocket:
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.sock = zmq.Socket.shadow(underlying)
         self._on_readable = on_readable
-        self._loop = loop or asyncio.get_running_loop()
+        self.loop = self._loop = loop or asyncio.get_running_loop()
         self._fd = self.sock.FD
         self._pending = False
         self._backlog: list[tuple[list[Any], Callable[[], None] | None]] = []
@@ -111,3 +113,37 @@ class LoopSocket:
             if on_fail is not None:
                 on_fail()
         self._backlog.clear()
+
+
+class Outbox:
+    """What one turn of the loop sends one peer that reads batches: it leaves at the turn's end
+    as one message (protocol.batch). prefix: frames sent before each message (a ROUTER's peer
+    identity). on_error: told when the socket refuses a message, with the message's on_fail
+    (which it runs), so the owner decides what a refused peer means."""
+
+    def __init__(self, io: LoopSocket, on_error: Callable[[zmq.ZMQError,
+                                                          Callable[[], None] | None], None],
+                 prefix: list[Any] | None = None) -> None:
+        self.io = io
+        self.prefix = prefix or []
+        self.on_error = on_error
+        self._queued: list[tuple[list[Any], Callable[[], None] | None]] = []
+
+    def put(self, frames: list[Any], on_fail: Callable[[], None] | None = None) -> None:
+        if not self._queued:
+            self.io.loop.call_soon(self.flush)
+        self._queued.append((frames, on_fail))
+
+    def flush(self) -> None:
+        """Send what is queued now (a batch when several)."""
+        queued, self._queued = self._queued, []
+        if not queued:
+            return
+        fails = [f for _, f in queued if f is not None]
+        on_fail = (lambda: [f() for f in fails]) if fails else None
+        for message in p.batch([frames for frames, _ in queued]):
+            try:
+                self.io.send([*self.prefix, *message], on_fail=on_fail)
+            except zmq.ZMQError as exc:
+                self.on_error(exc, on_fail)
+                return

@@ -7,16 +7,16 @@ reply counts that /metrics reads.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
 import zmq
 
 from omnistage import protocol as p
-from omnistage.zmqio import LoopSocket
+from omnistage.zmqio import LoopSocket, Outbox
 
 log = logging.getLogger("omnistage.worker")
 
@@ -31,14 +31,14 @@ class Replies:
         self.io: LoopSocket | None = None  # bound by StageWorker.serve
         self.outcomes: dict[str, int] = {}  # terminal replies by type, read by /metrics
         self._batching: set[bytes] = set()  # clients that read batches
-        self._outboxes: dict[bytes, list[tuple[list[Any], Callable[[], None] | None]]] = {}
+        self._outboxes: dict[bytes, Outbox] = {}  # of those clients, once they were sent to
 
     def batching(self, ident: bytes, reads: bool) -> None:
         """What the client's (newest) hello said about batches."""
         if reads:
             self._batching.add(ident)
         else:
-            self._batching.discard(ident)
+            self._forget(ident)
 
     def count(self, reply_type: str) -> None:
         self.outcomes[reply_type] = self.outcomes.get(reply_type, 0) + 1
@@ -63,28 +63,23 @@ class Replies:
         if ident in self._batching:
             box = self._outboxes.get(ident)
             if box is None:
-                box = self._outboxes[ident] = []
-                asyncio.get_running_loop().call_soon(self._flush, ident)
-            box.append((frames, on_fail))
+                box = self._outboxes[ident] = Outbox(
+                    self.io, partial(self._refused, ident), prefix=[ident])
+            box.put(frames, on_fail)
             return
-        self._send(ident, frames, on_fail)
-
-    def _flush(self, ident: bytes) -> None:
-        queued = self._outboxes.pop(ident, [])
-        if not queued:
-            return
-        fails = [f for _, f in queued if f is not None]
-        on_fail = (lambda: [f() for f in fails]) if fails else None
-        for message in p.batch([frames for frames, _ in queued]):
-            self._send(ident, message, on_fail)
-
-    def _send(self, ident: bytes, frames: list[Any],
-              on_fail: Callable[[], None] | None) -> None:
-        assert self.io is not None
         try:
             self.io.send([ident, *frames], on_fail=on_fail)
-        except zmq.ZMQError as exc:  # the peer went away; its requests are its problem
-            log.warning("dropping reply for gone peer %r: %s", ident, exc)
-            self._batching.discard(ident)
-            if on_fail is not None:
-                on_fail()
+        except zmq.ZMQError as exc:
+            self._refused(ident, exc, on_fail)
+
+    def _refused(self, ident: bytes, exc: zmq.ZMQError,
+                 on_fail: Callable[[], None] | None) -> None:
+        """The peer went away; its requests are its problem."""
+        log.warning("dropping reply for gone peer %r: %s", ident, exc)
+        self._forget(ident)
+        if on_fail is not None:
+            on_fail()
+
+    def _forget(self, ident: bytes) -> None:
+        self._batching.discard(ident)
+        self._outboxes.pop(ident, None)
