@@ -73,6 +73,16 @@ class Samples:
                 continue
 
 
+def _serving_in_full(kube: Cluster, ns: str, name: str) -> bool:
+    """The pipeline is Ready and every stage has all its replicas routable: Ready alone means
+    each stage's minimum, and the samples hold a stage to its full count from the first one."""
+    if not _pipeline_ready(kube, ns, name):
+        return False
+    current = _replicas(kube, ns, name)
+    return all(sum(1 for p in current if _stage_of(p) == s and _routable(p)) == REPLICAS
+               for s in "ab")
+
+
 def _stage_of(pod: Obj) -> str:
     return str(pod["metadata"]["labels"][k.LABEL_STAGE])
 
@@ -159,8 +169,9 @@ def test_a_two_stage_release_retires_nothing_old_until_both_stages_serve_the_new
     apply(kube, namespace, pipeline_doc(name, [
         _stage("a"), _stage("b", inputs=["a"], finalOutput=True)],
         orchestrator={"api": ["generic"], "shutdownDelaySeconds": 2}))
-    wait_for(lambda: _pipeline_ready(kube, namespace, name), 300, f"{name} Ready",
-             operator.log_tail, interval=1)
+    wait_for(lambda: _serving_in_full(kube, namespace, name), 300,
+             f"{name} Ready with {REPLICAS} routable replicas per stage", operator.log_tail,
+             interval=1)
     old = _revisions(kube, namespace, name)
     assert {release.pod_revision(p) for p in _replicas(kube, namespace, name)} == set(
         old.values())
@@ -245,8 +256,9 @@ def test_a_release_reverted_midway_goes_back_without_dropping_capacity(
     apply(kube, namespace, pipeline_doc(name, [
         _stage("a"), _stage("b", inputs=["a"], finalOutput=True)],
         orchestrator={"api": ["generic"], "shutdownDelaySeconds": 2}))
-    wait_for(lambda: _pipeline_ready(kube, namespace, name), 300, f"{name} Ready",
-             operator.log_tail, interval=1)
+    wait_for(lambda: _serving_in_full(kube, namespace, name), 300,
+             f"{name} Ready with {REPLICAS} routable replicas per stage", operator.log_tail,
+             interval=1)
     first = _revisions(kube, namespace, name)
 
     def chars(value: int) -> str:
