@@ -9,12 +9,13 @@ never imports (or names) the operator package.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
+
+from omnistage import eventloop
 
 COMMANDS_GROUP = "omnistage.commands"
 DESCRIPTION = "Serve multi-stage omni-modal model pipelines locally or on Kubernetes."
@@ -38,7 +39,7 @@ def _run_stage(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(f"error: invalid stage:\n{exc}", file=sys.stderr)
         return 2
-    return asyncio.run(StageWorker(cfg).serve())
+    return eventloop.run(StageWorker(cfg).serve())
 
 
 def _add_models(sub: Any) -> None:
@@ -218,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        eventloop.loop_factory()  # a bad OMNISTAGE_EVENT_LOOP: one line, before any work
+    except eventloop.EventLoopError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:

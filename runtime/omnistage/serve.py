@@ -9,7 +9,6 @@ drain and exit. Repeated SIGINT/SIGTERM during shutdown are noted and ignored.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from omnistage import models, validate
+from omnistage import eventloop, models, validate
 from omnistage.local_runtime import (
     LocalAutoscaler,
     LocalStageRuntime,
@@ -108,7 +107,7 @@ def run_serve(
         # woken from zero in process (see architecture.md, "The load signal and hold-and-wake").
         autoscaler = LocalAutoscaler(runtime)
         try:
-            return asyncio.run(serve_orchestrator(
+            return eventloop.run(serve_orchestrator(
                 pipeline, runtime.membership, host, port, say=_say, started=t0,
                 ignore_late_signals=True, shutdown_delay=shutdown_delay,
                 notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm,

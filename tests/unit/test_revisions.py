@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +19,8 @@ from omnistage import kube
 from omnistage import protocol as p
 from omnistage.orchestrator.k8s_membership import replica_from_pod
 from omnistage.orchestrator.membership import ReplicaInfo
-from omnistage.orchestrator.pools import Replica
+from omnistage.orchestrator.pins import Pins
+from omnistage.orchestrator.pools import Replica, StagePool
 from omnistage.orchestrator.revisions import (
     NEWEST,
     PREVIOUS,
@@ -138,6 +140,31 @@ def test_count_revisions_reads_what_each_replica_is() -> None:
     # r3 has not handshaken yet: on its way (coming), not routable; r1 drains: neither.
     assert counts == {"A1": RevisionCount(2, 2, 1), "A2": RevisionCount(3, 2, 1, coming=1),
                       "A3": RevisionCount(0, 1, 1)}
+
+
+def test_pins_choose_is_pin_over_the_counts_in_every_state() -> None:
+    """Pins.choose skips counting when every stage has at most one revision: across random
+    states (one or several revisions per stage, unknown, refused, draining, joining,
+    un-handshaken replicas) it pins exactly what revisions.pin over count_revisions does."""
+    rng = random.Random(7)
+    for case in range(3000):
+        pools = {s: StagePool(s) for s in "abc"}
+        for stage, pool in pools.items():
+            for n in range(rng.randint(0, 4)):
+                r = _replica(f"{stage}{n}", rng.choice([None, f"{stage}1", f"{stage}2"]),
+                             rng.randint(0, 3), said=rng.choice([None, None, f"{stage}3"]),
+                             state=rng.choice(["ready", "ready", "draining", "joining"]),
+                             incarnation=rng.choice(["i", "i", None]),
+                             refused=rng.choice(["", "", "", "version 9"]))
+                pool.replicas[r.name] = r
+        order = rng.sample("abc", rng.randint(1, 3))
+        draws = [rng.random() for _ in range(2)]
+        want = pin({s: count_revisions(pools[s].replicas.values()) for s in order},
+                   iter(draws).__next__)
+        request = SimpleNamespace(order=order, track=None, pins=None)
+        Pins(pools, iter(draws).__next__).choose(request)  # type: ignore[arg-type]
+        assert (request.track, request.pins) == want, case
+        assert list(request.pins) == order, case
 
 
 def test_with_neither_release_serving_everywhere_the_one_on_its_way_is_pinned() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client.registry import Collector
 
-from omnistage import kube
+from omnistage import eventloop, kube
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.orchestrator.shutdown import drain_timeout
 from omnistage.orchestrator.wake import Waker, waker_for
@@ -265,7 +265,7 @@ def run_orchestrator(
         return 2
     bind = host or os.environ.get("POD_IP") or "127.0.0.1"
     try:
-        return asyncio.run(serve_orchestrator(pipeline, members, bind, port,
+        return eventloop.run(serve_orchestrator(pipeline, members, bind, port,
                                               ignore_late_signals=True,
                                               shutdown_delay=shutdown_delay, shm=shm,
                                               waker=waker_for(members)))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 
 from omnistage.orchestrator.load import RevisionLoad
 from omnistage.orchestrator.pools import StagePool
-from omnistage.orchestrator.revisions import count_revisions, newest, pin
+from omnistage.orchestrator.revisions import NEWEST, count_revisions, newest, pin
 from omnistage.orchestrator.tasks import Request
 
 
@@ -24,7 +24,21 @@ class Pins:
         self.pinned: dict[tuple[str, str], int] = {}
 
     def choose(self, request: Request) -> None:
-        """Pin the request, at each stage it needs, to the newest or the previous revision."""
+        """Pin the request, at each stage it needs, to the newest or the previous revision.
+
+        Outside a release every stage has at most one revision, and revisions.pin gives each
+        stage that one (or None) on the newest track without a draw: that case skips counting
+        (the request path's common case; tests/unit/test_revisions.py holds it to pin)."""
+        only: dict[str, str | None] = {}
+        for stage in request.order:
+            revs = {r.revision for r in self.pools[stage].replicas.values()
+                    if not r.refused and r.revision is not None}
+            if len(revs) > 1:
+                break
+            only[stage] = revs.pop() if revs else None
+        else:
+            request.track, request.pins = NEWEST, only
+            return
         request.track, request.pins = pin(
             {s: count_revisions(self.pools[s].replicas.values()) for s in request.order},
             self.draw)

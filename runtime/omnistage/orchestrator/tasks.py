@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from omnistage import protocol as p
@@ -22,6 +23,44 @@ from omnistage.orchestrator.revisions import NEWEST, Track
 
 Reply = p.Message[p.Reply]
 Result = p.Message[p.Final]  # a stage's successful output, kept for the stages after it
+
+
+class Mailbox:
+    """A request's events for its one reader (RequestHandle.events): asyncio.Queue without
+    what a single reader never uses (its Event, its getters' and putters' deques, its loop
+    binding), built once per request on the hot path."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Event] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, event: Event) -> None:
+        self._items.append(event)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> Event:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self) -> Event:
+        while not self._items:
+            if self._waiter is not None:
+                raise RuntimeError("a request's events have one reader")
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled while waiting: nobody is reading
+                    self._waiter = None
+        return self._items.popleft()
 
 
 @dataclass(eq=False)
@@ -99,7 +138,7 @@ class Request:
     to_client: frozenset[str] = frozenset()  # final stages whose chunks stream to the client
     started: float = field(default_factory=time.monotonic)
     children: list[Child] = field(default_factory=list)
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    queue: Mailbox = field(default_factory=Mailbox)
     outcome: Outcome | None = None
     timer: asyncio.TimerHandle | None = None
     held: list[Reply] = field(default_factory=list)  # replies whose blocks it still uses
