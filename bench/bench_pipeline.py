@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline import add_baseline_flags, baseline_tree
 from goals import Goal, add_check_flag, exit_status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -633,16 +634,12 @@ def main() -> int:
                         help="unmeasured seconds first (default 2; --regression: 4)")
     parser.add_argument("--max-requests", type=int, default=200_000,
                         help="upper bound on requests per phase")
-    parser.add_argument("--baseline-tree", default=None,
-                        help="also run `omnistage serve` from this checkout (e.g. a git "
-                        "worktree of the commit before a change) as omnistage-base")
+    add_baseline_flags(parser, "`omnistage serve` (as omnistage-base)")
     parser.add_argument("--dynamo-python", default=str(DYNAMO_PYTHON),
                         help="the interpreter of a venv with ai-dynamo (see DYNAMO_INSTALL)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="alternating rounds the duration is split into (default 5; "
                         "--regression: 8)")
-    parser.add_argument("--baseline-commit", default=None,
-                        help="as --baseline-tree, from a temporary git worktree of this commit")
     parser.add_argument("--regression", action="store_true",
                         help="the regression check: omnistage of this tree against the "
                         "baseline (--baseline-tree or --baseline-commit) only; exit 1 on a "
@@ -658,43 +655,14 @@ def main() -> int:
     args.duration = args.duration if args.duration is not None else 48.0 if quick else 20.0
     args.warmup = args.warmup if args.warmup is not None else 4.0 if quick else 2.0
     args.rounds = args.rounds if args.rounds is not None else 8 if quick else 5
-    if args.baseline_tree and args.baseline_commit:
-        parser.error("--baseline-tree and --baseline-commit: give one")
     if quick:
         if not (args.baseline_tree or args.baseline_commit):
             parser.error("--regression needs --baseline-tree or --baseline-commit")
         args.systems = "omnistage"
-    with contextlib.ExitStack() as stack:
-        tree = None
-        if args.baseline_commit:
-            tree = stack.enter_context(_worktree(args.baseline_commit, parser))
-        elif args.baseline_tree:
-            tree = Path(args.baseline_tree).resolve()
+    with baseline_tree(args, parser) as tree:
         if tree is not None:
-            if not (tree / "runtime" / "omnistage").is_dir():
-                parser.error(f"--baseline-tree: {tree} has no runtime/omnistage")
             SYSTEMS["omnistage-base"] = ("omnistage-base", omnistage_system(tree))
         return asyncio.run(main_async(args))
-
-
-@contextlib.contextmanager
-def _worktree(commit: str, parser: argparse.ArgumentParser) -> Iterator[Path]:
-    """A detached git worktree of commit, removed afterwards (the baseline of a comparison)."""
-    tmp = Path(tempfile.mkdtemp(prefix="omnistage-baseline-"))
-    path = tmp / "tree"
-    made = subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT,
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        tmp.rmdir()
-        parser.error(f"--baseline-commit {commit}: {made.stderr.strip()}")
-    print(f"baseline: {commit} in {path}", flush=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT,
-                       capture_output=True)
-        with contextlib.suppress(OSError):
-            tmp.rmdir()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,13 @@ printed, and named in the summary when the goal is missed.
 Prints progress and one `speech ...` line per figure, then one summary line with PASS/MISS
 per goal. `--check` exits 1 on a MISS. Run from the repository root:
 `python bench/bench_speech.py` (about 3 to 5 minutes on 2 busy CPUs).
+
+Against another tree, same run: `--baseline-commit REV` (or `--baseline-tree DIR`) runs this
+bench from this checkout and REV's own bench from REV's checkout (each on its own runtime and
+workers), alternating --rounds times, and compares the medians: time to first audio (streaming
+on), the tts pipeline's requests/s at --concurrency and the speech requests/s c8/c1 ratio, each
+this tree / the baseline, "no worse" within 10% (TTFA <= 1.1x, the others >= 0.9x). About 8 to
+10 minutes a round.
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ import functools
 import itertools
 import math
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +77,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from baseline import add_baseline_flags, baseline_tree
 from goals import Goal, add_check_flag, exit_status, verdicts
 
 import omnistage.kinds as stage_kinds
@@ -419,6 +429,11 @@ async def bench_pipeline(shape: str, args: argparse.Namespace, frames: int, rate
     return out
 
 
+def ttfa_line(label: str, seconds: list[float], audio_s: float) -> str:
+    return (f"speech ttfa streaming {label} {statistics.median(seconds) * 1000:9.1f} ms "
+            f"(median of {len(seconds)}), {audio_s:.2f} s answers")
+
+
 def summary(ttfa_ratio: float | None, rps_ratio: float | None,
             unbatched_ratio: float | None) -> tuple[str, list[Goal]]:
     """The summary line and its goals. A requests/s miss names what concurrency 8 gives with
@@ -467,8 +482,7 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"speech ttfa failed: {exc!r}", flush=True)
         for label, got in (("on ", ttfa.on), ("off", ttfa.off)):
             if got:
-                print(f"speech ttfa streaming {label} {statistics.median(got) * 1000:9.1f} ms "
-                      f"(median of {len(got)}), {ttfa.audio_s:.2f} s answers", flush=True)
+                print(ttfa_line(label, got, ttfa.audio_s), flush=True)
         sections: list[tuple[str, Callable[[], Awaitable[list[Rtf]]]]] = []
         if ttfa.codes is not None:  # the vocoder alone decodes the talker's codes of an answer
             sections.append(("the vocoder stage alone",
@@ -494,6 +508,85 @@ async def main_async(args: argparse.Namespace) -> int:
     return exit_status(goals, args.check)
 
 
+# ------------------------------------------------------------------- against another tree
+
+#: What the comparison reads from each run's output: label -> (pattern, lower is better).
+COMPARED: dict[str, tuple[str, bool]] = {
+    "ttfa streaming on": (r"^speech ttfa streaming on\s+([\d.]+) ms", True),
+    "tts requests/s c={c}": (r"^speech tts pipeline\s+c={c}\s.*?([\d.]+) requests/s", False),
+    "speech requests/s c8/c1": (r"speech requests/s c8/c1=([\d.]+)x", False),
+}
+NO_WORSE = 0.1  # the comparison's tolerance: the spread of one tree against itself
+
+
+def figures(out: str, concurrency: int) -> dict[str, float]:
+    """The compared figures one run printed (a figure it did not print is absent)."""
+    found: dict[str, float] = {}
+    for label, (pattern, _) in COMPARED.items():
+        m = re.search(pattern.replace("{c}", str(concurrency)), out, re.M)
+        if m:
+            found[label.replace("{c}", str(concurrency))] = float(m.group(1))
+    return found
+
+
+def compared(runs: dict[str, list[dict[str, float]]], concurrency: int) -> list[Goal]:
+    """This tree's median of each figure over the baseline's: "no worse" within NO_WORSE."""
+    goals = []
+    for label, (_, lower_better) in COMPARED.items():
+        label = label.replace("{c}", str(concurrency))
+        this = [f[label] for f in runs["this"] if label in f]
+        base = [f[label] for f in runs["base"] if label in f]
+        ratio = (statistics.median(this) / statistics.median(base)
+                 if this and base and statistics.median(base) else None)
+        goals.append(Goal(f"{label} this/base", ratio,
+                          1 + NO_WORSE if lower_better else 1 - NO_WORSE,
+                          at_least=not lower_better))
+    return goals
+
+
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    """The figure options, for both trees' runs (the comparison's own flags stay here)."""
+    return [f"--answer-seconds={args.answer_seconds}", f"--rtf-seconds={args.rtf_seconds}",
+            f"--chunk-frames={args.chunk_frames}", f"--ttfa-requests={args.ttfa_requests}",
+            f"--requests={args.requests}", f"--concurrency={args.concurrency}",
+            f"--batch-size={args.batch_size}", f"--seed={args.seed}",
+            f"--timeout={args.timeout}"]
+
+
+def _run_side(side: str, script: Path, argv: list[str]) -> str:
+    """One run of a tree's own bench, its lines echoed with the side's name; its output."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # each tree its own
+    proc = subprocess.Popen([sys.executable, str(script), *argv], cwd=script.parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        print(f"[{side}] {line}", end="", flush=True)
+    if proc.wait() != 0:
+        print(f"[{side}] exited {proc.returncode}", flush=True)
+    return "".join(lines)
+
+
+def compare(args: argparse.Namespace, tree: Path) -> int:
+    runs: dict[str, list[dict[str, float]]] = {"this": [], "base": []}
+    scripts = {"this": Path(__file__).resolve(), "base": tree / "bench" / "bench_speech.py"}
+    if not scripts["base"].is_file():
+        print(f"error: {tree} has no bench/bench_speech.py to compare with", file=sys.stderr)
+        return 2
+    for n in range(args.rounds):
+        for side in ("this", "base") if n % 2 == 0 else ("base", "this"):
+            print(f"-- round {n + 1}/{args.rounds}: {side} ({scripts[side].parents[1]})",
+                  flush=True)
+            runs[side].append(figures(_run_side(side, scripts[side], _passthrough(args)),
+                                      args.concurrency))
+    for side, got in runs.items():
+        print(f"speech compared {side}: {got}", flush=True)
+    goals = compared(runs, args.concurrency)
+    print("summary: " + verdicts(goals), flush=True)
+    return exit_status(goals, args.check)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -513,10 +606,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine.maxBatchSize of the talker and vocoder (batching on)")
     parser.add_argument("--seed", type=int, default=3, help="the talker's sampling seed")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    add_baseline_flags(parser, "this bench (that tree's own bench/bench_speech.py)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with a baseline: runs of each tree, alternating (default 2)")
     add_check_flag(parser)
     args = parser.parse_args(argv)
     if args.batch_size < 2:
         parser.error(f"--batch-size must be at least 2 (batching on), got {args.batch_size}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    with baseline_tree(args, parser) as tree:
+        if tree is not None:
+            return compare(args, tree)
     return asyncio.run(main_async(args))
 
 

@@ -94,3 +94,55 @@ def test_the_fixed_length_talker_speaks_every_frame_asked(bench: Any) -> None:
     fixed = speak(bench.FixedLengthTalker)
     assert fixed.fields["finish_reason"] == "length"
     assert fixed.tensors["codec_codes"].shape[0] == 60
+
+
+def _run_output(bench: Any, ttfa_s: float, c1_rps: float, c8_rps: float) -> str:
+    """What one run prints, from the bench's own line formatters."""
+    def rtf(c: int, rps: float) -> str:
+        r = bench.Rtf("tts pipeline", c, latencies=[0.5] * c, audio_s=[1.0] * c, wall=c / rps)
+        return r.line()
+
+    line, _ = bench.summary(0.2, c8_rps / c1_rps, None)
+    return "\n".join([bench.ttfa_line("on ", [ttfa_s, ttfa_s], 10.0),
+                      bench.ttfa_line("off", [1.0], 10.0), rtf(1, c1_rps), rtf(8, c8_rps),
+                      line]) + "\n"
+
+
+def test_the_comparison_reads_each_figure_from_what_a_run_prints(bench: Any) -> None:
+    got = bench.figures(_run_output(bench, 0.15, 0.5, 2.5), 8)
+    assert got == pytest.approx({"ttfa streaming on": 150.0, "tts requests/s c=8": 2.5,
+                                 "speech requests/s c8/c1": 5.0})
+    assert bench.figures("speech ttfa failed: boom\n", 8) == {}
+
+
+def test_the_comparison_is_no_worse_within_ten_percent_on_the_medians(bench: Any) -> None:
+    base = [bench.figures(_run_output(bench, t, 0.5, r), 8)
+            for t, r in ((0.150, 2.5), (0.160, 2.4), (0.155, 2.45))]
+    same = [bench.figures(_run_output(bench, t, 0.5, r), 8)  # one slow TTFA: the median decides
+            for t, r in ((0.158, 2.45), (0.400, 2.5), (0.152, 2.4))]
+    goals = bench.compared({"this": same, "base": base}, 8)
+    assert [g.label for g in goals] == ["ttfa streaming on this/base",
+                                        "tts requests/s c=8 this/base",
+                                        "speech requests/s c8/c1 this/base"]
+    assert all(g.met for g in goals), bench.verdicts(goals)
+    worse = [bench.figures(_run_output(bench, 0.2, 0.5, 2.0), 8)] * 2
+    goals = bench.compared({"this": worse, "base": base}, 8)
+    assert [g.met for g in goals] == [False, False, False], bench.verdicts(goals)
+    goals = bench.compared({"this": [{}], "base": base}, 8)  # this tree's run failed
+    assert [g.value for g in goals] == [None, None, None] and not any(g.met for g in goals)
+
+
+def test_the_comparison_refuses_a_tree_without_the_bench(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "runtime" / "omnistage").mkdir(parents=True)
+    out = subprocess.run([sys.executable, "bench/bench_speech.py", "--baseline-tree",
+                          str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "has no bench/bench_speech.py" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "bench/bench_speech.py", "--baseline-tree",
+                          str(tmp_path / "nowhere")], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "has no runtime/omnistage" in out.stderr, out.stderr

@@ -1421,3 +1421,42 @@ async def test_streamed_speech_failing_mid_stream_over_http(stream_format: str) 
     assert [hd.aborts for hd in orch.handles] == [[None], [None]]
     assert orch.registry.get_sample_value("omnistage_http_stream_errors_total") == 1
     assert orch.registry.get_sample_value("omnistage_http_client_disconnects_total") == 0
+
+
+async def test_the_flight_watcher_aborts_once_the_client_is_gone_and_stops_with_the_flight(
+        ) -> None:
+    """The watcher alone (no handler cancellation): it looks every poll_s, aborts the request
+    once gone() says so, counts one disconnect, and looks no more once the flight is over."""
+    req = rq.PipelineRequest(prompt="x")
+    registry = CollectorRegistry()
+    looks: list[bool] = []
+    gone = asyncio.Event()
+
+    def is_gone() -> bool:
+        looks.append(gone.is_set())
+        return gone.is_set()
+
+    handle = FakeHandle("r1", req)
+    flight = st.Flight(handle, HttpMetrics(registry), gone=is_gone, poll_s=0.01)
+    async with flight:
+        while len(looks) < 3:  # it keeps looking while the client is there
+            await asyncio.sleep(0.01)
+        assert handle.aborts == []
+        gone.set()
+        outcome = await asyncio.wait_for(flight.outcome(), HANG_GUARD)
+    assert outcome.status == "abort" and handle.aborts == [None]
+    assert registry.get_sample_value("omnistage_http_client_disconnects_total") == 1
+    # A flight that ends with its outcome leaves no watcher behind.
+    other = FakeHandle("r2", req)
+    looks.clear()
+    gone.clear()
+    flight = st.Flight(other, HttpMetrics(CollectorRegistry()), gone=is_gone, poll_s=0.01)
+    async with flight:
+        while not looks:
+            await asyncio.sleep(0.01)
+        other.push(rq.Outcome("r2", "ok", []))
+        await flight.outcome()
+    seen = len(looks)
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+    assert len(looks) == seen and other.aborts == []
