@@ -1431,16 +1431,18 @@ async def test_the_flight_watcher_aborts_once_the_client_is_gone_and_stops_with_
     registry = CollectorRegistry()
     looks: list[bool] = []
     gone = asyncio.Event()
+    looked = {1: asyncio.Event(), 3: asyncio.Event()}  # set at the first and the third look
 
     def is_gone() -> bool:
         looks.append(gone.is_set())
+        if len(looks) in looked:
+            looked[len(looks)].set()
         return gone.is_set()
 
     handle = FakeHandle("r1", req)
     flight = st.Flight(handle, HttpMetrics(registry), gone=is_gone, poll_s=0.01)
     async with flight:
-        while len(looks) < 3:  # it keeps looking while the client is there
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(looked[3].wait(), HANG_GUARD)  # it keeps looking meanwhile
         assert handle.aborts == []
         gone.set()
         outcome = await asyncio.wait_for(flight.outcome(), HANG_GUARD)
@@ -1450,10 +1452,10 @@ async def test_the_flight_watcher_aborts_once_the_client_is_gone_and_stops_with_
     other = FakeHandle("r2", req)
     looks.clear()
     gone.clear()
+    looked[1].clear()
     flight = st.Flight(other, HttpMetrics(CollectorRegistry()), gone=is_gone, poll_s=0.01)
     async with flight:
-        while not looks:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(looked[1].wait(), HANG_GUARD)
         other.push(rq.Outcome("r2", "ok", []))
         await flight.outcome()
     seen = len(looks)
