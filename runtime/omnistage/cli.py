@@ -98,8 +98,19 @@ def _add_serve(sub: Any) -> None:
                         "readiness; set it when a load balancer does)")
     s.add_argument("--dry-run", action="store_true",
                    help="only check the file and the GPU plan, as serve would; exit 0 or 2")
+    _add_auth(s, "off by default only when --host is loopback")
     _add_output(s)
     s.set_defaults(handler=_run_serve)
+
+
+def _add_auth(parser: Any, default: str) -> None:
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="API keys for the OpenAI and pipeline routes: a file (one key a "
+                             "line) or a directory such as a mounted Secret (every file in it), "
+                             "read again when it changes; or set $OMNISTAGE_API_KEY. Never a "
+                             f"key on the command line ({default})")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="serve the API without API keys, on any address")
 
 
 def _seconds(text: str) -> float:
@@ -119,7 +130,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(args.file, output=args.output)
     return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir,
-                     shutdown_delay=args.shutdown_delay)
+                     shutdown_delay=args.shutdown_delay, api_key_file=args.api_key_file,
+                     no_auth=args.no_auth)
 
 
 def _add_output(parser: Any) -> None:
@@ -167,6 +179,7 @@ def _add_orchestrator(sub: Any) -> None:
     o.add_argument("--shutdown-delay", type=_seconds, default=None, metavar="SECONDS",
                    help="on SIGTERM, fail /readyz but keep serving this long before draining "
                         "(default: spec.orchestrator.shutdownDelaySeconds)")
+    _add_auth(o, "off by default for now")
     o.set_defaults(handler=_run_orchestrator)
 
 
@@ -178,7 +191,8 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         pipeline_file=args.pipeline_file, membership=args.membership, namespace=args.namespace,
         host=args.host, port=args.port, replicas=args.replica,
         zmq_port=WORKER_ZMQ_PORT if args.zmq_port is None else args.zmq_port,
-        shutdown_delay=args.shutdown_delay,
+        shutdown_delay=args.shutdown_delay, api_key_file=args.api_key_file,
+        no_auth=args.no_auth,
     )
 
 

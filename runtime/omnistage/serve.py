@@ -25,6 +25,8 @@ from omnistage.local_runtime import (
     PlacementError,
     ReplicaStartupError,
 )
+from omnistage.orchestrator.auth import ApiKeyError
+from omnistage.orchestrator.auth import resolve as resolve_api_keys
 from omnistage.orchestrator.main import ApiBindError, serve_orchestrator
 from omnistage.orchestrator.wake import CallbackWaker
 from omnistage.shm import ShmConfig, ShmError
@@ -65,6 +67,8 @@ def run_serve(
     port: int | None = None,
     log_dir: str | Path | None = None,
     shutdown_delay: float = 0.0,
+    api_key_file: str | None = None,
+    no_auth: bool = False,
 ) -> int:
     """Serve the pipeline in file until SIGINT/SIGTERM; returns the process exit code.
 
@@ -75,6 +79,13 @@ def run_serve(
     Must run on the main thread: it owns the signal handlers, and the replicas' parent-death
     signal is tied to the thread that spawned them.
     """
+    try:  # before anything starts: a server that would listen without keys says so first
+        api_keys, auth_line = resolve_api_keys(api_key_file, no_auth=no_auth, host=host,
+                                               strict=True)
+    except ApiKeyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _say(auth_line)
     try:
         pipeline = load_pipeline(file)
     except SpecError as exc:
@@ -112,7 +123,7 @@ def run_serve(
                 ignore_late_signals=True, shutdown_delay=shutdown_delay,
                 notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm,
                 waker=CallbackWaker(autoscaler.wake),
-                background=[lambda orch: autoscaler.run(orch.load)]))
+                background=[lambda orch: autoscaler.run(orch.load)], api_keys=api_keys))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

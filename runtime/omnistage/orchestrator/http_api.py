@@ -27,6 +27,7 @@ from omnistage import media
 from omnistage.client import ControlError
 from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
+from omnistage.orchestrator.auth import ApiKeys
 from omnistage.orchestrator.errors import (
     ApiError,
     ParamMap,
@@ -186,8 +187,9 @@ class HttpApi:
 
     def __init__(self, orch: OrchestratorLike, *,
                  disconnect_poll_s: float | None = DISCONNECT_POLL_S,
-                 routes: Iterable[Route] = ROUTES) -> None:
+                 routes: Iterable[Route] = ROUTES, api_keys: ApiKeys | None = None) -> None:
         self.orch = orch
+        self.api_keys = api_keys  # None: every route is open (orchestrator/auth.py)
         self.pipeline = orch.pipeline
         self.apis = list(self.pipeline.spec.orchestrator.api)
         self.model = self.pipeline.served_model_name()
@@ -212,8 +214,10 @@ class HttpApi:
             self.disabled += [(_path_pattern(r.path), f"pipeline {self.name} has no speech "
                                "stage (no stage's kind emits audio)") for r in speech]
         self.bodies: dict[str, Any] = {r.handler: r.body for r in self.served}
+        self.keyed = frozenset(r.handler for r in table if r.keyed)
         self.openapi = dumps(openapi_document(self.apis, routes=self.served,
-                                               pipeline_name=self.name, model_name=self.model))
+                                               pipeline_name=self.name, model_name=self.model,
+                                               api_keys=api_keys is not None))
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -226,6 +230,8 @@ class HttpApi:
         status = 500
         self.metrics.inflight.inc()
         try:
+            if self.api_keys is not None:
+                self._check_key(request)
             response = await handler(request)
             status = response.status
             return response
@@ -247,6 +253,20 @@ class HttpApi:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unmatched"
             self.metrics.observe(route, request.method, status, time.perf_counter() - started)
+
+    def _check_key(self, request: web.Request) -> None:
+        """A keyed route needs a key in force (a route nobody serves is a 404 as before)."""
+        assert self.api_keys is not None
+        name = getattr(request.match_info.handler, "__name__", None)
+        if name not in self.keyed:
+            return
+        header = request.headers.get("Authorization")
+        if self.api_keys.allows(header):
+            return
+        message = ("invalid API key" if header else
+                   "no API key: send it as the header Authorization: Bearer KEY")
+        raise ApiError(401, message, code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
     def _http_exception(self, request: web.Request, exc: web.HTTPException) -> ApiError:
         if exc.status == 404:
@@ -451,14 +471,15 @@ API_KEY = web.AppKey("omnistage_http_api", HttpApi)
 
 def build_app(orch: OrchestratorLike, *,
               disconnect_poll_s: float | None = DISCONNECT_POLL_S,
-              routes: Iterable[Route] = ROUTES) -> web.Application:
+              routes: Iterable[Route] = ROUTES,
+              api_keys: ApiKeys | None = None) -> web.Application:
     """The aiohttp application for one orchestrator (only the enabled API surfaces).
 
     disconnect_poll_s: how often a waiting handler checks whether its client is still there.
     Needed when the app is served without handler_cancellation (aiohttp's default); None turns
     the check off for runners that cancel handlers on disconnect, as serve_http's does.
     """
-    api = HttpApi(orch, disconnect_poll_s=disconnect_poll_s, routes=routes)
+    api = HttpApi(orch, disconnect_poll_s=disconnect_poll_s, routes=routes, api_keys=api_keys)
     app = web.Application(middlewares=[api.middleware], client_max_size=MAX_BODY_BYTES)
     app[API_KEY] = api
     app.on_response_prepare.append(api._on_response_prepare)
@@ -467,13 +488,13 @@ def build_app(orch: OrchestratorLike, *,
     return app
 
 
-async def serve_http(orch: OrchestratorLike, host: str, port: int
-                     ) -> tuple[web.AppRunner, str]:
+async def serve_http(orch: OrchestratorLike, host: str, port: int,
+                     api_keys: ApiKeys | None = None) -> tuple[web.AppRunner, str]:
     """Start the API; returns the runner (await runner.cleanup() to stop) and its base URL.
 
     handler_cancellation makes a client disconnect cancel the handler at once, which aborts the
     request through the pipeline, so no per-request polling is needed.
     """
-    return await serve_app(build_app(orch, disconnect_poll_s=None), host, port,
-                           handler_cancellation=True)
+    return await serve_app(build_app(orch, disconnect_poll_s=None, api_keys=api_keys), host,
+                           port, handler_cancellation=True)
 

@@ -31,6 +31,8 @@ from typing import Any
 from prometheus_client.registry import Collector
 
 from omnistage import eventloop, kube
+from omnistage.orchestrator.auth import ApiKeyError, ApiKeys
+from omnistage.orchestrator.auth import resolve as resolve_api_keys
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.orchestrator.shutdown import drain_timeout
 from omnistage.orchestrator.wake import Waker, waker_for
@@ -126,6 +128,7 @@ async def serve_orchestrator(
     shm: ShmConfig | None = None,
     waker: Waker | None = None,
     background: Sequence[Callable[[Any], Awaitable[None]]] = (),
+    api_keys: ApiKeys | None = None,
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -140,7 +143,7 @@ async def serve_orchestrator(
     tensors with replicas on this machine through shared memory. waker: asked to start a
     stage at zero replicas (autoscaling) while requests are held for it. background: each is
     called with the Orchestrator once it started and runs until shutdown begins (`omnistage
-    serve`'s autoscaler).
+    serve`'s autoscaler). api_keys: the keys the API's keyed routes need (None: open).
     Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
@@ -185,7 +188,7 @@ async def serve_orchestrator(
         started_ok = True
         loops = [asyncio.ensure_future(run(orch)) for run in background]
         try:
-            runner, url = await serve_http(orch, host, api_port)
+            runner, url = await serve_http(orch, host, api_port, api_keys)
         except OSError as exc:
             raise ApiBindError(f"cannot serve the API on {host}:{api_port}: {exc}") from exc
         say(f"API at {url} (routes: {', '.join(api_routes(pipeline))})")
@@ -244,11 +247,21 @@ def run_orchestrator(
     replicas: Sequence[str] = (),
     zmq_port: int = kube.WORKER_ZMQ_PORT,
     shutdown_delay: float | None = None,
+    api_key_file: str | None = None,
+    no_auth: bool = False,
 ) -> int:
     """The `omnistage orchestrator` command; returns the process exit status.
 
     shutdown_delay None means the pipeline's spec.orchestrator.shutdownDelaySeconds.
     """
+    bind = host or os.environ.get("POD_IP") or "127.0.0.1"
+    try:
+        api_keys, auth_line = resolve_api_keys(api_key_file, no_auth=no_auth, host=bind,
+                                               strict=False)
+    except ApiKeyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log.info("%s", auth_line)
     try:
         pipeline = read_pipeline(pipeline_file)
         members = make_membership(membership, pipeline, namespace=namespace,
@@ -263,12 +276,11 @@ def run_orchestrator(
     except (UsageError, ShmError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    bind = host or os.environ.get("POD_IP") or "127.0.0.1"
     try:
         return eventloop.run(serve_orchestrator(pipeline, members, bind, port,
-                                              ignore_late_signals=True,
-                                              shutdown_delay=shutdown_delay, shm=shm,
-                                              waker=waker_for(members)))
+                                                ignore_late_signals=True,
+                                                shutdown_delay=shutdown_delay, shm=shm,
+                                                waker=waker_for(members), api_keys=api_keys))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1

@@ -57,6 +57,9 @@ class Route:
     binary: tuple[str, ...] = ()
     #: Served (and documented) only when the pipeline has a speech stage.
     needs_speech: bool = False
+    #: Needs an API key when the orchestrator has keys (orchestrator/auth.py); False only for
+    #: the ops routes and this document.
+    keyed: bool = True
 
 
 _COMMON_ERRORS = (400, 404, 413, 429, 500, 502, 503, 504)
@@ -86,12 +89,13 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", LOAD_PATH, "pipeline_load", "Per-stage load signal over a window (replicas, "
           "in flight, held, arrivals, service time, p95 queue wait and time to first output); "
           "the autoscaler reads it", response=LoadResponse),
-    Route("GET", "/livez", "livez", "Liveness: the process serves HTTP"),
+    Route("GET", "/livez", "livez", "Liveness: the process serves HTTP", keyed=False),
     Route("GET", "/readyz", "readyz", "Readiness: every stage has a routable replica and "
-          "admission is open", errors=(503,)),
+          "admission is open", errors=(503,), keyed=False),
     Route("GET", "/metrics", "metrics_route", "Prometheus metrics of the orchestrator and its "
-          "HTTP layer"),
-    Route("GET", "/openapi.json", "openapi_json", "This document", response=dict[str, Any]),
+          "HTTP layer", keyed=False),
+    Route("GET", "/openapi.json", "openapi_json", "This document", response=dict[str, Any],
+          keyed=False),
 )
 #: Routes documented here but served by omnistage.sideport, like every process's ops routes.
 OPS_HANDLERS = frozenset({"livez", "readyz", "metrics_route"})
@@ -100,6 +104,8 @@ OPS_HANDLERS = frozenset({"livez", "readyz", "metrics_route"})
 _ERRORS: dict[int, str] = {
     400: "Bad input. `param` names the offending field (for example `messages[0].content`, "
          "`size`, `params.denoiser.height`).",
+    401: "No API key, or not one in force (`invalid_api_key`): send `Authorization: Bearer "
+         "KEY`.",
     404: "Unknown model (`model_not_found`), pipeline, route, or an API surface this pipeline "
          "does not enable (`api_not_enabled`).",
     409: "A replica's state forbids the control op now (`control_conflict`: resume while "
@@ -161,8 +167,10 @@ def openapi_document(
     version: str = "0.1.0",
     pipeline_name: str | None = None,
     model_name: str | None = None,
+    api_keys: bool = False,
 ) -> dict[str, Any]:
-    """The document for the routes a pipeline enables (disabled API surfaces are left out)."""
+    """The document for the routes a pipeline enables (disabled API surfaces are left out);
+    api_keys: the orchestrator has keys, so its keyed routes say so (bearer, 401)."""
     enabled = set(apis)
     served = [r for r in routes if r.surface is None or r.surface in enabled]
     types: dict[str, Any] = {"Error": ErrorBody}
@@ -188,7 +196,7 @@ def openapi_document(
             if r.stream is not None:
                 responses["200"]["content"]["text/event-stream"] = {
                     "schema": _sse_event(refs[f"{r.handler}.stream"], refs["Error"])}
-        for status in r.errors:
+        for status in (*r.errors, 401) if api_keys and r.keyed else r.errors:
             if r.response is None and not r.binary:
                 responses[str(status)] = {"description": "The reason.", "content": {
                     "text/plain": {"schema": {"type": "string"}}}}
@@ -198,6 +206,8 @@ def openapi_document(
                 responses[str(status)]["headers"] = _RETRY_AFTER
         op: dict[str, Any] = {"summary": r.summary, "operationId": r.handler,
                               "responses": responses}
+        if api_keys and r.keyed:
+            op["security"] = [{"apiKey": []}]
         params = re.findall(r"\{(\w+)", r.path)
         if params:
             op["parameters"] = [{"name": p, "in": "path", "required": True,
@@ -216,5 +226,7 @@ def openapi_document(
         "openapi": "3.1.0",
         "info": {"title": title, "version": version, "description": description},
         "paths": paths,
-        "components": {"schemas": components},
+        "components": {"schemas": components, **(
+            {"securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}}
+            if api_keys else {})},
     }

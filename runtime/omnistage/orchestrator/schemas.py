@@ -629,6 +629,7 @@ Status = Literal[rq.OK, rq.ABORT, rq.REQUEST_ERROR, rq.FATAL]
 #: OpenAI's error `type` for each HTTP status Omnistage answers with.
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     409: "invalid_request_error",

@@ -1,0 +1,201 @@
+"""API keys: who may call the orchestrator's OpenAI and pipeline routes (issue 43).
+
+Keys come from a file, a directory (a mounted Secret: every file in it holds keys), or the
+OMNISTAGE_API_KEY environment variable; never from a command-line value, which any local user
+could read in `ps`. A file or directory that changes is read again within RELOAD_S, so a rotated
+Secret takes effect without a restart; a read that fails or finds no key keeps the keys in force
+(a rotation caught half-way never opens the door, nor locks everyone out) and is logged once.
+
+A request presents its key as OpenAI clients send it, `Authorization: Bearer KEY`. Only
+SHA-256 digests of the keys are kept, and every presented key is compared with every digest by
+hmac.compare_digest, so neither a key's content nor its length shows in the time a refusal
+takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV_KEYS = "OMNISTAGE_API_KEY"  # one key, or several separated by newlines or commas
+RELOAD_S = 1.0  # how often a key file or directory is looked at again (at most)
+MIN_KEY_CHARS = 16
+
+
+class ApiKeyError(ValueError):
+    """A key source that gives no usable key: the message names the source."""
+
+
+def parse_keys(text: str, where: str) -> list[str]:
+    """Keys from text: one per line or comma-separated; blank lines and `#` comments skipped.
+    A key is at least MIN_KEY_CHARS visible ASCII characters."""
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        for key in (k.strip() for k in line.split(",")):
+            if not key:
+                continue
+            if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+                raise ApiKeyError(f"{where}, line {n}: a key is visible ASCII without spaces")
+            if len(key) < MIN_KEY_CHARS:
+                raise ApiKeyError(f"{where}, line {n}: a key of {len(key)} characters is too "
+                                  f"short (at least {MIN_KEY_CHARS})")
+            keys.append(key)
+    return keys
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("ascii", "replace")).digest()
+
+
+Signature = tuple[tuple[str, int, int, int], ...]
+
+
+def _files(path: Path) -> list[Path]:
+    """The files that hold keys: the file itself, or a directory's visible regular files
+    (a Secret volume's `..data` and timestamped folders are hidden)."""
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if not p.name.startswith(".") and p.is_file())
+    return [path]
+
+
+def _signature(path: Path) -> Signature:
+    out = []
+    for f in _files(path):
+        st = f.stat()  # follows a Secret volume's symlinks to the file in force
+        out.append((f.name, st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
+
+
+def _read(path: Path) -> tuple[Signature, list[str]]:
+    signature = _signature(path)
+    keys = []
+    for f in _files(path):
+        keys += parse_keys(f.read_text(encoding="utf-8", errors="replace"), str(f))
+    if not keys:
+        raise ApiKeyError(f"{path}: no API key in it")
+    return signature, keys
+
+
+class ApiKeys:
+    """The keys in force and the check of a request's Authorization header."""
+
+    def __init__(self, keys: list[str], source: str, *, path: Path | None = None,
+                 signature: Signature = (), clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.source = source  # for the start line and logs: never a key
+        self._digests = [_digest(k) for k in keys]
+        self._path = path
+        self._signature = signature
+        self._clock = clock
+        self._looked = clock()
+        self._failed: str | None = None  # the last reload error logged (logged once)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str],
+                  clock: Callable[[], float] = time.monotonic) -> ApiKeys:
+        p = Path(path)
+        try:
+            signature, keys = _read(p)
+        except OSError as exc:
+            raise ApiKeyError(f"API key file {p}: {exc.strerror or exc}") from None
+        return cls(keys, f"file {p}", path=p, signature=signature, clock=clock)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ApiKeys | None:
+        """The keys in OMNISTAGE_API_KEY, or None when it is unset or empty."""
+        text = (os.environ if environ is None else environ).get(ENV_KEYS, "")
+        if not text.strip():
+            return None
+        keys = parse_keys(text, f"${ENV_KEYS}")
+        if not keys:
+            raise ApiKeyError(f"${ENV_KEYS}: no API key in it")
+        return cls(keys, f"${ENV_KEYS}")
+
+    @property
+    def count(self) -> int:
+        return len(self._digests)
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether the header presents a key in force (reading a changed source first)."""
+        self._maybe_reload()
+        if not authorization:
+            return False
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        given = _digest(presented.strip())
+        ok = False
+        for digest in self._digests:  # no early exit: every digest is compared
+            ok |= hmac.compare_digest(given, digest)
+        return ok
+
+    def _maybe_reload(self) -> None:
+        if self._path is None:
+            return
+        now = self._clock()
+        if now - self._looked < RELOAD_S:
+            return
+        self._looked = now
+        try:
+            if _signature(self._path) == self._signature:
+                return
+            signature, keys = _read(self._path)
+        except (OSError, ApiKeyError) as exc:
+            reason = str(exc) if isinstance(exc, ApiKeyError) else f"{self._path}: {exc}"
+            if reason != self._failed:
+                log.warning("API keys not reloaded (the %d in force stay): %s",
+                            len(self._digests), reason)
+                self._failed = reason
+            return
+        self._digests = [_digest(k) for k in keys]
+        self._signature = signature
+        self._failed = None
+        log.info("API keys reloaded from %s: %d in force", self.source, len(keys))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def resolve(key_file: str | None, *, no_auth: bool, host: str, strict: bool,
+            environ: dict[str, str] | None = None) -> tuple[ApiKeys | None, str]:
+    """The keys a command serves with (None: none asked) and the line that says so at start.
+
+    strict (`omnistage serve`): off needs --no-auth, unless the API listens on loopback only.
+    The orchestrator pod is not strict yet: spec.orchestrator.auth is issue 43's next part.
+    """
+    env_keys = ApiKeys.from_env(environ)
+    if key_file is not None and env_keys is not None:
+        raise ApiKeyError(f"--api-key-file and ${ENV_KEYS} both give API keys: give one")
+    if no_auth and (key_file is not None or env_keys is not None):
+        raise ApiKeyError(f"--no-auth with API keys (--api-key-file or ${ENV_KEYS}): give one")
+    keys = ApiKeys.from_file(key_file) if key_file is not None else env_keys
+    if keys is not None:
+        plural = "s" if keys.count != 1 else ""
+        return keys, (f"API keys: on ({keys.count} key{plural} from {keys.source}; send "
+                      "Authorization: Bearer KEY)")
+    how = f"set ${ENV_KEYS} or --api-key-file PATH to require one"
+    if no_auth:
+        return None, "API keys: off (--no-auth): anyone who reaches the API may call it"
+    if is_loopback(host):
+        return None, f"API keys: off (the API listens on loopback {host} only; {how})"
+    if strict:
+        raise ApiKeyError(f"the API would listen on {host} without API keys: {how}, or pass "
+                          "--no-auth to serve without them")
+    return None, f"API keys: off ({how}, or --no-auth to say so)"
