@@ -241,6 +241,18 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage,
     }
 
 
+def _with_api_keys(pod_spec: Obj, secret: str) -> None:
+    """spec.orchestrator.auth.apiKeySecret: the Secret mounted read-only (the kubelet swaps a
+    changed one in, and the orchestrator re-reads it: orchestrator/auth.py) and its path in
+    $OMNISTAGE_API_KEY_FILE. A volume, not an env value from the Secret: a key in the
+    environment would need a restart to rotate."""
+    pod_spec["volumes"].append({"name": "api-keys", "secret": {"secretName": secret}})
+    container = pod_spec["containers"][0]
+    container["volumeMounts"].append(
+        {"name": "api-keys", "mountPath": kube.API_KEYS_DIR, "readOnly": True})
+    container["env"].append({"name": kube.API_KEY_FILE_ENV, "value": kube.API_KEYS_DIR})
+
+
 def orchestrator_name(pipeline: str) -> str:
     return f"{pipeline}-orchestrator"
 
@@ -329,6 +341,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
     }
     if shared_memory(pipeline.metadata.annotations):
         _with_shared_memory(pod_spec, name, orch.resources.memory)
+    if orch.auth.api_key_secret:
+        _with_api_keys(pod_spec, orch.auth.api_key_secret)
     if orch.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(orch.node_selector.items()))
     if orch.tolerations:

@@ -46,6 +46,10 @@ WORKER_ZMQ_PORT = 5555
 WORKER_HTTP_PORT = 8080
 WORKER_STATE_PATH = "/state"  # on WORKER_HTTP_PORT: the replica's protocol.WorkerState as JSON
 PIPELINE_ENV = "OMNISTAGE_PIPELINE"  # the resolved pipeline manifest, as JSON
+# spec.orchestrator.auth.apiKeySecret: where the orchestrator pod mounts the Secret, and the
+# variable that hands the path to `omnistage orchestrator` (orchestrator/auth.py).
+API_KEY_FILE_ENV = "OMNISTAGE_API_KEY_FILE"
+API_KEYS_DIR = "/etc/omnistage/api-keys"
 
 # Model fetching and loading, as the operator reads them off a stage pod's status.
 MODEL_FETCH_CONTAINER = "model-fetch"  # init container: `omnistage models pull`

@@ -79,13 +79,6 @@ def run_serve(
     Must run on the main thread: it owns the signal handlers, and the replicas' parent-death
     signal is tied to the thread that spawned them.
     """
-    try:  # before anything starts: a server that would listen without keys says so first
-        api_keys, auth_line = resolve_api_keys(api_key_file, no_auth=no_auth, host=host,
-                                               strict=True)
-    except ApiKeyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    _say(auth_line)
     try:
         pipeline = load_pipeline(file)
     except SpecError as exc:
@@ -93,6 +86,14 @@ def run_serve(
         for path, message in exc.errors:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
+    try:  # before anything starts: a server that would listen without keys says so first
+        api_keys, auth_line = resolve_api_keys(
+            api_key_file, no_auth=no_auth, host=host, strict=True,
+            secret=pipeline.spec.orchestrator.auth.api_key_secret)
+    except ApiKeyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _say(auth_line)
     problems = models.prepare(pipeline.spec.stages, say=_say)
     if problems:  # before any worker starts
         print("error: models unavailable:", file=sys.stderr)

@@ -121,7 +121,7 @@ def test_an_anonymous_control_call_pauses_nothing(served: Served) -> None:
     status, body = _call(served.url, "/v1/pipelines/echo/requests", OLD,
                          {"prompt": "still serving", "timeout_s": 10})
     assert status == 200 and isinstance(body, dict) and body["status"] == "ok", body
-    for path in ("/livez", "/readyz", "/metrics", "/openapi.json"):
+    for path in ("/livez", "/readyz", "/metrics", "/v1/load", "/openapi.json"):
         assert _call(served.url, path)[0] == 200, path
 
 

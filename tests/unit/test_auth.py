@@ -118,9 +118,19 @@ def test_who_may_serve_without_keys(tmp_path: Path) -> None:
     keys, line = resolve(str(tmp_path / "keys"), no_auth=False, host="10.0.0.1", strict=True,
                          environ={})
     assert keys is not None and line.startswith(f"API keys: on (1 key from file {tmp_path}")
-    with pytest.raises(ApiKeyError, match="--api-key-file and \\$OMNISTAGE_API_KEY both"):
+    with pytest.raises(ApiKeyError, match=r"--api-key-file \(or \$OMNISTAGE_API_KEY_FILE\) "
+                                          r"and \$OMNISTAGE_API_KEY both give API keys"):
         resolve(str(tmp_path / "keys"), no_auth=False, host="127.0.0.1", strict=True,
                 environ=env)
+    # The orchestrator pod: the operator hands the mounted Secret's path in the environment.
+    keys, line = resolve(None, no_auth=False, host="10.0.0.1", strict=False,
+                         secret="api-keys", environ={"OMNISTAGE_API_KEY_FILE": str(tmp_path)})
+    assert keys is not None and keys.allows(f"Bearer {K1}") and f"from file {tmp_path}" in line
+    # A pipeline whose spec asks for keys never serves without them, even on loopback.
+    with pytest.raises(ApiKeyError, match=r"spec.orchestrator.auth.apiKeySecret \('api-keys'\) "
+                                          r"asks for API keys and none were given"):
+        resolve(None, no_auth=False, host="127.0.0.1", strict=True, secret="api-keys",
+                environ={})
     with pytest.raises(ApiKeyError, match="--no-auth with API keys"):
         resolve(None, no_auth=True, host="127.0.0.1", strict=True, environ=env)
     for host in ("127.0.0.1", "127.3.4.5", "::1", "localhost"):
@@ -157,8 +167,7 @@ async def test_a_keyed_route_answers_401_in_openai_shape_and_reaches_nothing(
         assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
         err = assert_error(await resp.json(), param=None, code="invalid_api_key")
         assert err["message"] == message and err["type"] == "invalid_request_error"
-        for path in ("/v1/models", "/v1/load"):
-            assert (await client.get(path, headers=headers)).status == 401
+        assert (await client.get("/v1/models", headers=headers)).status == 401
     assert orch.control_calls == [] and orch.handles == []
     resp = await client.post("/v1/pipelines/text-to-image/control", json={"op": "pause"},
                              headers={"Authorization": f"Bearer {K1}"})
@@ -170,6 +179,7 @@ async def test_ops_routes_and_the_document_stay_open_and_the_document_says_beare
     client, _ = keyed
     for path in ("/livez", "/readyz", "/metrics", "/openapi.json"):
         assert (await client.get(path)).status == 200, path
+    assert (await client.get("/v1/load")).status != 401  # the fake has no load signal: a 500
     assert (await client.get("/v1/nothing")).status == 404  # no route: as before
     doc = await (await client.get("/openapi.json")).json()
     assert doc["components"]["securitySchemes"] == {"apiKey": {"type": "http",

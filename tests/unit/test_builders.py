@@ -162,3 +162,36 @@ def test_the_dispatch_window_is_the_orchestrator_s_alone() -> None:
     assert b.pool_stage(on.spec.stages[0]) == b.pool_stage(off.spec.stages[0])
     assert "dispatch" not in b.pool_stage(on.spec.stages[0])
     assert b.pipeline_manifest(on)["spec"]["stages"][0]["dispatch"] == {"perReplica": 2}
+
+
+def test_an_api_key_secret_is_mounted_read_only_and_named_in_the_environment(
+        tmp_path: Any) -> None:
+    """spec.orchestrator.auth.apiKeySecret: a secret volume (rotates without a restart, unlike
+    an env value from the Secret), mounted read-only, its path in $OMNISTAGE_API_KEY_FILE;
+    and what the orchestrator in that pod does with that environment. Unset: none of it."""
+    from omnistage.orchestrator.auth import resolve
+
+    plain, _ = _orchestrator({})
+    spec = plain["spec"]["template"]["spec"]
+    assert all("secret" not in v for v in spec["volumes"])
+    assert kube.API_KEY_FILE_ENV not in {e["name"] for e in spec["containers"][0]["env"]}
+    keyed, _ = _orchestrator({"auth": {"apiKeySecret": "p-api-keys"}})
+    spec = keyed["spec"]["template"]["spec"]
+    [volume] = [v for v in spec["volumes"] if "secret" in v]
+    assert volume["secret"] == {"secretName": "p-api-keys"}
+    container = spec["containers"][0]
+    assert {"name": volume["name"], "mountPath": kube.API_KEYS_DIR, "readOnly": True} in \
+        container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[kube.API_KEY_FILE_ENV] == kube.API_KEYS_DIR
+    # The pod's process, given that environment (the volume's files here in tmp_path):
+    (tmp_path / "primary").write_text("sk-from-the-secret-0123456789")
+    keys, _ = resolve(None, no_auth=False, host="10.1.2.3", strict=False, secret="p-api-keys",
+                      environ={kube.API_KEY_FILE_ENV: str(tmp_path)})
+    assert keys is not None and keys.allows("Bearer sk-from-the-secret-0123456789")
+
+
+def test_a_bad_api_key_secret_name_is_refused_with_its_path() -> None:
+    with pytest.raises(SpecError) as caught:
+        _orchestrator({"auth": {"apiKeySecret": "Not_A_Name"}})
+    assert [p for p, _ in caught.value.errors] == ["spec.orchestrator.auth.apiKeySecret"]

@@ -280,7 +280,7 @@ def test_other_defaults() -> None:
         "served_model_name": None, "chat_stage": None, "request_timeout_seconds": 300.0,
         "shutdown_delay_seconds": 5.0, "failover": {"max_retries": 2},
         "resources": {"cpu": "1", "memory": "1Gi"},
-        "node_selector": {}, "tolerations": []}
+        "node_selector": {}, "tolerations": [], "auth": {"api_key_secret": None}}
     stage_a = parse_pipeline(one_stage()).spec
     assert stage_a.image == DEFAULT_IMAGE and stage_a.model_cache is None
     only = stage_a.stages[0]

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from omnistage.kube import API_KEY_FILE_ENV
+
 log = logging.getLogger(__name__)
 
 ENV_KEYS = "OMNISTAGE_API_KEY"  # one key, or several separated by newlines or commas
@@ -174,15 +176,21 @@ def is_loopback(host: str) -> bool:
 
 
 def resolve(key_file: str | None, *, no_auth: bool, host: str, strict: bool,
-            environ: dict[str, str] | None = None) -> tuple[ApiKeys | None, str]:
+            secret: str | None = None, environ: dict[str, str] | None = None
+            ) -> tuple[ApiKeys | None, str]:
     """The keys a command serves with (None: none asked) and the line that says so at start.
 
+    key_file defaults to $OMNISTAGE_API_KEY_FILE (where the operator mounts the pipeline's
+    spec.orchestrator.auth.apiKeySecret, named by `secret`, which then requires keys).
     strict (`omnistage serve`): off needs --no-auth, unless the API listens on loopback only.
-    The orchestrator pod is not strict yet: spec.orchestrator.auth is issue 43's next part.
+    The orchestrator pod is not strict yet: keys on by default is issue 43's next part.
     """
-    env_keys = ApiKeys.from_env(environ)
+    env = os.environ if environ is None else environ
+    key_file = key_file if key_file is not None else (env.get(API_KEY_FILE_ENV) or None)
+    env_keys = ApiKeys.from_env(env)
     if key_file is not None and env_keys is not None:
-        raise ApiKeyError(f"--api-key-file and ${ENV_KEYS} both give API keys: give one")
+        raise ApiKeyError(f"--api-key-file (or ${API_KEY_FILE_ENV}) and ${ENV_KEYS} both give "
+                          "API keys: give one")
     if no_auth and (key_file is not None or env_keys is not None):
         raise ApiKeyError(f"--no-auth with API keys (--api-key-file or ${ENV_KEYS}): give one")
     keys = ApiKeys.from_file(key_file) if key_file is not None else env_keys
@@ -191,6 +199,10 @@ def resolve(key_file: str | None, *, no_auth: bool, host: str, strict: bool,
         return keys, (f"API keys: on ({keys.count} key{plural} from {keys.source}; send "
                       "Authorization: Bearer KEY)")
     how = f"set ${ENV_KEYS} or --api-key-file PATH to require one"
+    if secret is not None:
+        raise ApiKeyError(f"spec.orchestrator.auth.apiKeySecret ({secret!r}) asks for API keys "
+                          f"and none were given: set ${ENV_KEYS} or --api-key-file PATH (on a "
+                          "cluster the operator mounts the Secret)")
     if no_auth:
         return None, "API keys: off (--no-auth): anyone who reaches the API may call it"
     if is_loopback(host):

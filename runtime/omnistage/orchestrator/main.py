@@ -256,13 +256,6 @@ def run_orchestrator(
     """
     bind = host or os.environ.get("POD_IP") or "127.0.0.1"
     try:
-        api_keys, auth_line = resolve_api_keys(api_key_file, no_auth=no_auth, host=bind,
-                                               strict=False)
-    except ApiKeyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    log.info("%s", auth_line)
-    try:
         pipeline = read_pipeline(pipeline_file)
         members = make_membership(membership, pipeline, namespace=namespace,
                                   replicas=replicas, zmq_port=zmq_port)
@@ -276,6 +269,14 @@ def run_orchestrator(
     except (UsageError, ShmError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        api_keys, auth_line = resolve_api_keys(
+            api_key_file, no_auth=no_auth, host=bind, strict=False,
+            secret=pipeline.spec.orchestrator.auth.api_key_secret)
+    except ApiKeyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log.info("%s", auth_line)
     try:
         return eventloop.run(serve_orchestrator(pipeline, members, bind, port,
                                                 ignore_late_signals=True,

@@ -58,7 +58,8 @@ class Route:
     #: Served (and documented) only when the pipeline has a speech stage.
     needs_speech: bool = False
     #: Needs an API key when the orchestrator has keys (orchestrator/auth.py); False only for
-    #: the ops routes and this document.
+    #: the ops reads (probes, metrics, the load signal the operator's autoscaler reads) and
+    #: this document, until the admin listener (issue 43) takes them.
     keyed: bool = True
 
 
@@ -88,7 +89,7 @@ ROUTES: tuple[Route, ...] = (
           ControlResponse, errors=(400, 404, 409, 500, 503)),
     Route("GET", LOAD_PATH, "pipeline_load", "Per-stage load signal over a window (replicas, "
           "in flight, held, arrivals, service time, p95 queue wait and time to first output); "
-          "the autoscaler reads it", response=LoadResponse),
+          "the autoscaler reads it", response=LoadResponse, keyed=False),
     Route("GET", "/livez", "livez", "Liveness: the process serves HTTP", keyed=False),
     Route("GET", "/readyz", "readyz", "Readiness: every stage has a routable replica and "
           "admission is open", errors=(503,), keyed=False),

@@ -59,6 +59,21 @@ class FailoverOptions(SpecModel):
     )
 
 
+class OrchestratorAuth(SpecModel):
+    """Who may call the API (docs/http-api.md, "API keys"; docs/security.md)."""
+
+    api_key_secret: str | None = Field(
+        None,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        max_length=253,
+        description="A Secret in the pipeline's namespace whose every key holds API keys (one "
+        "a line, at least 16 characters each): the OpenAI and pipeline routes then need "
+        "Authorization: Bearer KEY with one of them, and a changed Secret takes effect without "
+        "a restart. Unset: no keys (issue 43: keys on by default comes with the admin "
+        "listener).",
+    )
+
+
 class OrchestratorSpec(SpecModel):
     """The API front door: it routes every request through the stage graph."""
 
@@ -106,6 +121,9 @@ class OrchestratorSpec(SpecModel):
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, description="Taints the orchestrator replicas tolerate."
+    )
+    auth: OrchestratorAuth = Field(
+        default_factory=OrchestratorAuth, description="API keys for the orchestrator's API."
     )
 
     @field_validator("api")
