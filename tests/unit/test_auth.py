@@ -115,7 +115,7 @@ def test_who_may_serve_without_keys(tmp_path: Path) -> None:
     assert keys is not None and keys.count == 2
     assert line == ("API keys: on (2 keys from $OMNISTAGE_API_KEY; send Authorization: "
                     "Bearer KEY)")
-    keys, line = resolve(str(tmp_path / "keys"), no_auth=False, host="10.0.0.1", strict=True,
+    keys, line = resolve(str(tmp_path / "keys"), no_auth=False, host="0.0.0.0", strict=True,
                          environ={})
     assert keys is not None and line.startswith(f"API keys: on (1 key from file {tmp_path}")
     with pytest.raises(ApiKeyError, match=r"--api-key-file \(or \$OMNISTAGE_API_KEY_FILE\) "
@@ -123,7 +123,7 @@ def test_who_may_serve_without_keys(tmp_path: Path) -> None:
         resolve(str(tmp_path / "keys"), no_auth=False, host="127.0.0.1", strict=True,
                 environ=env)
     # The orchestrator pod: the operator hands the mounted Secret's path in the environment.
-    keys, line = resolve(None, no_auth=False, host="10.0.0.1", strict=False,
+    keys, line = resolve(None, no_auth=False, host="0.0.0.0", strict=False,
                          secret="api-keys", environ={"OMNISTAGE_API_KEY_FILE": str(tmp_path)})
     assert keys is not None and keys.allows(f"Bearer {K1}") and f"from file {tmp_path}" in line
     # A pipeline whose spec asks for keys never serves without them, even on loopback.

@@ -186,7 +186,7 @@ def test_an_api_key_secret_is_mounted_read_only_and_named_in_the_environment(
     assert env[kube.API_KEY_FILE_ENV] == kube.API_KEYS_DIR
     # The pod's process, given that environment (the volume's files here in tmp_path):
     (tmp_path / "primary").write_text("sk-from-the-secret-0123456789")
-    keys, _ = resolve(None, no_auth=False, host="10.1.2.3", strict=False, secret="p-api-keys",
+    keys, _ = resolve(None, no_auth=False, host="0.0.0.0", strict=False, secret="p-api-keys",
                       environ={kube.API_KEY_FILE_ENV: str(tmp_path)})
     assert keys is not None and keys.allows("Bearer sk-from-the-secret-0123456789")
 
