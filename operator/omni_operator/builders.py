@@ -13,7 +13,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from omni_operator.metadata import component_selector, labels, orchestrator_name, owner_ref
+from omni_operator.metadata import object_meta as _meta
 from omni_operator.models import API_VERSION, desired_replicas
+from omni_operator.network_policy import NetworkPolicySettings, policies_for
 from omni_operator.placement import pod_scheduling, tolerations
 from omni_operator.release import (
     ANNOTATION_SURGE,
@@ -49,35 +52,6 @@ SHM_CAP_SHARE = 4  # a pod's segment takes at most this fraction of its memory l
 
 def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def owner_ref(owner: Obj) -> Obj:
-    """A controller reference, so garbage collection removes children with their owner."""
-    return {
-        "apiVersion": owner["apiVersion"],
-        "kind": owner["kind"],
-        "name": owner["metadata"]["name"],
-        "uid": owner["metadata"]["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def labels(pipeline: str, component: str, stage: str | None = None) -> dict[str, str]:
-    out = {
-        kube.LABEL_PIPELINE: pipeline,
-        kube.LABEL_COMPONENT: component,
-        kube.LABEL_MANAGED_BY: kube.MANAGED_BY,
-    }
-    if stage is not None:
-        out[kube.LABEL_STAGE] = stage
-        out[kube.LABEL_POOL] = kube.pool_name(pipeline, stage)
-    return out
-
-
-def _meta(name: str, namespace: str, lbls: dict[str, str], owner: Obj) -> Obj:
-    return {"name": name, "namespace": namespace, "labels": lbls,
-            "ownerReferences": [owner_ref(owner)]}
 
 
 def _downward_env() -> list[Obj]:
@@ -253,10 +227,6 @@ def _with_api_keys(pod_spec: Obj, secret: str) -> None:
     container["env"].append({"name": kube.API_KEY_FILE_ENV, "value": kube.API_KEYS_DIR})
 
 
-def orchestrator_name(pipeline: str) -> str:
-    return f"{pipeline}-orchestrator"
-
-
 def _wake_rules(pipeline: OmniPipeline) -> list[Obj]:
     """`patch` on the pipeline's autoscaled StagePools, by name, so the orchestrator can ask for
     a pool at zero to be woken (omnistage.autoscaling.ANNOTATION_WAKE_REQUESTED). None without
@@ -270,14 +240,18 @@ def _wake_rules(pipeline: OmniPipeline) -> list[Obj]:
 
 
 def pipeline_children(owner: Obj, pipeline: OmniPipeline,
-                      pools: Mapping[str, Obj | None] | None = None) -> list[Obj]:
+                      pools: Mapping[str, Obj | None] | None = None, *,
+                      network_policy: NetworkPolicySettings | None = None) -> list[Obj]:
     """Everything an OmniPipeline owns, in creation order. `pools`: the live StagePools by
-    stage name (their release orders are kept; see stage_pool)."""
+    stage name (their release orders are kept; see stage_pool). network_policy: the
+    operator's setting (omni_operator.network_policy); on, the pipeline's NetworkPolicies too,
+    which the reconciler applies with the first wave, before the workloads, so a new pipeline's
+    pods start under them. None: off."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     orch = pipeline.spec.orchestrator
     oname = orchestrator_name(name)
     olabels = labels(name, "orchestrator")
-    selector = {kube.LABEL_PIPELINE: name, kube.LABEL_COMPONENT: "orchestrator"}
+    selector = component_selector(name, "orchestrator")
     manifest = json.dumps(pipeline_manifest(pipeline), sort_keys=True)
     config = {
         "apiVersion": "v1",
@@ -375,7 +349,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
     }
     children = [stage_pool(owner, pipeline, s, (pools or {}).get(s.name))
                 for s in pipeline.spec.stages]
-    return [config, account, role, binding, service, deployment, *children]
+    policies = policies_for(owner, pipeline, network_policy)
+    return [config, account, role, binding, service, *policies, deployment, *children]
 
 
 def endpoint(pipeline: OmniPipeline, namespace: str) -> str:

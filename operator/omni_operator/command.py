@@ -32,6 +32,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _pod_labels(text: str) -> dict[str, str]:
+    """KEY=VALUE[,KEY=VALUE...] (a label selector's equality form) as a dict; empty: none."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise argparse.ArgumentTypeError(f"want KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        out[key] = value
+    return out
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -92,6 +103,20 @@ def register(sub: Any) -> None:
                         "self-signed CA generated at start")
     w.add_argument("--webhook-failure-policy", choices=["Ignore", "Fail"], default="Ignore",
                    help="what the API server does when the webhook cannot be reached")
+    n = o.add_argument_group(
+        "network policy", "a NetworkPolicy per pipeline (docs/security.md, \"Network policy\")")
+    n.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each pipeline NetworkPolicies: its stage pods admit the worker ZMQ "
+                        "port from its orchestrator pods only and the side port from the "
+                        "operator's pods only; its orchestrator pods admit their API port from "
+                        "anywhere (--no-network-policy: none; existing ones stay until deleted)")
+    n.add_argument("--operator-pod-labels", type=_pod_labels, default={},
+                   metavar="KEY=VALUE[,KEY=VALUE...]",
+                   help="labels that select this operator's own pods, admitted to the stage "
+                        "pods' side port (the drain reads /state there); without them no pod is "
+                        "admitted there (the chart passes its selector labels)")
+    n.add_argument("--operator-namespace", default=None,
+                   help="namespace of this operator's pods (default: $POD_NAMESPACE)")
     o.add_argument("--leader-elect", action="store_true",
                    help="reconcile only while holding a coordination.k8s.io Lease, so several "
                    "replicas can run and one leads (the Helm chart turns this on)")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_operator.autoscaler import Autoscaler
+from omni_operator.network_policy import NetworkPolicySettings
 from omni_operator.pipeline_reconciler import FINALIZER, PipelineReconciler
 from omni_operator.pool_reconciler import CREATE_EXPECTED_SECONDS, PoolReconciler
 from omni_operator.view import LIST_PAGE, WATCHED, Key, Obj, ObjectView, meta_key, viewed
@@ -73,7 +74,8 @@ class Controller:
 
     def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8,
                  autoscaler: bool = True, retry: Backoff | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 network_policy: NetworkPolicySettings | None = None) -> None:
         self.api = api
         self.resync_seconds = resync_seconds
         self.view = ObjectView(api, self)
@@ -82,7 +84,10 @@ class Controller:
                                clock=clock)
         # Off (--no-autoscaler): pools keep the size they have; HPA/KEDA may drive them.
         self.autoscaling = autoscaler
-        self.pipeline_reconciler = PipelineReconciler(self.view, self.writes, self)
+        # Each pipeline's NetworkPolicies: what `omnistage operator` was told (on by default,
+        # command.py); None here, as in tests that build a Controller, makes none.
+        self.pipeline_reconciler = PipelineReconciler(self.view, self.writes, self,
+                                                      network_policy)
         self.pool_reconciler = PoolReconciler(self.view, self.writes, self, Autoscaler(self),
                                               clock=clock)
         self.reconciles = 0

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from omni_operator import webhook
 from omni_operator.controller import Controller
 from omni_operator.handlers import at_fleet_size, register
 from omni_operator.leader import LeaderElector
+from omni_operator.network_policy import NetworkPolicySettings, OperatorPeer
 from omnistage.kubeapi import KubeApi, KubeConfig, WriteLimit, default_namespace
 from omnistage.metrics import family, new_registry
 from omnistage.sideport import start_side_port
@@ -66,7 +68,8 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               resync_seconds: float, namespaces: list[str],
               lease: tuple[str, str, str] | None = None,
               admission: webhook.WebhookSettings | None = None,
-              context: str | None = None, *, limits: Limits, autoscaler: bool = True) -> int:
+              context: str | None = None, *, limits: Limits, autoscaler: bool = True,
+              network_policy: NetworkPolicySettings | None = None) -> int:
     """Run the operator; with ``lease`` (namespace, name, identity) only while holding it."""
     admission = admission or webhook.WebhookSettings(enabled=False)
     config = KubeConfig.load(kubeconfig, context)
@@ -75,7 +78,9 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
     controller = Controller(
         KubeApi(config, user_agent="omnistage-operator", write_limit=write_limit,
                 pool_size=max(64, limits.workers * 2)),  # connections for the waves in flight
-        resync_seconds=resync_seconds, workers=limits.workers, autoscaler=autoscaler)
+        resync_seconds=resync_seconds, workers=limits.workers, autoscaler=autoscaler,
+        network_policy=network_policy)
+    _say_network_policy(network_policy)
     if not autoscaler:
         log.info("the built-in autoscaler is off (--no-autoscaler): pools keep their size")
     log.info("reconciling %d at once; writes limited to %s", limits.workers,
@@ -131,6 +136,35 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         await elector.release()
         await elector.api.close()
         await runner.cleanup()
+
+
+def network_policy_settings(enabled: bool, pod_labels: dict[str, str],
+                            namespace: str | None) -> NetworkPolicySettings:
+    """The --network-policy flags as the builders take them: the operator's pods are a peer
+    only when their labels are given (an operator outside a pod has none to give); their
+    namespace defaults to the pod's own ($POD_NAMESPACE, the chart's downward-API env)."""
+    namespace = namespace or os.environ.get("POD_NAMESPACE")
+    if not enabled or not pod_labels:
+        return NetworkPolicySettings(enabled=enabled)
+    if not namespace:
+        raise ValueError("--operator-pod-labels needs --operator-namespace (or $POD_NAMESPACE)")
+    return NetworkPolicySettings(enabled=True, operator=OperatorPeer(namespace, pod_labels))
+
+
+def _say_network_policy(settings: NetworkPolicySettings | None) -> None:
+    """One line at start: what the pipelines' NetworkPolicies admit, or that there are none."""
+    if settings is None or not settings.enabled:
+        log.info("network policies: off (--no-network-policy): the operator makes none")
+    elif settings.operator is None:
+        log.warning("network policies: the operator's own pods are not known "
+                    "(--operator-pod-labels): no pod is admitted to the stage pods' side "
+                    "port, so where a CNI enforces the policies a drain cannot read /state and "
+                    "waits out its timeout")
+    else:
+        peer = settings.operator
+        log.info("network policies: on; the stage pods' side port admits pods %s in %s",
+                 ",".join(f"{k}={v}" for k, v in sorted(peer.pod_labels.items())),
+                 peer.namespace)
 
 
 def _own_pod() -> tuple[str, str] | None:
@@ -213,6 +247,13 @@ def main(args: Any) -> int:
         failure_policy=args.webhook_failure_policy,
     )
     limits = Limits(workers=args.workers, write_qps=args.write_qps, write_burst=args.write_burst)
+    try:
+        policies = network_policy_settings(args.network_policy, args.operator_pod_labels,
+                                           args.operator_namespace)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
                            args.resync_seconds, list(args.namespace or []), lease, admission,
-                           args.context, limits=limits, autoscaler=args.autoscaler))
+                           args.context, limits=limits, autoscaler=args.autoscaler,
+                           network_policy=policies))

@@ -9,6 +9,7 @@ import logging
 
 from omni_operator import builders
 from omni_operator.events import now_iso
+from omni_operator.network_policy import NetworkPolicySettings
 from omni_operator.status import (
     pipeline_status,
     terminating_status,
@@ -46,10 +47,13 @@ def created_message(created: list[tuple[str, str]]) -> str:
 class PipelineReconciler:
     """Converges one OmniPipeline at a time from the view, writing through `writes`."""
 
-    def __init__(self, view: ObjectView, writes: Writes, scheduler: Scheduler) -> None:
+    def __init__(self, view: ObjectView, writes: Writes, scheduler: Scheduler,
+                 network_policy: NetworkPolicySettings | None = None) -> None:
         self.view = view
         self.writes = writes
         self.scheduler = scheduler  # the next shutdown step's re-check
+        # The operator's --network-policy setting (None: off), passed to every build.
+        self.network_policy = network_policy
         self._terminating: set[str] = set()  # uids of pipelines whose deletion was announced
 
     async def reconcile(self, obj: Obj) -> None:
@@ -72,11 +76,12 @@ class PipelineReconciler:
             await self.writes.apply_finalizers(obj, [FINALIZER])
         # Children that differ are applied together, in two waves (each apply waits on the API
         # server; a first reconcile made nine in a row, and the pools' pods waited on them):
-        # what the workloads reference (config, account, RBAC, Service), then the workloads.
+        # what the workloads reference (config, account, RBAC, Service) and the network
+        # policies that must be in force when their pods start, then the workloads.
         pools = self.view.pools
         children = builders.pipeline_children(obj, pipeline, {
             s.name: pools.get((ns, kube.pool_name(name, s.name)))
-            for s in pipeline.spec.stages})
+            for s in pipeline.spec.stages}, network_policy=self.network_policy)
         created: list[tuple[str, str]] = []  # (kind, name) of the workloads this pass created
         try:
             for wave in (False, True):

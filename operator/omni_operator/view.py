@@ -53,6 +53,9 @@ WATCHED = (
     Watched("Role", True),
     Watched("RoleBinding", True),
     Watched("PodDisruptionBudget", True),
+    # Watched with --no-network-policy too: the chart grants list/watch either way, and a
+    # policy deleted by hand while the setting is on is recreated at its DELETED event.
+    Watched("NetworkPolicy", True),
 )
 # Owned children kept only as a view to diff against (the rest have reconcilers of their own).
 CHILD_KINDS = tuple(
@@ -156,7 +159,8 @@ class ObjectView:
         self.pipelines: dict[tuple[str, str], Obj] = {}
         self.pools: dict[tuple[str, str], Obj] = {}
         self.deployments: dict[tuple[str, str], Obj] = {}
-        # Other owned children (ConfigMap, Service, RBAC, PDB), so resyncs read no API.
+        # Other owned children (ConfigMap, Service, RBAC, PDB, NetworkPolicy), so resyncs
+        # read no API.
         self.children: dict[tuple[str, str, str], Obj] = {}
         self.pods: dict[tuple[str, str], dict[str, Obj]] = {}  # (ns, pool or orch) -> pods
         # Indexes kept by observe, so no reconcile scans every object of a kind (at fleet size

@@ -160,6 +160,7 @@ def test_optional_pieces_follow_their_values() -> None:
          "at '/webhook/clientConfig': value must be 'service'"),
         (["webhook.port=443"], "at '/webhook/port': minimum: got 443, want 1,024"),
         (["webhook.certSecretName=x"], "additional properties 'certSecretName' not allowed"),
+        (["networkPolicy.enabled=maybe"], "at '/networkPolicy/enabled': got string, want boolean"),
     ],
 )
 def test_values_schema_refuses_bad_values_naming_them(values: list[str], message: str) -> None:
@@ -242,6 +243,39 @@ def test_webhook_values_map_onto_flags_and_objects() -> None:
         "omnistage-operator-metrics"]
     rules = one(off, "ClusterRole")["rules"]
     assert not [r for r in rules if "admissionregistration.k8s.io" in r["apiGroups"]]
+
+
+def test_network_policy_is_on_by_default_and_admits_exactly_the_operator_pods() -> None:
+    """The flags the operator builds the pipelines' NetworkPolicies from: on, with the release
+    namespace and the labels every operator pod carries (the Deployment's selector, so a value
+    such as podLabels cannot narrow it), parsed as the operator parses them."""
+    from tests.unit.test_network_policy import OPERATOR_LABELS, settings_from_flags
+
+    objs = render("--set=podLabels.team=x", release="shard-a", namespace="omnistage-a")
+    args = _args(objs)
+    assert len([a for a in args if a.startswith("--operator-pod-labels=")]) == 1
+    assert {"--network-policy", "--operator-namespace=omnistage-a"} <= set(args)
+    ours = [a for a in args if a.startswith(("--network-policy", "--operator-"))]
+    settings = settings_from_flags(*ours)
+    deploy = one(objs, "Deployment")
+    assert settings.enabled and settings.operator is not None
+    assert settings.operator.namespace == "omnistage-a"
+    assert dict(settings.operator.pod_labels) == deploy["spec"]["selector"]["matchLabels"]
+    template = deploy["spec"]["template"]["metadata"]["labels"]
+    assert settings.operator.pod_labels.items() <= template.items()
+    # The unit tests' operator labels are the default release's.
+    default = settings_from_flags(*(a for a in _args(render()) if a.startswith("--operator-")))
+    assert default.operator is not None and dict(default.operator.pod_labels) == OPERATOR_LABELS
+    for rules in (one(objs, "ClusterRole")["rules"],
+                  *(r["rules"] for r in by_kind(render("--set=watch.scope=namespaced",
+                                                       "--set=watch.namespaces={a}"), "Role")
+                    if not r["metadata"]["name"].endswith("-leader"))):
+        assert {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+                "verbs": ["list", "watch", "create", "patch"]} in rules
+
+    off = _args(render("--set=networkPolicy.enabled=false"))
+    assert "--no-network-policy" in off
+    assert not any(a.startswith(("--network-policy", "--operator-")) for a in off)
 
 
 def test_webhook_port_must_differ_from_the_metrics_port() -> None:

@@ -50,7 +50,7 @@ NOT_REQUESTS: dict[Grant, str] = {
 CHILDREN = ("configmap/echo-pipeline", "service/echo-orchestrator",
             "serviceaccount/echo-orchestrator", "role/echo-orchestrator",
             "rolebinding/echo-orchestrator", "deployment/echo-orchestrator", "sp/echo-b",
-            "pdb/echo-b")
+            "pdb/echo-b", "networkpolicy/echo-stages", "networkpolicy/echo-orchestrator")
 
 
 def _grants(rules: list[Obj]) -> set[Grant]:

@@ -18,6 +18,15 @@ app.kubernetes.io/name: {{ include "omnistage.name" . }}-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The selector labels as one KEY=VALUE,... argument (sorted by key), for --operator-pod-labels. */}}
+{{- define "omnistage.selectorLabelsArg" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := include "omnistage.selectorLabels" . | fromYaml -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{- define "omnistage.labels" -}}
 {{ include "omnistage.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
@@ -111,6 +120,12 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
   verbs: [list, watch, create, patch, delete]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
+  verbs: [list, watch, create, patch]
+# Each pipeline's two NetworkPolicies, over its stage pods and its orchestrator pods
+# (networkPolicy.enabled): created, and patched back when they drift; the garbage collector
+# deletes them with their pipeline. Watched with networkPolicy.enabled=false too.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
   verbs: [list, watch, create, patch]
 # Events: created, scale, unschedulable, replica lost. Repeats are aggregated on one Event:
 # patch counts one more; get reads the count back when a restarted operator finds the event

@@ -61,6 +61,7 @@ RESOURCES: dict[str, Resource] = {r.kind: r for r in (
     Resource("Node", "", "v1", "nodes"),
     Resource("Deployment", "apps", "v1", "deployments"),
     Resource("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
+    Resource("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
     Resource("Role", "rbac.authorization.k8s.io", "v1", "roles"),
     Resource("RoleBinding", "rbac.authorization.k8s.io", "v1", "rolebindings"),
     Resource("OmniPipeline", kube.GROUP, kube.VERSION, "omnipipelines"),
