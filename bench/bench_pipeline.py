@@ -11,7 +11,10 @@ soon as the previous one returns) from the same aiohttp/asyncio load generator:
               Goal: omnistage >= 2x its throughput.
   zmq-direct  baseline (b): the same two echo workers driven over ZMQ by the client itself
               (request to a, then its output to b): an upper bound, so the gap to it is the
-              orchestrator's + HTTP's overhead.
+              orchestrator's + HTTP's overhead. Plain ZMQ: it measures the limit.
+  plain       `omnistage serve --no-curve`: this tree without CurveZMQ between the orchestrator
+              and its workers, so `--systems omnistage,plain` prices the authentication in one
+              run. Goal: omnistage (CurveZMQ, the default) >= 0.9x of it.
 
 Loopback only; each run is bounded by --duration and --max-requests. Prints one line per
 system and a summary line with the ratios. Ray needs `pip install "ray[serve]"`; without it
@@ -355,10 +358,13 @@ async def http_system(url: str, check: Callable[[Any], bool], args: argparse.Nam
         yield Target(call, server.cpu_seconds)
 
 
-def omnistage_system(tree: Path | None = None) -> System:
+def omnistage_system(tree: Path | None = None, curve: bool = True) -> System:
     """`omnistage serve` of this tree, or of another checkout's runtime/ (--baseline-tree):
-    a change to the orchestrator is then measured against the code before it, in one run."""
-    tag = "" if tree is None else "-base"
+    a change to the orchestrator is then measured against the code before it, in one run.
+    curve False: this tree with `--no-curve` (plain ZMQ to the workers), the price of
+    CurveZMQ measured beside it."""
+    tag = "" if tree is None and curve else "-base" if tree is not None else "-plain"
+    extra = [] if curve else ["--no-curve"]
 
     @contextlib.asynccontextmanager
     async def system(args: argparse.Namespace, tmp: Path) -> AsyncIterator[Target]:
@@ -368,7 +374,8 @@ def omnistage_system(tree: Path | None = None) -> System:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 [str(tree / "runtime"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         server = Server([sys.executable, "-m", "omnistage.cli", "serve", str(ECHO_YAML),
-                         "--port", str(port), "--log-dir", str(tmp / f"omnistage{tag}-logs")],
+                         "--port", str(port), "--log-dir", str(tmp / f"omnistage{tag}-logs"),
+                         *extra],
                         r"ready at (http://\S+)", tmp / f"omnistage{tag}.log", env=env)
         try:
             url = server.wait_ready(180).group(1)
@@ -522,6 +529,7 @@ class Unavailable(RuntimeError):
 
 SYSTEMS: dict[str, tuple[str, System]] = {
     "omnistage": ("omnistage", omnistage_system()),
+    "plain": ("omnistage-no-curve", omnistage_system(curve=False)),
     "ray": ("ray-serve", ray_system),
     "zmq": ("zmq-direct", zmq_system),
     "dynamo": ("dynamo", dynamo_system),
@@ -578,7 +586,8 @@ async def main_async(args: argparse.Namespace) -> int:
     return exit_status(goals, args.check or args.regression)
 
 
-GOALS = {"ray": 2.0, "zmq": 0.9}  # omnistage / baseline throughput
+# omnistage / baseline throughput; plain: the same tree without CurveZMQ (issue 43: >= 0.9x).
+GOALS = {"ray": 2.0, "zmq": 0.9, "plain": 0.9}
 # --regression: this tree against the baseline tree, throughput (median of the rounds' ratios)
 # at least, and front CPU per request at most, these ratios.
 REGRESSION_THROUGHPUT, REGRESSION_CPU = 0.9, 1.1
@@ -605,7 +614,7 @@ def summary(results: dict[str, Result]) -> tuple[str, list[Goal]]:
     could not run is a MISS of its goal, shown as n/a)."""
     omni = results.get("omnistage")
     parts, goals = [], []
-    for key in ("ray", "zmq", "dynamo", "omnistage-base"):
+    for key in ("ray", "zmq", "dynamo", "plain", "omnistage-base"):
         other = results.get(key)
         if omni is None or other is None:
             continue

@@ -99,6 +99,10 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--dry-run", action="store_true",
                    help="only check the file and the GPU plan, as serve would; exit 0 or 2")
     _add_auth(s, "off by default only when --host is loopback")
+    s.add_argument("--no-curve", action="store_true",
+                   help="plain ZMQ between the orchestrator and its stage workers (default: "
+                        "CurveZMQ with a keypair made for this run, so no other process that "
+                        "reaches a worker's port is heard)")
     _add_output(s)
     s.set_defaults(handler=_run_serve)
 
@@ -131,7 +135,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return dry_run(args.file, output=args.output)
     return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir,
                      shutdown_delay=args.shutdown_delay, api_key_file=args.api_key_file,
-                     no_auth=args.no_auth)
+                     no_auth=args.no_auth, curve=not args.no_curve)
 
 
 def _add_output(parser: Any) -> None:

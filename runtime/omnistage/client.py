@@ -28,6 +28,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from omnistage import protocol as p
+from omnistage.curve import CurveKeys, secure_client
 from omnistage.shm import SegmentManager
 from omnistage.zmqio import LoopSocket, Outbox
 
@@ -59,7 +60,9 @@ class ReplicaChannel:
         on_message: Callable[[Reply], None] | None = None,
         on_disconnect: Callable[[], None] | None = None,
         shm: SegmentManager | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
+        """curve: the pipeline's CurveZMQ pair, when its workers require it (omnistage.curve)."""
         self.endpoint = endpoint
         self.name = name or endpoint
         self._zctx = zctx or zmq.asyncio.Context.instance()
@@ -71,6 +74,8 @@ class ReplicaChannel:
         # The socket monitor reports a closed connection the moment the peer process dies, so
         # the loss is seen at once instead of at the next missed heartbeat.
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if curve is not None:
+            secure_client(self.sock, curve)
         self.sock.connect(endpoint)
         self._streams: dict[str, asyncio.Queue[Reply]] = {}
         self._calls: dict[str, asyncio.Future[Reply]] = {}

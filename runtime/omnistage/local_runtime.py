@@ -37,6 +37,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from omnistage import backoff
 from omnistage.autoscaling import AutoscalerState, Decision, decide
+from omnistage.curve import CURVE_KEYS_ENV, CurveKeys
+from omnistage.curve import write as write_curve_keys
 from omnistage.metrics import family
 from omnistage.orchestrator.load import PipelineLoad
 from omnistage.orchestrator.membership import ReplicaInfo, ReplicaState, StaticMembership
@@ -171,7 +173,10 @@ class LocalStageRuntime:
         restart: RestartPolicy | None = None,
         ipc: bool = True,
         shm: ShmConfig | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
+        """curve: the pair every worker requires of its peers (written to a private directory
+        the workers are pointed at; removed at shutdown)."""
         self.pipeline = pipeline
         self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
         self.log_dir = Path(log_dir) if log_dir is not None else Path(
@@ -186,7 +191,9 @@ class LocalStageRuntime:
         self.shm = shm  # the orchestrator of this runtime uses the same (serve passes it on)
         self.ipc = ipc
         self._ipc_dir: Path | None = None
-        self._shm_env: dict[str, str] = {}  # what every worker (restarts too) is given
+        self._worker_env: dict[str, str] = {}  # what every worker (restarts too) is given
+        self.curve = curve
+        self._curve_dir: Path | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
         self.membership = StaticMembership()
         self.replicas: dict[str, _Replica] = {}
@@ -253,7 +260,12 @@ class LocalStageRuntime:
         t0 = time.monotonic()
         self.progress(f"starting {len(plans)} replica(s) of pipeline "
                       f"{self.pipeline.metadata.name} (logs: {self.log_dir})")
-        self._shm_env = self.shm.env() if self.shm is not None else {ENV_DIR: ""}
+        self._worker_env = self.shm.env() if self.shm is not None else {ENV_DIR: ""}
+        # Set either way: a worker never picks up keys from the environment serve ran in.
+        self._worker_env[CURVE_KEYS_ENV] = ""
+        if self.curve is not None:
+            self._curve_dir = write_curve_keys(self.curve)
+            self._worker_env[CURVE_KEYS_ENV] = str(self._curve_dir)
         if self.shm is not None:
             self._reaper = spawn_reaper(self.shm)
         if self.ipc:  # short: a unix socket path has at most 107 bytes
@@ -262,7 +274,7 @@ class LocalStageRuntime:
             for i, plan in enumerate(plans):
                 ipc = self._ipc_dir / f"{i}.sock" if self._ipc_dir is not None else None
                 worker = spawn_worker(plan.name, plan.stage, host=self.host, log_dir=self.log_dir,
-                                      env={**plan.env, **self._shm_env}, ipc=ipc)
+                                      env={**plan.env, **self._worker_env}, ipc=ipc)
                 with self._lock:
                     self.replicas[plan.name] = _Replica(plan, worker, ipc=ipc)
             self._wait_all_ready()
@@ -313,6 +325,8 @@ class LocalStageRuntime:
         """The replicas are gone: remove their sockets, and let the reaper sweep and exit."""
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._curve_dir is not None:
+            shutil.rmtree(self._curve_dir, ignore_errors=True)
         if self._reaper is not None:
             release_reaper(self._reaper)
 
@@ -399,7 +413,7 @@ class LocalStageRuntime:
             ordinal = rep.ipc.name.split(".")[0]  # start() named it <ordinal>.sock
             ipc = rep.ipc.with_name(f"{ordinal}.{rep.restarts + 1}.sock")
         worker = spawn_worker(plan.name, plan.stage, host=self.host, log_dir=self.log_dir,
-                              env={**plan.env, **self._shm_env}, ipc=ipc, append_log=True)
+                              env={**plan.env, **self._worker_env}, ipc=ipc, append_log=True)
         with self._lock:
             rep.worker = worker
             rep.ipc = ipc
@@ -458,7 +472,7 @@ class LocalStageRuntime:
         ipc = (self._ipc_dir / f"s{next(self._sockets)}.sock"
                if self._ipc_dir is not None else None)
         worker = spawn_worker(name, plan.stage, host=self.host, log_dir=self.log_dir,
-                              env={**plan.env, **self._shm_env}, ipc=ipc, append_log=True)
+                              env={**plan.env, **self._worker_env}, ipc=ipc, append_log=True)
         with self._lock:
             self.replicas[name] = _Replica(plan, worker, ipc=ipc)  # joining until ready
         self.progress(f"scaling stage {stage.name} up: starting replica {name}")

@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 from omnistage import eventloop, models, validate
+from omnistage.curve import generate as generate_curve_keys
 from omnistage.local_runtime import (
     LocalAutoscaler,
     LocalStageRuntime,
@@ -69,12 +70,14 @@ def run_serve(
     shutdown_delay: float = 0.0,
     api_key_file: str | None = None,
     no_auth: bool = False,
+    curve: bool = True,
 ) -> int:
     """Serve the pipeline in file until SIGINT/SIGTERM; returns the process exit code.
 
     shutdown_delay: how long /readyz fails before the orchestrator stops admitting (see
     orchestrator.main); locally nothing routes by readiness unless the user put a load balancer
     in front, so it defaults to 0 rather than to spec.orchestrator.shutdownDelaySeconds.
+    curve: the workers hear only this run's orchestrator (CurveZMQ, a keypair made now).
 
     Must run on the main thread: it owns the signal handlers, and the replicas' parent-death
     signal is tied to the thread that spawned them.
@@ -105,8 +108,11 @@ def run_serve(
     except ShmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    keys = generate_curve_keys() if curve else None
+    _say("stage workers: CurveZMQ with a keypair made for this run" if keys else
+         "stage workers: plain ZMQ (--no-curve): any process that reaches them is heard")
     runtime = LocalStageRuntime(pipeline, base_dir=Path(file).resolve().parent, log_dir=log_dir,
-                                host=host, progress=_say, shm=shm)
+                                host=host, progress=_say, shm=shm, curve=keys)
     t0 = time.monotonic()
     _install(_raise_interrupted)  # a signal during startup rolls every replica back
     try:
@@ -124,7 +130,8 @@ def run_serve(
                 ignore_late_signals=True, shutdown_delay=shutdown_delay,
                 notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm,
                 waker=CallbackWaker(autoscaler.wake),
-                background=[lambda orch: autoscaler.run(orch.load)], api_keys=api_keys))
+                background=[lambda orch: autoscaler.run(orch.load)], api_keys=api_keys,
+                curve=keys))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -31,6 +31,7 @@ from typing import Any
 from prometheus_client.registry import Collector
 
 from omnistage import eventloop, kube
+from omnistage.curve import CURVE_KEYS_ENV, CurveKeyError, CurveKeys, keys_from_env
 from omnistage.orchestrator.auth import ApiKeyError, ApiKeys
 from omnistage.orchestrator.auth import resolve as resolve_api_keys
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
@@ -129,6 +130,7 @@ async def serve_orchestrator(
     waker: Waker | None = None,
     background: Sequence[Callable[[Any], Awaitable[None]]] = (),
     api_keys: ApiKeys | None = None,
+    curve: CurveKeys | None = None,
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -144,6 +146,7 @@ async def serve_orchestrator(
     stage at zero replicas (autoscaling) while requests are held for it. background: each is
     called with the Orchestrator once it started and runs until shutdown begins (`omnistage
     serve`'s autoscaler). api_keys: the keys the API's keyed routes need (None: open).
+    curve: the pipeline's CurveZMQ pair its workers require (omnistage.curve; None: plain).
     Raises ApiBindError if the API cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
@@ -176,7 +179,7 @@ async def serve_orchestrator(
     api_port = pipeline.spec.orchestrator.port if port is None else port
     delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
              else shutdown_delay)
-    orch = Orchestrator(pipeline, membership, notes=notes, shm=shm, waker=waker)
+    orch = Orchestrator(pipeline, membership, notes=notes, shm=shm, waker=waker, curve=curve)
     for collector in collectors:
         orch.registry.register(collector)
     runner: Any = None
@@ -260,15 +263,18 @@ def run_orchestrator(
         members = make_membership(membership, pipeline, namespace=namespace,
                                   replicas=replicas, zmq_port=zmq_port)
         shm = ShmConfig.from_env()  # the opt-in: a shared directory with the node's replicas
+        curve = keys_from_env()  # the pipeline's Secret, mounted by the operator
     except SpecError as exc:
         print(f"error: invalid pipeline {pipeline_file or '$' + kube.PIPELINE_ENV}:",
               file=sys.stderr)
         for path, message in exc.errors:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
-    except (UsageError, ShmError) as exc:
+    except (UsageError, ShmError, CurveKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    log.info("stage workers: %s", "CurveZMQ with the pipeline's key" if curve is not None else
+             f"plain ZMQ (no ${CURVE_KEYS_ENV}): any peer that reaches a worker is heard")
     try:
         api_keys, auth_line = resolve_api_keys(
             api_key_file, no_auth=no_auth, host=bind, strict=False,
@@ -281,7 +287,8 @@ def run_orchestrator(
         return eventloop.run(serve_orchestrator(pipeline, members, bind, port,
                                                 ignore_late_signals=True,
                                                 shutdown_delay=shutdown_delay, shm=shm,
-                                                waker=waker_for(members), api_keys=api_keys))
+                                                waker=waker_for(members), api_keys=api_keys,
+                                                curve=curve))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1

@@ -23,6 +23,10 @@ from omnistage.worker.replies import Replies
 log = logging.getLogger("omnistage.worker")
 
 
+#: Peers whose proved segments are remembered (each channel is one; a reconnect is a new one).
+MAX_PEERS = 1024
+
+
 class ControlPlane:
     """``in_flight`` is the worker's in-flight table (a sleep waits for it to empty);
     ``executor``, ``drain`` and ``snapshot`` reach the worker's lifecycle without holding it."""
@@ -41,6 +45,9 @@ class ControlPlane:
         self.drain = drain
         self.snapshot = snapshot
         self.shm: SegmentManager | None = None  # our segment, set by StageWorker.serve
+        # The segment each peer proved in its hello: only such a peer may send handles
+        # (StageWorker._resolve).
+        self.peer_segments: dict[bytes, str] = {}
         self.paused = False
         self.asleep = False
 
@@ -57,6 +64,11 @@ class ControlPlane:
                         f"{cfg.replica_id} speaks version {p.PROTOCOL_VERSION}"))
             return
         shared = self.shm is not None and self.shm.verify(probe)
+        self.peer_segments.pop(ident, None)
+        if shared and probe is not None:
+            if len(self.peer_segments) >= MAX_PEERS:  # the oldest: a long gone channel
+                self.peer_segments.pop(next(iter(self.peer_segments)))
+            self.peer_segments[ident] = probe.segment
         self.replies.send(ident, p.HelloReply(
             version=p.PROTOCOL_VERSION, replica=cfg.replica_id, stage=cfg.stage.name,
             kind=cfg.stage.kind, incarnation=self.incarnation, revision=self.revision,

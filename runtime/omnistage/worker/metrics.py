@@ -21,7 +21,8 @@ class WorkerCollector:
     def __init__(self, *, stage: str, replica: str, ready: Callable[[], bool],
                  admission: BoundedAdmission, scheduler: SerialScheduler | BatchScheduler,
                  requests: Sized,
-                 counters: Mapping[str, int], outcomes: Mapping[str, int]) -> None:
+                 counters: Mapping[str, int], outcomes: Mapping[str, int],
+                 refused: Callable[[], Mapping[str, int]] = dict) -> None:
         self.common = {"stage": stage, "replica": replica}
         self.ready = ready
         self.admission = admission
@@ -29,6 +30,7 @@ class WorkerCollector:
         self.requests = requests
         self.counters = counters
         self.outcomes = outcomes
+        self.refused = refused  # peers the CurveZMQ gate turned away, by reason
 
     def collect(self) -> Iterator[Metric]:
         c, common = self.counters, self.common
@@ -52,6 +54,13 @@ class WorkerCollector:
                               (("draining",), c["rejected_draining"])], ["reason"])
         yield family(counter, "omnistage_worker_malformed_messages_total",
                      "Frames that failed to parse", common, [((), c["malformed"])])
+        refused = self.refused()
+        yield family(counter, "omnistage_worker_refused_peers_total",
+                     "ZMQ peers refused before any message was read (CurveZMQ): reason key is "
+                     "a sound CURVE client with another key, handshake one whose handshake "
+                     "fails (no CURVE, or keys it does not hold)", common,
+                     [((reason,), refused.get(reason, 0)) for reason in ("handshake", "key")],
+                     ["reason"])
         yield family(counter, "omnistage_worker_stale_messages_total",
                      "Submits and aborts for a previous process at this address, refused",
                      common, [((), c["stale_messages"])])

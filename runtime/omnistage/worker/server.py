@@ -45,6 +45,7 @@ from omnistage.admission import (
     SerialScheduler,
 )
 from omnistage.batching import BatchScheduler, Emit
+from omnistage.curve import CurveKeys, PeerGate, keys_from_env
 from omnistage.executors import (
     BadRequest,
     BatchExecutor,
@@ -78,9 +79,14 @@ class StageWorker:
     def __init__(
         self, cfg: WorkerConfig, executor: Executor | None = None,
         shm: ShmConfig | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
+        """curve: the pipeline's CurveZMQ pair (default: $OMNISTAGE_CURVE_KEYS, else none);
+        with it only a peer holding the pair is heard (omnistage.curve)."""
         self.cfg = cfg
         self.shm_config = shm if shm is not None else ShmConfig.from_env()
+        self.curve = curve if curve is not None else keys_from_env()
+        self.gate: PeerGate | None = None
         self.shm: SegmentManager | None = None
         self.executor = executor
         # The only place the worker reads its stage's settings.
@@ -124,7 +130,8 @@ class StageWorker:
         self.registry = new_registry(WorkerCollector(
             stage=cfg.stage.name, replica=cfg.replica_id, ready=lambda: self.ready,
             admission=self.admission, scheduler=self.scheduler, requests=self.requests,
-            counters=self.counters, outcomes=self.replies.outcomes))
+            counters=self.counters, outcomes=self.replies.outcomes,
+            refused=lambda: self.gate.refused if self.gate is not None else {}))
         self._exit = asyncio.Event()
         self._quiet = asyncio.Event()  # set whenever a request or task finishes
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -142,6 +149,8 @@ class StageWorker:
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve is not None:  # before bind: no connection may come before its gate
+            self.gate = PeerGate(zctx, self.sock, self.curve, loop)
         if self.cfg.port:
             self.sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
         else:
@@ -163,8 +172,10 @@ class StageWorker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
         self._write_port_file()
-        log.info("replica %s of stage %s (%s) zmq=%s http=%s", self.cfg.replica_id,
-                 self.cfg.stage.name, self.cfg.stage.kind, self.zmq_endpoint, self.http_url)
+        log.info("replica %s of stage %s (%s) zmq=%s (%s) http=%s", self.cfg.replica_id,
+                 self.cfg.stage.name, self.cfg.stage.kind, self.zmq_endpoint,
+                 "CurveZMQ: the pipeline's key only" if self.gate else "plain: no CurveZMQ",
+                 self.http_url)
         load = asyncio.create_task(self._load())
         self.io.read_soon()  # anything that came before the reader was watching
         try:
@@ -175,6 +186,8 @@ class StageWorker:
                 await load
             await runner.cleanup()
             self.io.close()
+            if self.gate is not None:
+                self.gate.close()
             self.sock.close(linger=2000)
             zctx.term()
             self.scheduler.close()
@@ -301,7 +314,7 @@ class StageWorker:
 
     def _receive(self, ident: bytes, frames: Any) -> None:
         try:
-            msg = p.decode_request(frames, self.shm.resolve if self.shm else None)
+            msg = p.decode_request(frames, partial(self._resolve, ident) if self.shm else None)
         except p.ProtocolError as exc:
             self._malformed(ident, frames, exc)
             return
@@ -314,6 +327,16 @@ class StageWorker:
                                              id=getattr(h, "id", None),
                                              cid=getattr(h, "cid", None),
                                              replica=self.cfg.replica_id))
+
+    def _resolve(self, ident: bytes, desc: p.ShmTensor, nbytes: int) -> memoryview:
+        """A shared-memory handle in a message from `ident`: heard only from a peer that proved
+        in its hello that it shares our segment directory (with CurveZMQ, an authenticated
+        one). It may name another worker's segment: an orchestrator forwards lent blocks."""
+        assert self.shm is not None
+        if desc.segment != self.shm.name and ident not in self.control_plane.peer_segments:
+            raise p.ShmUnavailable(f"segment {desc.segment}: this peer offered no shared "
+                                   "memory in its hello, so it may not name a segment")
+        return self.shm.resolve(desc, nbytes)
 
     def _malformed(self, ident: bytes, frames: Any, exc: p.ProtocolError) -> None:
         """Answer what cannot be read with error/malformed, naming its ids when they can be

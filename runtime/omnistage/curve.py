@@ -1,0 +1,223 @@
+"""CurveZMQ between a pipeline's orchestrators and its stage workers: one keypair per pipeline.
+
+Why one keypair and not one per process: every party that holds the pipeline's secret key is
+trusted alike (an orchestrator, the operator's control path), and a worker must refuse everyone
+else. So a worker is a CURVE server with the pipeline's secret key, a client connects with the
+same keypair as its own, and the worker's ZAP handler admits only clients whose long-term key
+is the pipeline's public key: a peer proves it holds the secret key during the handshake,
+before any message of ours is read. A peer that does not speak CURVE fails the handshake in
+libzmq; one with another key is refused by the ZAP handler. Both are counted
+(`omnistage_worker_refused_peers_total{reason}`).
+
+Keys live in a directory with the files `public` and `secret` (Z85 text, 40 characters each):
+the shape of a Kubernetes Secret with those two keys mounted as a volume. $OMNISTAGE_CURVE_KEYS
+names the directory; `omnistage serve` writes an ephemeral pair for its own workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from omnistage.zmqio import LoopSocket
+
+__all__ = [
+    "CURVE_KEYS_ENV",
+    "CurveKeyError",
+    "CurveKeys",
+    "PeerGate",
+    "generate",
+    "keys_from_env",
+    "load",
+    "secure_client",
+    "write",
+]
+
+log = logging.getLogger("omnistage.curve")
+
+#: The directory holding `public` and `secret`; unset: plain ZMQ (and said so at start).
+CURVE_KEYS_ENV = "OMNISTAGE_CURVE_KEYS"
+PUBLIC_FILE, SECRET_FILE = "public", "secret"
+#: The ZAP domain the workers' sockets ask about; the handler answers only for it.
+ZAP_DOMAIN = b"omnistage"
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
+_KEY_CHARS = 40  # a 32-byte key in Z85
+LOG_EVERY_S = 60
+
+
+class CurveKeyError(ValueError):
+    """The key directory is missing, unreadable, or its keys are not a pair."""
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A pipeline's CurveZMQ keypair, Z85-encoded (the secret never shows in a repr)."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+
+
+def generate() -> CurveKeys:
+    public, secret = zmq.curve_keypair()
+    return CurveKeys(public, secret)
+
+
+def _read_key(directory: Path, name: str) -> bytes:
+    path = directory / name
+    try:
+        text = path.read_bytes().strip()
+    except FileNotFoundError:
+        raise CurveKeyError(f"{path}: no such file (the key directory needs {PUBLIC_FILE!r} "
+                            f"and {SECRET_FILE!r})") from None
+    except OSError as exc:
+        raise CurveKeyError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(text) != _KEY_CHARS:
+        raise CurveKeyError(f"{path}: a CurveZMQ key is {_KEY_CHARS} Z85 characters, this is "
+                            f"{len(text)}")
+    try:
+        z85.decode(text)
+    except (ValueError, KeyError, TypeError):
+        raise CurveKeyError(f"{path}: not Z85 text") from None
+    return text
+
+
+def load(directory: str | Path) -> CurveKeys:
+    """The pair in `directory`; refuses a public key that is not the secret key's."""
+    path = Path(directory)
+    public, secret = _read_key(path, PUBLIC_FILE), _read_key(path, SECRET_FILE)
+    if zmq.curve_public(secret) != public:
+        raise CurveKeyError(f"{path}: {PUBLIC_FILE!r} is not the public key of {SECRET_FILE!r}")
+    return CurveKeys(public, secret)
+
+
+def keys_from_env(env: Mapping[str, str] | None = None) -> CurveKeys | None:
+    """The pair $OMNISTAGE_CURVE_KEYS names, or None when it is unset or empty."""
+    directory = (os.environ if env is None else env).get(CURVE_KEYS_ENV, "")
+    if not directory:
+        return None
+    try:
+        return load(directory)
+    except CurveKeyError as exc:
+        raise CurveKeyError(f"${CURVE_KEYS_ENV}: {exc}") from None
+
+
+def write(keys: CurveKeys, directory: str | Path | None = None) -> Path:
+    """Write the pair (owner-only files) into `directory`, by default a new private temporary
+    one; returns it. Each file is renamed into place whole, so a reader sees an old or a new
+    key, never half of one."""
+    path = Path(directory) if directory is not None else Path(
+        tempfile.mkdtemp(prefix="omnistage-curve-"))
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name, value in ((SECRET_FILE, keys.secret), (PUBLIC_FILE, keys.public)):
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value + b"\n")
+            os.replace(tmp, path / name)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    return path
+
+
+def secure_client(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
+    """A connecting socket (before connect): the pipeline's pair is its own and the server's."""
+    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+
+
+#: Handshake failures the worker counts, by the monitor event libzmq reports.
+_REFUSALS = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key",  # a sound CURVE client, but not the pipeline's key
+    # Not CURVE, or a handshake that fails its cryptography: a wrong server key, or a secret
+    # key that is not the one behind the public key the client claims.
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake",
+}
+
+
+class PeerGate:
+    """The worker side: makes a bound socket a CURVE server whose ZAP handler admits only the
+    pipeline's key, and counts the peers refused (by reason, from the socket's monitor).
+
+    Both helper sockets are read from the loop like the worker's own (zmqio.LoopSocket). Create
+    it before the socket binds, so no connection arrives before the handler is there.
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any], keys: CurveKeys,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.allowed = z85.decode(keys.public)
+        self.refused: Counter[str] = Counter()
+        self._said: dict[str, float] = {}
+        self._zap = ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(_ZAP_ENDPOINT)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._zap_io = LoopSocket(self._zap.underlying, self._on_zap, loop)
+        self._monitor_io = LoopSocket(self._monitor.underlying, self._on_monitor, loop)
+        self._zap_io.read_soon()  # whatever came before the loop watched the descriptors
+        self._monitor_io.read_soon()
+
+    def _on_zap(self) -> None:
+        """ZAP requests (RFC 27): version, id, domain, address, identity, mechanism, key."""
+        while (frames := self._zap_io.recv(copy=True)) is not None:
+            if len(frames) < 6:
+                continue  # not a ZAP request; libzmq sends none such
+            version, request_id, domain, _address, _identity, mechanism = frames[:6]
+            key = frames[6] if len(frames) > 6 else b""
+            ok = domain == ZAP_DOMAIN and mechanism == b"CURVE" and key == self.allowed
+            status, text = (b"200", b"OK") if ok else (b"400", b"not this pipeline's key")
+            self._zap_io.send([version, request_id, status, text, b"" if not ok else b"peer",
+                               b""])
+
+    def _on_monitor(self) -> None:
+        while (frames := self._monitor_io.recv(copy=True)) is not None:
+            try:
+                event = parse_monitor_message(frames)
+            except (ValueError, TypeError, IndexError):  # pragma: no cover - libzmq's own frames
+                continue
+            reason = _REFUSALS.get(event["event"])
+            if reason is not None:
+                self.refused[reason] += 1
+                self._say(reason)
+
+    def _say(self, reason: str) -> None:
+        """One log line for the first refusal, then one a minute at most: a refused peer
+        reconnects every 100 ms and must not flood the log."""
+        now = time.monotonic()
+        if now - self._said.get(reason, -LOG_EVERY_S) < LOG_EVERY_S:
+            return
+        self._said[reason] = now
+        why = ("a CURVE client with another key" if reason == "key" else
+               "a peer without the pipeline's CurveZMQ key (or not speaking CURVE)")
+        log.warning("refused %s; %d refused for this reason so far (next note in %d s at the "
+                    "earliest)", why, self.refused[reason], LOG_EVERY_S)
+
+    def close(self) -> None:
+        self._zap_io.close()
+        self._monitor_io.close()
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._zap.close(linger=0)
