@@ -206,20 +206,24 @@ class Served:
 
 async def serve(name: str, pipes: list[Any], log_dir: Path) -> Served:
     """One worker per stage of pipes[0], and an orchestrator per pipeline over them (streaming
-    is the orchestrator's routing: the workers are the same for every pipeline)."""
+    is the orchestrator's routing: the workers are the same for every pipeline). CurveZMQ
+    between them, as `omnistage serve` has by default."""
+    from omnistage import curve
     from omnistage.orchestrator.engine import Orchestrator
     from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
     from omnistage.procs import spawn_worker, wait_all_ready
 
+    keys = curve.generate()
+    env = {**_env(), curve.CURVE_KEYS_ENV: str(curve.write(keys, log_dir / f"{name}-curve"))}
     workers = {stage.name: spawn_worker(f"{name}-{stage.name}-0", stage, log_dir=log_dir,
-                                        env=_env()) for stage in pipes[0].spec.stages}
+                                        env=env) for stage in pipes[0].spec.stages}
     served = Served(workers, [])
     try:
         await asyncio.to_thread(wait_all_ready, list(workers.values()), 300)
         # Their endpoints are known once they are ready.
         infos = [ReplicaInfo(stage, w.name, w.zmq) for stage, w in workers.items()]
         for pipe in pipes:
-            orch = Orchestrator(pipe, StaticMembership(infos))
+            orch = Orchestrator(pipe, StaticMembership(infos), curve=keys)
             _watch_audio(orch, served.first_audio)
             await orch.start()
             served.orchs.append(orch)

@@ -7,6 +7,7 @@ from the live object; they write only when the intent or the live object differs
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -28,6 +29,9 @@ from omni_operator.release import (
     stored_orders,
 )
 from omnistage import kube
+from omnistage.curve_keys import CURVE_KEYS_ENV, CurveKeys
+from omnistage.curve_keys import PUBLIC_FILE as CURVE_PUBLIC_FILE
+from omnistage.curve_keys import SECRET_FILE as CURVE_SECRET_FILE
 from omnistage.orchestrator.shutdown import shutdown_seconds
 from omnistage.revision import IMAGE_ENV
 from omnistage.spec import ModelCache, OmniPipeline, Stage, engine_for_kind
@@ -198,6 +202,8 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage,
         # Always written, "false" included, so turning it off reaches the pool too.
         kube.ANNOTATION_SHARED_MEMORY: str(shared_memory(pipeline.metadata.annotations)).lower(),
         kube.ANNOTATION_REVISION_ORDER: format_order(revision, order, stored_orders(current)),
+        # The pool's pods mount the pipeline's CurveZMQ pair (pod_template).
+        kube.ANNOTATION_CURVE_SECRET: curve_secret_name(name, owner["metadata"].get("uid", "")),
     }
     return {
         "apiVersion": API_VERSION,
@@ -213,6 +219,40 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage,
                if pipeline.spec.model_cache else {}),
         },
     }
+
+
+def curve_secret_name(pipeline: str, uid: str) -> str:
+    """The pipeline's CurveZMQ Secret, named with the pipeline's uid: a pipeline deleted and
+    made again never meets its predecessor's Secret while the garbage collector removes it
+    (the operator creates the Secret once and never reads it)."""
+    suffix = uid.replace("-", "")[:10]
+    return f"{pipeline}-curve-{suffix}" if suffix else f"{pipeline}-curve"
+
+
+def curve_secret(owner: Obj, pipeline: OmniPipeline, keys: CurveKeys) -> Obj:
+    """The pipeline's CurveZMQ pair as a Secret (files `public` and `secret`, omnistage.curve),
+    owned by the pipeline. The keys are the caller's: this stays a pure function."""
+    name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
+    secret = curve_secret_name(name, owner["metadata"].get("uid", ""))
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(secret, ns, labels(name, "orchestrator"), owner),
+        "type": "Opaque",
+        "data": {CURVE_PUBLIC_FILE: base64.b64encode(keys.public).decode(),
+                 CURVE_SECRET_FILE: base64.b64encode(keys.secret).decode()},
+    }
+
+
+def _with_curve(pod_spec: Obj, secret: str) -> None:
+    """The pipeline's CurveZMQ Secret mounted read-only (group-readable: the pod's fsGroup is
+    the non-root user's) and named in $OMNISTAGE_CURVE_KEYS; orchestrator and workers alike."""
+    pod_spec["volumes"].append({"name": "curve-keys",
+                                "secret": {"secretName": secret, "defaultMode": 0o440}})
+    container = pod_spec["containers"][0]
+    container["volumeMounts"].append(
+        {"name": "curve-keys", "mountPath": kube.CURVE_KEYS_DIR, "readOnly": True})
+    container["env"].append({"name": CURVE_KEYS_ENV, "value": kube.CURVE_KEYS_DIR})
 
 
 def _with_api_keys(pod_spec: Obj, secret: str) -> None:
@@ -317,6 +357,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
         _with_shared_memory(pod_spec, name, orch.resources.memory)
     if orch.auth.api_key_secret:
         _with_api_keys(pod_spec, orch.auth.api_key_secret)
+    curve = curve_secret_name(name, owner["metadata"].get("uid", ""))
+    _with_curve(pod_spec, curve)
     if orch.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(orch.node_selector.items()))
     if orch.tolerations:
@@ -494,6 +536,9 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
     }
     if shared_memory(pool["metadata"].get("annotations")):
         _with_shared_memory(pod_spec, pipeline, res.memory)
+    curve = (pool["metadata"].get("annotations") or {}).get(kube.ANNOTATION_CURVE_SECRET)
+    if curve:  # a pool of a pipeline (one written by hand may have none): CurveZMQ
+        _with_curve(pod_spec, curve)
     if inits:
         pod_spec["initContainers"] = inits
     return pod_spec, digest(pod_spec)

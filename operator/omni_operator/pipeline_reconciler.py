@@ -19,7 +19,7 @@ from omni_operator.status import (
 from omni_operator.status_models import PipelineStatus
 from omni_operator.view import Key, Obj, ObjectView, Scheduler, meta_key
 from omni_operator.writes import Writes, few, owners, owns, removed
-from omnistage import kube
+from omnistage import curve_keys, kube
 from omnistage.kubeapi import gather_all, path
 from omnistage.spec import OmniPipeline, SpecError, parse_pipeline
 
@@ -55,6 +55,7 @@ class PipelineReconciler:
         # The operator's --network-policy setting (None: off), passed to every build.
         self.network_policy = network_policy
         self._terminating: set[str] = set()  # uids of pipelines whose deletion was announced
+        self.curve_made: set[str] = set()  # uids of pipelines whose CurveZMQ Secret exists
 
     async def reconcile(self, obj: Obj) -> None:
         """Finalizer, children (two waves), pruned pools, status; a deleting pipeline shuts
@@ -74,6 +75,7 @@ class PipelineReconciler:
             # Our finalizer only: finalizers are a set to server-side apply, so the others
             # (and a concurrent writer's) stay; nobody else can own ours, so no force.
             await self.writes.apply_finalizers(obj, [FINALIZER])
+        await self.ensure_curve_secret(obj, pipeline)
         # Children that differ are applied together, in two waves (each apply waits on the API
         # server; a first reconcile made nine in a row, and the pools' pods waited on them):
         # what the workloads reference (config, account, RBAC, Service) and the network
@@ -116,6 +118,16 @@ class PipelineReconciler:
                   and w < bound]
         if waking:
             self.scheduler.enqueue_later(("OmniPipeline", ns, name), bound - max(waking) + 1.0)
+
+    async def ensure_curve_secret(self, obj: Obj, pipeline: OmniPipeline) -> None:
+        """Create the pipeline's CurveZMQ Secret (a pair made now) once, before its pods that
+        mount it. Never read back: the operator may create Secrets, not read them, so a 409
+        means it is there already (an operator restarted asks once more)."""
+        uid = obj["metadata"].get("uid", "")
+        if uid in self.curve_made:
+            return
+        await self.writes.create_once(builders.curve_secret(obj, pipeline, curve_keys.generate()))
+        self.curve_made.add(uid)
 
     async def write_status(self, obj: Obj, status: PipelineStatus) -> None:
         """Write the status; when the phase or the Ready reason changed, say so in one event on

@@ -304,6 +304,13 @@ class Writes:
         if applied is not None and applied.created and on_create is not None:
             await on_create()
 
+    async def create_once(self, obj: Obj) -> None:
+        """Create `obj` unless it exists (409: left as it is, never read or overwritten):
+        for objects made once with content only this write knows, such as generated keys."""
+        meta = obj["metadata"]
+        kind, ns, name = obj["kind"], meta["namespace"], meta["name"]
+        await self.write(kind, ns, name, self.api.create(path(kind, ns), obj, ignore=(409,)))
+
     async def delete(self, kind: str, ns: str, name: str, body: Obj | None = None) -> None:
         """Delete; 404 means it is gone already (dropped from the view), 409 is a race. An
         answer that says the object is gone drops it from the view at once, as its DELETED

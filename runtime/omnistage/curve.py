@@ -9,9 +9,10 @@ before any message of ours is read. A peer that does not speak CURVE fails the h
 libzmq; one with another key is refused by the ZAP handler. Both are counted
 (`omnistage_worker_refused_peers_total{reason}`).
 
-Keys live in a directory with the files `public` and `secret` (Z85 text, 40 characters each):
-the shape of a Kubernetes Secret with those two keys mounted as a volume. $OMNISTAGE_CURVE_KEYS
-names the directory; `omnistage serve` writes an ephemeral pair for its own workers.
+The keys themselves (made, written, read: omnistage.curve_keys, which needs no ZMQ) live in a
+directory with the files `public` and `secret`, the shape of a Kubernetes Secret with those two
+keys mounted as a volume. $OMNISTAGE_CURVE_KEYS names it; `omnistage serve` writes an
+ephemeral pair for its own workers, the operator a Secret per pipeline.
 """
 
 from __future__ import annotations
@@ -19,23 +20,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from omnistage.curve_keys import (
+    CURVE_KEYS_ENV,
+    PUBLIC_FILE,
+    SECRET_FILE,
+    CurveKeyError,
+    CurveKeys,
+    generate,
+    keys_from_env,
+    load,
+    write,
+    z85_decode,
+)
 from omnistage.zmqio import LoopSocket
 
-__all__ = [
+__all__ = [  # the key names too: callers of the socket side need only this module
     "CURVE_KEYS_ENV",
+    "PUBLIC_FILE",
+    "SECRET_FILE",
     "CurveKeyError",
     "CurveKeys",
     "PeerGate",
@@ -48,90 +57,10 @@ __all__ = [
 
 log = logging.getLogger("omnistage.curve")
 
-#: The directory holding `public` and `secret`; unset: plain ZMQ (and said so at start).
-CURVE_KEYS_ENV = "OMNISTAGE_CURVE_KEYS"
-PUBLIC_FILE, SECRET_FILE = "public", "secret"
 #: The ZAP domain the workers' sockets ask about; the handler answers only for it.
 ZAP_DOMAIN = b"omnistage"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
-_KEY_CHARS = 40  # a 32-byte key in Z85
 LOG_EVERY_S = 60
-
-
-class CurveKeyError(ValueError):
-    """The key directory is missing, unreadable, or its keys are not a pair."""
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """A pipeline's CurveZMQ keypair, Z85-encoded (the secret never shows in a repr)."""
-
-    public: bytes
-    secret: bytes = field(repr=False)
-
-
-def generate() -> CurveKeys:
-    public, secret = zmq.curve_keypair()
-    return CurveKeys(public, secret)
-
-
-def _read_key(directory: Path, name: str) -> bytes:
-    path = directory / name
-    try:
-        text = path.read_bytes().strip()
-    except FileNotFoundError:
-        raise CurveKeyError(f"{path}: no such file (the key directory needs {PUBLIC_FILE!r} "
-                            f"and {SECRET_FILE!r})") from None
-    except OSError as exc:
-        raise CurveKeyError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if len(text) != _KEY_CHARS:
-        raise CurveKeyError(f"{path}: a CurveZMQ key is {_KEY_CHARS} Z85 characters, this is "
-                            f"{len(text)}")
-    try:
-        z85.decode(text)
-    except (ValueError, KeyError, TypeError):
-        raise CurveKeyError(f"{path}: not Z85 text") from None
-    return text
-
-
-def load(directory: str | Path) -> CurveKeys:
-    """The pair in `directory`; refuses a public key that is not the secret key's."""
-    path = Path(directory)
-    public, secret = _read_key(path, PUBLIC_FILE), _read_key(path, SECRET_FILE)
-    if zmq.curve_public(secret) != public:
-        raise CurveKeyError(f"{path}: {PUBLIC_FILE!r} is not the public key of {SECRET_FILE!r}")
-    return CurveKeys(public, secret)
-
-
-def keys_from_env(env: Mapping[str, str] | None = None) -> CurveKeys | None:
-    """The pair $OMNISTAGE_CURVE_KEYS names, or None when it is unset or empty."""
-    directory = (os.environ if env is None else env).get(CURVE_KEYS_ENV, "")
-    if not directory:
-        return None
-    try:
-        return load(directory)
-    except CurveKeyError as exc:
-        raise CurveKeyError(f"${CURVE_KEYS_ENV}: {exc}") from None
-
-
-def write(keys: CurveKeys, directory: str | Path | None = None) -> Path:
-    """Write the pair (owner-only files) into `directory`, by default a new private temporary
-    one; returns it. Each file is renamed into place whole, so a reader sees an old or a new
-    key, never half of one."""
-    path = Path(directory) if directory is not None else Path(
-        tempfile.mkdtemp(prefix="omnistage-curve-"))
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for name, value in ((SECRET_FILE, keys.secret), (PUBLIC_FILE, keys.public)):
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(value + b"\n")
-            os.replace(tmp, path / name)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-    return path
 
 
 def secure_client(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
@@ -161,7 +90,7 @@ class PeerGate:
 
     def __init__(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any], keys: CurveKeys,
                  loop: asyncio.AbstractEventLoop) -> None:
-        self.allowed = z85.decode(keys.public)
+        self.allowed = z85_decode(keys.public)
         self.refused: Counter[str] = Counter()
         self._said: dict[str, float] = {}
         self._zap = ctx.socket(zmq.REP)

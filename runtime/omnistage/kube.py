@@ -50,6 +50,10 @@ PIPELINE_ENV = "OMNISTAGE_PIPELINE"  # the resolved pipeline manifest, as JSON
 # variable that hands the path to `omnistage orchestrator` (orchestrator/auth.py).
 API_KEY_FILE_ENV = "OMNISTAGE_API_KEY_FILE"
 API_KEYS_DIR = "/etc/omnistage/api-keys"
+#: Where the pipeline's CurveZMQ Secret is mounted in its pods ($OMNISTAGE_CURVE_KEYS names it).
+CURVE_KEYS_DIR = "/etc/omnistage/curve"
+#: On a StagePool: the Secret holding its pipeline's CurveZMQ pair, which its pods mount.
+ANNOTATION_CURVE_SECRET = "omnistage.io/curve-secret"
 
 # Model fetching and loading, as the operator reads them off a stage pod's status.
 MODEL_FETCH_CONTAINER = "model-fetch"  # init container: `omnistage models pull`

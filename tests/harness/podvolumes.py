@@ -17,6 +17,7 @@ A volume type not listed here fails the container with CreateContainerConfigErro
 from __future__ import annotations
 
 import base64
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class PodVolumes:
         else:
             files = self._files(vol)
             mode = self._default_mode(vol)
+            # As the kubelet does for these volumes: the pod's fsGroup owns the files, so a
+            # group-only mode (0440) is readable by the pod's non-root user.
+            group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
             tmp = dest.with_name(dest.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             for rel, (data, file_mode) in files.items():
@@ -68,6 +72,8 @@ class PodVolumes:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
                 target.chmod(file_mode if file_mode is not None else mode)
+                if group is not None and os.geteuid() == 0:
+                    os.chown(target, -1, int(group))
             tmp.mkdir(parents=True, exist_ok=True)
             tmp.chmod(0o755)
             shutil.rmtree(dest, ignore_errors=True)

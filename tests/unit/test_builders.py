@@ -171,13 +171,16 @@ def test_an_api_key_secret_is_mounted_read_only_and_named_in_the_environment(
     and what the orchestrator in that pod does with that environment. Unset: none of it."""
     from omnistage.orchestrator.auth import resolve
 
+    def api_key_volumes(spec: dict[str, Any]) -> list[dict[str, Any]]:
+        return [v for v in spec["volumes"] if v["name"] == "api-keys"]
+
     plain, _ = _orchestrator({})
     spec = plain["spec"]["template"]["spec"]
-    assert all("secret" not in v for v in spec["volumes"])
+    assert api_key_volumes(spec) == []
     assert kube.API_KEY_FILE_ENV not in {e["name"] for e in spec["containers"][0]["env"]}
     keyed, _ = _orchestrator({"auth": {"apiKeySecret": "p-api-keys"}})
     spec = keyed["spec"]["template"]["spec"]
-    [volume] = [v for v in spec["volumes"] if "secret" in v]
+    [volume] = api_key_volumes(spec)
     assert volume["secret"] == {"secretName": "p-api-keys"}
     container = spec["containers"][0]
     assert {"name": volume["name"], "mountPath": kube.API_KEYS_DIR, "readOnly": True} in \
@@ -195,3 +198,34 @@ def test_a_bad_api_key_secret_name_is_refused_with_its_path() -> None:
     with pytest.raises(SpecError) as caught:
         _orchestrator({"auth": {"apiKeySecret": "Not_A_Name"}})
     assert [p for p, _ in caught.value.errors] == ["spec.orchestrator.auth.apiKeySecret"]
+
+
+def test_the_curve_secret_is_mounted_in_every_pod_and_reads_as_the_pair(tmp_path: Any) -> None:
+    """The pipeline's CurveZMQ Secret: named by the pipeline's uid, holding the pair as the
+    runtime's key files, mounted read-only in the orchestrator and every stage pod and named
+    in $OMNISTAGE_CURVE_KEYS; a pool written by hand (no annotation) mounts nothing."""
+    import base64
+
+    from omnistage import curve_keys
+
+    pair = curve_keys.generate()
+    secret = b.curve_secret(OWNER, pipeline(), pair)
+    assert secret["metadata"]["name"] == "p-curve-u1"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    for name, data in secret["data"].items():  # the files the kubelet writes
+        (tmp_path / name).write_bytes(base64.b64decode(data))
+    assert curve_keys.load(tmp_path) == pair
+    for spec in pods(pipeline()):
+        [volume] = [v for v in spec["volumes"] if v["name"] == "curve-keys"]
+        assert volume["secret"] == {"secretName": "p-curve-u1", "defaultMode": 0o440}
+        container = spec["containers"][0]
+        assert {"name": "curve-keys", "mountPath": kube.CURVE_KEYS_DIR, "readOnly": True} in \
+            container["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[curve_keys.CURVE_KEYS_ENV] == kube.CURVE_KEYS_DIR
+    [pool] = [c for c in b.pipeline_children(OWNER, pipeline()) if c["kind"] == "StagePool"]
+    del pool["metadata"]["annotations"][kube.ANNOTATION_CURVE_SECRET]
+    pool["metadata"]["uid"] = "u2"
+    spec = b.pool_pod(pool, 0)["spec"]
+    assert all(v["name"] != "curve-keys" for v in spec["volumes"])
+    assert curve_keys.CURVE_KEYS_ENV not in {e["name"] for e in spec["containers"][0]["env"]}

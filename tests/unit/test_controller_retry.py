@@ -67,6 +67,7 @@ class FakeApi:
         self.refuse: str | None = None
         self.applied: list[Obj] = []
         self.status: list[Obj] = []
+        self.created: list[Obj] = []
 
     async def apply(self, url: str, obj: Obj, **_: Any) -> Applied:
         if obj["kind"] == self.refuse:
@@ -78,6 +79,10 @@ class FakeApi:
                            "PATCH", url)
         self.applied.append(obj)
         return Applied(obj, created=True)
+
+    async def create(self, url: str, obj: Obj, **_: Any) -> Obj:
+        self.created.append(obj)  # the pipeline's CurveZMQ Secret, made once
+        return obj
 
     async def patch(self, url: str, body: Obj, *_: Any, **__: Any) -> Obj:
         if url.endswith("/status"):  # the watch would bring our own write back
@@ -194,6 +199,8 @@ async def test_a_refused_child_parks_the_key_with_a_condition_and_one_event() ->
         h.c.view.observe("OmniPipeline", "ADDED", _pipeline(1))
         await h.settle()
         assert h.reconciled == [KEY]
+        [secret] = h.api.created  # the CurveZMQ Secret, before the refused child
+        assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "p-curve-u1")
         [status] = h.api.status
         [ready] = [c for c in status["conditions"] if c["type"] == "Ready"]
         assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
@@ -211,6 +218,7 @@ async def test_a_refused_child_parks_the_key_with_a_condition_and_one_event() ->
         await h.settle()
         assert h.reconciled == [KEY, KEY]
         assert [e[1] for e in h.events if e[0] == "Warning"] == ["InvalidSpec"]
+        assert len(h.api.created) == 1  # made once, never again
         h.c.enqueue(KEY)
         await h.settle()
         assert len(h.reconciled) == 2  # parked again

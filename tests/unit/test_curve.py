@@ -66,3 +66,29 @@ def test_the_environment_names_the_directory(tmp_path: Path) -> None:
     assert curve.keys_from_env({curve.CURVE_KEYS_ENV: str(d)}) == pair
     with pytest.raises(curve.CurveKeyError, match=r"^\$OMNISTAGE_CURVE_KEYS: .*no such file"):
         curve.keys_from_env({curve.CURVE_KEYS_ENV: str(tmp_path / "missing")})
+
+
+def test_z85_is_rfc_32() -> None:
+    from omnistage.curve_keys import z85_decode, z85_encode
+
+    hello = bytes([0x86, 0x4F, 0xD2, 0x6F, 0xB5, 0x59, 0xF7, 0x5B])
+    assert z85_encode(hello) == b"HelloWorld"  # the RFC's own test vector
+    assert z85_decode(b"HelloWorld") == hello
+    for bad in (b"Hell", b"Hello~orld", b"#####"):  # length, alphabet, range
+        with pytest.raises(ValueError):
+            z85_decode(bad)
+
+
+def test_the_operator_makes_pairs_without_zmq_that_zmq_accepts() -> None:
+    """The operator has no ZMQ: its pairs come from cryptography's X25519, and must be pairs
+    to libzmq (the workers load them with zmq.curve_public)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nsys.modules['zmq'] = None\n"
+            "from omnistage import curve_keys\nk = curve_keys.generate()\n"
+            "print(k.public.decode(), k.secret.decode())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    public, secret = out.stdout.split()
+    assert zmq.curve_public(secret.encode()) == public.encode()

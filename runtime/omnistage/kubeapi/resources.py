@@ -55,6 +55,7 @@ RESOURCES: dict[str, Resource] = {r.kind: r for r in (
     Resource("Pod", "", "v1", "pods"),
     Resource("Service", "", "v1", "services"),
     Resource("ConfigMap", "", "v1", "configmaps"),
+    Resource("Secret", "", "v1", "secrets"),
     Resource("ServiceAccount", "", "v1", "serviceaccounts"),
     Resource("Event", "", "v1", "events"),
     Resource("Namespace", "", "v1", "namespaces"),
