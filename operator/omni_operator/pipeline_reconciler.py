@@ -122,9 +122,18 @@ class PipelineReconciler:
     async def ensure_curve_secret(self, obj: Obj, pipeline: OmniPipeline) -> None:
         """Create the pipeline's CurveZMQ Secret (a pair made now) once, before its pods that
         mount it. Never read back: the operator may create Secrets, not read them, so a 409
-        means it is there already (an operator restarted asks once more)."""
+        means it is there already. A restarted operator that finds a pool naming it (made after
+        it) writes nothing."""
         uid = obj["metadata"].get("uid", "")
         if uid in self.curve_made:
+            return
+        ns, name = meta_key(obj)
+        secret = builders.curve_secret_name(name, uid)
+        if any((self.view.pools.get((ns, kube.pool_name(name, s.name))) or {}).get(
+                "metadata", {}).get("annotations", {}).get(kube.ANNOTATION_CURVE_SECRET)
+               == secret for s in pipeline.spec.stages):
+            # A pool naming it was made after it (a restarted operator): no write to know.
+            self.curve_made.add(uid)
             return
         await self.writes.create_once(builders.curve_secret(obj, pipeline, curve_keys.generate()))
         self.curve_made.add(uid)
