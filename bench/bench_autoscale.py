@@ -238,14 +238,16 @@ class Serve:
         self.name = manifest["metadata"]["name"]
         file = tmp / f"{self.name}.yaml"
         file.write_text(yaml.safe_dump(manifest))
-        port = _free_port()
+        port, admin_port = _free_port(), _free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.admin_url = f"http://127.0.0.1:{admin_port}"  # control, /v1/load, /metrics
         path = os.environ.get("PYTHONPATH", "")
         env = {**os.environ, "PYTHONPATH": str(ROOT / "runtime") + (
             os.pathsep + path if path else "")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omnistage.cli", "serve", str(file), "--host", "127.0.0.1",
-             "--port", str(port), "--log-dir", str(tmp / f"{self.name}-logs")],
+             "--port", str(port), "--admin-port", str(admin_port), "--log-dir",
+             str(tmp / f"{self.name}-logs")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=True)
         self.lines: list[str] = []
@@ -258,7 +260,7 @@ class Serve:
 
     async def load(self, session: aiohttp.ClientSession) -> dict[str, Any] | None:
         try:
-            async with session.get(self.url + "/v1/load",
+            async with session.get(self.admin_url + "/v1/load",
                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 return dict(await resp.json()) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError):

@@ -79,6 +79,7 @@ BUILTINS = {"encoder": "tiny-llama", "denoiser": "tiny-unet"}
 REFUSALS = "omnistage_worker_revision_refusals_total"
 ORCH_REFUSALS = "omnistage_orchestrator_revision_refusals_total"
 ORCH_PORT = 8000
+ORCH_ADMIN_PORT = 8001  # spec.orchestrator.adminPort's default: /metrics (open there)
 
 
 # ---- the manifest ---------------------------------------------------------------------------
@@ -331,7 +332,7 @@ class Sampler:
         orchestrator = f"{k.LABEL_PIPELINE}={self.name},{k.LABEL_COMPONENT}=orchestrator"
         for selector, port, metric, readings in (
                 (k.stage_selector(self.name), k.WORKER_HTTP_PORT, REFUSALS, self.workers),
-                (orchestrator, ORCH_PORT, ORCH_REFUSALS, self.orchestrators)):
+                (orchestrator, ORCH_ADMIN_PORT, ORCH_REFUSALS, self.orchestrators)):
             for p in pods(self.kube, self.ns, selector):
                 ip = (p.get("status") or {}).get("podIP")
                 if not ip:

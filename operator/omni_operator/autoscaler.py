@@ -1,8 +1,10 @@
 """The operator's autoscaler: sizes every StagePool whose stage has `autoscaling`.
 
 Every periodSeconds per pool it reads the pipeline's load from EVERY ready orchestrator pod
-(GET /v1/load, straight from each pod, once per pipeline per period; through the API server's
-service proxy where a pod cannot be reached), combines them (combine_loads: each orchestrator
+(GET /v1/load on the pod's admin listener, straight from each pod, once per pipeline per
+period; through the API server's service proxy to the admin Service where a pod cannot be
+reached; each read carries the pipeline's admin key in kube.ADMIN_KEY_HEADER, derived by
+omni_operator.admin_credential and never logged), combines them (combine_loads: each orchestrator
 measures only the requests it routes), decides with omnistage.autoscaling.decide (the same
 maths `omnistage serve` uses) and, when the size changes, writes spec.replicas through the scale
 subresource, as `kubectl scale` does: the pool's reconcile then creates replicas, or drains one
@@ -60,8 +62,9 @@ from omnistage.autoscaling import (
     Decision,
     decide,
 )
+from omnistage.kube import ADMIN_KEY_HEADER, ADMIN_PORT_NAME
 from omnistage.kubeapi import ApiError, ConfigError, gather_all, path, resource_path
-from omnistage.spec import Autoscaling
+from omnistage.spec import Autoscaling, OrchestratorSpec
 
 __all__ = [
     "FIELD_MANAGER",
@@ -84,8 +87,11 @@ PoolKey = tuple[str, str]  # (namespace, pool name)
 #: --show-managed-fields` names the count's owner).
 FIELD_MANAGER = "omnistage-autoscaler"
 #: Test hook: read the load from this URL template ({namespace}, {pipeline}) instead of the
-#: orchestrator (a cluster test serves a fake /v1/load).
+#: orchestrator (a cluster test serves a fake /v1/load); the admin key goes there too.
 LOAD_URL_ENV = "OMNISTAGE_AUTOSCALER_LOAD_URL"
+#: The admin port when neither the admin Service nor the pipeline says (spec.orchestrator's
+#: defaults: port 8000, adminPort port + 1).
+DEFAULT_ADMIN_PORT: int = OrchestratorSpec().admin_listen_port
 LOAD_TIMEOUT = 2.0
 #: How often the loop looks for due pools; a wake does not wait for it.
 TICK_SECONDS = 1.0
@@ -604,34 +610,52 @@ class Autoscaler:
             log.info("load of %s/%s partial: %s", ns, pipeline, got.note())
         return got, None
 
+    def _admin_headers(self, ns: str, pipeline: str, *, required: bool = True
+                       ) -> dict[str, str]:
+        """The header that carries the pipeline's admin key (the pipeline reconciler's
+        credential: the one its orchestrator pods admit the digest of). Raises LoadUnavailable
+        when the view has no such pipeline (no uid, no key); not `required` (the test hook):
+        no header then."""
+        key = self.controller.pipeline_reconciler.admin_key(ns, pipeline)
+        if key is None:
+            if not required:
+                return {}
+            raise LoadUnavailable(f"GET {LOAD_PATH} of {builders.orchestrator_name(pipeline)}: "
+                                  f"no pipeline {ns}/{pipeline} in the view, so no admin key")
+        return {ADMIN_KEY_HEADER: key}
+
     async def _read_load(self, ns: str, pipeline: str) -> OrchestratorLoads:
         """GET /v1/load of EVERY ready orchestrator pod of the pipeline, straight (no load on
-        the API server), at once. Where a pod cannot be read straight: through the API
-        server's service proxy only while it is the one ready pod (the proxy answers for a
-        ready pod of its choosing), in the order that worked last for the pipeline. With
-        several ready and none read straight, one read through the proxy stands for one of
-        them: a partial read. No ready pod in the view: the proxy (the view may lag). Raises
+        the API server), at once, at their admin port with the pipeline's admin key. Where a
+        pod cannot be read straight: through the API server's service proxy to the admin
+        Service only while it is the one ready pod (the proxy answers for a ready pod of its
+        choosing), in the order that worked last for the pipeline. With several ready and
+        none read straight, one read through the proxy stands for one of them: a partial
+        read. No ready pod in the view: the proxy (the view may lag). Raises
         LoadUnavailable, naming each pod and why, when nothing could be read."""
         oname = builders.orchestrator_name(pipeline)
         template = os.environ.get(LOAD_URL_ENV)
         if template:  # the test hook stands for the pipeline's one orchestrator
             url = template.format(namespace=ns, pipeline=pipeline)
-            return OrchestratorLoads({oname: await self._client.get_json(url)})
-        port = self._port(ns, oname)
+            return OrchestratorLoads({oname: await self._client.get_json(
+                url, self._admin_headers(ns, pipeline, required=False))})
+        headers = self._admin_headers(ns, pipeline)
+        port = self._admin_port(ns, pipeline)
         ready = sorted(((pod["metadata"]["name"], pod)
                         for pod in (self.controller.pods.get((ns, oname)) or {}).values()
                         if (pod.get("status") or {}).get("podIP") and is_ready(pod)),
                        key=lambda item: item[0])
         if not ready:
             try:
-                return OrchestratorLoads({oname: await self._proxy(ns, pipeline)})
+                return OrchestratorLoads({oname: await self._proxy(ns, pipeline, headers)})
             except Exception as exc:
                 raise LoadUnavailable(f"GET {LOAD_PATH} of {oname}: straight: no ready "
                                       f"orchestrator pod; proxy: {type(exc).__name__}: "
                                       f"{exc}") from exc
         alone = len(ready) == 1
         results = await asyncio.gather(
-            *(self._pod_load(ns, pipeline, pod, port, alone=alone) for _, pod in ready),
+            *(self._pod_load(ns, pipeline, pod, port, headers, alone=alone)
+              for _, pod in ready),
             return_exceptions=True)
         docs: dict[str, Any] = {}
         failed: dict[str, str] = {}
@@ -645,7 +669,7 @@ class Autoscaler:
         if not docs and not alone:  # none straight: the proxy's one pod, a floor of the load
             try:
                 docs[f"{oname} (service proxy: one of {len(ready)})"] = await self._proxy(
-                    ns, pipeline)
+                    ns, pipeline, headers)
             except Exception as exc:
                 failed[oname] = f"service proxy: {type(exc).__name__}: {exc}"
         if not docs:
@@ -653,11 +677,24 @@ class Autoscaler:
                 f"{name}: {why}" for name, why in sorted(failed.items())))
         return OrchestratorLoads(docs, failed)
 
-    def _port(self, ns: str, oname: str) -> int | None:
-        """The orchestrator's HTTP port, from its Service (port == targetPort, builders)."""
-        service = self.controller.children.get(("Service", ns, oname)) or {}
-        ports = (service.get("spec") or {}).get("ports") or []
-        return ports[0].get("port") if ports else None
+    def _admin_port(self, ns: str, pipeline: str) -> int:
+        """The orchestrators' admin port: the admin Service's port `admin` (port ==
+        targetPort == the containerPort named admin, builders), else the pipeline's
+        (spec.orchestrator.adminPort, or port + 1), else the spec's default. Not the pod's own
+        containerPort: the view keeps no pod spec (memory at fleet size), and the Service
+        follows the spec."""
+        service = self.controller.children.get(
+            ("Service", ns, builders.admin_service_name(pipeline))) or {}
+        for entry in (service.get("spec") or {}).get("ports") or []:
+            port = entry.get("port")
+            if entry.get("name") == ADMIN_PORT_NAME and isinstance(port, int):
+                return port
+        owner = self.controller.pipelines.get((ns, pipeline)) or {}
+        doc = (owner.get("spec") or {}).get("orchestrator") or {}
+        try:  # rare: only until the view has the admin Service
+            return OrchestratorSpec.model_validate(doc).admin_listen_port
+        except ValidationError:
+            return DEFAULT_ADMIN_PORT
 
     async def orchestrator_loads(self, ns: str, pipeline: str) -> list[Any]:
         """GET /v1/load of EVERY running orchestrator pod of the pipeline (podIP, phase
@@ -670,30 +707,35 @@ class Autoscaler:
         flight)."""
         template = os.environ.get(LOAD_URL_ENV)
         if template:  # the test hook stands for the pipeline's one orchestrator
-            return [await self._client.get_json(template.format(namespace=ns, pipeline=pipeline))]
+            return [await self._client.get_json(
+                template.format(namespace=ns, pipeline=pipeline),
+                self._admin_headers(ns, pipeline, required=False))]
         oname = builders.orchestrator_name(pipeline)
-        port = self._port(ns, oname)
         running = [pod for pod in (self.controller.pods.get((ns, oname)) or {}).values()
                    if (pod.get("status") or {}).get("podIP")
                    and (pod.get("status") or {}).get("phase") == "Running"]
-        return await gather_all(self._pod_load(ns, pipeline, pod, port, alone=len(running) == 1)
+        if not running:
+            return []
+        headers = self._admin_headers(ns, pipeline)
+        port = self._admin_port(ns, pipeline)
+        return await gather_all(self._pod_load(ns, pipeline, pod, port, headers,
+                                               alone=len(running) == 1)
                                 for pod in running)
 
-    async def _pod_load(self, ns: str, pipeline: str, pod: Obj, port: int | None, *,
-                        alone: bool) -> Any:
-        """One orchestrator pod's /v1/load: straight, else (`alone`: the one running or ready)
-        through the service proxy, in the order that worked last for the pipeline, which a
-        read of the one pod then remembers."""
+    async def _pod_load(self, ns: str, pipeline: str, pod: Obj, port: int,
+                        headers: dict[str, str], *, alone: bool) -> Any:
+        """One orchestrator pod's /v1/load at its admin port: straight, else (`alone`: the
+        one running or ready) through the service proxy, in the order that worked last for
+        the pipeline, which a read of the one pod then remembers."""
         name = pod["metadata"]["name"]
         key = (ns, pipeline)
 
         async def straight() -> Any:
-            if not port:
-                raise LoadUnavailable("the orchestrator Service has no port")
-            return await self._client.get_json(_load_url(pod["status"]["podIP"], port))
+            return await self._client.get_json(_load_url(pod["status"]["podIP"], port),
+                                               headers)
 
         async def proxy() -> Any:
-            return await self._proxy(ns, pipeline)
+            return await self._proxy(ns, pipeline, headers)
 
         ways = [straight, proxy] if alone else [straight]
         if alone and key in self._proxied:
@@ -714,10 +756,13 @@ class Autoscaler:
             failures.append("proxy: not tried (the service proxy may answer for another pod)")
         raise LoadUnavailable(f"GET {LOAD_PATH} of {name}: " + "; ".join(failures))
 
-    async def _proxy(self, ns: str, pipeline: str) -> Any:
-        oname = builders.orchestrator_name(pipeline)
-        proxy = f"{path('Service', ns, oname)}:http/proxy{LOAD_PATH}"
-        text = await self.controller.api.request("GET", proxy, raw=True, timeout=LOAD_TIMEOUT)
+    async def _proxy(self, ns: str, pipeline: str, headers: dict[str, str]) -> Any:
+        """GET /v1/load through the API server's service proxy to the admin Service, the key
+        in ADMIN_KEY_HEADER (the proxy drops Authorization, not this header)."""
+        admin = builders.admin_service_name(pipeline)
+        proxy = f"{path('Service', ns, admin)}:{ADMIN_PORT_NAME}/proxy{LOAD_PATH}"
+        text = await self.controller.api.request("GET", proxy, raw=True, timeout=LOAD_TIMEOUT,
+                                                 headers=headers)
         return json.loads(text)
 
     async def _external(self, ns: str) -> dict[str, str]:

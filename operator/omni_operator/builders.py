@@ -11,7 +11,7 @@ import base64
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omni_operator.metadata import component_selector, labels, orchestrator_name, owner_ref
@@ -225,23 +225,33 @@ def curve_secret_name(pipeline: str, uid: str) -> str:
     """The pipeline's CurveZMQ Secret, named with the pipeline's uid: a pipeline deleted and
     made again never meets its predecessor's Secret while the garbage collector removes it
     (the operator creates the Secret once and never reads it)."""
+    return _uid_named(pipeline, "curve", uid)
+
+
+def _uid_named(pipeline: str, what: str, uid: str) -> str:
     suffix = uid.replace("-", "")[:10]
-    return f"{pipeline}-curve-{suffix}" if suffix else f"{pipeline}-curve"
+    return f"{pipeline}-{what}-{suffix}" if suffix else f"{pipeline}-{what}"
+
+
+def _pipeline_secret(owner: Obj, pipeline: OmniPipeline, secret: str,
+                     data: dict[str, bytes]) -> Obj:
+    """A Secret the operator makes for a pipeline (owned by it, so it goes with it)."""
+    ns = owner["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(secret, ns, labels(pipeline.metadata.name, "orchestrator"), owner),
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+    }
 
 
 def curve_secret(owner: Obj, pipeline: OmniPipeline, keys: CurveKeys) -> Obj:
     """The pipeline's CurveZMQ pair as a Secret (files `public` and `secret`, omnistage.curve),
     owned by the pipeline. The keys are the caller's: this stays a pure function."""
-    name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
-    secret = curve_secret_name(name, owner["metadata"].get("uid", ""))
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(secret, ns, labels(name, "orchestrator"), owner),
-        "type": "Opaque",
-        "data": {CURVE_PUBLIC_FILE: base64.b64encode(keys.public).decode(),
-                 CURVE_SECRET_FILE: base64.b64encode(keys.secret).decode()},
-    }
+    secret = curve_secret_name(pipeline.metadata.name, owner["metadata"].get("uid", ""))
+    return _pipeline_secret(owner, pipeline, secret, {CURVE_PUBLIC_FILE: keys.public,
+                                                      CURVE_SECRET_FILE: keys.secret})
 
 
 def _with_curve(pod_spec: Obj, secret: str) -> None:
@@ -253,6 +263,32 @@ def _with_curve(pod_spec: Obj, secret: str) -> None:
     container["volumeMounts"].append(
         {"name": "curve-keys", "mountPath": kube.CURVE_KEYS_DIR, "readOnly": True})
     container["env"].append({"name": CURVE_KEYS_ENV, "value": kube.CURVE_KEYS_DIR})
+
+
+def api_key_secret_name(pipeline: str, uid: str) -> str:
+    """The API-key Secret the operator makes for a pipeline that names none (keys on by
+    default), named with the uid as curve_secret_name is and for the same reason."""
+    return _uid_named(pipeline, "api-keys", uid)
+
+
+def api_key_secret_of(pipeline: OmniPipeline, uid: str) -> str | None:
+    """The Secret whose keys the pipeline's API needs: spec.orchestrator.auth.apiKeySecret, the
+    one the operator makes (api_key_secret_name), or None with auth.disabled."""
+    auth = pipeline.spec.orchestrator.auth
+    if auth.disabled:
+        return None
+    return auth.api_key_secret or api_key_secret_name(pipeline.metadata.name, uid)
+
+
+#: The key in the API-key Secret the operator makes (one key; add others beside it to rotate).
+API_KEY_SECRET_KEY = "api-key"
+
+
+def api_key_secret(owner: Obj, pipeline: OmniPipeline, key: str) -> Obj:
+    """The pipeline's API-key Secret with one key (the caller's: this stays pure), owned by
+    the pipeline. The operator creates it once and never changes it: the user rotates it."""
+    secret = api_key_secret_name(pipeline.metadata.name, owner["metadata"].get("uid", ""))
+    return _pipeline_secret(owner, pipeline, secret, {API_KEY_SECRET_KEY: key.encode()})
 
 
 def _with_api_keys(pod_spec: Obj, secret: str) -> None:
@@ -279,14 +315,26 @@ def _wake_rules(pipeline: OmniPipeline) -> list[Obj]:
              "resourceNames": names}]
 
 
+def admin_service_name(pipeline: str) -> str:
+    """The Service of a pipeline's orchestrator admin listener (port `admin` only): the
+    autoscaler's service-proxy fallback and a ServiceMonitor's target. The public Service
+    (orchestrator_name) never exposes that port."""
+    return f"{orchestrator_name(pipeline)}-admin"
+
+
 def pipeline_children(owner: Obj, pipeline: OmniPipeline,
                       pools: Mapping[str, Obj | None] | None = None, *,
-                      network_policy: NetworkPolicySettings | None = None) -> list[Obj]:
+                      network_policy: NetworkPolicySettings | None = None,
+                      admin_key_digests: Sequence[str] = ()) -> list[Obj]:
     """Everything an OmniPipeline owns, in creation order. `pools`: the live StagePools by
     stage name (their release orders are kept; see stage_pool). network_policy: the
     operator's setting (omni_operator.network_policy); on, the pipeline's NetworkPolicies too,
     which the reconciler applies with the first wave, before the workloads, so a new pipeline's
-    pods start under them. None: off."""
+    pods start under them. None: off. admin_key_digests: SHA-256 hex digests of the admin keys
+    the orchestrator's admin listener accepts (omni_operator.admin_credential: the
+    reconciler's, for the key the operator presents), handed over in
+    $OMNISTAGE_ADMIN_KEY_DIGESTS; the pod never holds a key. Empty: no variable (a pod that
+    listens beyond loopback then refuses to start its admin listener)."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     orch = pipeline.spec.orchestrator
     oname = orchestrator_name(name)
@@ -326,6 +374,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
             "valueFrom": {"configMapKeyRef": {"name": f"{name}-pipeline", "key": PIPELINE_KEY}},
         },
     ]
+    if admin_key_digests:
+        env.append({"name": kube.ADMIN_KEY_DIGESTS_ENV, "value": ",".join(admin_key_digests)})
     pod_spec: Obj = {
         "serviceAccountName": oname,
         "securityContext": _pod_security(),
@@ -335,10 +385,13 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
             {
                 "name": "orchestrator",
                 "image": pipeline.spec.image,
+                # The admin listener's port comes from the pipeline ($OMNISTAGE_PIPELINE:
+                # spec.orchestrator.adminPort, else port + 1), as the runtime's default.
                 "command": ["omnistage", "orchestrator", "--membership", "kubernetes",
                             "--port", str(orch.port)],
                 "env": env,
-                "ports": [{"name": "http", "containerPort": orch.port}],
+                "ports": [{"name": "http", "containerPort": orch.port},
+                          {"name": kube.ADMIN_PORT_NAME, "containerPort": orch.admin_listen_port}],
                 # Every second: a replacement orchestrator joins endpoints as soon as it can
                 # serve, which is most of the gap after a deleted orchestrator pod.
                 "readinessProbe": _http_probe("/readyz", orch.port, 1, 3),
@@ -355,8 +408,9 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
     }
     if shared_memory(pipeline.metadata.annotations):
         _with_shared_memory(pod_spec, name, orch.resources.memory)
-    if orch.auth.api_key_secret:
-        _with_api_keys(pod_spec, orch.auth.api_key_secret)
+    api_keys = api_key_secret_of(pipeline, owner["metadata"].get("uid", ""))
+    if api_keys is not None:  # keys on unless the pipeline says auth.disabled
+        _with_api_keys(pod_spec, api_keys)
     curve = curve_secret_name(name, owner["metadata"].get("uid", ""))
     _with_curve(pod_spec, curve)
     if orch.node_selector:
@@ -386,13 +440,26 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
         "metadata": _meta(oname, ns, olabels, owner),
         "spec": {
             "selector": selector,
+            # The public API only: control, /v1/load and /metrics are on the admin Service.
             "ports": [{"name": "http", "port": orch.port, "targetPort": orch.port}],
+        },
+    }
+    admin_port = orch.admin_listen_port  # spec.orchestrator.adminPort, or port + 1
+    admin_service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(admin_service_name(name), ns, olabels, owner),
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": kube.ADMIN_PORT_NAME, "port": admin_port,
+                       "targetPort": admin_port}],
         },
     }
     children = [stage_pool(owner, pipeline, s, (pools or {}).get(s.name))
                 for s in pipeline.spec.stages]
     policies = policies_for(owner, pipeline, network_policy)
-    return [config, account, role, binding, service, *policies, deployment, *children]
+    return [config, account, role, binding, service, admin_service, *policies, deployment,
+            *children]
 
 
 def endpoint(pipeline: OmniPipeline, namespace: str) -> str:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any
 
+from omni_operator.network_policy import MONITORING_NAMESPACE
 from omni_operator.replicas_cli import add_cluster_flags
 
 
@@ -41,6 +43,13 @@ def _pod_labels(text: str) -> dict[str, str]:
             raise argparse.ArgumentTypeError(f"want KEY=VALUE[,KEY=VALUE...], got {item!r}")
         out[key] = value
     return out
+
+
+def _namespace_or_none(text: str) -> str:
+    """A namespace name (a DNS-1123 label), or "" for none."""
+    if text and (len(text) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", text)):
+        raise argparse.ArgumentTypeError(f"not a namespace name: {text!r} (\"\" for none)")
+    return text
 
 
 def _rate(text: str) -> float:
@@ -109,7 +118,9 @@ def register(sub: Any) -> None:
                    help="give each pipeline NetworkPolicies: its stage pods admit the worker ZMQ "
                         "port from its orchestrator pods only and the side port from the "
                         "operator's pods only; its orchestrator pods admit their API port from "
-                        "anywhere (--no-network-policy: none; existing ones stay until deleted)")
+                        "anywhere and their admin port from the operator's pods and the "
+                        "--monitoring-namespace only (--no-network-policy: none; existing ones "
+                        "stay until deleted)")
     n.add_argument("--operator-pod-labels", type=_pod_labels, default={},
                    metavar="KEY=VALUE[,KEY=VALUE...]",
                    help="labels that select this operator's own pods, admitted to the stage "
@@ -117,6 +128,20 @@ def register(sub: Any) -> None:
                         "admitted there (the chart passes its selector labels)")
     n.add_argument("--operator-namespace", default=None,
                    help="namespace of this operator's pods (default: $POD_NAMESPACE)")
+    n.add_argument("--monitoring-namespace", type=_namespace_or_none,
+                   default=MONITORING_NAMESPACE, metavar="NAME",
+                   help="every pod of this namespace (a Prometheus) is admitted to the "
+                        "orchestrator pods' admin port, for /metrics; the operator's pods are "
+                        f"too (default {MONITORING_NAMESPACE}; \"\": none)")
+    a = o.add_argument_group(
+        "admin credential", "what the operator presents at the orchestrators' admin listeners "
+        "(control, GET /v1/load; docs/security.md)")
+    a.add_argument("--admin-key-file", default=None, metavar="PATH",
+                   help="the operator's root admin key: a file holding one key of at least 32 "
+                        "characters (the chart mounts its Secret <release>-operator-admin-key). "
+                        "Each pipeline's key is derived from it, and its orchestrator pods get "
+                        "only the digest. Without it a key is made for this run, and an "
+                        "operator restart rolls every orchestrator")
     o.add_argument("--leader-elect", action="store_true",
                    help="reconcile only while holding a coordination.k8s.io Lease, so several "
                    "replicas can run and one leads (the Helm chart turns this on)")

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from omni_operator.admin_credential import AdminCredential
 from omni_operator.autoscaler import Autoscaler
 from omni_operator.network_policy import NetworkPolicySettings
 from omni_operator.pipeline_reconciler import FINALIZER, PipelineReconciler
@@ -75,7 +76,8 @@ class Controller:
     def __init__(self, api: KubeApi, *, resync_seconds: float = 30.0, workers: int = 8,
                  autoscaler: bool = True, retry: Backoff | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 network_policy: NetworkPolicySettings | None = None) -> None:
+                 network_policy: NetworkPolicySettings | None = None,
+                 admin: AdminCredential | None = None) -> None:
         self.api = api
         self.resync_seconds = resync_seconds
         self.view = ObjectView(api, self)
@@ -86,8 +88,9 @@ class Controller:
         self.autoscaling = autoscaler
         # Each pipeline's NetworkPolicies: what `omnistage operator` was told (on by default,
         # command.py); None here, as in tests that build a Controller, makes none.
+        # admin: the root of the orchestrators' admin keys (None: one made for this life).
         self.pipeline_reconciler = PipelineReconciler(self.view, self.writes, self,
-                                                      network_policy)
+                                                      network_policy, admin)
         self.pool_reconciler = PoolReconciler(self.view, self.writes, self, Autoscaler(self),
                                               clock=clock)
         self.reconciles = 0

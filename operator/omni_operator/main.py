@@ -15,11 +15,12 @@ from typing import Any
 import kopf
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from omni_operator import webhook
+from omni_operator import admin_credential, webhook
+from omni_operator.admin_credential import AdminCredential
 from omni_operator.controller import Controller
 from omni_operator.handlers import at_fleet_size, register
 from omni_operator.leader import LeaderElector
-from omni_operator.network_policy import NetworkPolicySettings, OperatorPeer
+from omni_operator.network_policy import MONITORING_NAMESPACE, NetworkPolicySettings, OperatorPeer
 from omnistage.kubeapi import KubeApi, KubeConfig, WriteLimit, default_namespace
 from omnistage.metrics import family, new_registry
 from omnistage.sideport import start_side_port
@@ -69,8 +70,11 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               lease: tuple[str, str, str] | None = None,
               admission: webhook.WebhookSettings | None = None,
               context: str | None = None, *, limits: Limits, autoscaler: bool = True,
-              network_policy: NetworkPolicySettings | None = None) -> int:
-    """Run the operator; with ``lease`` (namespace, name, identity) only while holding it."""
+              network_policy: NetworkPolicySettings | None = None,
+              admin: AdminCredential | None = None) -> int:
+    """Run the operator; with ``lease`` (namespace, name, identity) only while holding it.
+    admin: the root of the orchestrators' admin keys (admin_credential.load; None: one made
+    for this run)."""
     admission = admission or webhook.WebhookSettings(enabled=False)
     config = KubeConfig.load(kubeconfig, context)
     write_limit = (WriteLimit(limits.write_qps, limits.write_burst)
@@ -79,7 +83,10 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         KubeApi(config, user_agent="omnistage-operator", write_limit=write_limit,
                 pool_size=max(64, limits.workers * 2)),  # connections for the waves in flight
         resync_seconds=resync_seconds, workers=limits.workers, autoscaler=autoscaler,
-        network_policy=network_policy)
+        network_policy=network_policy,
+        # One credential for the controller: the pipeline reconciler hands each orchestrator
+        # pod its digest, and the autoscaler (and the drain's pin wait) presents the key.
+        admin=admin or admin_credential.load(None))
     _say_network_policy(network_policy)
     if not autoscaler:
         log.info("the built-in autoscaler is off (--no-autoscaler): pools keep their size")
@@ -139,32 +146,42 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
 
 
 def network_policy_settings(enabled: bool, pod_labels: dict[str, str],
-                            namespace: str | None) -> NetworkPolicySettings:
+                            namespace: str | None,
+                            monitoring_namespace: str | None = MONITORING_NAMESPACE
+                            ) -> NetworkPolicySettings:
     """The --network-policy flags as the builders take them: the operator's pods are a peer
     only when their labels are given (an operator outside a pod has none to give); their
-    namespace defaults to the pod's own ($POD_NAMESPACE, the chart's downward-API env)."""
+    namespace defaults to the pod's own ($POD_NAMESPACE, the chart's downward-API env).
+    monitoring_namespace: --monitoring-namespace ("" or None: none)."""
     namespace = namespace or os.environ.get("POD_NAMESPACE")
+    monitoring = monitoring_namespace or None
     if not enabled or not pod_labels:
-        return NetworkPolicySettings(enabled=enabled)
+        return NetworkPolicySettings(enabled=enabled, monitoring_namespace=monitoring)
     if not namespace:
         raise ValueError("--operator-pod-labels needs --operator-namespace (or $POD_NAMESPACE)")
-    return NetworkPolicySettings(enabled=True, operator=OperatorPeer(namespace, pod_labels))
+    return NetworkPolicySettings(enabled=True, operator=OperatorPeer(namespace, pod_labels),
+                                 monitoring_namespace=monitoring)
 
 
 def _say_network_policy(settings: NetworkPolicySettings | None) -> None:
     """One line at start: what the pipelines' NetworkPolicies admit, or that there are none."""
     if settings is None or not settings.enabled:
         log.info("network policies: off (--no-network-policy): the operator makes none")
-    elif settings.operator is None:
+        return
+    monitoring = (f"pods in namespace {settings.monitoring_namespace}"
+                  if settings.monitoring_namespace else "no monitoring namespace")
+    if settings.operator is None:
         log.warning("network policies: the operator's own pods are not known "
                     "(--operator-pod-labels): no pod is admitted to the stage pods' side "
-                    "port, so where a CNI enforces the policies a drain cannot read /state and "
-                    "waits out its timeout")
+                    "port, nor for the operator to the orchestrators' admin port (%s are), so "
+                    "where a CNI enforces the policies a drain cannot read /state and waits out "
+                    "its timeout, and the autoscaler reads no load", monitoring)
     else:
         peer = settings.operator
-        log.info("network policies: on; the stage pods' side port admits pods %s in %s",
+        log.info("network policies: on; the stage pods' side port admits pods %s in %s; the "
+                 "orchestrators' admin port admits them and %s",
                  ",".join(f"{k}={v}" for k, v in sorted(peer.pod_labels.items())),
-                 peer.namespace)
+                 peer.namespace, monitoring)
 
 
 def _own_pod() -> tuple[str, str] | None:
@@ -249,11 +266,15 @@ def main(args: Any) -> int:
     limits = Limits(workers=args.workers, write_qps=args.write_qps, write_burst=args.write_burst)
     try:
         policies = network_policy_settings(args.network_policy, args.operator_pod_labels,
-                                           args.operator_namespace)
-    except ValueError as exc:
+                                           args.operator_namespace, args.monitoring_namespace)
+        admin = admin_credential.load(args.admin_key_file)
+    except ValueError as exc:  # admin_credential.AdminCredentialError too: it names the file
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not admin.ephemeral:
+        log.info("admin key: the root from %s (each pipeline's key derived from it)",
+                 admin.source)
     return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
                            args.resync_seconds, list(args.namespace or []), lease, admission,
                            args.context, limits=limits, autoscaler=args.autoscaler,
-                           network_policy=policies))
+                           network_policy=policies, admin=admin))

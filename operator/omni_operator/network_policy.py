@@ -8,23 +8,29 @@ Ingress only (what the pods may reach is not restricted):
   workers never connect to each other, the orchestrator routes every hop. The worker side
   port (/livez, /readyz, /metrics, /state: read-only) admits only the operator's pods: the
   drain reads /state there, and no orchestrator calls it. Nothing else reaches either port.
-- `<pipeline>-orchestrator` selects its orchestrator pods and admits their HTTP port
-  (spec.orchestrator.port) from anywhere: it is the public API (clients, gateways, the
-  autoscaler's /v1/load, Prometheus' /metrics). The control routes and /v1/load share that
-  port until the admin listener of issue 43 exists; when it does, it gets a narrower rule.
+- `<pipeline>-orchestrator` selects its orchestrator pods. Their API port
+  (spec.orchestrator.port) admits everyone: it is the public API (clients, gateways). Their
+  admin port (spec.orchestrator.adminPort: control, GET /v1/load, /metrics) admits only the
+  operator's pods (the autoscaler and the drain read /v1/load there, with the pipeline's admin
+  key) and the pods of the monitoring namespace (`--monitoring-namespace`, default
+  "monitoring": a Prometheus scraping /metrics, which needs no key; "" admits none). The key
+  is what guards control and /v1/load; the policy narrows who may even try.
 
 Probes: the kubelet probes the side port (startup, liveness, readiness: builders.pod_template)
-and the orchestrator's port, from the pod's own node, and traffic from a pod's own node is
+and the orchestrator's API port, from the pod's own node, and traffic from a pod's own node is
 always admitted (the NetworkPolicy API's rule, which CNIs implement), so admitting only the
 operator on the side port fails no probe. What is NOT admitted to the side port: the API
 server's pod proxy from another node (the in-flight column of `omnistage status` then reads
-`?`) and a Prometheus scraping the workers. Policies add up: a policy of your own that admits
-more (a Prometheus, say) goes beside these, never into them (the operator puts these back as it
-builds them).
+`?`) and a Prometheus scraping the workers. Nor to the admin port: the API server's service
+proxy from another node (the autoscaler's fallback when it cannot reach a pod straight).
+Policies add up: a policy of your own that admits more (a Prometheus elsewhere, say) goes
+beside these, never into them (the operator puts these back as it builds them).
 
 Peers are matched by labels: whoever may create pods labelled as this pipeline's orchestrator
-in its namespace passes the stage policy. The operator's pods are matched by namespace and pod
-labels together (`--operator-namespace`, `--operator-pod-labels`; the chart passes them).
+in its namespace passes the stage policy, and whoever may create pods in the monitoring
+namespace reaches the admin port (not the keyed routes behind it). The operator's pods are
+matched by namespace and pod labels together (`--operator-namespace`, `--operator-pod-labels`;
+the chart passes them).
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ Obj = dict[str, Any]
 API_VERSION = "networking.k8s.io/v1"
 #: The label the API server puts on every Namespace (its name), so a peer can name one.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+#: Whose pods reach the orchestrators' admin port besides the operator's, by default
+#: (`--monitoring-namespace`; the chart's networkPolicy.monitoringNamespace).
+MONITORING_NAMESPACE = "monitoring"
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,14 @@ class OperatorPeer:
 @dataclass(frozen=True)
 class NetworkPolicySettings:
     """The operator-wide setting: `--network-policy` (on unless --no-network-policy; chart
-    value networkPolicy.enabled). operator: its pods, admitted to the stage pods' side port;
-    None when they are not known (an operator run outside a pod): no pod is admitted there."""
+    value networkPolicy.enabled). operator: its pods, admitted to the stage pods' side port
+    and the orchestrator pods' admin port; None when they are not known (an operator run
+    outside a pod): no pod is admitted there for it. monitoring_namespace: every pod of it is
+    admitted to the orchestrators' admin port (/metrics); "" or None: none."""
 
     enabled: bool = False
     operator: OperatorPeer | None = None
+    monitoring_namespace: str | None = MONITORING_NAMESPACE
 
 
 def stages_policy_name(pipeline: str) -> str:
@@ -78,8 +90,15 @@ def operator_peer(peer: OperatorPeer) -> Obj:
             "podSelector": {"matchLabels": dict(sorted(peer.pod_labels.items()))}}
 
 
+def namespace_peer(namespace: str) -> Obj:
+    """Every pod of one namespace, as a NetworkPolicy peer."""
+    return {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}}
+
+
 def pipeline_network_policies(owner: Obj, pipeline: OmniPipeline,
-                              operator: OperatorPeer | None) -> list[Obj]:
+                              operator: OperatorPeer | None,
+                              monitoring_namespace: str | None = MONITORING_NAMESPACE
+                              ) -> list[Obj]:
     """The pipeline's two NetworkPolicies (see the module's docstring), owned by `owner`, the
     OmniPipeline as the API server has it (namespace and uid)."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
@@ -101,6 +120,15 @@ def pipeline_network_policies(owner: Obj, pipeline: OmniPipeline,
             "ingress": ingress,
         },
     }
+    orch = pipeline.spec.orchestrator
+    # No `from`: every source. The public API (see the module's docstring).
+    front_ingress: list[Obj] = [{"ports": _ports(orch.port)}]
+    admin_peers = [operator_peer(operator)] if operator is not None else []
+    if monitoring_namespace:
+        admin_peers.append(namespace_peer(monitoring_namespace))
+    # None to admit: no rule at all (as for the side port: an empty `from` is everyone).
+    if admin_peers:
+        front_ingress.append({"from": admin_peers, "ports": _ports(orch.admin_listen_port)})
     front = {
         "apiVersion": API_VERSION,
         "kind": "NetworkPolicy",
@@ -109,8 +137,7 @@ def pipeline_network_policies(owner: Obj, pipeline: OmniPipeline,
         "spec": {
             "podSelector": {"matchLabels": component_selector(name, "orchestrator")},
             "policyTypes": ["Ingress"],
-            # No `from`: every source. The public API (see the module's docstring).
-            "ingress": [{"ports": _ports(pipeline.spec.orchestrator.port)}],
+            "ingress": front_ingress,
         },
     }
     return [stages, front]
@@ -121,4 +148,5 @@ def policies_for(owner: Obj, pipeline: OmniPipeline,
     """What pipeline_children adds: the policies when the setting is on, else none."""
     if settings is None or not settings.enabled:
         return []
-    return pipeline_network_policies(owner, pipeline, settings.operator)
+    return pipeline_network_policies(owner, pipeline, settings.operator,
+                                     settings.monitoring_namespace)

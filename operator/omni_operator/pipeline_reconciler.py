@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 
 from omni_operator import builders
+from omni_operator.admin_credential import AdminCredential
 from omni_operator.events import now_iso
 from omni_operator.network_policy import NetworkPolicySettings
 from omni_operator.status import (
@@ -48,14 +50,20 @@ class PipelineReconciler:
     """Converges one OmniPipeline at a time from the view, writing through `writes`."""
 
     def __init__(self, view: ObjectView, writes: Writes, scheduler: Scheduler,
-                 network_policy: NetworkPolicySettings | None = None) -> None:
+                 network_policy: NetworkPolicySettings | None = None,
+                 admin: AdminCredential | None = None) -> None:
         self.view = view
         self.writes = writes
         self.scheduler = scheduler  # the next shutdown step's re-check
         # The operator's --network-policy setting (None: off), passed to every build.
         self.network_policy = network_policy
+        # The root of every pipeline's admin key (--admin-key-file; `omnistage operator` sets
+        # it). Each orchestrator pod is built with its pipeline's key digest; the autoscaler
+        # presents the key (admin_key). None given: one made for this reconciler's life.
+        self.admin = admin or AdminCredential.generate()
         self._terminating: set[str] = set()  # uids of pipelines whose deletion was announced
         self.curve_made: set[str] = set()  # uids of pipelines whose CurveZMQ Secret exists
+        self.api_keys_made: set[str] = set()  # uids of pipelines whose API-key Secret exists
 
     async def reconcile(self, obj: Obj) -> None:
         """Finalizer, children (two waves), pruned pools, status; a deleting pipeline shuts
@@ -76,14 +84,18 @@ class PipelineReconciler:
             # (and a concurrent writer's) stay; nobody else can own ours, so no force.
             await self.writes.apply_finalizers(obj, [FINALIZER])
         await self.ensure_curve_secret(obj, pipeline)
+        await self.ensure_api_key_secret(obj, pipeline)
         # Children that differ are applied together, in two waves (each apply waits on the API
         # server; a first reconcile made nine in a row, and the pools' pods waited on them):
         # what the workloads reference (config, account, RBAC, Service) and the network
         # policies that must be in force when their pods start, then the workloads.
         pools = self.view.pools
+        # The orchestrator pods admit the digest of the key the autoscaler presents.
+        digest = self.admin.digest(ns, name, obj["metadata"].get("uid", ""))
         children = builders.pipeline_children(obj, pipeline, {
             s.name: pools.get((ns, kube.pool_name(name, s.name)))
-            for s in pipeline.spec.stages}, network_policy=self.network_policy)
+            for s in pipeline.spec.stages}, network_policy=self.network_policy,
+            admin_key_digests=(digest,))
         created: list[tuple[str, str]] = []  # (kind, name) of the workloads this pass created
         try:
             for wave in (False, True):
@@ -111,6 +123,7 @@ class PipelineReconciler:
             builders.endpoint(pipeline, ns),
             now,
             wake_bound_s=bound,
+            api_key_secret=builders.api_key_secret_of(pipeline, obj["metadata"].get("uid", "")),
         )
         await self.write_status(obj, status)
         # No pool event may come when the bound passes: look again then.
@@ -118,6 +131,14 @@ class PipelineReconciler:
                   and w < bound]
         if waking:
             self.scheduler.enqueue_later(("OmniPipeline", ns, name), bound - max(waking) + 1.0)
+
+    def admin_key(self, namespace: str, name: str) -> str | None:
+        """The admin key of the pipeline the view has by that name (its uid is part of it), or
+        None when the view has no such pipeline."""
+        obj = self.view.pipelines.get((namespace, name))
+        if obj is None:
+            return None
+        return self.admin.key(namespace, name, obj["metadata"].get("uid", ""))
 
     async def ensure_curve_secret(self, obj: Obj, pipeline: OmniPipeline) -> None:
         """Create the pipeline's CurveZMQ Secret (a pair made now) once, before its pods that
@@ -137,6 +158,28 @@ class PipelineReconciler:
             return
         await self.writes.create_once(builders.curve_secret(obj, pipeline, curve_keys.generate()))
         self.curve_made.add(uid)
+
+    async def ensure_api_key_secret(self, obj: Obj, pipeline: OmniPipeline) -> None:
+        """Keys on by default: a pipeline that names no apiKeySecret (and does not say
+        auth.disabled) gets a Secret with one random key, created once before the orchestrator
+        pods that mount it, never read back or changed (the user reads it, and rotates it by
+        editing it). A restarted operator that finds the orchestrator Deployment mounting it
+        (made after it) writes nothing."""
+        uid = obj["metadata"].get("uid", "")
+        auth = pipeline.spec.orchestrator.auth
+        if auth.disabled or auth.api_key_secret or uid in self.api_keys_made:
+            return
+        ns, name = meta_key(obj)
+        secret = builders.api_key_secret_name(name, uid)
+        deployment = self.view.deployments.get((ns, builders.orchestrator_name(name))) or {}
+        volumes = (((deployment.get("spec") or {}).get("template") or {}).get("spec")
+                   or {}).get("volumes") or []
+        if any((v.get("secret") or {}).get("secretName") == secret for v in volumes):
+            self.api_keys_made.add(uid)
+            return
+        await self.writes.create_once(
+            builders.api_key_secret(obj, pipeline, "sk-" + secrets.token_urlsafe(32)))
+        self.api_keys_made.add(uid)
 
     async def write_status(self, obj: Obj, status: PipelineStatus) -> None:
         """Write the status; when the phase or the Ready reason changed, say so in one event on

@@ -333,7 +333,7 @@ DEFAULT_WAKE_BOUND_S = 300.0
 def pipeline_status(
     pipeline: Obj, stages: list[str], pools: dict[str, Obj | None], deployment: Obj | None,
     want_orchestrators: int, endpoint: str, now: str, *,
-    wake_bound_s: float = DEFAULT_WAKE_BOUND_S,
+    wake_bound_s: float = DEFAULT_WAKE_BOUND_S, api_key_secret: str | None = None,
 ) -> PipelineStatus:
     """The pipeline's status from its pools and orchestrator Deployment. wake_bound_s: how long
     a stage may wake from zero and still count as serving (the pipeline's
@@ -413,6 +413,7 @@ def pipeline_status(
         observed_generation=gen,
         phase=phase,
         endpoint=endpoint,
+        api_key_secret=api_key_secret,
         stages_ready=f"{ready_n}/{len(stages)}",
         stages=per_stage,
         revisions=_revisions(stable, candidate),

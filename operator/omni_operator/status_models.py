@@ -144,6 +144,10 @@ class PipelineStatus(_WithConditions):
     endpoint: str | None = Field(
         None, description="Orchestrator HTTP endpoint in the cluster "
         "(http://<service>.<namespace>.svc:<port>).")
+    api_key_secret: str | None = Field(
+        None, description="The Secret holding the API keys the endpoint needs (Authorization: "
+        "Bearer KEY): spec.orchestrator.auth.apiKeySecret or the one the operator made; absent "
+        "with auth.disabled.")
     stages_ready: str | None = Field(
         None, description='Stages with all desired replicas ready over stages, such as "2/2" '
         "(column Stages).")

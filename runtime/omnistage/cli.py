@@ -89,6 +89,8 @@ def _add_serve(sub: Any) -> None:
     s = sub.add_parser("serve", help="serve a pipeline file on this machine (stages + HTTP API)")
     s.add_argument("file", help="OmniPipeline YAML file")
     s.add_argument("--host", default="127.0.0.1", help="address of the API and the replicas")
+    s.add_argument("--admin-host", default="127.0.0.1",
+                   help="address of the admin listener (default loopback, whatever --host)")
     s.add_argument("--port", type=int, default=None,
                    help="API port (default: spec.orchestrator.port; 0 = any free port)")
     s.add_argument("--log-dir", default=None, help="replica logs (default: a new temp folder)")
@@ -113,8 +115,16 @@ def _add_auth(parser: Any, default: str) -> None:
                              "line) or a directory such as a mounted Secret (every file in it), "
                              "read again when it changes; or set $OMNISTAGE_API_KEY. Never a "
                              f"key on the command line ({default})")
+    parser.add_argument("--admin-port", type=int, default=None,
+                        help="admin listener port: control, GET /v1/load, /metrics (default: "
+                             "spec.orchestrator.adminPort; any free port when --port is 0)")
+    parser.add_argument("--admin-key-file", default=None, metavar="PATH",
+                        help="admin keys for the admin listener's control and load routes, "
+                             "as --api-key-file takes them; or set $OMNISTAGE_ADMIN_KEY. "
+                             "Needed unless the admin listener is on loopback")
     parser.add_argument("--no-auth", action="store_true",
-                        help="serve the API without API keys, on any address")
+                        help="serve the API and the admin listener without keys, on any "
+                             "address")
 
 
 def _seconds(text: str) -> float:
@@ -135,7 +145,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         return dry_run(args.file, output=args.output)
     return run_serve(args.file, host=args.host, port=args.port, log_dir=args.log_dir,
                      shutdown_delay=args.shutdown_delay, api_key_file=args.api_key_file,
-                     no_auth=args.no_auth, curve=not args.no_curve)
+                     no_auth=args.no_auth, curve=not args.no_curve,
+                     admin_host=args.admin_host, admin_port=args.admin_port,
+                     admin_key_file=args.admin_key_file)
 
 
 def _add_output(parser: Any) -> None:
@@ -183,7 +195,8 @@ def _add_orchestrator(sub: Any) -> None:
     o.add_argument("--shutdown-delay", type=_seconds, default=None, metavar="SECONDS",
                    help="on SIGTERM, fail /readyz but keep serving this long before draining "
                         "(default: spec.orchestrator.shutdownDelaySeconds)")
-    _add_auth(o, "off by default for now")
+    _add_auth(o, "needed unless the API is on loopback or the pipeline sets "
+                 "spec.orchestrator.auth.disabled")
     o.set_defaults(handler=_run_orchestrator)
 
 
@@ -196,7 +209,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, replicas=args.replica,
         zmq_port=WORKER_ZMQ_PORT if args.zmq_port is None else args.zmq_port,
         shutdown_delay=args.shutdown_delay, api_key_file=args.api_key_file,
-        no_auth=args.no_auth,
+        no_auth=args.no_auth, admin_port=args.admin_port, admin_key_file=args.admin_key_file,
     )
 
 

@@ -50,6 +50,13 @@ PIPELINE_ENV = "OMNISTAGE_PIPELINE"  # the resolved pipeline manifest, as JSON
 # variable that hands the path to `omnistage orchestrator` (orchestrator/auth.py).
 API_KEY_FILE_ENV = "OMNISTAGE_API_KEY_FILE"
 API_KEYS_DIR = "/etc/omnistage/api-keys"
+# The orchestrator's admin listener (spec.orchestrator.adminPort; orchestrator/auth.py): the
+# container port's name, the variable by which the operator hands an orchestrator pod the
+# SHA-256 digests (hex, comma-separated) of the admin keys it accepts, and the header the
+# operator presents its key in (the API server's service proxy drops Authorization).
+ADMIN_PORT_NAME = "admin"
+ADMIN_KEY_DIGESTS_ENV = "OMNISTAGE_ADMIN_KEY_DIGESTS"
+ADMIN_KEY_HEADER = "X-Omnistage-Admin-Key"
 #: Where the pipeline's CurveZMQ Secret is mounted in its pods ($OMNISTAGE_CURVE_KEYS names it).
 CURVE_KEYS_DIR = "/etc/omnistage/curve"
 #: On a StagePool: the Secret holding its pipeline's CurveZMQ pair, which its pods mount.

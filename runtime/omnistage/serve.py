@@ -28,7 +28,13 @@ from omnistage.local_runtime import (
 )
 from omnistage.orchestrator.auth import ApiKeyError
 from omnistage.orchestrator.auth import resolve as resolve_api_keys
-from omnistage.orchestrator.main import ApiBindError, serve_orchestrator
+from omnistage.orchestrator.auth import resolve_admin as resolve_admin_keys
+from omnistage.orchestrator.main import (
+    ApiBindError,
+    UsageError,
+    admin_port_for,
+    serve_orchestrator,
+)
 from omnistage.orchestrator.wake import CallbackWaker
 from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import KIND, SpecError, load_pipeline
@@ -71,6 +77,9 @@ def run_serve(
     api_key_file: str | None = None,
     no_auth: bool = False,
     curve: bool = True,
+    admin_host: str = "127.0.0.1",
+    admin_port: int | None = None,
+    admin_key_file: str | None = None,
 ) -> int:
     """Serve the pipeline in file until SIGINT/SIGTERM; returns the process exit code.
 
@@ -78,6 +87,7 @@ def run_serve(
     orchestrator.main); locally nothing routes by readiness unless the user put a load balancer
     in front, so it defaults to 0 rather than to spec.orchestrator.shutdownDelaySeconds.
     curve: the workers hear only this run's orchestrator (CurveZMQ, a keypair made now).
+    admin_*: the admin listener (control, load, metrics), on loopback by default.
 
     Must run on the main thread: it owns the signal handlers, and the replicas' parent-death
     signal is tied to the thread that spawned them.
@@ -91,12 +101,17 @@ def run_serve(
         return 2
     try:  # before anything starts: a server that would listen without keys says so first
         api_keys, auth_line = resolve_api_keys(
-            api_key_file, no_auth=no_auth, host=host, strict=True,
-            secret=pipeline.spec.orchestrator.auth.api_key_secret)
-    except ApiKeyError as exc:
+            api_key_file, no_auth=no_auth, host=host,
+            secret=pipeline.spec.orchestrator.auth.api_key_secret,
+            disabled=pipeline.spec.orchestrator.auth.disabled)
+        admin_keys, admin_line = resolve_admin_keys(admin_key_file, no_auth=no_auth,
+                                                    host=admin_host)
+        admin_at = admin_port_for(pipeline, port, admin_port)
+    except (ApiKeyError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _say(auth_line)
+    _say(admin_line)
     problems = models.prepare(pipeline.spec.stages, say=_say)
     if problems:  # before any worker starts
         print("error: models unavailable:", file=sys.stderr)
@@ -131,7 +146,8 @@ def run_serve(
                 notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm,
                 waker=CallbackWaker(autoscaler.wake),
                 background=[lambda orch: autoscaler.run(orch.load)], api_keys=api_keys,
-                curve=keys))
+                curve=keys, admin_host=admin_host, admin_port=admin_at,
+                admin_keys=admin_keys))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -32,8 +32,10 @@ StateView = Callable[[], Mapping[str, Any]]
 
 
 def add_ops_routes(app: web.Application, *, readiness: Readiness,
-                   registry: CollectorRegistry, state: StateView | None = None) -> None:
-    """Add GET /livez, /readyz, /metrics (and /state when `state` is given) to `app`.
+                   registry: CollectorRegistry, state: StateView | None = None,
+                   metrics: bool = True) -> None:
+    """Add GET /livez, /readyz, /metrics (not when `metrics` is False: the orchestrator's
+    public listener) and /state (when `state` is given) to `app`.
 
     /livez answers 200 "ok" while the event loop serves HTTP. /readyz answers 200 or 503 with
     the reason from `readiness` ("ready", or "ready; ..." with what is degraded). /metrics
@@ -50,12 +52,13 @@ def add_ops_routes(app: web.Application, *, readiness: Readiness,
             return web.Response(text=reason or "ready")
         return web.Response(status=503, text=reason)
 
-    async def metrics(request: web.Request) -> web.Response:
+    async def metrics_route(request: web.Request) -> web.Response:
         body, content_type = exposition(registry, request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
-    routes = [web.get("/livez", livez), web.get("/readyz", readyz),
-              web.get("/metrics", metrics)]
+    routes = [web.get("/livez", livez), web.get("/readyz", readyz)]
+    if metrics:
+        routes.append(web.get("/metrics", metrics_route))
     if state is not None:
         view = state
 

@@ -41,7 +41,7 @@ def test_default_render_is_a_cluster_wide_operator_with_leader_election() -> Non
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
-                     "Role", "RoleBinding", "Service", "Service", "ServiceAccount",
+                     "Role", "RoleBinding", "Secret", "Service", "Service", "ServiceAccount",
                      "ValidatingWebhookConfiguration"]
     deploy = one(objs, "Deployment")
     pod = deploy["spec"]["template"]["spec"]
@@ -161,6 +161,11 @@ def test_optional_pieces_follow_their_values() -> None:
         (["webhook.port=443"], "at '/webhook/port': minimum: got 443, want 1,024"),
         (["webhook.certSecretName=x"], "additional properties 'certSecretName' not allowed"),
         (["networkPolicy.enabled=maybe"], "at '/networkPolicy/enabled': got string, want boolean"),
+        (["networkPolicy.monitoringNamespace=Prom_NS"],
+         "at '/networkPolicy/monitoringNamespace': 'Prom_NS' does not match pattern"),
+        (["adminKey.existingSecret=Not_A_Name"],
+         "at '/adminKey/existingSecret': 'Not_A_Name' does not match pattern"),
+        (["adminKey.key=x"], "additional properties 'key' not allowed"),
     ],
 )
 def test_values_schema_refuses_bad_values_naming_them(values: list[str], message: str) -> None:
@@ -275,7 +280,95 @@ def test_network_policy_is_on_by_default_and_admits_exactly_the_operator_pods() 
 
     off = _args(render("--set=networkPolicy.enabled=false"))
     assert "--no-network-policy" in off
-    assert not any(a.startswith(("--network-policy", "--operator-")) for a in off)
+    assert not any(a.startswith(("--network-policy", "--operator-", "--monitoring-"))
+                   for a in off)
+
+
+def test_the_monitoring_namespace_reaches_the_operator_as_its_flag() -> None:
+    """networkPolicy.monitoringNamespace: "monitoring" by default, another name, or "" (none),
+    each parsed as the operator parses its flags."""
+    from tests.unit.test_network_policy import settings_from_flags
+
+    def monitoring(*sets: str) -> str | None:
+        args = [a for a in _args(render(*sets)) if a.startswith("--monitoring-namespace")]
+        assert len(args) == 1, args
+        return settings_from_flags(*args).monitoring_namespace
+
+    assert monitoring() == "monitoring"
+    assert monitoring("--set=networkPolicy.monitoringNamespace=prometheus") == "prometheus"
+    assert monitoring("--set=networkPolicy.monitoringNamespace=") is None
+
+
+def _volumes(objs: list[Obj]) -> list[Obj]:
+    return list(one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"])
+
+
+def test_the_admin_key_is_a_secret_made_once_and_mounted_read_only() -> None:
+    """The operator's root admin key: a Secret of the release (48 random alphanumerics, a new
+    one only when there is none: `lookup`, which `helm template` cannot do, so two renders
+    differ here), kept at uninstall, mounted read-only for the non-root operator (mode 0440,
+    the pod's fsGroup; the root filesystem stays read-only) and named by --admin-key-file.
+    The file holds a key the operator accepts."""
+    import base64
+
+    from omni_operator.admin_credential import MIN_ROOT_KEY_CHARS, read_root_key
+
+    objs = render()
+    secret = one(objs, "Secret")
+    assert secret["metadata"]["name"] == "omnistage-operator-admin-key"
+    assert secret["metadata"]["namespace"] == "omnistage-system"
+    assert secret["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert secret["metadata"]["labels"]["app.kubernetes.io/instance"] == "omnistage"
+    assert secret["type"] == "Opaque" and list(secret["data"]) == ["admin-key"]
+    key = base64.b64decode(secret["data"]["admin-key"]).decode()
+    assert len(key) == 48 and key.isalnum()
+    other = base64.b64decode(one(render(), "Secret")["data"]["admin-key"]).decode()
+    assert other != key  # random: made once on a cluster (lookup), anew per `helm template`
+
+    c = _container(objs)
+    assert "--admin-key-file=/etc/omnistage/admin-key/admin-key" in c["args"]
+    assert {"name": "admin-key", "mountPath": "/etc/omnistage/admin-key",
+            "readOnly": True} in c["volumeMounts"]
+    assert {"name": "admin-key", "secret": {
+        "secretName": "omnistage-operator-admin-key", "defaultMode": 0o440,
+        "items": [{"key": "admin-key", "path": "admin-key"}]}} in _volumes(objs)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"] == 65532
+    assert len(key) >= MIN_ROOT_KEY_CHARS
+    # The operator reads what the kubelet writes there.
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "admin-key").write_text(key)
+        assert read_root_key(Path(tmp) / "admin-key") == key.encode()
+    # Off with the network policies too: the key is the operator's, not the policies'.
+    off = render("--set=networkPolicy.enabled=false")
+    assert "--admin-key-file=/etc/omnistage/admin-key/admin-key" in _args(off)
+    # The operator needs no RBAC for it: the kubelet mounts it; the operator reads no Secret.
+    rules = one(objs, "ClusterRole")["rules"]
+    assert [r["verbs"] for r in rules if "secrets" in r["resources"]] == [["create"]]
+
+
+def test_an_existing_secret_replaces_the_chart_s_own() -> None:
+    objs = render("--set=adminKey.existingSecret=my-admin-key")
+    assert not by_kind(objs, "Secret")
+    [volume] = [v for v in _volumes(objs) if v["name"] == "admin-key"]
+    assert volume["secret"]["secretName"] == "my-admin-key"
+    assert "--admin-key-file=/etc/omnistage/admin-key/admin-key" in _args(objs)
+
+
+def test_an_upgrade_keeps_the_admin_key_it_finds() -> None:
+    """The template's lookup branch, as `helm upgrade` runs it against a cluster holding the
+    Secret: the key found is the key rendered (so no orchestrator rolls), a new one only
+    without it. `helm template` has no cluster to look up: here, the template's shape;
+    tests/cluster/test_admin_listener.py renders it against the real API server."""
+    text = (CHART / "templates" / "admin-key-secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in text
+    assert '$key = index $existing.data "admin-key"' in text
+    assert "randAlphaNum 48 | b64enc" in text
+    assert text.index("index $existing.data") < text.index("randAlphaNum")
 
 
 def test_webhook_port_must_differ_from_the_metrics_port() -> None:

@@ -278,11 +278,15 @@ def test_two_orchestrators_size_pools_as_one_and_keep_a_stage_either_sends_to(
     which only one of its orchestrators sends to at a time (x, then y), is never scaled to zero,
     though the other reports it idle for far longer than its idleSeconds; each decision names
     both orchestrators. Each orchestrator pod's GET /v1/load is a FakeLoadServer at the pod's
-    own loopback IP and the orchestrator port, read by the operator straight, as it reads a
-    real one. Kills: an autoscaler that reads one orchestrator of two."""
+    own loopback IP and the orchestrator's admin port, read by the operator straight, as it
+    reads a real one (tests/cluster/test_admin_listener.py: a real one, with its key). Kills:
+    an autoscaler that reads one orchestrator of two."""
     if not kube.is_local:
         pytest.skip("serves /v1/load at kwok's loopback pod IPs: local control plane only")
     port = free_port()
+    admin_port = free_port()
+    while admin_port == port:
+        admin_port = free_port()
     a = {"name": "a", "kind": "echo", "placement": KWOK,
          "autoscaling": {"minReplicas": 1, "maxReplicas": 6, "periodSeconds": 1,
                          "coolDownSeconds": 0}}
@@ -292,7 +296,7 @@ def test_two_orchestrators_size_pools_as_one_and_keep_a_stage_either_sends_to(
     servers: list[FakeLoadServer] = []
 
     def serve(pod: dict[str, Any]) -> FakeLoadServer:
-        server = FakeLoadServer(pod["status"]["podIP"], port)
+        server = FakeLoadServer(pod["status"]["podIP"], admin_port)
         server.clock = time.time
         servers.append(server)
         return server
@@ -305,7 +309,7 @@ def test_two_orchestrators_size_pools_as_one_and_keep_a_stage_either_sends_to(
         try:
             for name, count in (("solo", 1), ("duo", 2)):
                 apply(kube, namespace, pipeline_doc(name, [dict(a), dict(b)], orchestrator={
-                    **KWOK, "replicas": count, "port": port}))
+                    **KWOK, "replicas": count, "port": port, "adminPort": admin_port}))
             [solo] = [serve(p) for p in _orchestrators(kube, namespace, "solo", 1)]
             x, y = [serve(p) for p in sorted(_orchestrators(kube, namespace, "duo", 2),
                                              key=lambda p: p["metadata"]["name"])]

@@ -1,6 +1,8 @@
-"""CurveZMQ on the cluster (issue 43): the operator makes one keypair Secret per pipeline, owned
-by it, and mounts it in the orchestrator and every stage pod; the pipeline serves, and a ZMQ
-peer without the key that reaches a stage pod's port gets nothing and is counted there.
+"""CurveZMQ and API keys on by default on the cluster (issue 43): the operator makes one
+keypair Secret per pipeline, owned by it, and mounts it in the orchestrator and every stage pod;
+the pipeline serves, and a ZMQ peer without the key that reaches a stage pod's port gets nothing
+and is counted there. A pipeline that names no API-key Secret gets one made by the operator
+(status.apiKeySecret names it): its API refuses a request without that key and serves it with.
 
 The real control plane, the operator as a process and the local pod runner (its pods have
 loopback IPs, so the test can reach a stage pod's ZMQ port as another pod would)."""
@@ -31,10 +33,11 @@ NAME = "curved"
 ORCH_PORT = 8000
 
 
-def post_json(url: str, body: dict[str, Any]) -> tuple[int, str]:
+def post_json(url: str, body: dict[str, Any], key: str | None = None) -> tuple[int, str]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json",
+               **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
     try:
         with opener.open(req, timeout=30) as answer:
             return answer.status, answer.read().decode()
@@ -74,8 +77,17 @@ def test_a_pipeline_serves_over_curve_and_a_keyless_peer_is_refused(
     [orch] = [p for p in pods(kube.kube, namespace,
                               f"{k.LABEL_PIPELINE}={NAME},{k.LABEL_COMPONENT}=orchestrator")
               if not p["metadata"].get("deletionTimestamp")]
+    # Keys on by default: the Secret the operator made, owned by the pipeline, in status.
+    key_secret = pipeline["status"]["apiKeySecret"]
+    assert key_secret == builders.api_key_secret_name(NAME, pipeline["metadata"]["uid"])
+    made = json.loads(kube.kubectl("get", "secret", "-n", namespace, key_secret, "-o",
+                                   "json").stdout)
+    assert made["metadata"]["ownerReferences"][0]["uid"] == pipeline["metadata"]["uid"]
+    [api_key] = [base64.b64decode(v).decode() for v in made["data"].values()]
     url = f"http://{orch['status']['podIP']}:{ORCH_PORT}/v1/pipelines/{NAME}/requests"
-    status, body = post_json(url, {"prompt": "over curve"})
+    status, body = post_json(url, {"prompt": "no key"})
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", body
+    status, body = post_json(url, {"prompt": "over curve"}, api_key)
     assert status == 200, body
 
     [worker] = pods(kube.kube, namespace, f"{k.stage_selector(NAME)},{k.LABEL_STAGE}=a")
@@ -98,5 +110,5 @@ def test_a_pipeline_serves_over_curve_and_a_keyless_peer_is_refused(
     unanswered, after = asyncio.run(knock())
     assert after > before, "the stage pod never refused the keyless peer"
     assert unanswered
-    status, body = post_json(url, {"prompt": "still serving"})
+    status, body = post_json(url, {"prompt": "still serving"}, api_key)
     assert status == 200, body

@@ -353,7 +353,8 @@ def test_orchestrator_process_routes_by_pod_membership(
         with open(log_path, "wb") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "omnistage.cli", "orchestrator", "--namespace", ns,
-                 "--host", "127.0.0.1", "--port", str(port), "--zmq-port", str(zmq_port)],
+                 "--host", "127.0.0.1", "--port", str(port), "--admin-port",
+                 str(free_port()), "--zmq-port", str(zmq_port)],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
 
     try:

@@ -48,8 +48,11 @@ def test_the_operator_makes_keeps_and_garbage_collects_them(
 ) -> None:
     apply(kube, namespace, kwok_pipeline("np", [stage("a", final=True, replicas=1)]))
     pipeline = wait_for(lambda: get(kube, namespace, "omnipipe", "np"), 30, "np created")
-    # The session operator runs outside a pod: on by default, its own pods unknown.
+    # The session operator runs outside a pod: on by default, its own pods unknown (the
+    # monitoring namespace alone reaches the orchestrators' admin port).
     wanted = _intents(pipeline, NetworkPolicySettings(enabled=True))
+    assert wanted["np-orchestrator"]["spec"]["ingress"][1]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     assert sorted(wanted) == ["np-orchestrator", "np-stages"]
 
     def made() -> dict[str, Obj] | None:
@@ -107,6 +110,10 @@ async def test_the_api_server_takes_the_operator_peer_as_the_controller_builds_i
             stages = wanted["peer-stages"]["spec"]
             assert [sorted(r["from"][0]) for r in stages["ingress"]] == [
                 ["podSelector"], ["namespaceSelector", "podSelector"]]
+            # The orchestrators' admin port: the operator's pods and the monitoring namespace.
+            front = wanted["peer-orchestrator"]["spec"]
+            assert [[sorted(p) for p in r.get("from") or []] for r in front["ingress"]] == [
+                [], [["namespaceSelector", "podSelector"], ["namespaceSelector"]]]
         finally:
             await controller.stop()
             await api.close()

@@ -1,23 +1,36 @@
-"""Pods really run: HTTP on the pod IP, readiness probes and gates, env, and a PDB-aware drain.
+"""Pods really run: HTTP on the pod IP, readiness probes and gates, env, a PDB-aware drain, and
+Secret volumes that follow their Secret.
 
 Here the pods run under the local pod runner (tests/harness/podrunner.py); on kind the same tests
-run on real kubelets with a Python image.
+run on real kubelets with a Python image. The volume layout tests at the end drive the runner's
+PodVolumes (tests/harness/podvolumes.py) directly, against a fake API.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
 import json
+import logging
+import os
+import re
+import stat
 import threading
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from omnistage.kube import condition, condition_status
-from omnistage.kubeapi import Obj, resource_path
+from omnistage.kubeapi import ApiError, Obj, resource_path
+from omnistage.orchestrator import auth
+from tests.harness import podvolumes
 from tests.harness.cluster import PY_IMAGE, Cluster, PodRunner, pods
 from tests.harness.kubeclient import wait_until
 from tests.harness.local import alive
+from tests.harness.podrunner import field_value
 
 # A pod-side HTTP server that drains gracefully on SIGTERM and leaves a marker proving it did.
 SERVER = r"""
@@ -455,3 +468,224 @@ def test_deleted_pod_leaves_no_processes(
     assert time.monotonic() - started < 30
     # ...and the child that ignored SIGTERM was killed with the group.
     wait_until(lambda: not alive(child), 30, f"child {child} gone")
+
+
+# ---- Secret and ConfigMap volumes follow their objects (a kubelet's atomic writer) -------------
+TIMESTAMPED = re.compile(r"\.\.\d{4}_\d\d_\d\d_\d\d_\d\d_\d\d\.\d+")
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+class FakeApi:
+    """The GETs PodVolumes makes, answered from objects by API path, and counted."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Obj] = {}
+        self.gets: Counter[str] = Counter()
+
+    def get(self, path: str, **_: Any) -> Obj:
+        self.gets[path] += 1
+        if path not in self.objects:
+            raise ApiError(404, {"reason": "NotFound", "message": f"{path} not found"}, "GET", path)
+        return copy.deepcopy(self.objects[path])
+
+
+def layout(volume: Path) -> tuple[str, list[str]]:
+    """The timestamped folder ``..data`` names, and the visible names (each checked to be the
+    writer's ``name -> ..data/name`` symlink); only one timestamped folder may exist."""
+    folders = [e.name for e in volume.iterdir() if TIMESTAMPED.fullmatch(e.name)]
+    target = os.readlink(volume / podvolumes.DATA_LINK)
+    assert folders == [target], (folders, target)
+    assert (volume / target).is_dir() and not (volume / target).is_symlink()
+    assert not (volume / podvolumes.DATA_TMP).exists()
+    visible = sorted(e.name for e in volume.iterdir() if not e.name.startswith(".."))
+    for name in visible:
+        assert os.readlink(volume / name) == f"{podvolumes.DATA_LINK}/{name}", name
+    return target, visible
+
+
+def assert_file(path: Path, text: str, mode: int, group: int) -> None:
+    assert path.read_text() == text
+    st = path.stat()  # through the symlinks: the file in force
+    assert stat.S_IMODE(st.st_mode) == mode, oct(st.st_mode)
+    if os.geteuid() == 0:
+        assert st.st_gid == group
+
+
+def test_secret_volumes_use_the_atomic_writer_layout_and_follow_their_secret(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Laid out as a kubelet lays them out (..data -> a timestamped folder, key -> ..data/key),
+    refreshed only after SYNC_S with one GET per object, a change swapped in with its modes and
+    fsGroup kept, the old folder removed; a deleted Secret keeps the content in force, a deleted
+    optional ConfigMap empties its volume. The orchestrator's key reader follows the swap."""
+    key_a, key_b = "sk-volume-a-0123456789abcdef", "sk-volume-b-0123456789abcdef"
+    key_c = "sk-volume-c-0123456789abcdef"
+    api = FakeApi()
+    secret = resource_path("v1", "secrets", "ns", "keys")
+    config = resource_path("v1", "configmaps", "ns", "cfg")
+    api.objects[secret] = {"data": {"a": b64(key_a + "\n"), "b": b64(key_c + "\n")}}
+    api.objects[config] = {"data": {"x": "1"}}
+    pod: Obj = {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u1", "labels": {"v": "1"}},
+        "spec": {"securityContext": {"fsGroup": 2345}, "containers": [], "volumes": [
+            {"name": "keys", "secret": {"secretName": "keys", "defaultMode": 0o440}},
+            {"name": "cfg", "configMap": {"name": "cfg", "optional": True, "items": [
+                {"key": "x", "path": "sub/x.txt", "mode": 0o600}]}},
+            {"name": "both", "projected": {"sources": [
+                {"secret": {"name": "keys", "items": [{"key": "a", "path": "a"}]}},
+                {"configMap": {"name": "cfg"}},
+                {"downwardAPI": {"items": [
+                    {"path": "v", "fieldRef": {"fieldPath": "metadata.labels['v']"}}]}},
+            ]}},
+        ]},
+    }
+    now = [100.0]
+    vols = podvolumes.PodVolumes(api, pod, tmp_path / "volumes",  # type: ignore[arg-type]
+                                 lambda _pod, path: field_value(pod, path),
+                                 clock=lambda: now[0])
+    keys, cfg, both = (vols.path(n) for n in ("keys", "cfg", "both"))
+    first, visible = layout(keys)
+    assert visible == ["a", "b"]
+    assert_file(keys / "a", key_a + "\n", 0o440, 2345)
+    assert_file(keys / "b", key_c + "\n", 0o440, 2345)
+    assert layout(cfg)[1] == ["sub"]
+    assert_file(cfg / "sub" / "x.txt", "1", 0o600, 2345)
+    assert layout(both)[1] == ["a", "v", "x"]
+    assert (both / "v").read_text() == "1"
+    reader = auth.ApiKeys.from_file(keys, clock=lambda: now[0])  # the orchestrator's reader
+    assert reader.allows(f"Bearer {key_a}") and reader.count == 2  # a file per Secret key
+    assert api.gets == {secret: 2, config: 2}  # made: one GET per volume naming the object
+
+    assert vols.sync() == [] and api.gets == {secret: 2, config: 2}  # not before SYNC_S
+    now[0] += max(podvolumes.SYNC_S, auth.RELOAD_S)
+    assert vols.sync() == []  # nothing changed: nothing written
+    assert api.gets == {secret: 3, config: 3}  # one GET per object per pass, not per volume
+    assert layout(keys)[0] == first
+
+    # The Secret is rotated: key B only.
+    api.objects[secret] = {"data": {"a": b64(key_b + "\n")}}
+    now[0] += max(podvolumes.SYNC_S, auth.RELOAD_S)
+    assert vols.sync() == ["keys", "both"]
+    second, visible = layout(keys)
+    assert second != first and not (keys / first).exists()
+    assert visible == ["a"]  # the name gone from the Secret is gone from the volume
+    assert_file(keys / "a", key_b + "\n", 0o440, 2345)
+    assert (both / "a").read_text() == key_b + "\n"
+    assert reader.allows(f"Bearer {key_b}") and reader.count == 1
+    assert not reader.allows(f"Bearer {key_a}") and not reader.allows(f"Bearer {key_c}")
+
+    # A changed label reaches the downward part; only that volume is rewritten.
+    pod["metadata"]["labels"]["v"] = "2"
+    now[0] += podvolumes.SYNC_S
+    assert vols.sync() == ["both"] and (both / "v").read_text() == "2"
+
+    # The Secret is deleted: its volumes keep their content (logged once); the optional
+    # ConfigMap is deleted: its own volume is emptied.
+    del api.objects[secret], api.objects[config]
+    with caplog.at_level(logging.WARNING, logger="podrunner.volumes"):
+        for _ in range(2):
+            now[0] += podvolumes.SYNC_S
+            changed = vols.sync()
+            assert "keys" not in changed and "both" not in changed
+    warned = [r.getMessage() for r in caplog.records if "not refreshed" in r.getMessage()]
+    assert len(warned) == 2 and all("secret 'keys' not found" in m for m in warned), warned
+    assert layout(keys) == (second, ["a"])
+    assert_file(keys / "a", key_b + "\n", 0o440, 2345)
+    assert layout(cfg)[1] == []
+    assert reader.allows(f"Bearer {key_b}")
+
+    # Back again: the volumes follow it.
+    api.objects[secret] = {"data": {"a": b64(key_a + "\n")}}
+    api.objects[config] = {"data": {"x": "3"}}
+    now[0] += max(podvolumes.SYNC_S, auth.RELOAD_S)
+    assert vols.sync() == ["keys", "cfg", "both"]
+    assert_file(keys / "a", key_a + "\n", 0o440, 2345)
+    assert_file(cfg / "sub" / "x.txt", "3", 0o600, 2345)
+    assert reader.allows(f"Bearer {key_a}") and not reader.allows(f"Bearer {key_b}")
+
+
+# A pod-side server that answers with the content of the file $KEY_FILE names.
+READER = r"""
+import http.server, os
+
+path = os.environ["KEY_FILE"]
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        with open(path, "rb") as f:
+            body = f.read()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer((os.environ["POD_IP"], 8080), Handler).serve_forever()
+"""
+
+
+def test_a_secret_volume_follows_its_secret_in_a_running_pod(
+    kube: Cluster, podrunner: PodRunner, namespace: str
+) -> None:
+    """The process reads the new content once the Secret changes, with no restart, from a
+    group-only file its fsGroup may read; a deleted Secret leaves the content in force."""
+    secrets = resource_path("v1", "secrets", namespace)
+    kube.kube.create(secrets, {"apiVersion": "v1", "kind": "Secret",
+                               "metadata": {"name": "rotating"}, "data": {"key": b64("one")}})
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "reader"},
+        "spec": {
+            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000},
+            "containers": [{
+                "name": "reader",
+                "image": PY_IMAGE,
+                "command": ["python3", "-c", READER],
+                "env": [field_env("POD_IP", "status.podIP"),
+                        {"name": "KEY_FILE", "value": "/etc/rotating/key"}],
+                "ports": [{"name": "http", "containerPort": 8080}],
+                "readinessProbe": {"httpGet": {"port": "http", "path": "/"}, "periodSeconds": 1},
+                "volumeMounts": [{"name": "rotating", "mountPath": "/etc/rotating",
+                                  "readOnly": True}],
+            }],
+            "volumes": [{"name": "rotating",
+                         "secret": {"secretName": "rotating", "defaultMode": 0o440}}],
+            "terminationGracePeriodSeconds": 2,
+        },
+    }
+    path = resource_path("v1", "pods", namespace)
+    kube.kube.create(path, pod)
+    got = wait_until(
+        lambda: (p := kube.kube.get(f"{path}/reader")) and condition_status(p, "Ready") == "True"
+        and p,
+        60, "reader pod Ready", on_timeout=lambda: podrunner.log_tail(namespace, "reader"),
+    )
+    assert podrunner.http_get(got, 8080) == (200, "one")
+    # A kubelet's sync period is a minute or so; the local runner's about a second.
+    guard = 30 if podrunner.local else 180
+    kube.kube.patch(f"{secrets}/rotating", {"data": {"key": b64("two")}})
+    wait_until(lambda: podrunner.http_get(got, 8080) == (200, "two"), guard,
+               "the pod to read the rotated Secret",
+               on_timeout=lambda: podrunner.log_tail(namespace, "reader"))
+    local = podrunner.local and podrunner.state_dir is not None
+    if local:
+        assert podrunner.state_dir is not None
+        volume = podrunner.state_dir / "pods" / got["metadata"]["uid"] / "volumes" / "rotating"
+        assert layout(volume)[1] == ["key"]
+        assert_file(volume / "key", "two", 0o440, 2000)
+    kube.kube.delete(f"{secrets}/rotating")
+    if local:
+        assert podrunner.state_dir is not None
+        log_file = podrunner.state_dir / "podrunner.log"
+        wait_until(lambda: f"pod {namespace}/reader: volume rotating not refreshed"
+                   in log_file.read_text(errors="replace"), guard,
+                   "the runner to find the Secret gone", on_timeout=podrunner.runner_log)
+    assert podrunner.http_get(got, 8080) == (200, "two")
+    now = kube.kube.get(f"{path}/reader")
+    assert now["metadata"]["uid"] == got["metadata"]["uid"]
+    assert condition_status(now, "Ready") == "True"
+    assert now["status"]["containerStatuses"][0]["restartCount"] == 0

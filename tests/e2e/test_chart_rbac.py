@@ -40,7 +40,8 @@ NOT_REQUESTS: dict[Grant, str] = {
     ("omnistage.io", "stagepools/scale", "patch"):
         "the autoscaler writes spec.replicas as `kubectl scale` does (autoscaled stages only)",
     ("", "services/proxy", "get"):
-        "the autoscaler reads an orchestrator's GET /v1/load (autoscaled stages only)",
+        "the autoscaler reads an orchestrator's GET /v1/load through the admin Service "
+        "(autoscaled stages only)",
     ("autoscaling", "horizontalpodautoscalers", "list"):
         "the autoscaler refuses pools an HPA scales (autoscaled stages only)",
 }
@@ -48,9 +49,10 @@ NOT_REQUESTS: dict[Grant, str] = {
 
 #: The children of the echo pipeline, one of each kind the operator creates.
 CHILDREN = ("configmap/echo-pipeline", "service/echo-orchestrator",
-            "serviceaccount/echo-orchestrator", "role/echo-orchestrator",
-            "rolebinding/echo-orchestrator", "deployment/echo-orchestrator", "sp/echo-b",
-            "pdb/echo-b", "networkpolicy/echo-stages", "networkpolicy/echo-orchestrator")
+            "service/echo-orchestrator-admin", "serviceaccount/echo-orchestrator",
+            "role/echo-orchestrator", "rolebinding/echo-orchestrator",
+            "deployment/echo-orchestrator", "sp/echo-b", "pdb/echo-b",
+            "networkpolicy/echo-stages", "networkpolicy/echo-orchestrator")
 
 
 def _grants(rules: list[Obj]) -> set[Grant]:

@@ -22,11 +22,13 @@ import pytest
 
 from omni_operator.drain import ANNOTATION_DRAINING_SINCE
 from omnistage import kube as k
+from tests.e2e.conftest import admin_key_of, admin_url
 from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
-from tests.harness.metrics import routable, sample
+from tests.harness.metrics import sample
 from tests.harness.operator import (
     Operator,
+    admin_routable,
     apply,
     get,
     pipeline_doc,
@@ -48,7 +50,7 @@ def test_kubectl_drain_loses_no_request(
     doc = pipeline_doc("chat", [{
         "name": "llm", "kind": "ar", "model": "tiny-llama", "finalOutput": True, "replicas": 2,
         "engine": {"maxTokens": 8}, "drainTimeoutSeconds": 30,
-    }], orchestrator={"api": ["chat"]})
+    }], orchestrator={"auth": {"disabled": True}, "api": ["chat"]})
     apply(kube, namespace, doc)
 
     def ready() -> bool:
@@ -191,7 +193,7 @@ def _held_pipeline(kube: Cluster, namespace: str, operator: Release | Operator,
     apply(kube, namespace, pipeline_doc(ECHO, [{
         "name": "a", "kind": "echo", "finalOutput": True, "replicas": 2,
         "drainTimeoutSeconds": drain_timeout,
-    }], orchestrator={"api": ["generic"]}))
+    }], orchestrator={"auth": {"disabled": True}, "api": ["generic"]}))
 
     def ready() -> bool:
         cond = k.condition(get(kube, namespace, "omnipipe", ECHO), "Ready")
@@ -200,11 +202,14 @@ def _held_pipeline(kube: Cluster, namespace: str, operator: Release | Operator,
     wait_for(ready, 300, f"{ECHO} Ready", operator.log_tail, interval=1)
     [orch] = _live(kube, namespace, f"{k.LABEL_PIPELINE}={ECHO},{k.LABEL_COMPONENT}=orchestrator")
     url = f"http://{orch['status']['podIP']}:8000"
+    # Its GET /v1/load is on the admin listener, with the operator's key for the pipeline.
+    admin, key = admin_url(url), admin_key_of(kube, operator, namespace, ECHO)
 
     # Until the orchestrator routes to both, every request goes to the one replica it knows,
     # and the callers need one held request on each.
-    wait_for(lambda: routable(url, "a") == 2, 60, "both replicas routable in the orchestrator",
-             lambda: f"routable: {routable(url, 'a')}")
+    wait_for(lambda: admin_routable(admin, key, "a") == 2, 60,
+             "both replicas routable in the orchestrator",
+             lambda: f"routable: {admin_routable(admin, key, 'a')}")
     by_name = {p["metadata"]["name"]: p for p in _live(kube, namespace, k.stage_selector(ECHO))}
     return url, by_name[f"{ECHO}-a-0"], by_name[f"{ECHO}-a-1"]
 
@@ -231,7 +236,9 @@ def _hold_one_on_each(podrunner: PodRunner, url: str, replicas: list[dict[str, A
 
 
 def _orchestrator_sees_draining(url: str) -> bool:
-    with _opener().open(url + "/metrics", timeout=5) as resp:
+    """From the /metrics of the orchestrator whose API is at `url` (on its admin listener,
+    where /metrics needs no key)."""
+    with _opener().open(admin_url(url) + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
     return (sample(text, "omnistage_orchestrator_replicas", stage="a", state="draining")
             or 0) >= 1

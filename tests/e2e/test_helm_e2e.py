@@ -26,7 +26,7 @@ from tests.e2e.conftest import E2E_VALUES, release_namespace, require_images
 from tests.harness.cluster import Cluster, PodRunner, cleanup_namespace, pods, temp_namespace
 from tests.harness.helm import Release
 from tests.harness.metrics import sample
-from tests.harness.operator import get, pod_url, wait_for
+from tests.harness.operator import api_key, get, pod_url, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
@@ -38,9 +38,14 @@ Obj = dict[str, Any]
 OPERATOR_PORT = 8081
 
 
+#: The example's API key (keys on by default: the Secret its status names), once read.
+KEYS: dict[str, str] = {}
+
+
 def _post(url: str, body: Obj, timeout: float = 30) -> tuple[int, Obj]:
     req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json",
+                                  "Authorization": f"Bearer {KEYS['echo']}"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=timeout) as resp:
         return resp.status, json.loads(resp.read())
@@ -161,6 +166,7 @@ def _install_run_upgrade_uninstall(kube: Cluster, runner: PodRunner, release: Re
     [orch] = [p for p in pods(kube.kube, app_ns, f"{k.LABEL_PIPELINE}=echo,"
                                                   f"{k.LABEL_COMPONENT}=orchestrator")
               if not p["metadata"].get("deletionTimestamp")]
+    KEYS["echo"] = api_key(kube, app_ns, "echo")
     with pod_url(runner, orch, 8000) as base:  # the pod IP here, a port-forward on kind
         _serve_through_upgrade_and_uninstall(kube, release, app_ns,
                                              f"{base}/v1/pipelines/echo/requests")

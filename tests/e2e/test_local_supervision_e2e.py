@@ -34,8 +34,8 @@ def serve(tmp_path: Path) -> Iterator[Proc]:
     doc["spec"]["stages"][0]["engine"]["echoDelayMs"] = 100  # requests in flight in stage a
     file = tmp_path / "echo.yaml"
     file.write_text(yaml.safe_dump(doc))
-    proc = Proc(["serve", str(file), "--port", str(free_port()), "--log-dir",
-                 str(tmp_path / "logs")], tmp_path / "serve.log")
+    proc = Proc(["serve", str(file), "--port", str(free_port()), "--admin-port",
+                 str(free_port()), "--log-dir", str(tmp_path / "logs")], tmp_path / "serve.log")
     try:
         yield proc
     finally:
@@ -70,6 +70,7 @@ def _poll(what: str, check: Callable[[], T], timeout: float = 60.0) -> T:
 
 def test_kill_9_of_a_replica_under_serve(serve: Proc, tmp_path: Path) -> None:
     url = serve.wait_for(r"pipeline echo ready at (\S+)").group(1)
+    admin = serve.wait_for(r"admin listener at (\S+)").group(1)
     logs = tmp_path / "logs"
     victim = "echo-a-1"
     with Load(lambda: url, ROUTE, {"prompt": "x"}, clients=4) as load:
@@ -92,7 +93,7 @@ def test_kill_9_of_a_replica_under_serve(serve: Proc, tmp_path: Path) -> None:
             _get(ports["http"] + "/metrics")[1], "omnistage_worker_admitted_total") or 0) > 0)
         before = load.count()
         load.wait_for(before + 20)
-        metrics = _get(url + "/metrics")[1]
+        metrics = _get(admin + "/metrics")[1]
         assert sample(metrics, "omnistage_orchestrator_replicas", stage="a", state="ready") == 2
         assert sample(metrics, "omnistage_runtime_replica_restarts_total", replica=victim) == 1
         assert _get(url + "/readyz") == (200, "ready")
@@ -113,6 +114,7 @@ def test_kill_9_of_a_replica_under_serve(serve: Proc, tmp_path: Path) -> None:
 
 def test_a_crash_loop_shows_and_serve_leaves_no_process(serve: Proc, tmp_path: Path) -> None:
     url = serve.wait_for(r"pipeline echo ready at (\S+)").group(1)
+    admin = serve.wait_for(r"admin listener at (\S+)").group(1)
     logs = tmp_path / "logs"
     victim = "echo-a-1"
     for restart in (1, 2):
@@ -122,7 +124,7 @@ def test_a_crash_loop_shows_and_serve_leaves_no_process(serve: Proc, tmp_path: P
                 r := _get(url + "/readyz"))[1].startswith(f"ready; replica {victim} crash-"
                                                           "looping") and r)
             assert status == 200 and "2 crash(es) in a row" in reason, reason
-            metrics = _get(url + "/metrics")[1]
+            metrics = _get(admin + "/metrics")[1]
             assert sample(metrics, "omnistage_runtime_replica_crash_looping",
                           replica=victim) == 1
             assert sample(metrics, "omnistage_runtime_replica_up", replica=victim) == 0

@@ -91,7 +91,8 @@ def test_hub_models_fetched_into_a_shared_cache_and_served(
          "finalOutput": True, "engine": {"height": 32, "width": 32, "numInferenceSteps": 2}},
     ]
     doc = pipeline_doc("hubpipe", stages, modelCache=cache,
-                       orchestrator={"api": ["chat", "images", "generic"]})
+                       orchestrator={"auth": {"disabled": True},
+                                     "api": ["chat", "images", "generic"]})
     apply(kube, namespace, doc)
     wait_for(lambda: _ready(kube, namespace, "hubpipe"), 300, "hubpipe Ready",
              lambda: _diagnose(kube, podrunner, namespace, "hubpipe"), interval=1)

@@ -92,7 +92,8 @@ def test_orchestrator_rollout_with_a_second_instance_refuses_nothing(
 
     def orchestrator(i: int, generation: int) -> Proc:
         p = Proc(["orchestrator", "--pipeline-file", str(file), "--membership", "static",
-                  "--port", str(ports[i]), "--shutdown-delay", str(DELAY), *replicas],
+                  "--port", str(ports[i]), "--admin-port", str(free_port()),
+                  "--shutdown-delay", str(DELAY), *replicas],
                  tmp_path / f"orchestrator-{i}-{generation}.log")
         procs.append(p)
         p.wait_for(r"pipeline echo ready at")
@@ -138,7 +139,8 @@ def test_serve_shutdown_under_keepalive_load(tmp_path: Path, procs: list[Proc]) 
     file = echo_pipeline(tmp_path, delay_ms=200)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = Proc(["serve", str(file), "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+    serve = Proc(["serve", str(file), "--port", str(port), "--admin-port", str(free_port()),
+                  "--log-dir", str(tmp_path / "logs"),
                   "--shutdown-delay", "1"], tmp_path / "serve.log")
     procs.append(serve)
     serve.wait_for(r"pipeline echo ready at")

@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,17 @@ import yaml
 from PIL import Image
 
 from omnistage import kube as k
+from tests.e2e.conftest import ORCH_ADMIN_PORT, admin_key_of
 from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
-from tests.harness.metrics import routable
-from tests.harness.operator import apply, get, pod_url, wait_for
+from tests.harness.operator import (
+    admin_routable,
+    api_key,
+    apply,
+    get,
+    pod_url,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(600)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text-to-image.yaml"
@@ -82,14 +90,22 @@ def test_text_to_image_runs_on_the_cluster(
         assert state["ready"] is True
     [orch] = _pod(kube, namespace, f"{k.LABEL_PIPELINE}=text-to-image,"
                                    f"{k.LABEL_COMPONENT}=orchestrator")
-    with pod_url(podrunner, orch, 8000) as base:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+    # GET /v1/load is on the admin listener, with the operator's key for the pipeline.
+    key = admin_key_of(kube, operator, namespace, "text-to-image")
+    with pod_url(podrunner, orch, 8000) as base, \
+            pod_url(podrunner, orch, ORCH_ADMIN_PORT) as admin:
+        # Keys on by default: the key a user reads from the Secret status.apiKeySecret names.
+        client = openai.OpenAI(base_url=base + "/v1", api_key=api_key(kube, namespace,
+                                                                    "text-to-image"),
+                               max_retries=0,
                                timeout=120)
-        _exercise(kube, podrunner, namespace, operator, client, stage_pods)
+        _exercise(kube, podrunner, namespace, operator, client, stage_pods,
+                  lambda stage: admin_routable(admin, key, stage))
 
 
 def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Release,
-              client: openai.OpenAI, stage_pods: dict[str, Any]) -> None:
+              client: openai.OpenAI, stage_pods: dict[str, Any],
+              routable: Callable[[str], int]) -> None:
 
     chat = client.chat.completions.create(
         model="text-to-image", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
@@ -102,8 +118,7 @@ def _exercise(kube: Cluster, podrunner: PodRunner, namespace: str, operator: Rel
 
     encoders = [stage_pods["text-to-image-encoder-0"], stage_pods["text-to-image-encoder-1"]]
 
-    orchestrator = str(client.base_url).rstrip("/").removesuffix("/v1")
-    wait_for(lambda: routable(orchestrator, "encoder") == 2, 60,
+    wait_for(lambda: routable("encoder") == 2, 60,
              "both encoders routable in the orchestrator")  # spread is checked then
     # Serial requests go to either encoder at random (two choices, both idle): each must take
     # some. Sent until both have, up to 40 (8 all went to one in a CI run: 1 in 128 for a fair

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 NAME = "life"
 ROUTE = f"/v1/pipelines/{NAME}/requests"
 ORCH_PORT = 8000
+ORCH_ADMIN_PORT = 8001  # the admin listener (its default: port + 1): /metrics is there
 
 
 def _live(kube: Cluster, ns: str, selector: str) -> list[dict[str, Any]]:
@@ -60,7 +61,7 @@ def test_crashed_worker_and_deleted_orchestrator_under_load(
     apply(kube, namespace, pipeline_doc(NAME, [{
         "name": "a", "kind": "echo", "replicas": 2, "finalOutput": True,
         "engine": {"echoDelayMs": 300}, "drainTimeoutSeconds": 20,
-    }], orchestrator={"api": ["generic"]}))
+    }], orchestrator={"auth": {"disabled": True}, "api": ["generic"]}))
 
     def ready() -> bool:
         cond = k.condition(get(kube, namespace, "omnipipe", NAME), "Ready")
@@ -117,7 +118,7 @@ def _kill_9_of_a_worker(kube: Cluster, podrunner: PodRunner, namespace: str) -> 
     # The requests in flight on the killed process were failed over to the other replica
     # (docs/architecture.md, "Failover"): none failed, and the orchestrator counted the retries.
     assert not failed, failed[:3]
-    retried = sample(podrunner.http_get(orch, ORCH_PORT, "/metrics")[1],
+    retried = sample(podrunner.http_get(orch, ORCH_ADMIN_PORT, "/metrics")[1],
                      "omnistage_orchestrator_retries_total", stage="a") or 0
     assert retried >= 1, "no request was in flight on the killed worker"
     assert figures["hung"] == figures["reset"] == figures["refused"] == 0, figures

@@ -22,7 +22,7 @@ import yaml
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner, pods
 from tests.harness.helm import Release
-from tests.harness.operator import apply, get, pod_url, wait_for
+from tests.harness.operator import api_key, apply, get, pod_url, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "omni-speech.yaml"
@@ -66,7 +66,9 @@ def test_the_speech_pipeline_answers_with_audio_on_the_cluster(
                               f"{k.LABEL_PIPELINE}={NAME},{k.LABEL_COMPONENT}=orchestrator")
               if not p["metadata"].get("deletionTimestamp")]
     with pod_url(podrunner, orch, 8000) as base:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+        # Keys on by default: the key a user reads from the Secret status.apiKeySecret names.
+        client = openai.OpenAI(base_url=base + "/v1", api_key=api_key(kube, namespace, NAME),
+                               max_retries=0,
                                timeout=120)
         [model] = client.models.list().data
         assert (model.model_extra or {}).get("voices") == ["default"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import re
 import signal
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from omni_operator.admin_credential import AdminCredential
 from omni_operator.webhook import CONFIGURATION
 from omnistage import kube as k
 from tests.harness.cluster import Cluster, PodRunner
@@ -26,6 +29,67 @@ from tests.harness.metrics import samples
 
 REPO = Path(__file__).resolve().parents[2]
 Obj = dict[str, Any]
+#: The root admin key of every operator this harness starts (--admin-key-file): one for the
+#: session, so a restarted operator, or another module's, derives the same keys and digests
+#: (a converged fleet sees no write) and a test can present a pipeline's key (admin_key).
+ADMIN_ROOT_KEY = "omnistage-tests-admin-root-key-0123456789abcdef"
+
+
+def admin_key(namespace: str, name: str, uid: str) -> str:
+    """The admin key the harness's operators present at the orchestrator pods of this
+    pipeline (its uid as the API server has it), for a test that calls an orchestrator's
+    admin port itself (header kube.ADMIN_KEY_HEADER or Authorization: Bearer)."""
+    return AdminCredential(ADMIN_ROOT_KEY.encode()).key(namespace, name, uid)
+
+
+def pipeline_admin_key(cluster: Cluster, namespace: str, name: str) -> str:
+    """admin_key of the pipeline `name` as the cluster has it now."""
+    obj = get(cluster, namespace, "omnipipe", name)
+    if obj is None:
+        raise AssertionError(f"no OmniPipeline {namespace}/{name}")
+    return admin_key(namespace, name, obj["metadata"]["uid"])
+
+
+def admin_request(url: str, key: str | None = None, *, method: str = "GET",
+                  body: Any = None, timeout: float = 10) -> tuple[int, Any]:
+    """One call to an orchestrator's admin listener (`key` in kube.ADMIN_KEY_HEADER, none
+    without it): (HTTP status, the JSON body or the text), error statuses included."""
+    import json
+    import urllib.error
+
+    headers = {"Accept": "application/json"}
+    if key is not None:
+        headers[k.ADMIN_KEY_HEADER] = key
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data, headers, method=method)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def admin_load(url: str, key: str) -> Obj:
+    """GET /v1/load of the orchestrator whose admin listener is at `url` (a base URL)."""
+    status, doc = admin_request(url.rstrip("/") + k.LOAD_PATH, key)
+    if status != 200 or not isinstance(doc, dict):
+        raise AssertionError(f"GET {k.LOAD_PATH}: HTTP {status}: {str(doc)[:300]}")
+    return doc
+
+
+def admin_routable(url: str, key: str, stage: str) -> int:
+    """The replicas of `stage` the orchestrator at admin `url` routes to now (its GET
+    /v1/load, as tests.harness.metrics.routable reads the public port's before issue 43)."""
+    return int(admin_load(url, key)["stages"][stage]["replicas"])
 
 
 @dataclass
@@ -43,7 +107,18 @@ class Operator:
     #: added to its environment (this process's own), e.g. an HTTP proxy it must not use
     env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def admin_key_file(self) -> Path:
+        """Its --admin-key-file (ADMIN_ROOT_KEY), beside its log: the same at every start."""
+        return self.log_path.parent / "admin-root-key"
+
+    def admin_key(self, namespace: str, name: str, uid: str) -> str:
+        return admin_key(namespace, name, uid)
+
     def start(self) -> None:
+        key_file = self.admin_key_file
+        key_file.write_text(ADMIN_ROOT_KEY + "\n")
+        key_file.chmod(0o600)
         cmd = [
             sys.executable,
             "-m",
@@ -52,6 +127,7 @@ class Operator:
             f"--kubeconfig={self.kubeconfig or self.cluster.kubeconfig}",
             f"--metrics-port={self.port}",
             f"--resync-seconds={self.resync}",
+            f"--admin-key-file={key_file}",
         ]
         if self.webhook:
             cmd += ["--webhook", "--webhook-addr=127.0.0.1", f"--webhook-port={self.webhook_port}"]
@@ -245,7 +321,23 @@ def operator(
                  f"validatingwebhookconfigurations.admissionregistration.k8s.io/{CONFIGURATION}")
 
 
+def api_key(cluster: Cluster, namespace: str, pipeline: str) -> str:
+    """The API key a user reads for a pipeline with keys on by default: the Secret its status
+    names (status.apiKeySecret, the one the operator made), its first key's first line."""
+    doc = json.loads(cluster.kubectl("get", "omnipipe", "-n", namespace, pipeline, "-o",
+                                     "json").stdout)
+    name = (doc.get("status") or {}).get("apiKeySecret")
+    if not name:
+        raise AssertionError(f"{namespace}/{pipeline}: no status.apiKeySecret yet")
+    secret = json.loads(cluster.kubectl("get", "secret", "-n", namespace, name, "-o",
+                                        "json").stdout)
+    [value, *_] = sorted(secret["data"].items())
+    return base64.b64decode(value[1]).decode().splitlines()[0].strip()
+
+
 def pipeline_doc(name: str, stages: list[Obj], **spec: Any) -> Obj:
+    """An OmniPipeline manifest. Keys are on by default (the operator makes the Secret): a
+    test that calls the API reads the key (api_key) or says auth.disabled."""
     return {
         "apiVersion": k.API_VERSION,
         "kind": "OmniPipeline",

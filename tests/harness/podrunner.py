@@ -16,7 +16,12 @@ own Nodes, keeps their Leases and Ready condition fresh, and for every pod bound
   - process mode (no index): ``command`` + ``args`` run with the checkout's Python and the host's
     environment; the image is ignored, and a container without a command idles like a pause
     container. Volumes are made as in image mode, and env values naming a mount path point at
-    the volume's host directory (there is no mount namespace);
+    the volume's host directory (there is no mount namespace), so only the volumes an env
+    value names are made;
+* keeps configMap, secret, downwardAPI and projected volumes up to date while the pod runs, in
+  both modes, as a kubelet does: the atomic writer's layout (``..data`` -> a timestamped
+  folder, ``key -> ..data/key``), a look every ~1 s (one GET per object), a changed object
+  swapped in atomically, a deleted one keeping the old content (tests/harness/podvolumes.py);
 * resolves env (value with $(VAR) expansion, fieldRef, resourceFieldRef, configMapKeyRef,
   secretKeyRef, envFrom), and gives the pod a unique loopback IP (``status.podIP``);
 * runs startup, readiness and liveness probes (httpGet, tcpSocket, exec), restarts containers per
@@ -267,6 +272,10 @@ class PodWorker(threading.Thread):
                 init_index = self._step_init(init_index)
             elif self.phase in ("Pending", "Running"):
                 self._step_main()
+            if self.phase in ("Pending", "Running"):
+                # As a kubelet's sync: changed ConfigMaps and Secrets reach the pod's volumes
+                # (at most one GET per object every podvolumes.SYNC_S; never raises).
+                self.volumes.sync()
             self._push_status()
             if (
                 self.phase in ("Succeeded", "Failed")

@@ -1,7 +1,8 @@
-"""API keys on `omnistage serve`, exactly as a user runs it (issue 43, its first part): the
-openai client with a wrong key gets AuthenticationError and with the right one its answer; an
-anonymous control call is refused and pauses nothing; a key rotated out of the key file is
-refused within the reload bound while the new one serves; the ops routes stay open; and a
+"""API keys on `omnistage serve`, exactly as a user runs it (issue 43): the openai client with
+a wrong key gets AuthenticationError and with the right one its answer; an anonymous control
+call on the public port is refused and pauses nothing, while the admin listener takes it with
+the admin key (and refuses it without, or with an API key); a key rotated out of the key file
+is refused within the reload bound while the new one serves; the probes stay open; and a
 server that would listen beyond loopback without keys refuses to start, before any replica."""
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 ECHO = ROOT / "examples" / "echo.yaml"
 OLD, NEW = "sk-omnistage-old-0123456789abcdef", "sk-omnistage-new-0123456789abcdef"
+ADMIN = "admin-omnistage-0123456789abcdef"
 
 
-def _call(url: str, path: str, key: str | None = None, body: dict[str, Any] | None = None
-          ) -> tuple[int, dict[str, Any] | str]:
+def _call(url: str, path: str, key: str | None = None, body: dict[str, Any] | None = None,
+          header: str = "Authorization") -> tuple[int, dict[str, Any] | str]:
     headers = {"Content-Type": "application/json"}
     if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
+        headers[header] = f"Bearer {key}" if header == "Authorization" else key
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url + path, data=data, headers=headers,
                                  method="POST" if body is not None else "GET")
@@ -53,8 +55,8 @@ def _call(url: str, path: str, key: str | None = None, body: dict[str, Any] | No
 
 
 class Served:
-    def __init__(self, url: str, out: Path, keys: Path) -> None:
-        self.url, self.out, self.keys = url, out, keys
+    def __init__(self, url: str, admin: str, out: Path, keys: Path) -> None:
+        self.url, self.admin, self.out, self.keys = url, admin, out, keys
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +64,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("keys")
     keys = tmp / "api-keys"
     keys.write_text(f"# the key in force\n{OLD}\n")
-    port = free_port()
+    admin_keys = tmp / "admin-keys"
+    admin_keys.write_text(f"{ADMIN}\n")
+    port, admin_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     out = tmp / "serve.out"
     env = {k: v for k, v in os.environ.items() if k != auth.ENV_KEYS}
     with open(out, "wb") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "omnistage.cli", "serve", str(ECHO), "--port", str(port),
-             "--log-dir", str(tmp / "logs"), "--api-key-file", str(keys)],
+             "--log-dir", str(tmp / "logs"), "--api-key-file", str(keys),
+             "--admin-port", str(admin_port), "--admin-key-file", str(admin_keys)],
             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 240
@@ -78,7 +83,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 pytest.fail(f"serve did not become ready (rc={proc.poll()}):\n"
                             f"{out.read_text(errors='replace')[-3000:]}")
             time.sleep(0.2)
-        yield Served(url, out, keys)
+        yield Served(url, f"http://127.0.0.1:{admin_port}", out, keys)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -114,15 +119,49 @@ def test_the_openai_client_needs_the_key(served: Served) -> None:
 
 
 def test_an_anonymous_control_call_pauses_nothing(served: Served) -> None:
-    status, body = _call(served.url, "/v1/pipelines/echo/control", None, {"op": "pause"})
-    assert status == 401 and isinstance(body, dict)
-    assert body["error"]["code"] == "invalid_api_key"
+    for key in (None, OLD):  # not on the public port at all, with an API key or without
+        status, body = _call(served.url, "/v1/pipelines/echo/control", key, {"op": "pause"})
+        assert status == 404 and isinstance(body, dict), body
+        assert body["error"]["code"] == "not_found"
+    for key, header in ((None, "Authorization"), (OLD, "Authorization"),
+                        (OLD, auth.ADMIN_KEY_HEADER)):  # an API key is no admin key
+        status, body = _call(served.admin, "/v1/pipelines/echo/control", key,
+                             {"op": "pause"}, header)
+        assert status == 401 and isinstance(body, dict), body
+        assert body["error"]["code"] == "invalid_api_key"
     # Nothing paused: a request with the key is answered at once (a paused stage would hold it).
     status, body = _call(served.url, "/v1/pipelines/echo/requests", OLD,
                          {"prompt": "still serving", "timeout_s": 10})
     assert status == 200 and isinstance(body, dict) and body["status"] == "ok", body
-    for path in ("/livez", "/readyz", "/metrics", "/v1/load", "/openapi.json"):
+    for path in ("/livez", "/readyz", "/openapi.json"):
         assert _call(served.url, path)[0] == 200, path
+    for path in ("/metrics", "/v1/load"):
+        assert _call(served.url, path)[0] == 404, path
+    for path in ("/livez", "/readyz", "/metrics", "/openapi.json"):
+        assert _call(served.admin, path)[0] == 200, path
+    assert "admin keys: on (1 key from file" in served.out.read_text()
+    assert ADMIN not in served.out.read_text()
+
+
+def test_the_admin_listener_takes_control_with_the_admin_key(served: Served) -> None:
+    """pause with the admin key holds the next request; resume (the Bearer way) lets it go."""
+    status, body = _call(served.admin, "/v1/load", ADMIN, header=auth.ADMIN_KEY_HEADER)
+    assert status == 200 and isinstance(body, dict) and "a" in body["stages"], body
+    status, body = _call(served.admin, "/v1/pipelines/echo/control", ADMIN, {"op": "pause"},
+                         auth.ADMIN_KEY_HEADER)
+    try:
+        assert status == 200 and isinstance(body, dict), body
+        assert [r["paused"] for r in body["results"].values()] == [True, True], body
+        status, body = _call(served.url, "/v1/pipelines/echo/requests", OLD,
+                             {"prompt": "held", "timeout_s": 1})
+        assert status in (503, 504), body  # paused: it waits out its deadline
+    finally:
+        status, body = _call(served.admin, "/v1/pipelines/echo/control", ADMIN,
+                             {"op": "resume"})
+    assert status == 200, body
+    status, body = _call(served.url, "/v1/pipelines/echo/requests", OLD,
+                         {"prompt": "again", "timeout_s": 30})
+    assert status == 200 and isinstance(body, dict) and body["status"] == "ok", body
 
 
 def test_a_rotated_key_file_refuses_the_old_key_within_the_reload_bound(served: Served) -> None:

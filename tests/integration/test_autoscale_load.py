@@ -52,12 +52,13 @@ async def test_load_and_metrics_follow_real_requests(start_worker, tmp_path: Pat
                                                 ReplicaInfo("b", wb.name, wb.zmq)]))
     await orch.start()
     runner, url = await serve_http(orch, "127.0.0.1", 0)
+    admin, admin_url = await serve_http(orch, "127.0.0.1", 0, listener="admin")
     requests_url = f"{url}/v1/pipelines/loadp/requests"
     try:
         async with aiohttp.ClientSession() as s:
-            doc = await _get(s, url + "/openapi.json")
+            doc = await _get(s, admin_url + "/openapi.json")
             assert "/v1/load" in doc["paths"]
-            idle = await _get(s, url + "/v1/load")
+            idle = await _get(s, admin_url + "/v1/load")
             assert idle["window_s"] == 60.0
             assert idle["stages"]["b"] == {
                 "replicas": 1, "inflight": 0, "held": 0, "arrivals_per_s": 0.0,
@@ -69,12 +70,12 @@ async def test_load_and_metrics_follow_real_requests(start_worker, tmp_path: Pat
             first = asyncio.ensure_future(s.post(requests_url, json={"prompt": "x"}))
             await until(lambda: any(r.inflight for r in orch.pools["b"].replicas.values()),
                         "the request to reach stage b")
-            busy = await _get(s, url + "/v1/load")
+            busy = await _get(s, admin_url + "/v1/load")
             assert busy["stages"]["b"]["inflight"] == 1
             assert busy["stages"]["a"]["inflight"] == 0
             assert busy["stages"]["a"]["service_s"] > 0  # a finished it
             assert before <= busy["stages"]["b"]["last_request_unix"] <= time.time()
-            text = await _get(s, url + "/metrics")
+            text = await _get(s, admin_url + "/metrics")
             assert sample(text, "omnistage_stage_inflight", pipeline="loadp", stage="b") == 1
             release.touch()
             async with await first as resp:
@@ -83,8 +84,8 @@ async def test_load_and_metrics_follow_real_requests(start_worker, tmp_path: Pat
                 async with s.post(requests_url, json={"prompt": f"p{i}"}) as resp:
                     assert resp.status == 200, await resp.text()
 
-            load = await _get(s, url + "/v1/load")
-            text = await _get(s, url + "/metrics")
+            load = await _get(s, admin_url + "/v1/load")
+            text = await _get(s, admin_url + "/metrics")
         b = load["stages"]["b"]
         assert b["inflight"] == 0 and b["held"] == 0 and b["replicas"] == 1
         # 4 tasks needed b, within the tracker's first minute: 4 per its age (at least 1 s).
@@ -106,4 +107,5 @@ async def test_load_and_metrics_follow_real_requests(start_worker, tmp_path: Pat
         assert json.loads(json.dumps(load))  # plain JSON, as the operator decodes it
     finally:
         await runner.cleanup()
+        await admin.cleanup()
         await orch.stop(drain_timeout=1)

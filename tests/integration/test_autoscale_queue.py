@@ -45,6 +45,7 @@ async def test_worker_queue_wait_reaches_the_signal_and_the_target(start_worker)
     orch = Orchestrator(pipe, StaticMembership([ReplicaInfo("q", w.name, w.zmq)]))
     await orch.start()
     runner, url = await serve_http(orch, "127.0.0.1", 0)
+    admin, admin_url = await serve_http(orch, "127.0.0.1", 0, listener="admin")
     try:
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> None:
@@ -56,11 +57,12 @@ async def test_worker_queue_wait_reaches_the_signal_and_the_target(start_worker)
             # once (nothing waits for a replica there); the worker runs them one by one, so
             # the last waits about 2 x DELAY_S in its queue.
             await asyncio.gather(*(one(i) for i in range(3)))
-            async with s.get(url + LOAD_PATH) as resp:
+            async with s.get(admin_url + LOAD_PATH) as resp:
                 assert resp.status == 200, await resp.text()
                 q = (await resp.json())["stages"]["q"]
     finally:
         await runner.cleanup()
+        await admin.cleanup()
         await orch.stop(drain_timeout=1)
     # p95 of three samples is the largest: at least one full run behind another (2 x DELAY_S
     # less the spread of the three arrivals, which is far under DELAY_S).

@@ -71,8 +71,8 @@ def test_serve_scales_a_stage_from_zero_and_back_when_idle(served, tmp_path: Pat
     file.write_text(yaml.safe_dump(manifest))
     s = Serve(file, tmp_path / "logs", tmp_path)
     served.append(s)
-    url = s.url()
-    assert _load(url)["stages"]["a"]["replicas"] == 0
+    url, admin = s.url(), s.admin_url()
+    assert _load(admin)["stages"]["a"]["replicas"] == 0
     assert _processes(name) == []  # at zero: no worker process at all
 
     status, body = post(f"{url}/v1/pipelines/{name}/requests", {"prompt": "wake"}, timeout=120)
@@ -82,7 +82,7 @@ def test_serve_scales_a_stage_from_zero_and_back_when_idle(served, tmp_path: Pat
     assert "waking stage a" in s.output
 
     # Idle: after the window empties and idleSeconds pass, the stage drains back to zero.
-    wait(lambda: _load(url)["stages"]["a"]["replicas"] == 0, "stage a back at zero")
+    wait(lambda: _load(admin)["stages"]["a"]["replicas"] == 0, "stage a back at zero")
     wait(lambda: _processes(name) == [], "the worker process to exit")
     assert "scale down 1 -> 0" in s.output, s.output
     # And it wakes again.

@@ -95,15 +95,22 @@ def schemathesis(location: str, tmp_path: Path, *args: str, url: str | None = No
     return generated, report
 
 
+#: The admin listener (control, /v1/load, /metrics) of each served API URL.
+ADMIN: dict[str, str] = {}
+
+
 def _serve(tmp: Path, doc: dict) -> Iterator[str]:
-    """`omnistage serve` of doc until the generator is closed; every process stopped after."""
+    """`omnistage serve` of doc until the generator is closed; every process stopped after.
+    Yields the API's URL; ADMIN[url] is its admin listener's."""
     spec = tmp / "pipeline.yaml"
     spec.write_text(yaml.safe_dump(doc))
     logs = tmp / "logs"
-    proc = Proc(["serve", str(spec), "--port", str(free_port()), "--log-dir", str(logs)],
+    proc = Proc(["serve", str(spec), "--port", str(free_port()), "--admin-port",
+                  str(free_port()), "--log-dir", str(logs)],
                 tmp / "serve.log")
     try:
         url = proc.wait_for(r"ready at (http://\S+)", timeout=400).group(1)
+        ADMIN[url] = proc.wait_for(r"admin listener at (http://\S+)", timeout=10).group(1)
         yield url
     finally:
         pids = [json.loads(f.read_text())["pid"] for f in logs.glob("*.ports.json")]
@@ -141,11 +148,14 @@ def served_speech(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_fuzz_orchestrator_api(served: str, tmp_path: Path) -> None:
-    """Every route but control, with the pipeline name supplied for the generic route."""
-    _, report = schemathesis(
-        f"{served}/openapi.json", tmp_path, "--exclude-operation-id", "pipeline_control",
-        parameters={"path.name": PIPELINE})
+    """Every route of the public listener, with the pipeline name supplied for the generic
+    route; then the admin listener's routes but control."""
+    _, report = schemathesis(f"{served}/openapi.json", tmp_path,
+                             parameters={"path.name": PIPELINE})
     assert "Missing test data" not in report, report  # the generic route got past its path
+    (tmp_path / "admin").mkdir()
+    schemathesis(f"{ADMIN[served]}/openapi.json", tmp_path / "admin", "--exclude-operation-id",
+                 "pipeline_control")
 
 
 def test_fuzz_orchestrator_control(served: str, tmp_path: Path) -> None:
@@ -153,8 +163,8 @@ def test_fuzz_orchestrator_control(served: str, tmp_path: Path) -> None:
     be able to send) stop the stages, so every request sent after them would wait for its
     deadline. Run last on the module's server for that reason, not excluded."""
     _, report = schemathesis(
-        f"{served}/openapi.json", tmp_path, "--include-operation-id", "pipeline_control",
-        parameters={"path.name": PIPELINE})
+        f"{ADMIN[served]}/openapi.json", tmp_path, "--include-operation-id",
+        "pipeline_control", parameters={"path.name": PIPELINE})
     assert "Missing test data" not in report, report
 
 

@@ -62,6 +62,7 @@ async def test_requests_waiting_for_the_window_are_bounded_and_refused_by_cause(
     await orch.start()
     orchestrators.append(orch)
     runner, url = await serve_http(orch, "127.0.0.1", 0)
+    admin, admin_url = await serve_http(orch, "127.0.0.1", 0, listener="admin")
     route = f"{url}/v1/pipelines/hq/requests"
     body = {"prompt": "x", "timeout_s": 120}
     try:
@@ -78,11 +79,11 @@ async def test_requests_waiting_for_the_window_are_bounded_and_refused_by_cause(
             assert error["code"] == "no_replica", error
             assert "dispatch window" in error["message"], error
             assert "hold queue is full" in error["message"], error
-            async with session.get(f"{url}/v1/load") as resp:
+            async with session.get(f"{admin_url}/v1/load") as resp:
                 load = await resp.json()
             assert load["stages"]["b"]["held"] == 2  # the autoscaler's figure, as before
             assert load["held_by_cause"]["b"] == {"wake": 0, "revision": 0, "window": 2}
-            async with session.get(f"{url}/metrics") as resp:
+            async with session.get(f"{admin_url}/metrics") as resp:
                 text = await resp.text()
             assert sample(text, "omnistage_stage_held_requests", pipeline="hq", stage="b",
                           cause="window") == 2
@@ -94,6 +95,7 @@ async def test_requests_waiting_for_the_window_are_bounded_and_refused_by_cause(
                     assert resp.status == 200, await resp.text()
     finally:
         await runner.cleanup()
+        await admin.cleanup()
 
 
 async def test_a_wake_spreads_held_requests_over_replicas_as_they_arrive(

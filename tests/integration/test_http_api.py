@@ -53,17 +53,22 @@ def _ready(url: str) -> bool:
         return False
 
 
+#: The admin listener (control, /v1/load, /metrics) of each served API URL.
+ADMIN: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`omnistage serve examples/text-to-image.yaml`, exactly as a user runs it; yields the
-    base URL once /readyz says ready."""
+    base URL once /readyz says ready (its admin listener's URL is ADMIN[url])."""
     log_dir = tmp_path_factory.mktemp("serve")
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
+    ADMIN[url] = f"http://127.0.0.1:{admin_port}"
     with open(log_dir / "serve.out", "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "omnistage.cli", "serve", str(EXAMPLE), "--port", str(port),
-             "--log-dir", str(log_dir)],
+             "--admin-port", str(admin_port), "--log-dir", str(log_dir)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
         )
     try:
@@ -96,8 +101,8 @@ async def oai(served: str) -> AsyncIterator[openai.AsyncOpenAI]:
 
 
 async def _metric(url: str, name: str, **labels: str) -> float:
-    """One sample of the server's /metrics (0 when absent)."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
+    """One sample of the server's /metrics (0 when absent), on its admin listener."""
+    async with aiohttp.ClientSession() as s, s.get(ADMIN.get(url, url) + "/metrics") as resp:
         text = await resp.text()
     return sample(text, name, **labels) or 0.0
 
@@ -270,13 +275,15 @@ async def test_operational_routes(served: str) -> None:
             doc = await resp.json()
         assert "/v1/chat/completions" in doc["paths"]
         async with s.get(served + "/metrics") as resp:
+            assert resp.status == 404  # on the admin listener only
+        async with s.get(ADMIN[served] + "/metrics") as resp:
             text = await resp.text()
         assert "omnistage_orchestrator_requests_total" in text  # the engine's
         assert "omnistage_http_requests_total" in text  # the HTTP layer's
 
 
 async def test_control_pause_and_resume(served: str, oai: openai.AsyncOpenAI) -> None:
-    url = served + "/v1/pipelines/text-to-image/control"
+    url = ADMIN[served] + "/v1/pipelines/text-to-image/control"
     async with aiohttp.ClientSession() as s:
         async with s.post(url, json={"op": "pause", "stages": ["ghost"]}) as resp:
             assert resp.status == 400

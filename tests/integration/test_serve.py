@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 READY = re.compile(r"ready at (http://\S+)")
+ADMIN = re.compile(r"admin listener at (http://\S+)")
 
 
 
@@ -52,7 +53,8 @@ class Serve:
         self.log_dir = log_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omnistage.cli", "serve", str(file), "--port",
-             str(port or free_port()), "--log-dir", str(log_dir)],
+             str(port or free_port()), "--admin-port", str(free_port()), "--log-dir",
+             str(log_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
             env={**os.environ, **(env or {})},  # the replicas inherit it
         )
@@ -96,6 +98,10 @@ class Serve:
 
     def url(self, timeout: float = 120.0) -> str:
         return self.wait_for(READY, timeout).group(1)
+
+    def admin_url(self, timeout: float = 120.0) -> str:
+        """The admin listener's URL (control, /v1/load, /metrics), said before "ready at"."""
+        return self.wait_for(ADMIN, timeout).group(1)
 
     def worker_pids(self) -> list[int]:
         """Worker pids, from the port files each worker writes."""

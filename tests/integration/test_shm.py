@@ -376,6 +376,7 @@ def test_kill_9_serve_leaves_no_segment(shm_dir, tmp_path) -> None:
     spec.write_text(_SERVE_YAML.replace("NAME", name))
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnistage.cli", "serve", str(spec), "--port", str(free_port()),
+         "--admin-port", str(free_port()),
          "--log-dir", str(tmp_path / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMNISTAGE_SHM_DIR": str(shm_dir)})

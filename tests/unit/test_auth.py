@@ -16,7 +16,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from omnistage.orchestrator import auth
 from omnistage.orchestrator import http_api as h
-from omnistage.orchestrator.auth import ApiKeyError, ApiKeys, parse_keys, resolve
+from omnistage.orchestrator.auth import (
+    ApiKeyError,
+    ApiKeys,
+    key_digest_hex,
+    parse_keys,
+    resolve,
+    resolve_admin,
+)
 from tests.unit.test_http_api import FakeOrchestrator, assert_error
 
 K1, K2, K3 = "sk-first-key-0123456789", "sk-second-key-0123456789", "sk-third-key-0123456789"
@@ -111,39 +118,43 @@ def test_a_source_without_a_usable_key_is_refused_at_start(tmp_path: Path) -> No
 def test_who_may_serve_without_keys(tmp_path: Path) -> None:
     (tmp_path / "keys").write_text(K1)
     env = {auth.ENV_KEYS: f"{K2},{K3}"}
-    keys, line = resolve(None, no_auth=False, host="0.0.0.0", strict=True, environ=env)
+    keys, line = resolve(None, no_auth=False, host="0.0.0.0", environ=env)
     assert keys is not None and keys.count == 2
     assert line == ("API keys: on (2 keys from $OMNISTAGE_API_KEY; send Authorization: "
                     "Bearer KEY)")
-    keys, line = resolve(str(tmp_path / "keys"), no_auth=False, host="0.0.0.0", strict=True,
+    keys, line = resolve(str(tmp_path / "keys"), no_auth=False, host="0.0.0.0",
                          environ={})
     assert keys is not None and line.startswith(f"API keys: on (1 key from file {tmp_path}")
     with pytest.raises(ApiKeyError, match=r"--api-key-file \(or \$OMNISTAGE_API_KEY_FILE\) "
                                           r"and \$OMNISTAGE_API_KEY both give API keys"):
-        resolve(str(tmp_path / "keys"), no_auth=False, host="127.0.0.1", strict=True,
+        resolve(str(tmp_path / "keys"), no_auth=False, host="127.0.0.1",
                 environ=env)
     # The orchestrator pod: the operator hands the mounted Secret's path in the environment.
-    keys, line = resolve(None, no_auth=False, host="0.0.0.0", strict=False,
+    keys, line = resolve(None, no_auth=False, host="0.0.0.0",
                          secret="api-keys", environ={"OMNISTAGE_API_KEY_FILE": str(tmp_path)})
     assert keys is not None and keys.allows(f"Bearer {K1}") and f"from file {tmp_path}" in line
     # A pipeline whose spec asks for keys never serves without them, even on loopback.
     with pytest.raises(ApiKeyError, match=r"spec.orchestrator.auth.apiKeySecret \('api-keys'\) "
                                           r"asks for API keys and none were given"):
-        resolve(None, no_auth=False, host="127.0.0.1", strict=True, secret="api-keys",
+        resolve(None, no_auth=False, host="127.0.0.1", secret="api-keys",
                 environ={})
     with pytest.raises(ApiKeyError, match="--no-auth with API keys"):
-        resolve(None, no_auth=True, host="127.0.0.1", strict=True, environ=env)
+        resolve(None, no_auth=True, host="127.0.0.1", environ=env)
     for host in ("127.0.0.1", "127.3.4.5", "::1", "localhost"):
-        keys, line = resolve(None, no_auth=False, host=host, strict=True, environ={})
+        keys, line = resolve(None, no_auth=False, host=host, environ={})
         assert keys is None and line.startswith(f"API keys: off (the API listens on loopback "
                                                 f"{host} only;"), line
     with pytest.raises(ApiKeyError, match=r"would listen on 0.0.0.0 without API keys: set "
                                           r"\$OMNISTAGE_API_KEY or --api-key-file PATH"):
-        resolve(None, no_auth=False, host="0.0.0.0", strict=True, environ={})
-    keys, line = resolve(None, no_auth=True, host="0.0.0.0", strict=True, environ={})
+        resolve(None, no_auth=False, host="0.0.0.0", environ={})
+    keys, line = resolve(None, no_auth=True, host="0.0.0.0", environ={})
     assert keys is None and line.startswith("API keys: off (--no-auth)")
-    keys, line = resolve(None, no_auth=False, host="pod.example", strict=False, environ={})
-    assert keys is None and "or --no-auth to say so" in line
+    # Keys on by default everywhere beyond loopback: the orchestrator pod too, unless the
+    # pipeline itself says off (spec.orchestrator.auth.disabled).
+    with pytest.raises(ApiKeyError, match=r"would listen on pod\.example without API keys"):
+        resolve(None, no_auth=False, host="pod.example", environ={})
+    keys, line = resolve(None, no_auth=False, host="pod.example", disabled=True, environ={})
+    assert keys is None and line.startswith("API keys: off (spec.orchestrator.auth.disabled)")
 
 
 # ---- the HTTP side ------------------------------------------------------------------------
@@ -157,36 +168,128 @@ async def keyed(tmp_path: Path) -> AsyncIterator[tuple[TestClient, FakeOrchestra
         yield client, orch
 
 
+@pytest.fixture
+async def admin(keyed: tuple[TestClient, FakeOrchestrator]
+                ) -> AsyncIterator[tuple[TestClient, FakeOrchestrator]]:
+    """The admin listener of the same orchestrator, with admin key K2 given as its digest."""
+    _, orch = keyed
+    keys = ApiKeys.from_digests(key_digest_hex(K2), "test")
+    app = h.build_app(orch, disconnect_poll_s=0.02, api_keys=keys, listener="admin")
+    async with TestClient(TestServer(app)) as client:
+        yield client, orch
+
+
 async def test_a_keyed_route_answers_401_in_openai_shape_and_reaches_nothing(
         keyed: tuple[TestClient, FakeOrchestrator]) -> None:
     client, orch = keyed
-    for headers, message in (({}, "no API key: send it as the header Authorization: Bearer "
-                                   "KEY"), ({"Authorization": f"Bearer {K2}"}, "invalid API key")):
-        resp = await client.post("/v1/pipelines/text-to-image/control", json={"op": "pause"},
+    body = {"prompt": "a cat"}
+    for headers, message in (({}, "no key: this route needs an API key; send it as the header "
+                                   "Authorization: Bearer KEY"),
+                             ({"Authorization": f"Bearer {K2}"},
+                              "invalid key: this route needs an API key")):
+        resp = await client.post("/v1/pipelines/text-to-image/requests", json=body,
                                  headers=headers)
         assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
         err = assert_error(await resp.json(), param=None, code="invalid_api_key")
         assert err["message"] == message and err["type"] == "invalid_request_error"
         assert (await client.get("/v1/models", headers=headers)).status == 401
-    assert orch.control_calls == [] and orch.handles == []
+    assert orch.handles == []
+    resp = await client.get("/v1/models", headers={"Authorization": f"Bearer {K1}"})
+    assert resp.status == 200
+
+
+async def test_the_public_listener_serves_no_admin_route_even_with_a_key(
+        keyed: tuple[TestClient, FakeOrchestrator]) -> None:
+    client, orch = keyed
+    for headers in ({}, {"Authorization": f"Bearer {K1}"}):
+        resp = await client.post("/v1/pipelines/text-to-image/control", json={"op": "pause"},
+                                 headers=headers)
+        assert resp.status in (401, 404), headers  # refused before or at routing
+        for path in ("/v1/load", "/metrics"):
+            assert (await client.get(path, headers=headers)).status in (401, 404), path
     resp = await client.post("/v1/pipelines/text-to-image/control", json={"op": "pause"},
                              headers={"Authorization": f"Bearer {K1}"})
-    assert resp.status == 200 and orch.control_calls == [("pause", None)]
+    assert_error(await resp.json(), param=None, code="not_found")
+    assert orch.control_calls == []
 
 
-async def test_ops_routes_and_the_document_stay_open_and_the_document_says_bearer(
-        keyed: tuple[TestClient, FakeOrchestrator]) -> None:
+async def test_the_admin_listener_needs_its_own_key_in_either_header(
+        admin: tuple[TestClient, FakeOrchestrator]) -> None:
+    client, orch = admin
+    for headers in ({}, {"Authorization": f"Bearer {K1}"},  # an API key is no admin key
+                    {"X-Omnistage-Admin-Key": K1}):
+        resp = await client.post("/v1/pipelines/text-to-image/control", json={"op": "pause"},
+                                 headers=headers)
+        assert resp.status == 401, headers
+        err = assert_error(await resp.json(), param=None, code="invalid_api_key")
+        assert "admin key" in err["message"]
+        assert (await client.get("/v1/load", headers=headers)).status == 401
+    assert orch.control_calls == []
+    for headers in ({"Authorization": f"Bearer {K2}"}, {"X-Omnistage-Admin-Key": K2}):
+        resp = await client.post("/v1/pipelines/text-to-image/control", json={"op": "pause"},
+                                 headers=headers)
+        assert resp.status == 200, headers
+    assert orch.control_calls == [("pause", None), ("pause", None)]
+    # The public routes are not on the admin listener.
+    resp = await client.post("/v1/pipelines/text-to-image/requests", json={"prompt": "x"},
+                             headers={"X-Omnistage-Admin-Key": K2})
+    assert resp.status == 404 and orch.handles == []
+
+
+async def test_ops_routes_and_the_documents_stay_open_and_say_their_scheme(
+        keyed: tuple[TestClient, FakeOrchestrator],
+        admin: tuple[TestClient, FakeOrchestrator]) -> None:
     client, _ = keyed
-    for path in ("/livez", "/readyz", "/metrics", "/openapi.json"):
+    for path in ("/livez", "/readyz", "/openapi.json"):
         assert (await client.get(path)).status == 200, path
-    assert (await client.get("/v1/load")).status != 401  # the fake has no load signal: a 500
     assert (await client.get("/v1/nothing")).status == 404  # no route: as before
     doc = await (await client.get("/openapi.json")).json()
     assert doc["components"]["securitySchemes"] == {"apiKey": {"type": "http",
                                                                "scheme": "bearer"}}
-    control = doc["paths"]["/v1/pipelines/{name}/control"]["post"]
-    assert control["security"] == [{"apiKey": []}] and "401" in control["responses"]
+    generic = doc["paths"]["/v1/pipelines/{name}/requests"]["post"]
+    assert generic["security"] == [{"apiKey": []}] and "401" in generic["responses"]
+    assert "/v1/pipelines/{name}/control" not in doc["paths"] and "/v1/load" not in doc["paths"]
     assert "security" not in doc["paths"]["/openapi.json"]["get"]
+    admin_client, _ = admin
+    for path in ("/livez", "/readyz", "/metrics", "/openapi.json"):
+        assert (await admin_client.get(path)).status == 200, path
+    doc = await (await admin_client.get("/openapi.json")).json()
+    assert set(doc["paths"]) == {"/v1/pipelines/{name}/control", "/v1/load", "/livez",
+                                 "/readyz", "/metrics", "/openapi.json"}
+    assert doc["components"]["securitySchemes"]["adminKey"] == {
+        "type": "apiKey", "in": "header", "name": "X-Omnistage-Admin-Key"}
+    control = doc["paths"]["/v1/pipelines/{name}/control"]["post"]
+    assert control["security"] == [{"adminKey": []}, {"bearer": []}]
+    assert "security" not in doc["paths"]["/metrics"]["get"]
+
+
+def test_admin_keys_beyond_loopback_are_required_and_come_from_one_source(
+        tmp_path: Path) -> None:
+    keys, line = resolve_admin(None, no_auth=False, host="127.0.0.1", environ={})
+    assert keys is None and "off (the admin listener is on loopback" in line
+    with pytest.raises(ApiKeyError, match=r"admin listener would be on 0\.0\.0\.0 without admin"):
+        resolve_admin(None, no_auth=False, host="0.0.0.0", environ={})
+    keys, line = resolve_admin(None, no_auth=True, host="0.0.0.0", environ={})
+    assert keys is None and "--no-auth" in line
+    env = {"OMNISTAGE_ADMIN_KEY_DIGESTS": f"{key_digest_hex(K1)}, {key_digest_hex(K2)}"}
+    keys, line = resolve_admin(None, no_auth=False, host="0.0.0.0", environ=env)
+    assert keys is not None and keys.count == 2 and "2 keys from $OMNISTAGE_ADMIN_KEY_DIGESTS" \
+        in line and K1 not in line
+    assert keys.allows(f"Bearer {K1}") and keys.allows(f"Bearer {K2}")
+    assert not keys.allows(f"Bearer {key_digest_hex(K1)}")  # the digest is no key
+    with pytest.raises(ApiKeyError, match=r"admin keys from .* and .*: give one source"):
+        resolve_admin(None, no_auth=False, host="0.0.0.0",
+                      environ={**env, "OMNISTAGE_ADMIN_KEY": K1})
+    with pytest.raises(ApiKeyError, match="--no-auth with admin keys"):
+        resolve_admin(None, no_auth=True, host="0.0.0.0", environ=env)
+    for bad in ("abc", "zz" * 32, ","):
+        with pytest.raises(ApiKeyError, match=r"\$OMNISTAGE_ADMIN_KEY_DIGESTS: "):
+            resolve_admin(None, no_auth=False, host="0.0.0.0",
+                          environ={"OMNISTAGE_ADMIN_KEY_DIGESTS": bad})
+    f = tmp_path / "admin"
+    f.write_text(K2 + "\n")
+    keys, _ = resolve_admin(str(f), no_auth=False, host="0.0.0.0", environ={})
+    assert keys is not None and keys.allows(f"Bearer {K2}") and not keys.allows(f"Bearer {K1}")
 
 
 async def test_the_openai_client_raises_authentication_error_on_a_wrong_key() -> None:

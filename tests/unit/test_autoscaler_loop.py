@@ -25,6 +25,7 @@ from omni_operator.autoscaler import (
 from omni_operator.controller import Controller
 from omni_operator.models import API_VERSION
 from omni_operator.status import pool_status
+from omnistage import kube
 from omnistage.autoscaling import ANNOTATION_WAKE_REQUESTED, LOAD_PATH
 from omnistage.kubeapi import ApiError
 from omnistage.spec import parse_pipeline
@@ -59,8 +60,8 @@ class CountingApi:
         self.calls.append(("GET", url, None))
         return list(self.hpas)
 
-    async def request(self, method: str, url: str, *_: Any, **__: Any) -> Any:
-        self.calls.append((method, url, None))
+    async def request(self, method: str, url: str, *_: Any, **kwargs: Any) -> Any:
+        self.calls.append((method, url, kwargs.get("headers")))
         raise ApiError(503, {"message": "no endpoints available"}, method, url)
 
     async def get(self, url: str, **_: Any) -> None:
@@ -331,6 +332,23 @@ def test_a_pool_at_zero_that_wakes_on_demand_is_ready() -> None:
         assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
 
 
+PIPELINE_UID = "u-p"
+
+
+def _know_pipeline(controller: Controller, admin_port: int | None = None) -> dict[str, str]:
+    """Pipeline p in the view (its uid is part of its admin key) and, with `admin_port`, its
+    admin Service (where the autoscaler takes the port from); the header every read of its
+    orchestrators must carry."""
+    controller.view.pipelines[("ns", "p")] = {
+        "apiVersion": API_VERSION, "kind": "OmniPipeline",
+        "metadata": {"name": "p", "namespace": "ns", "uid": PIPELINE_UID}, "spec": {}}
+    if admin_port is not None:
+        controller.children[("Service", "ns", "p-orchestrator-admin")] = {
+            "spec": {"ports": [{"name": "admin", "port": admin_port}]}}
+    key = controller.pipeline_reconciler.admin.key("ns", "p", PIPELINE_UID)
+    return {kube.ADMIN_KEY_HEADER: key}
+
+
 def _serve(doc: Any, served: list[str] | None = None) -> FakeLoadServer:
     """A loopback orchestrator stand-in answering every GET with `doc` (keep-alive, as the
     LoadClient expects); the paths asked are appended to `served`."""
@@ -344,23 +362,28 @@ def _serve(doc: Any, served: list[str] | None = None) -> FakeLoadServer:
 
 def test_the_load_is_read_from_a_ready_orchestrator_pod_else_through_the_service_proxy() -> None:
     """Straight from a Ready orchestrator pod first (no load on the API server); when no pod
-    answers, through the API server's service proxy (its path names the orchestrator
-    Service's http port), which is then tried first for that pipeline; neither: no signal, with
-    the reason."""
+    answers, through the API server's service proxy (its path names the admin Service's
+    admin port, and the call carries the pipeline's admin key), which is then tried first for
+    that pipeline; neither: no signal, with the reason. A pipeline the view does not have:
+    no key, no read."""
     served: list[str] = []
     server = _serve(load(inflight=2), served)
-    proxy_path = "/api/v1/namespaces/ns/services/p-orchestrator:http/proxy/v1/load"
+    proxy_path = "/api/v1/namespaces/ns/services/p-orchestrator-admin:admin/proxy/v1/load"
     try:
         async def main() -> None:
             api = CountingApi()
             controller = Controller(api)  # type: ignore[arg-type]
             scaler = controller.autoscaler
+            with pytest.raises(LoadUnavailable, match=r"no pipeline ns/p in the view, so no "
+                               r"admin key"):
+                await scaler._read_load("ns", "p")
+            assert api.calls == []
+            headers = _know_pipeline(controller)
             with pytest.raises(LoadUnavailable, match=r"GET /v1/load of p-orchestrator: "
                                r"straight: .*no ready orchestrator pod.*; proxy: ApiError"):
                 await scaler._read_load("ns", "p")
-            assert api.calls == [("GET", proxy_path, None)]
-            controller.children[("Service", "ns", "p-orchestrator")] = {
-                "spec": {"ports": [{"name": "http", "port": server.port}]}}
+            assert api.calls == [("GET", proxy_path, headers)]
+            _know_pipeline(controller, server.port)
             orchestrator = {"metadata": {"name": "p-orchestrator-x", "namespace": "ns"},
                             "status": {"podIP": "127.0.0.1",
                                        "conditions": [{"type": "Ready", "status": "True"}]}}
@@ -388,8 +411,8 @@ def test_a_pipeline_read_through_the_proxy_tries_the_proxy_first_next_time() -> 
         api = CountingApi()
         answers = [json.dumps(load(inflight=1))]
 
-        async def request(method: str, url: str, *_: Any, **__: Any) -> Any:
-            api.calls.append((method, url, None))
+        async def request(method: str, url: str, *_: Any, **kwargs: Any) -> Any:
+            api.calls.append((method, url, kwargs.get("headers")))
             return answers[0]
 
         api.request = request  # type: ignore[method-assign]
@@ -398,15 +421,14 @@ def test_a_pipeline_read_through_the_proxy_tries_the_proxy_first_next_time() -> 
         straight: list[str] = []
         real = scaler._client.get_json
 
-        async def counted(url: str) -> Any:
+        async def counted(url: str, headers: Any = None) -> Any:
             straight.append(url)
-            return await real(url)
+            return await real(url, headers)
 
         scaler._client.get_json = counted  # type: ignore[method-assign]
         with socket.socket() as refused:  # bound, never listening: the straight read fails
             refused.bind(("127.0.0.2", 0))
-            controller.children[("Service", "ns", "p-orchestrator")] = {
-                "spec": {"ports": [{"name": "http", "port": refused.getsockname()[1]}]}}
+            headers = _know_pipeline(controller, refused.getsockname()[1])
             controller.pods[("ns", "p-orchestrator")] = {"x": {
                 "metadata": {"name": "p-orchestrator-x", "namespace": "ns"},
                 "status": {"podIP": "127.0.0.2",
@@ -417,6 +439,8 @@ def test_a_pipeline_read_through_the_proxy_tries_the_proxy_first_next_time() -> 
             reads = await scaler._read_load("ns", "p")
             assert reads.docs == {"p-orchestrator-x": load(inflight=1)}
             assert len(straight) == 1 and len(api.calls) == 2  # the proxy first now
+            assert [h for _, _, h in api.calls] == [headers, headers]
+            assert straight == [f"http://127.0.0.2:{refused.getsockname()[1]}{LOAD_PATH}"]
         await scaler.close()
 
     asyncio.run(main())
@@ -649,7 +673,7 @@ def test_every_running_orchestrator_pod_is_read_and_the_proxy_only_for_the_one_r
     serve = _serve
     first = serve({"revisions": {"b": {"r": {"pinned": 1}}}})
     port = first.port
-    proxied = "/api/v1/namespaces/ns/services/p-orchestrator:http/proxy/v1/load"
+    proxied = "/api/v1/namespaces/ns/services/p-orchestrator-admin:admin/proxy/v1/load"
 
     def orchestrator(name: str, ip: str, phase: str = "Running") -> Obj:
         return {"metadata": {"name": name, "namespace": "ns"},
@@ -659,8 +683,8 @@ def test_every_running_orchestrator_pod_is_read_and_the_proxy_only_for_the_one_r
         api = CountingApi()
         answers: dict[str, Any] = {}
 
-        async def request(method: str, url: str, *_: Any, **__: Any) -> Any:
-            api.calls.append((method, url, None))
+        async def request(method: str, url: str, *_: Any, **kwargs: Any) -> Any:
+            api.calls.append((method, url, kwargs.get("headers")))
             if url not in answers:
                 raise ApiError(503, {"message": "no endpoints available"}, method, url)
             return answers[url]
@@ -669,8 +693,7 @@ def test_every_running_orchestrator_pod_is_read_and_the_proxy_only_for_the_one_r
         controller = Controller(api)  # type: ignore[arg-type]
         scaler = controller.autoscaler
         assert await scaler.orchestrator_loads("ns", "p") == []  # none runs: nothing in flight
-        controller.children[("Service", "ns", "p-orchestrator")] = {
-            "spec": {"ports": [{"name": "http", "port": port}]}}
+        _know_pipeline(controller, port)
         with socket.socket() as refused:  # 127.0.0.2 at that port: bound, never listening
             refused.bind(("127.0.0.2", port))
             pods = controller.pods[("ns", "p-orchestrator")] = {
@@ -757,8 +780,7 @@ def _two_orchestrators(port: int) -> tuple[CountingApi, Clock, Controller, Autos
     controller = Controller(api)  # type: ignore[arg-type]
     scaler = Autoscaler(controller, clock=clock)
     controller.autoscaler = scaler
-    controller.children[("Service", "ns", "p-orchestrator")] = {
-        "spec": {"ports": [{"name": "http", "port": port}]}}
+    _know_pipeline(controller, port)
     controller.pods[("ns", "p-orchestrator")] = {
         name: {"metadata": {"name": f"p-orchestrator-{name}", "namespace": "ns"},
                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
@@ -862,3 +884,133 @@ def test_a_credentials_failure_while_scaling_is_one_line(caplog: pytest.LogCaptu
     [record] = [r for r in caplog.records if "autoscaling ns/p-a failed" in r.getMessage()]
     assert "token service down" in record.getMessage()
     assert record.exc_info is None and "\n" not in record.getMessage()
+
+
+# ---- the admin listener and its key (issue 43) ---------------------------------------------
+
+
+class KeyedLoad:
+    """An orchestrator's admin listener on loopback, as the runtime serves it: GET /v1/load
+    with the pipeline's admin key in kube.ADMIN_KEY_HEADER answers the load, without it (or
+    with another key) 401. Records the headers of every GET (aiohttp: the real server library
+    of the orchestrator)."""
+
+    def __init__(self, key: str, doc: Obj) -> None:
+        self.key, self.doc = key, doc
+        self.seen: list[dict[str, str]] = []
+        self.port = 0
+        self._runner: Any = None
+
+    async def start(self, host: str = "127.0.0.1") -> KeyedLoad:
+        from aiohttp import web
+
+        async def handle(request: web.Request) -> web.Response:
+            self.seen.append(dict(request.headers))
+            if request.headers.get(kube.ADMIN_KEY_HEADER) != self.key:
+                return web.json_response({"error": "invalid admin key"}, status=401)
+            return web.json_response(self.doc)
+
+        app = web.Application()
+        app.router.add_get(LOAD_PATH, handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+
+def _ready_orchestrator(controller: Controller, ip: str = "127.0.0.1") -> None:
+    controller.pods[("ns", "p-orchestrator")] = {"x": {
+        "metadata": {"name": "p-orchestrator-x", "namespace": "ns"},
+        "status": {"podIP": ip, "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True"}]}}}
+
+
+def test_every_load_read_carries_the_pipeline_s_admin_key_at_the_admin_port(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The autoscaler's reads and the drain's (orchestrator_loads) go to the admin port the
+    admin Service names, with the key derived for the pipeline's uid: the orchestrator admits
+    them. A key for another uid (the pipeline made again) is refused (401), and the refusal
+    in the logs and the status never shows a key. Kills: reading the API port, reading
+    without the header, a key not derived from the pipeline's identity, a key in a message."""
+    async def main() -> None:
+        api = CountingApi()
+        controller = Controller(api)  # type: ignore[arg-type]
+        scaler = controller.autoscaler
+        headers = _know_pipeline(controller)
+        key = headers[kube.ADMIN_KEY_HEADER]
+        assert key == controller.pipeline_reconciler.admin_key("ns", "p")
+        server = await KeyedLoad(key, load(inflight=2)).start()
+        try:
+            _know_pipeline(controller, server.port)
+            _ready_orchestrator(controller)
+            reads = await scaler._read_load("ns", "p")
+            assert reads.docs == {"p-orchestrator-x": load(inflight=2)} and reads.complete
+            assert await scaler.orchestrator_loads("ns", "p") == [load(inflight=2)]
+            assert [h.get(kube.ADMIN_KEY_HEADER) for h in server.seen] == [key, key]
+            assert api.calls == []  # straight, not through the proxy
+            # The pipeline made again (a new uid): the old key is not the new pods' key.
+            server.key = controller.pipeline_reconciler.admin.key("ns", "p", "u-new")
+            with caplog.at_level("DEBUG"):
+                with pytest.raises(LoadUnavailable, match="HTTP 401") as caught:
+                    await scaler._read_load("ns", "p")
+                _, why = await scaler._load("ns", "p")
+            assert why is not None and "HTTP 401" in why
+            for text in (str(caught.value), why, caplog.text):
+                assert key not in text and server.key not in text
+        finally:
+            await server.close()
+            await scaler.close()
+
+    asyncio.run(main())
+
+
+def test_the_admin_port_comes_from_the_admin_service_else_the_pipeline() -> None:
+    controller = Controller(CountingApi())  # type: ignore[arg-type]
+    scaler = controller.autoscaler
+    assert scaler._admin_port("ns", "p") == 8001  # nothing known: the spec's default
+    _know_pipeline(controller)
+    controller.view.pipelines[("ns", "p")]["spec"] = {"orchestrator": {"port": 9000}}
+    assert scaler._admin_port("ns", "p") == 9001  # adminPort's default: port + 1
+    controller.view.pipelines[("ns", "p")]["spec"] = {"orchestrator": {"adminPort": 9100}}
+    assert scaler._admin_port("ns", "p") == 9100
+    controller.children[("Service", "ns", "p-orchestrator-admin")] = {
+        "spec": {"ports": [{"name": "admin", "port": 9200}]}}
+    assert scaler._admin_port("ns", "p") == 9200
+    # The public Service's port is never taken for it.
+    controller.children[("Service", "ns", "p-orchestrator")] = {
+        "spec": {"ports": [{"name": "http", "port": 8000}]}}
+    del controller.children[("Service", "ns", "p-orchestrator-admin")]
+    assert scaler._admin_port("ns", "p") == 9100
+
+
+def test_the_test_hook_sends_the_key_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OMNISTAGE_AUTOSCALER_LOAD_URL (cluster tests, benches): the same header, when the
+    view has the pipeline; without it the hook still reads (a fake needs no key)."""
+    from omni_operator.autoscaler import LOAD_URL_ENV
+    from omni_operator.loadclient import LoadReadError
+
+    async def main() -> None:
+        controller = Controller(CountingApi())  # type: ignore[arg-type]
+        scaler = controller.autoscaler
+        key = _know_pipeline(controller)[kube.ADMIN_KEY_HEADER]
+        server = await KeyedLoad(key, load(inflight=1)).start()
+        try:
+            monkeypatch.setenv(LOAD_URL_ENV, f"http://127.0.0.1:{server.port}{LOAD_PATH}"
+                               "?ns={namespace}&p={pipeline}")
+            reads = await scaler._read_load("ns", "p")
+            assert reads.docs == {"p-orchestrator": load(inflight=1)}
+            assert await scaler.orchestrator_loads("ns", "p") == [load(inflight=1)]
+            assert [h.get(kube.ADMIN_KEY_HEADER) for h in server.seen] == [key, key]
+            with pytest.raises(LoadReadError, match="HTTP 401"):  # q: unknown, no header
+                await scaler._read_load("ns", "q")
+            assert kube.ADMIN_KEY_HEADER not in server.seen[-1]
+        finally:
+            await server.close()
+            await scaler.close()
+
+    asyncio.run(main())

@@ -3,6 +3,7 @@ real API server in tests/cluster)."""
 
 from __future__ import annotations
 
+import base64
 import inspect
 import json
 import re
@@ -166,18 +167,23 @@ def test_the_dispatch_window_is_the_orchestrator_s_alone() -> None:
 
 def test_an_api_key_secret_is_mounted_read_only_and_named_in_the_environment(
         tmp_path: Any) -> None:
-    """spec.orchestrator.auth.apiKeySecret: a secret volume (rotates without a restart, unlike
-    an env value from the Secret), mounted read-only, its path in $OMNISTAGE_API_KEY_FILE;
-    and what the orchestrator in that pod does with that environment. Unset: none of it."""
+    """Keys on by default: spec.orchestrator.auth.apiKeySecret, else the Secret the operator
+    makes (named by the uid), is a secret volume (rotates without a restart, unlike an env
+    value from the Secret), mounted read-only, its path in $OMNISTAGE_API_KEY_FILE; and what
+    the orchestrator in that pod does with that environment. auth.disabled: none of it."""
     from omnistage.orchestrator.auth import resolve
 
     def api_key_volumes(spec: dict[str, Any]) -> list[dict[str, Any]]:
         return [v for v in spec["volumes"] if v["name"] == "api-keys"]
 
-    plain, _ = _orchestrator({})
-    spec = plain["spec"]["template"]["spec"]
+    off, _ = _orchestrator({"auth": {"disabled": True}})
+    spec = off["spec"]["template"]["spec"]
     assert api_key_volumes(spec) == []
     assert kube.API_KEY_FILE_ENV not in {e["name"] for e in spec["containers"][0]["env"]}
+    made, _ = _orchestrator({})
+    [volume] = api_key_volumes(made["spec"]["template"]["spec"])
+    assert volume["secret"] == {"secretName": "p-api-keys-u1"}
+    assert b.api_key_secret_name("p", "u1") == "p-api-keys-u1"
     keyed, _ = _orchestrator({"auth": {"apiKeySecret": "p-api-keys"}})
     spec = keyed["spec"]["template"]["spec"]
     [volume] = api_key_volumes(spec)
@@ -189,9 +195,27 @@ def test_an_api_key_secret_is_mounted_read_only_and_named_in_the_environment(
     assert env[kube.API_KEY_FILE_ENV] == kube.API_KEYS_DIR
     # The pod's process, given that environment (the volume's files here in tmp_path):
     (tmp_path / "primary").write_text("sk-from-the-secret-0123456789")
-    keys, _ = resolve(None, no_auth=False, host="0.0.0.0", strict=False, secret="p-api-keys",
+    keys, _ = resolve(None, no_auth=False, host="0.0.0.0", secret="p-api-keys",
                       environ={kube.API_KEY_FILE_ENV: str(tmp_path)})
     assert keys is not None and keys.allows("Bearer sk-from-the-secret-0123456789")
+
+
+def test_the_api_key_secret_the_operator_makes_holds_one_usable_key(tmp_path: Any) -> None:
+    """The made Secret: owned by the pipeline, one key the runtime accepts as a key file."""
+    from omnistage.orchestrator.auth import ApiKeys
+
+    owner = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+             "metadata": {"name": "p", "namespace": "ns", "uid": "u1"}}
+    pipeline = parse_pipeline({"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+                               "metadata": {"name": "p"}, "spec": {"stages": [
+                                   {"name": "a", "kind": "echo", "finalOutput": True}]}})
+    secret = b.api_key_secret(owner, pipeline, "sk-made-0123456789abcdef")
+    assert secret["metadata"]["name"] == "p-api-keys-u1"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    for key, value in secret["data"].items():
+        (tmp_path / key).write_bytes(base64.b64decode(value))
+    keys = ApiKeys.from_file(tmp_path)
+    assert keys.count == 1 and keys.allows("Bearer sk-made-0123456789abcdef")
 
 
 def test_a_bad_api_key_secret_name_is_refused_with_its_path() -> None:
@@ -229,3 +253,144 @@ def test_the_curve_secret_is_mounted_in_every_pod_and_reads_as_the_pair(tmp_path
     spec = b.pool_pod(pool, 0)["spec"]
     assert all(v["name"] != "curve-keys" for v in spec["volumes"])
     assert curve_keys.CURVE_KEYS_ENV not in {e["name"] for e in spec["containers"][0]["env"]}
+
+
+# ---- the admin listener (issue 43) -------------------------------------------------------------
+
+
+def _admin_children(orchestrator: dict[str, Any] | None = None,
+                    digests: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    pipe = parse_pipeline({
+        "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+        "metadata": {"name": "p"},
+        "spec": {"orchestrator": orchestrator or {},
+                 "stages": [{"name": "a", "kind": "echo", "finalOutput": True}]},
+    })
+    return b.pipeline_children(OWNER, pipe, admin_key_digests=digests)
+
+
+def _by_name(children: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in children if c["kind"] == kind}
+
+
+def test_the_orchestrator_listens_on_an_admin_port_with_the_operator_s_digest() -> None:
+    """The orchestrator container declares its admin port (named admin, spec.orchestrator.
+    adminPort) beside the API port, and gets the digest of the pipeline's derived key in
+    $OMNISTAGE_ADMIN_KEY_DIGESTS, never the key; the orchestrator in that pod, given that
+    environment, admits exactly that key. Kills: the key itself in the pod, a digest of
+    another pipeline's key, a port left out."""
+    from omni_operator.admin_credential import AdminCredential
+    from omnistage.orchestrator.auth import key_digest_hex, resolve_admin
+
+    credential = AdminCredential(b"r" * 40, "/etc/omnistage/admin-key/admin-key")
+    key = credential.key("ns", "p", "u1")  # OWNER's namespace, name and uid
+    digest = credential.digest("ns", "p", "u1")
+    assert digest == key_digest_hex(key) and key not in digest
+    children = _admin_children({"port": 9000, "adminPort": 9100}, (digest,))
+    [deployment] = _by_name(children, "Deployment").values()
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["ports"] == [{"name": "http", "containerPort": 9000},
+                                  {"name": kube.ADMIN_PORT_NAME, "containerPort": 9100}]
+    assert kube.ADMIN_PORT_NAME == "admin"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[kube.ADMIN_KEY_DIGESTS_ENV] == digest
+    assert key not in json.dumps(children)  # nowhere in what the operator writes
+    # The admin port is the pipeline's (in the manifest the orchestrator reads), not a flag.
+    assert "--admin-port" not in container["command"]
+    config = _by_name(children, "ConfigMap")["p-pipeline"]
+    assert json.loads(config["data"][b.PIPELINE_KEY])["spec"]["orchestrator"]["adminPort"] == 9100
+    keys, _ = resolve_admin(None, no_auth=False, host="10.0.0.7",
+                            environ={k: v for k, v in env.items() if v is not None})
+    assert keys is not None and keys.allows(f"Bearer {key}")
+    assert not keys.allows(f"Bearer {credential.key('ns', 'p', 'another-uid')}")
+    # Several digests (a rotation) go comma-separated.
+    two = _admin_children(digests=(digest, "0" * 64))
+    [deployment] = _by_name(two, "Deployment").values()
+    env = {e["name"]: e.get("value")
+           for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[kube.ADMIN_KEY_DIGESTS_ENV] == f"{digest},{'0' * 64}"
+
+
+def test_the_admin_port_defaults_and_the_probes_stay_on_the_api_port() -> None:
+    [deployment] = _by_name(_admin_children(digests=("0" * 64,)), "Deployment").values()
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8000},
+                                  {"name": "admin", "containerPort": 8001}]
+    assert container["readinessProbe"]["httpGet"]["port"] == 8000
+    assert container["livenessProbe"]["httpGet"]["port"] == 8000
+    # adminPort unset: the port after the API's, in the pod, the Service and the policy.
+    moved = _admin_children({"port": 9000})
+    [deployment] = _by_name(moved, "Deployment").values()
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["ports"][1] == {
+        "name": "admin", "containerPort": 9001}
+    assert _by_name(moved, "Service")["p-orchestrator-admin"]["spec"]["ports"][0]["port"] == 9001
+    # Without digests given (a builder called outside the reconciler): no variable at all.
+    [plain] = _by_name(_admin_children(), "Deployment").values()
+    names = {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert kube.ADMIN_KEY_DIGESTS_ENV not in names
+
+
+def test_the_public_service_has_only_the_api_port_and_the_admin_service_only_admin() -> None:
+    """Control, /v1/load and /metrics are never behind the pipeline's Service (its clients and
+    gateways); the admin Service `<orchestrator>-admin` exposes the admin port alone, selects
+    the same pods, and is owned and labelled like every child (so the view watches it and the
+    garbage collector takes it with the pipeline). It comes before the workloads."""
+    children = _admin_children({"port": 9000, "adminPort": 9100}, ("0" * 64,))
+    services = _by_name(children, "Service")
+    assert sorted(services) == ["p-orchestrator", "p-orchestrator-admin"]
+    assert b.admin_service_name("p") == "p-orchestrator-admin"
+    public, admin = services["p-orchestrator"], services["p-orchestrator-admin"]
+    assert public["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": 9000}]
+    assert admin["spec"]["ports"] == [{"name": "admin", "port": 9100, "targetPort": 9100}]
+    [deployment] = _by_name(children, "Deployment").values()
+    assert admin["spec"]["selector"] == public["spec"]["selector"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+    assert admin["metadata"]["labels"] == public["metadata"]["labels"]
+    assert admin["metadata"]["labels"][kube.LABEL_MANAGED_BY] == kube.MANAGED_BY
+    assert admin["metadata"]["ownerReferences"] == public["metadata"]["ownerReferences"]
+    assert admin["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    kinds = [c["kind"] for c in children]
+    assert kinds.index("Deployment") > max(i for i, k in enumerate(kinds) if k == "Service")
+    # The endpoint in the pipeline's status stays the public API.
+    pipe = parse_pipeline({"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+                           "metadata": {"name": "p"},
+                           "spec": {"orchestrator": {"port": 9000, "adminPort": 9100},
+                                    "stages": [{"name": "a", "kind": "echo",
+                                                "finalOutput": True}]}})
+    assert b.endpoint(pipe, "ns") == "http://p-orchestrator.ns.svc:9000"
+
+
+def test_the_reconciler_builds_with_its_credential_s_digest() -> None:
+    """The digest in the Deployment the reconciler applies is its credential's for the
+    pipeline as the API server has it (namespace, name, uid); the same root gives the same
+    digest (a restarted operator writes nothing), another root or uid another."""
+    import asyncio
+
+    from omni_operator.admin_credential import AdminCredential
+    from omni_operator.controller import Controller
+    from tests.unit.test_network_policy import Api
+
+    def applied_digest(root: bytes, uid: str) -> str:
+        api = Api()
+        c = Controller(api=api)  # type: ignore[arg-type]
+        c.writes.event = lambda *a, **k: None  # type: ignore[method-assign,assignment]
+        c.pipeline_reconciler.admin = AdminCredential(root, "file")
+        owner = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+                 "metadata": {"name": "p", "namespace": "ns", "uid": uid, "generation": 1},
+                 "spec": {"stages": [{"name": "a", "kind": "echo", "finalOutput": True}]}}
+        c.view.observe("OmniPipeline", "ADDED", owner)
+        asyncio.run(c.pipeline_reconciler.reconcile(owner))
+        [deployment] = [o for url, o in api.applies if "/deployments/" in url]
+        env = {e["name"]: e.get("value")
+               for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert c.pipeline_reconciler.admin_key("ns", "p") == AdminCredential(root).key(
+            "ns", "p", uid)
+        assert c.pipeline_reconciler.admin_key("ns", "gone") is None
+        assert any("/services/p-orchestrator-admin" in url for url, _ in api.applies)
+        return str(env[kube.ADMIN_KEY_DIGESTS_ENV])
+
+    first = applied_digest(b"a" * 32, "u1")
+    assert first == AdminCredential(b"a" * 32).digest("ns", "p", "u1")
+    assert applied_digest(b"a" * 32, "u1") == first
+    assert applied_digest(b"b" * 32, "u1") != first
+    assert applied_digest(b"a" * 32, "u2") != first

@@ -199,8 +199,9 @@ async def test_a_refused_child_parks_the_key_with_a_condition_and_one_event() ->
         h.c.view.observe("OmniPipeline", "ADDED", _pipeline(1))
         await h.settle()
         assert h.reconciled == [KEY]
-        [secret] = h.api.created  # the CurveZMQ Secret, before the refused child
-        assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "p-curve-u1")
+        # The CurveZMQ and the API-key Secrets, before the refused child.
+        assert [(s["kind"], s["metadata"]["name"]) for s in h.api.created] == [
+            ("Secret", "p-curve-u1"), ("Secret", "p-api-keys-u1")]
         [status] = h.api.status
         [ready] = [c for c in status["conditions"] if c["type"] == "Ready"]
         assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
@@ -218,7 +219,7 @@ async def test_a_refused_child_parks_the_key_with_a_condition_and_one_event() ->
         await h.settle()
         assert h.reconciled == [KEY, KEY]
         assert [e[1] for e in h.events if e[0] == "Warning"] == ["InvalidSpec"]
-        assert len(h.api.created) == 1  # made once, never again
+        assert len(h.api.created) == 2  # the Secrets made once, never again
         h.c.enqueue(KEY)
         await h.settle()
         assert len(h.reconciled) == 2  # parked again

@@ -405,8 +405,8 @@ async def test_a_new_pipeline_s_children_are_applied_in_two_waves() -> None:
                                 "finalOutput": True}]}}
     await c.pipeline_reconciler.reconcile(obj)
     assert [sorted(w) for w in api.waves] == [
-        ["ConfigMap", "Role", "RoleBinding", "Service", "ServiceAccount"],
-        ["Deployment", "StagePool", "StagePool", "StagePool"]]
+        ["ConfigMap", "Role", "RoleBinding", "Service", "Service", "ServiceAccount"],
+        ["Deployment", "StagePool", "StagePool", "StagePool"]]  # Services: API and admin
 
 
 # ---- priming the view --------------------------------------------------------------------------

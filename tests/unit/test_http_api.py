@@ -196,6 +196,14 @@ async def client(orch: FakeOrchestrator) -> AsyncIterator[TestClient]:
         yield c
 
 
+@pytest.fixture
+async def admin(orch: FakeOrchestrator) -> AsyncIterator[TestClient]:
+    """The same orchestrator's admin listener (control, load, metrics)."""
+    app = h.build_app(orch, disconnect_poll_s=0.02, listener="admin")
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
 def assert_error(body: dict, *, param: Any = "skip", code: Any = "skip") -> dict:
     """OpenAI's error shape: exactly these four keys (control errors add two)."""
     err = body["error"]
@@ -710,13 +718,14 @@ async def test_wire_values_are_accepted_exactly_when_the_document_allows_them(
 
 
 async def test_stage_names_are_enumerated_in_the_document_and_enforced(
-        client: TestClient) -> None:
+        client: TestClient, admin: TestClient) -> None:
     """Regression (fuzzing): the document allowed any string as a stage name in `finals`,
     `stages` and as a `params` key, the server refused all but the pipeline's own. The models
     the server validates with are narrowed to the pipeline's stages and are the document's."""
     doc = await (await client.get("/openapi.json")).json()
-    schemas = doc["components"]["schemas"]
-    generic, control = schemas["GenericRequest"], schemas["ControlRequest"]
+    admin_doc = await (await admin.get("/openapi.json")).json()
+    generic = doc["components"]["schemas"]["GenericRequest"]
+    control = admin_doc["components"]["schemas"]["ControlRequest"]
     finals = generic["properties"]["finals"]["anyOf"][0]
     assert finals["items"]["enum"] == ["encoder", "denoiser"] and finals["uniqueItems"]
     keys = generic["properties"]["params"]["anyOf"][0]["propertyNames"]["enum"]
@@ -730,7 +739,7 @@ async def test_stage_names_are_enumerated_in_the_document_and_enforced(
                               ("control", {"op": "pause", "stages": ["x"]}, "stages[0]"),
                               ("control", {"op": "pause", "stages": ["denoiser"] * 2},
                                "stages[1]")]:
-        resp = await client.post(f"{url}/{path}", json=body)
+        resp = await (admin if path == "control" else client).post(f"{url}/{path}", json=body)
         assert resp.status == 400, (body, await resp.text())
         assert_error(await resp.json(), param=param, code="invalid_value")
 
@@ -888,10 +897,13 @@ async def test_health_readiness_and_shutdown(client: TestClient, orch: FakeOrche
     assert (await client.get("/livez")).status == 200
 
 
-async def test_metrics_include_engine_and_http_counters(client: TestClient) -> None:
+async def test_metrics_include_engine_and_http_counters(client: TestClient,
+                                                       admin: TestClient) -> None:
+    """The admin listener's /metrics counts the public listener's requests (one registry)."""
     await client.post("/v1/chat/completions", json=CHAT_BODY)
     await client.post("/v1/chat/completions", json={"messages": 1})
-    text = await (await client.get("/metrics")).text()
+    assert (await client.get("/metrics")).status == 404  # not on the public listener
+    text = await (await admin.get("/metrics")).text()
     assert sample(text, "fake_engine_up") == 1
     route = "/v1/chat/completions"
     for status in ("200", "400"):
@@ -915,7 +927,8 @@ async def test_generic_request_and_pipeline_name(client: TestClient,
     assert_error(await resp.json(), param="name")
 
 
-async def test_control_results_and_errors(client: TestClient, orch: FakeOrchestrator) -> None:
+async def test_control_results_and_errors(admin: TestClient, orch: FakeOrchestrator) -> None:
+    client = admin
     url = "/v1/pipelines/text-to-image/control"
     resp = await client.post(url, json={"op": "pause", "stages": ["encoder"]})
     assert resp.status == 200
@@ -1040,16 +1053,18 @@ async def test_a_too_long_image_prompt_names_prompt(orch: FakeOrchestrator,
     assert_error(await resp.json(), param="size")
 
 
-async def test_405_lists_the_allowed_methods(client: TestClient) -> None:
+async def test_405_lists_the_allowed_methods(client: TestClient, admin: TestClient) -> None:
     """Regression (fuzzing): every path answered an undeclared method with 405 and no Allow
     header (RFC 9110 requires one), on the API routes and the ops routes alike."""
-    for method, path, allowed in [("TRACE", "/v1/chat/completions", {"POST"}),
-                                  ("GET", "/v1/images/generations", {"POST"}),
-                                  ("DELETE", "/v1/models", {"GET", "HEAD"}),
-                                  ("PUT", "/v1/pipelines/text-to-image/control", {"POST"}),
-                                  ("POST", "/livez", {"GET", "HEAD"}),
-                                  ("PATCH", "/metrics", {"GET", "HEAD"})]:
-        resp = await client.request(method, path)
+    for on, method, path, allowed in [
+            (client, "TRACE", "/v1/chat/completions", {"POST"}),
+            (client, "GET", "/v1/images/generations", {"POST"}),
+            (client, "DELETE", "/v1/models", {"GET", "HEAD"}),
+            (admin, "PUT", "/v1/pipelines/text-to-image/control", {"POST"}),
+            (client, "POST", "/livez", {"GET", "HEAD"}),
+            (admin, "POST", "/livez", {"GET", "HEAD"}),
+            (admin, "PATCH", "/metrics", {"GET", "HEAD"})]:
+        resp = await on.request(method, path)
         assert resp.status == 405, (method, path)
         assert {m.strip() for m in resp.headers["Allow"].split(",")} == allowed, (method, path)
         body = assert_error(await resp.json(), code="method_not_allowed")

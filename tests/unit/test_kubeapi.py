@@ -367,6 +367,24 @@ async def test_requests_ignore_count_and_errors(server: Server) -> None:
     assert server.requests[4][2] == {"labelSelector": "a=b", "watch": "false"}
 
 
+async def test_a_proxied_service_s_headers_go_along_but_never_replace_the_credentials(
+        server: Server) -> None:
+    """The autoscaler's read of an orchestrator's admin listener through the service proxy:
+    its admin key header reaches the server beside the API server's own Authorization."""
+    proxy = "/api/v1/namespaces/ns/services/p-orchestrator-admin:admin/proxy/v1/load"
+    server.routes[("GET", proxy)] = (200, '{"stages": {}}')
+    api = KubeApi(KubeConfig(server=server.url, token="t0k"))  # type: ignore[attr-defined]
+    try:
+        text = await api.request("GET", proxy, raw=True, headers={
+            "X-Omnistage-Admin-Key": "k" * 64, "Authorization": "Bearer forged"})
+    finally:
+        await api.close()
+    assert text == '{"stages": {}}' and api.writes == 0
+    headers = server.requests[0][3]
+    assert headers["X-Omnistage-Admin-Key"] == "k" * 64
+    assert headers["Authorization"] == "Bearer t0k"
+
+
 async def test_a_refused_token_is_renewed_once(server: Server, tmp_path: Path) -> None:
     """A 401 runs the exec plugin again and retries once (a write still counts once); a
     second 401 stands."""

@@ -97,3 +97,45 @@ def test_a_server_that_never_answers_times_out() -> None:
             server.close()
 
     asyncio.run(main())
+
+
+def test_headers_go_on_the_wire_and_never_into_a_message() -> None:
+    """The admin key header reaches the server on every GET, the kept-alive connection's
+    too; a 401 says HTTP 401 and nothing of the key; a header that would break the request
+    (a line break in it) is refused before anything is sent, without naming its value."""
+    key = "0123456789abcdef" * 4
+
+    async def main() -> None:
+        seen: list[str | None] = []
+
+        async def load(request: web.Request) -> web.Response:
+            seen.append(request.headers.get("X-Omnistage-Admin-Key"))
+            if request.headers.get("X-Omnistage-Admin-Key") != key:
+                return web.json_response({"error": "invalid admin key"}, status=401)
+            return web.json_response({"stages": {}})
+
+        app = web.Application()
+        app.add_routes([web.get("/v1/load", load)])
+        runner, port = await _serve(app)
+        client = LoadClient(2.0)
+        url = f"http://127.0.0.1:{port}/v1/load"
+        try:
+            assert await client.get_json(url, {"X-Omnistage-Admin-Key": key}) == {"stages": {}}
+            assert await client.get_json(url, {"X-Omnistage-Admin-Key": key}) == {"stages": {}}
+            with pytest.raises(LoadReadError, match="HTTP 401") as refused:
+                await client.get_json(url, {"X-Omnistage-Admin-Key": "not-" + key})
+            assert key not in str(refused.value)
+            with pytest.raises(LoadReadError, match="HTTP 401"):
+                await client.get_json(url)  # no header at all
+            assert seen == [key, key, "not-" + key, None]
+            for bad in ({"X-Omnistage-Admin-Key": key + "\r\nX-Evil: 1"},
+                        {"X-Evil\r\n": key}, {"": key}, {"A:B": key}):
+                with pytest.raises(LoadReadError, match="cannot be sent") as caught:
+                    await client.get_json(url, bad)
+                assert key not in str(caught.value)
+            assert len(seen) == 4  # nothing was sent for those
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

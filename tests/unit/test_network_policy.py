@@ -19,6 +19,7 @@ from omni_operator.command import register
 from omni_operator.controller import Controller
 from omni_operator.main import network_policy_settings
 from omni_operator.network_policy import (
+    MONITORING_NAMESPACE,
     NAMESPACE_NAME_LABEL,
     NetworkPolicySettings,
     OperatorPeer,
@@ -38,6 +39,7 @@ OPERATOR_LABELS = {"app.kubernetes.io/name": "omnistage-operator",
 OPERATOR = OperatorPeer(OPERATOR_NS, OPERATOR_LABELS)
 ON = NetworkPolicySettings(enabled=True, operator=OPERATOR)
 ZMQ, SIDE = kube.WORKER_ZMQ_PORT, kube.WORKER_HTTP_PORT
+API, ADMIN = 8000, 8001  # spec.orchestrator.port and adminPort, by default
 
 
 # ---- a NetworkPolicy evaluator (the API's documented semantics, the parts used here) --------
@@ -128,10 +130,11 @@ def test_the_evaluator_follows_the_selector_rules() -> None:
 # ---- the pods the real builders make ----------------------------------------------------------
 
 
-def _pipeline(name: str, port: int = 8000) -> tuple[Obj, OmniPipeline]:
+def _pipeline(name: str, port: int = API, admin_port: int = ADMIN
+              ) -> tuple[Obj, OmniPipeline]:
     doc = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
-           "spec": {"orchestrator": {"port": port},
+           "spec": {"orchestrator": {"port": port, "adminPort": admin_port},
                     "stages": [{"name": "enc", "kind": "echo"},
                                {"name": "img", "kind": "echo", "inputs": ["enc"],
                                 "finalOutput": True}]}}
@@ -151,8 +154,9 @@ class Built:
         return [c for c in self.children if c["kind"] == "NetworkPolicy"]
 
 
-def build(name: str, settings: NetworkPolicySettings | None = ON, port: int = 8000) -> Built:
-    owner, pipeline = _pipeline(name, port)
+def build(name: str, settings: NetworkPolicySettings | None = ON, port: int = API,
+          admin_port: int = ADMIN) -> Built:
+    owner, pipeline = _pipeline(name, port, admin_port)
     children = builders.pipeline_children(owner, pipeline, network_policy=settings)
     stage_pods = []
     for pool in (c for c in children if c["kind"] == "StagePool"):
@@ -168,6 +172,8 @@ def build(name: str, settings: NetworkPolicySettings | None = ON, port: int = 80
 
 
 OPERATOR_POD = Pod(OPERATOR_NS, {**OPERATOR_LABELS, "pod-template-hash": "abc"})
+#: A Prometheus in the monitoring namespace (any labels: the namespace is the peer).
+PROMETHEUS = Pod(MONITORING_NAMESPACE, {"app.kubernetes.io/name": "prometheus"})
 
 
 def test_stage_pods_admit_zmq_from_their_orchestrators_and_the_side_port_from_the_operator(
@@ -186,25 +192,76 @@ def test_stage_pods_admit_zmq_from_their_orchestrators_and_the_side_port_from_th
         assert not admitted(policies, p.orchestrator, target, SIDE)  # it never calls it
         assert admitted(policies, OPERATOR_POD, target, SIDE)
         assert not admitted(policies, OPERATOR_POD, target, ZMQ)  # it never speaks ZMQ
-        for source in (q.orchestrator, *q.stage_pods, *p.stage_pods, stranger, *impostors):
-            for port in (ZMQ, SIDE, 8000, 22):
+        for source in (q.orchestrator, *q.stage_pods, *p.stage_pods, stranger, *impostors,
+                       PROMETHEUS):
+            for port in (ZMQ, SIDE, API, ADMIN, 22):
                 assert not admitted(policies, source, target, port), (source, port)
 
 
 def test_orchestrator_pods_admit_their_api_port_from_anywhere_and_nothing_else() -> None:
-    p, q = build("p", port=9000), build("q")
+    p, q = build("p", port=9000, admin_port=9001), build("q")
     policies = p.policies + q.policies
     [front] = selecting(policies, p.orchestrator)
     assert front["metadata"]["name"] == "p-orchestrator"
-    for source in (Pod("anywhere", {}), q.orchestrator, OPERATOR_POD, *p.stage_pods):
+    for source in (Pod("anywhere", {}), q.orchestrator, OPERATOR_POD, PROMETHEUS,
+                   *p.stage_pods):
         assert admitted(policies, source, p.orchestrator, 9000)
-        assert not admitted(policies, source, p.orchestrator, ZMQ)
-        assert not admitted(policies, source, p.orchestrator, 8000)
+        for port in (ZMQ, SIDE, API, ADMIN, 22):  # the defaults: not this pipeline's ports
+            assert not admitted(policies, source, p.orchestrator, port), (source, port)
     # The stage policy selects no orchestrator pod, the orchestrator policy no stage pod.
     assert not any(selects(front["spec"]["podSelector"], pod.labels) for pod in p.stage_pods)
     [stages] = [x for x in p.policies if x["metadata"]["name"] == "p-stages"]
     assert not selects(stages["spec"]["podSelector"], p.orchestrator.labels)
     assert not selects(stages["spec"]["podSelector"], OPERATOR_POD.labels)
+
+
+def test_the_admin_port_admits_only_the_operator_and_the_monitoring_namespace() -> None:
+    """Control, /v1/load and /metrics live on the admin port (issue 43): the operator's pods
+    (the autoscaler, the drain) and a Prometheus in the monitoring namespace reach it; they
+    reach the API port as everyone does. Any other pod reaches the API port and not the admin
+    port: a client, another pipeline's orchestrator, this pipeline's stage pods, the
+    operator's labels in the wrong namespace, the operator's namespace with other labels.
+    Kills: the admin port admitted from anywhere (an empty `from`), or the API port narrowed
+    with it."""
+    p, q = build("p", port=9000, admin_port=9100), build("q")
+    policies = p.policies + q.policies
+    for source in (OPERATOR_POD, PROMETHEUS,
+                   Pod(MONITORING_NAMESPACE, {}), Pod(MONITORING_NAMESPACE, OPERATOR_LABELS)):
+        assert admitted(policies, source, p.orchestrator, 9100), source
+        assert admitted(policies, source, p.orchestrator, 9000), source
+    others = [Pod("anywhere", {}), Pod(NS, {"app": "curious"}), q.orchestrator, *p.stage_pods,
+              Pod(NS, OPERATOR_LABELS), Pod("elsewhere", OPERATOR_LABELS),
+              Pod(OPERATOR_NS, {"app": "not-the-operator"}),
+              Pod("monitoring-x", {}), Pod(NS, dict(PROMETHEUS.labels))]
+    for source in others:
+        assert admitted(policies, source, p.orchestrator, 9000), source
+        assert not admitted(policies, source, p.orchestrator, 9100), source
+    # Their own admin port each: q's default port is not p's.
+    assert admitted(policies, OPERATOR_POD, q.orchestrator, ADMIN)
+    assert not admitted(policies, OPERATOR_POD, p.orchestrator, ADMIN)
+
+
+@pytest.mark.parametrize(("settings", "who"), [
+    (NetworkPolicySettings(enabled=True), [PROMETHEUS]),  # the operator's pods not known
+    (NetworkPolicySettings(enabled=True, operator=OPERATOR, monitoring_namespace="prom"),
+     [OPERATOR_POD, Pod("prom", {})]),
+    (NetworkPolicySettings(enabled=True, operator=OPERATOR, monitoring_namespace=None),
+     [OPERATOR_POD]),
+    (NetworkPolicySettings(enabled=True, monitoring_namespace=None), []),
+])
+def test_who_reaches_the_admin_port_follows_the_settings(settings: NetworkPolicySettings,
+                                                         who: list[Pod]) -> None:
+    """Without a peer to admit, no admin rule at all (a rule with no `from` admits
+    everyone): only the node's probes reach it."""
+    built = build("p", settings)
+    [_, front] = built.policies
+    candidates = [OPERATOR_POD, PROMETHEUS, Pod("prom", {}), Pod(NS, {})]
+    for source in candidates:
+        assert admitted(built.policies, source, built.orchestrator, API)
+        assert admitted(built.policies, source, built.orchestrator, ADMIN) == (source in who), \
+            source
+    assert len(front["spec"]["ingress"]) == (2 if who else 1)
+    assert all(rule.get("from") for rule in front["spec"]["ingress"][1:])
 
 
 def test_the_policies_exactly() -> None:
@@ -234,12 +291,20 @@ def test_the_policies_exactly() -> None:
              "ports": [{"protocol": "TCP", "port": SIDE}]},
         ],
     }
-    assert front["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
-    # The orchestrator policy admits the port the orchestrator listens on and probes.
+    assert front["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": API}]},
+        {"from": [{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: OPERATOR_NS}},
+                   "podSelector": {"matchLabels": OPERATOR_LABELS}},
+                  {"namespaceSelector": {"matchLabels": {
+                      NAMESPACE_NAME_LABEL: MONITORING_NAMESPACE}}}],
+         "ports": [{"protocol": "TCP", "port": ADMIN}]},
+    ]
+    # The orchestrator policy admits the ports the orchestrator listens on (and probes).
     [deployment] = [c for c in built.children if c["kind"] == "Deployment"]
     [container] = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["ports"] == [{"name": "http", "containerPort": 8000}]
-    assert container["readinessProbe"]["httpGet"]["port"] == 8000
+    assert container["ports"] == [{"name": "http", "containerPort": API},
+                                  {"name": kube.ADMIN_PORT_NAME, "containerPort": ADMIN}]
+    assert container["readinessProbe"]["httpGet"]["port"] == API
 
 
 def test_stage_probes_use_the_side_port() -> None:
@@ -287,6 +352,9 @@ def test_policies_come_before_the_workloads() -> None:
 def test_the_policies_are_the_pure_functions_output() -> None:
     owner, pipeline = _pipeline("p")
     assert build("p").policies == pipeline_network_policies(owner, pipeline, OPERATOR)
+    assert build("p", NetworkPolicySettings(enabled=True, operator=OPERATOR,
+                                            monitoring_namespace="m")).policies == \
+        pipeline_network_policies(owner, pipeline, OPERATOR, "m")
 
 
 # ---- the operator's flags -> the settings ----------------------------------------------------
@@ -304,7 +372,7 @@ def settings_from_flags(*argv: str) -> NetworkPolicySettings:
     """The settings `omnistage operator ARGV...` builds its pipelines' policies with."""
     args = _args(*argv)
     return network_policy_settings(args.network_policy, args.operator_pod_labels,
-                                   args.operator_namespace)
+                                   args.operator_namespace, args.monitoring_namespace)
 
 
 def test_flags_default_on_and_name_the_operator_pods(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,10 +390,28 @@ def test_flags_default_on_and_name_the_operator_pods(monkeypatch: pytest.MonkeyP
         settings_from_flags("--operator-pod-labels=a=1")
 
 
+def test_the_monitoring_namespace_flag() -> None:
+    """Default "monitoring"; another name; "" for none (as the chart's empty value passes)."""
+    assert settings_from_flags().monitoring_namespace == MONITORING_NAMESPACE == "monitoring"
+    assert settings_from_flags("--monitoring-namespace=prom").monitoring_namespace == "prom"
+    assert settings_from_flags("--monitoring-namespace=").monitoring_namespace is None
+    chart = ",".join(f"{k}={v}" for k, v in sorted(OPERATOR_LABELS.items()))
+    assert settings_from_flags(f"--operator-pod-labels={chart}",
+                               f"--operator-namespace={OPERATOR_NS}",
+                               "--monitoring-namespace=") == NetworkPolicySettings(
+        enabled=True, operator=OPERATOR, monitoring_namespace=None)
+
+
 @pytest.mark.parametrize("bad", ["a", "=1", "a=1,b"])
 def test_bad_pod_labels_are_refused_by_the_parser(bad: str) -> None:
     with pytest.raises(SystemExit):
         _args(f"--operator-pod-labels={bad}")
+
+
+@pytest.mark.parametrize("bad", ["Monitoring", "a_b", "-x", "x" * 64])
+def test_a_bad_monitoring_namespace_is_refused_by_the_parser(bad: str) -> None:
+    with pytest.raises(SystemExit):
+        _args(f"--monitoring-namespace={bad}")
 
 
 # ---- the reconciler applies them, once --------------------------------------------------------

@@ -559,8 +559,10 @@ def wire(world: Cluster, servers: list[FakeOrchestrator]) -> list[tuple[str, str
     events: list[tuple[str, str, str]] = []
     world.ctl.writes.event = lambda obj, kind, reason, msg: events.append(  # type: ignore[method-assign]
         (kind, reason, msg))
-    world.ctl.children[("Service", "ns", "p-orchestrator")] = {
-        "spec": {"ports": [{"name": "http", "port": servers[0].port}]}}
+    # The load is read on the admin listener, with the pipeline's admin key (its uid in it).
+    world.ctl.children[("Service", "ns", "p-orchestrator-admin")] = {
+        "spec": {"ports": [{"name": "admin", "port": servers[0].port}]}}
+    world.ctl.view.pipelines[("ns", "p")] = pipeline_doc(1)
     pods = {f"p-orchestrator-{i}": {"metadata": {"name": f"p-orchestrator-{i}", "namespace": "ns"},
                                     "status": {"phase": "Running", "podIP": s.host}}
             for i, s in enumerate(servers)}

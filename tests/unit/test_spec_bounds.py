@@ -182,6 +182,10 @@ BOUNDS: list[tuple[str, Any, str | None]] = [
     ("spec.orchestrator.port", 0, f"{GE} 1 (got 0)"),
     ("spec.orchestrator.port", 65535, None),
     ("spec.orchestrator.port", 65536, f"{LE} 65535 (got 65536)"),
+    ("spec.orchestrator.adminPort", 1, None),
+    ("spec.orchestrator.adminPort", 0, f"{GE} 1 (got 0)"),
+    ("spec.orchestrator.adminPort", 65535, None),
+    ("spec.orchestrator.adminPort", 65536, f"{LE} 65535 (got 65536)"),
     ("spec.orchestrator.requestTimeoutSeconds", 0.5, None),
     ("spec.orchestrator.requestTimeoutSeconds", 0, f"{GT} 0 (got 0)"),
     ("spec.orchestrator.requestTimeoutSeconds", 86_400, None),
@@ -217,6 +221,18 @@ def test_each_bound_at_its_edge(path: str, value: Any, expected: str | None) -> 
         assert _get(parse_pipeline(doc).to_manifest(), path) == value
     else:
         assert errors_of(doc) == [(path, expected)]
+
+
+def test_the_admin_listener_has_a_port_of_its_own() -> None:
+    """adminPort defaults to the port after the API's; the API's own port is refused."""
+    assert OrchestratorSpec().admin_listen_port == 8001
+    assert OrchestratorSpec(port=65535).admin_listen_port == 65534
+    assert OrchestratorSpec(port=9000, admin_port=7000).admin_listen_port == 7000
+    doc = one_stage()
+    _set(doc, "spec.orchestrator.port", 9000)
+    _set(doc, "spec.orchestrator.adminPort", 9000)
+    assert errors_of(doc) == [("spec.orchestrator.adminPort", "the admin listener needs a port "
+                               "of its own, not the API's port 9000")]
 
 
 def test_several_field_errors_are_all_reported_with_their_paths() -> None:
@@ -276,11 +292,12 @@ def test_other_defaults() -> None:
         "toleration_seconds": None}
     orchestrator = OrchestratorSpec().model_dump()
     assert orchestrator == {
-        "replicas": 1, "port": 8000, "api": ["chat", "images", "speech", "generic"],
+        "replicas": 1, "port": 8000, "admin_port": None,
+        "api": ["chat", "images", "speech", "generic"],
         "served_model_name": None, "chat_stage": None, "request_timeout_seconds": 300.0,
         "shutdown_delay_seconds": 5.0, "failover": {"max_retries": 2},
         "resources": {"cpu": "1", "memory": "1Gi"},
-        "node_selector": {}, "tolerations": [], "auth": {"api_key_secret": None}}
+        "node_selector": {}, "tolerations": [], "auth": {"api_key_secret": None, "disabled": False}}
     stage_a = parse_pipeline(one_stage()).spec
     assert stage_a.image == DEFAULT_IMAGE and stage_a.model_cache is None
     only = stage_a.stages[0]

@@ -52,8 +52,8 @@ def pool_status(pool: dict[str, Any], pods: list[dict[str, Any]], template_hash:
     return wire(typed.pool_status(pool, pods, template_hash, now, autoscaler))
 
 
-def pipeline_status(*args: Any) -> dict[str, Any]:
-    return wire(typed.pipeline_status(*args))
+def pipeline_status(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return wire(typed.pipeline_status(*args, **kwargs))
 
 
 def invalid_status(obj: dict[str, Any], errors: list[tuple[str, str]], now: str) -> dict[str, Any]:
@@ -223,7 +223,8 @@ def deployment(ready: int, want: int = 1) -> dict[str, Any]:
 def run(pools: dict[str, Any], dep: dict[str, Any] | None, previous: dict[str, Any] | None = None,
         want: int = 1) -> dict[str, Any]:
     return pipeline_status(pipeline(previous), list(pools), pools, dep, want,
-                           "http://p-orchestrator.ns.svc:8000", NOW)
+                           "http://p-orchestrator.ns.svc:8000", NOW,
+                           api_key_secret="p-api-keys-u1")
 
 
 def test_phases_follow_the_rules() -> None:

@@ -157,3 +157,8 @@ these rules are cluster-wide in both watch scopes; create cannot be limited by n
   resourceNames: [validation.omnistage.io]
   verbs: [patch]
 {{- end -}}
+
+{{/* The Secret holding the operator's root admin key: the chart's own, or adminKey.existingSecret. */}}
+{{- define "omnistage.adminKeySecret" -}}
+{{- default (printf "%s-admin-key" (include "omnistage.fullname" .)) .Values.adminKey.existingSecret -}}
+{{- end -}}

@@ -141,12 +141,17 @@ class KubeApi:
 
     @contextlib.asynccontextmanager
     async def _response(self, method: str, url_path: str, content_type: str | None = None,
+                        extra_headers: dict[str, str] | None = None,
                         **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
         """One HTTP exchange with the current credentials. A 401 gets new ones where there
-        is a way (an exec plugin runs again) and one more try; then the 401 stands."""
+        is a way (an exec plugin runs again) and one more try; then the 401 stands.
+        extra_headers go along (never in place of the credentials)."""
         for attempt in (1, 2):
             token = await self._token()
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            headers = {k: v for k, v in (extra_headers or {}).items()
+                       if k.lower() not in ("authorization", "content-type")}
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
             if content_type:
                 headers["Content-Type"] = content_type
             async with self._http().request(method, self.config.server + url_path,
@@ -172,16 +177,19 @@ class KubeApi:
         self, method: str, url_path: str, body: Any = None, *,
         params: dict[str, Any] | None = None, content_type: str = "application/json",
         timeout: float = 60.0, raw: bool = False, ignore: tuple[int, ...] = (),
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """One REST call. ``params`` become the query string (None values dropped); ``raw``
-        returns a 2xx body as text (proxy, log and metrics endpoints)."""
+        returns a 2xx body as text (proxy, log and metrics endpoints); ``headers`` go along
+        (a proxied service's own, such as the orchestrator's admin key; never logged)."""
         return (await self._exchange(method, url_path, body, params=params,
                                      content_type=content_type, timeout=timeout, raw=raw,
-                                     ignore=ignore))[1]
+                                     ignore=ignore, headers=headers))[1]
 
     async def _exchange(
         self, method: str, url_path: str, body: Any, *, params: dict[str, Any] | None,
         content_type: str, timeout: float, raw: bool, ignore: tuple[int, ...],
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """`request`, with the HTTP status (an ignored status answers None as its body)."""
         if method != "GET":
@@ -192,7 +200,7 @@ class KubeApi:
             write_log.info("%s %s", method, url_path)
         data = None if body is None else json.dumps(body)
         async with self._response(
-            method, url_path, content_type if body is not None else None, data=data,
+            method, url_path, content_type if body is not None else None, headers, data=data,
             params=self._query(params), timeout=aiohttp.ClientTimeout(total=timeout),
         ) as resp:
             text = await resp.text(errors="replace")

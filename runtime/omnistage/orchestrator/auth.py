@@ -20,14 +20,15 @@ import ipaddress
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from omnistage.kube import API_KEY_FILE_ENV
+from omnistage.kube import ADMIN_KEY_DIGESTS_ENV, ADMIN_KEY_HEADER, API_KEY_FILE_ENV
 
 log = logging.getLogger(__name__)
 
 ENV_KEYS = "OMNISTAGE_API_KEY"  # one key, or several separated by newlines or commas
+ENV_ADMIN_KEYS = "OMNISTAGE_ADMIN_KEY"  # the admin listener's, the same way
 RELOAD_S = 1.0  # how often a key file or directory is looked at again (at most)
 MIN_KEY_CHARS = 16
 
@@ -58,6 +59,12 @@ def parse_keys(text: str, where: str) -> list[str]:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("ascii", "replace")).digest()
+
+
+def key_digest_hex(key: str) -> str:
+    """The SHA-256 digest of a key in hex: what the operator hands an orchestrator pod in
+    $OMNISTAGE_ADMIN_KEY_DIGESTS for the admin key it presents, so the pod never holds it."""
+    return _digest(key).hex()
 
 
 Signature = tuple[tuple[str, int, int, int], ...]
@@ -93,10 +100,10 @@ class ApiKeys:
     """The keys in force and the check of a request's Authorization header."""
 
     def __init__(self, keys: list[str], source: str, *, path: Path | None = None,
-                 signature: Signature = (), clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 signature: Signature = (), clock: Callable[[], float] = time.monotonic,
+                 digests: list[bytes] | None = None) -> None:
         self.source = source  # for the start line and logs: never a key
-        self._digests = [_digest(k) for k in keys]
+        self._digests = [_digest(k) for k in keys] + list(digests or [])
         self._path = path
         self._signature = signature
         self._clock = clock
@@ -114,15 +121,36 @@ class ApiKeys:
         return cls(keys, f"file {p}", path=p, signature=signature, clock=clock)
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ApiKeys | None:
-        """The keys in OMNISTAGE_API_KEY, or None when it is unset or empty."""
-        text = (os.environ if environ is None else environ).get(ENV_KEYS, "")
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 name: str = ENV_KEYS) -> ApiKeys | None:
+        """The keys in $name (OMNISTAGE_API_KEY), or None when it is unset or empty."""
+        text = (os.environ if environ is None else environ).get(name, "")
         if not text.strip():
             return None
-        keys = parse_keys(text, f"${ENV_KEYS}")
+        keys = parse_keys(text, f"${name}")
         if not keys:
-            raise ApiKeyError(f"${ENV_KEYS}: no API key in it")
-        return cls(keys, f"${ENV_KEYS}")
+            raise ApiKeyError(f"${name}: no {'API' if name == ENV_KEYS else 'admin'} key in it")
+        return cls(keys, f"${name}")
+
+    @classmethod
+    def from_digests(cls, text: str, where: str) -> ApiKeys:
+        """Keys given only by their SHA-256 digests (hex, comma-separated), as the operator
+        hands an orchestrator pod the admin key it presents: the pod never holds the key."""
+        digests = []
+        for item in (t.strip() for t in text.split(",")):
+            if not item:
+                continue
+            try:
+                raw = bytes.fromhex(item)
+            except ValueError:
+                raw = b""
+            if len(raw) != hashlib.sha256().digest_size:
+                raise ApiKeyError(f"{where}: {item[:12]!r}... is not a SHA-256 digest in hex "
+                                  "(64 hex digits)")
+            digests.append(raw)
+        if not digests:
+            raise ApiKeyError(f"{where}: no digest in it")
+        return cls([], where, digests=digests)
 
     @property
     def count(self) -> int:
@@ -175,15 +203,15 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve to anything
 
 
-def resolve(key_file: str | None, *, no_auth: bool, host: str, strict: bool,
-            secret: str | None = None, environ: dict[str, str] | None = None
-            ) -> tuple[ApiKeys | None, str]:
+def resolve(key_file: str | None, *, no_auth: bool, host: str, secret: str | None = None,
+            disabled: bool = False,
+            environ: Mapping[str, str] | None = None) -> tuple[ApiKeys | None, str]:
     """The keys a command serves with (None: none asked) and the line that says so at start.
 
-    key_file defaults to $OMNISTAGE_API_KEY_FILE (where the operator mounts the pipeline's
-    spec.orchestrator.auth.apiKeySecret, named by `secret`, which then requires keys).
-    strict (`omnistage serve`): off needs --no-auth, unless the API listens on loopback only.
-    The orchestrator pod is not strict yet: keys on by default is issue 43's next part.
+    key_file defaults to $OMNISTAGE_API_KEY_FILE (where the operator mounts the pipeline's key
+    Secret: spec.orchestrator.auth.apiKeySecret, named by `secret`, which then requires keys,
+    or the one it made). disabled: spec.orchestrator.auth.disabled, the pipeline's own "off".
+    Off needs --no-auth (or `disabled`), unless the API listens on loopback only.
     """
     env = os.environ if environ is None else environ
     key_file = key_file if key_file is not None else (env.get(API_KEY_FILE_ENV) or None)
@@ -205,9 +233,50 @@ def resolve(key_file: str | None, *, no_auth: bool, host: str, strict: bool,
                           "cluster the operator mounts the Secret)")
     if no_auth:
         return None, "API keys: off (--no-auth): anyone who reaches the API may call it"
+    if disabled:
+        return None, ("API keys: off (spec.orchestrator.auth.disabled): anyone who reaches the "
+                      "API may call it")
     if is_loopback(host):
         return None, f"API keys: off (the API listens on loopback {host} only; {how})"
-    if strict:
-        raise ApiKeyError(f"the API would listen on {host} without API keys: {how}, or pass "
-                          "--no-auth to serve without them")
-    return None, f"API keys: off ({how}, or --no-auth to say so)"
+    raise ApiKeyError(f"the API would listen on {host} without API keys: {how} (on a cluster "
+                      "the operator mounts the pipeline's key Secret), or pass --no-auth "
+                      "(spec.orchestrator.auth.disabled) to serve without them")
+
+
+def resolve_admin(key_file: str | None, *, no_auth: bool, host: str,
+                  environ: Mapping[str, str] | None = None) -> tuple[ApiKeys | None, str]:
+    """The admin listener's keys (None: open) and the line that says so at start.
+
+    From --admin-key-file (a file or a Secret-shaped directory, re-read on change like API
+    keys), $OMNISTAGE_ADMIN_KEY, or $OMNISTAGE_ADMIN_KEY_DIGESTS (the operator's: digests of
+    the key it presents). Open only on loopback or with --no-auth: the admin routes pause and
+    put to sleep every replica, so beyond loopback they always need a key.
+    """
+    env = os.environ if environ is None else environ
+    sources = []
+    if key_file is not None:
+        sources.append(ApiKeys.from_file(key_file))
+    env_keys = ApiKeys.from_env(env, ENV_ADMIN_KEYS)
+    if env_keys is not None:
+        sources.append(env_keys)
+    digests = env.get(ADMIN_KEY_DIGESTS_ENV, "")
+    if digests.strip():
+        sources.append(ApiKeys.from_digests(digests, f"${ADMIN_KEY_DIGESTS_ENV}"))
+    if len(sources) > 1:
+        raise ApiKeyError(f"admin keys from {' and '.join(k.source for k in sources)}: give "
+                          "one source")
+    if no_auth and sources:
+        raise ApiKeyError(f"--no-auth with admin keys ({sources[0].source}): give one")
+    if sources:
+        keys = sources[0]
+        plural = "s" if keys.count != 1 else ""
+        return keys, (f"admin keys: on ({keys.count} key{plural} from {keys.source}; send "
+                      f"{ADMIN_KEY_HEADER}: KEY or Authorization: Bearer KEY)")
+    if no_auth:
+        return None, ("admin keys: off (--no-auth): anyone who reaches the admin listener may "
+                      "pause or put the pipeline to sleep")
+    how = f"set ${ENV_ADMIN_KEYS} or --admin-key-file PATH to require one"
+    if is_loopback(host):
+        return None, f"admin keys: off (the admin listener is on loopback {host} only; {how})"
+    raise ApiKeyError(f"the admin listener would be on {host} without admin keys: {how} (on a "
+                      f"cluster the operator sets ${ADMIN_KEY_DIGESTS_ENV}), or pass --no-auth")

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import re
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from omnistage import media
 from omnistage.client import ControlError
+from omnistage.kube import ADMIN_KEY_HEADER
 from omnistage.metrics import HttpMetrics
 from omnistage.orchestrator import requests as rq
 from omnistage.orchestrator.auth import ApiKeys
@@ -50,7 +52,14 @@ from omnistage.orchestrator.http_streaming import (
     pump,
 )
 from omnistage.orchestrator.load import PipelineLoad
-from omnistage.orchestrator.openapi import OPS_HANDLERS, ROUTES, Route, openapi_document
+from omnistage.orchestrator.openapi import (
+    LISTENERS,
+    OPS_HANDLERS,
+    ROUTES,
+    Route,
+    openapi_document,
+    serves,
+)
 from omnistage.orchestrator.render import (
     dumps,
     jsonable,
@@ -178,27 +187,46 @@ def _path_pattern(path: str) -> re.Pattern[str]:
     return re.compile("^" + re.sub(r"\\\{.*?\\\}", "[^/]+", re.escape(path)) + "/?$")
 
 
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, HttpMetrics] = (
+    weakref.WeakKeyDictionary())
+
+
+def _http_metrics(registry: CollectorRegistry) -> HttpMetrics:
+    """One set of HTTP metrics per registry: both listeners of an orchestrator count in it."""
+    metrics = _METRICS.get(registry)
+    if metrics is None:
+        metrics = _METRICS[registry] = HttpMetrics(registry)
+    return metrics
+
+
 class HttpApi:
-    """Handlers bound to one orchestrator; build_app wires them to the route table's paths.
+    """Handlers bound to one orchestrator and one listener; build_app wires them to the paths
+    of the route table's routes that the listener serves.
 
     `routes` (default openapi.ROUTES) is one table for both: the handlers validate with each
-    route's body model and /openapi.json is generated from the same table.
+    route's body model and /openapi.json is generated from the same table. `listener`:
+    "public" (the API port) or "admin" (control, load, metrics: docs/security.md); `api_keys`
+    are the keys its keyed routes need (API keys, or admin keys on the admin listener).
     """
 
     def __init__(self, orch: OrchestratorLike, *,
                  disconnect_poll_s: float | None = DISCONNECT_POLL_S,
-                 routes: Iterable[Route] = ROUTES, api_keys: ApiKeys | None = None) -> None:
+                 routes: Iterable[Route] = ROUTES, api_keys: ApiKeys | None = None,
+                 listener: str = "public") -> None:
+        if listener not in LISTENERS:
+            raise ValueError(f"listener {listener!r}: one of {', '.join(LISTENERS)}")
         self.orch = orch
+        self.listener = listener
         self.api_keys = api_keys  # None: every route is open (orchestrator/auth.py)
         self.pipeline = orch.pipeline
         self.apis = list(self.pipeline.spec.orchestrator.api)
         self.model = self.pipeline.served_model_name()
         self.name = self.pipeline.metadata.name
-        self.metrics = HttpMetrics(orch.registry)
+        self.metrics = _http_metrics(orch.registry)
         self.disconnect_poll_s = disconnect_poll_s
         self.closing = False  # shutdown began: /readyz fails, every response says Connection: close
         self.started = int(time.time())
-        table = list(routes)
+        table = [r for r in routes if serves(r, listener)]
         # The generic and control bodies name this pipeline's stages, in validator and document.
         self.served = [replace(r, body=pipeline_body(self.pipeline, r.body)) if r.body else r
                        for r in table if r.surface is None or r.surface in self.apis]
@@ -217,7 +245,8 @@ class HttpApi:
         self.keyed = frozenset(r.handler for r in table if r.keyed)
         self.openapi = dumps(openapi_document(self.apis, routes=self.served,
                                                pipeline_name=self.name, model_name=self.model,
-                                               api_keys=api_keys is not None))
+                                               api_keys=api_keys is not None,
+                                               listener=listener))
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -261,10 +290,17 @@ class HttpApi:
         if name not in self.keyed:
             return
         header = request.headers.get("Authorization")
+        if self.listener == "admin":
+            admin = request.headers.get(ADMIN_KEY_HEADER)
+            if admin is not None:  # the operator's way: the API server's proxy drops the other
+                header = f"Bearer {admin}"
         if self.api_keys.allows(header):
             return
-        message = ("invalid API key" if header else
-                   "no API key: send it as the header Authorization: Bearer KEY")
+        what = "an admin key" if self.listener == "admin" else "an API key"
+        how = (f"{ADMIN_KEY_HEADER}: KEY or Authorization: Bearer KEY"
+               if self.listener == "admin" else "Authorization: Bearer KEY")
+        message = (f"invalid key: this route needs {what}" if header else
+                   f"no key: this route needs {what}; send it as the header {how}")
         raise ApiError(401, message, code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
 
@@ -472,29 +508,34 @@ API_KEY = web.AppKey("omnistage_http_api", HttpApi)
 def build_app(orch: OrchestratorLike, *,
               disconnect_poll_s: float | None = DISCONNECT_POLL_S,
               routes: Iterable[Route] = ROUTES,
-              api_keys: ApiKeys | None = None) -> web.Application:
-    """The aiohttp application for one orchestrator (only the enabled API surfaces).
+              api_keys: ApiKeys | None = None,
+              listener: str = "public") -> web.Application:
+    """The aiohttp application of one of an orchestrator's listeners (only the enabled API
+    surfaces): "public", the API; "admin", control, load and metrics.
 
     disconnect_poll_s: how often a waiting handler checks whether its client is still there.
     Needed when the app is served without handler_cancellation (aiohttp's default); None turns
     the check off for runners that cancel handlers on disconnect, as serve_http's does.
     """
-    api = HttpApi(orch, disconnect_poll_s=disconnect_poll_s, routes=routes, api_keys=api_keys)
+    api = HttpApi(orch, disconnect_poll_s=disconnect_poll_s, routes=routes, api_keys=api_keys,
+                  listener=listener)
     app = web.Application(middlewares=[api.middleware], client_max_size=MAX_BODY_BYTES)
     app[API_KEY] = api
     app.on_response_prepare.append(api._on_response_prepare)
     app.add_routes(api.routes())
-    add_ops_routes(app, readiness=api.readiness, registry=orch.registry)
+    add_ops_routes(app, readiness=api.readiness, registry=orch.registry,
+                   metrics=listener == "admin")
     return app
 
 
 async def serve_http(orch: OrchestratorLike, host: str, port: int,
-                     api_keys: ApiKeys | None = None) -> tuple[web.AppRunner, str]:
-    """Start the API; returns the runner (await runner.cleanup() to stop) and its base URL.
+                     api_keys: ApiKeys | None = None, *,
+                     listener: str = "public") -> tuple[web.AppRunner, str]:
+    """Start one listener; returns the runner (await runner.cleanup() to stop) and its base URL.
 
     handler_cancellation makes a client disconnect cancel the handler at once, which aborts the
     request through the pipeline, so no per-request polling is needed.
     """
-    return await serve_app(build_app(orch, disconnect_poll_s=None, api_keys=api_keys), host,
-                           port, handler_cancellation=True)
+    return await serve_app(build_app(orch, disconnect_poll_s=None, api_keys=api_keys,
+                                     listener=listener), host, port, handler_cancellation=True)
 

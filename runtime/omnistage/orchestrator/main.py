@@ -34,6 +34,7 @@ from omnistage import eventloop, kube
 from omnistage.curve import CURVE_KEYS_ENV, CurveKeyError, CurveKeys, keys_from_env
 from omnistage.orchestrator.auth import ApiKeyError, ApiKeys
 from omnistage.orchestrator.auth import resolve as resolve_api_keys
+from omnistage.orchestrator.auth import resolve_admin as resolve_admin_keys
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.orchestrator.shutdown import drain_timeout
 from omnistage.orchestrator.wake import Waker, waker_for
@@ -110,7 +111,31 @@ def api_routes(pipeline: OmniPipeline) -> list[str]:
     routes += ["/v1/audio/speech"] if "speech" in api and speech_plan(pipeline.spec) else []
     routes += ["/v1/images/generations"] if "images" in api else []
     routes += [f"/v1/pipelines/{pipeline.metadata.name}/requests"] if "generic" in api else []
-    return [*routes, kube.LOAD_PATH, "/readyz", "/metrics", "/openapi.json"]
+    return [*routes, "/readyz", "/openapi.json"]
+
+
+def admin_routes(pipeline: OmniPipeline) -> list[str]:
+    """The admin listener's routes, for the startup banner."""
+    return [f"/v1/pipelines/{pipeline.metadata.name}/control", kube.LOAD_PATH, "/metrics"]
+
+
+def admin_port_for(pipeline: OmniPipeline, port: int | None, admin_port: int | None) -> int:
+    """The admin listener's port: as given, else spec.orchestrator.adminPort (default the API's
+    port + 1), except that an API on any free port (0) puts the admin listener on any free
+    port too. Raises UsageError when it would be the API's port."""
+    orch = pipeline.spec.orchestrator
+    api_port = orch.port if port is None else port
+    if admin_port is None:
+        if api_port == 0:
+            admin_port = 0
+        elif orch.admin_port is not None:
+            admin_port = orch.admin_port
+        else:
+            admin_port = api_port + 1 if api_port < 65535 else api_port - 1
+    if admin_port != 0 and admin_port == api_port:
+        raise UsageError(f"admin port {admin_port} is the API's port: give the admin listener "
+                         "its own (--admin-port, spec.orchestrator.adminPort)")
+    return admin_port
 
 
 async def serve_orchestrator(
@@ -131,6 +156,10 @@ async def serve_orchestrator(
     background: Sequence[Callable[[Any], Awaitable[None]]] = (),
     api_keys: ApiKeys | None = None,
     curve: CurveKeys | None = None,
+    admin_host: str | None = None,
+    admin_port: int | None = None,
+    admin_keys: ApiKeys | None = None,
+    on_admin_ready: Callable[[str], object] | None = None,
 ) -> int:
     """Run the orchestrator and its API until SIGINT/SIGTERM (or `stop`), then shut down as
     the module docstring says; returns 0.
@@ -147,7 +176,10 @@ async def serve_orchestrator(
     called with the Orchestrator once it started and runs until shutdown begins (`omnistage
     serve`'s autoscaler). api_keys: the keys the API's keyed routes need (None: open).
     curve: the pipeline's CurveZMQ pair its workers require (omnistage.curve; None: plain).
-    Raises ApiBindError if the API cannot listen.
+    admin_host/admin_port/admin_keys: the admin listener (control, load, metrics; default the
+    API's host and admin_port_for's port; keys None: open); on_admin_ready(url) as on_ready.
+    It closes after the API's listener: the operator reads the load of a draining orchestrator.
+    Raises ApiBindError if a listener cannot listen.
     """
     from omnistage.orchestrator.engine import Orchestrator
     from omnistage.orchestrator.http_api import API_KEY, serve_http
@@ -179,10 +211,13 @@ async def serve_orchestrator(
     api_port = pipeline.spec.orchestrator.port if port is None else port
     delay = (pipeline.spec.orchestrator.shutdown_delay_seconds if shutdown_delay is None
              else shutdown_delay)
+    admin_bind = host if admin_host is None else admin_host
+    admin_at = admin_port_for(pipeline, port, admin_port)
     orch = Orchestrator(pipeline, membership, notes=notes, shm=shm, waker=waker, curve=curve)
     for collector in collectors:
         orch.registry.register(collector)
     runner: Any = None
+    admin_runner: Any = None
     loops: list[asyncio.Future[None]] = []
     started_ok = serving = False
     drain = drain_timeout(pipeline)
@@ -191,10 +226,19 @@ async def serve_orchestrator(
         started_ok = True
         loops = [asyncio.ensure_future(run(orch)) for run in background]
         try:
+            admin_runner, admin_url = await serve_http(orch, admin_bind, admin_at, admin_keys,
+                                                       listener="admin")
+        except OSError as exc:
+            raise ApiBindError(f"cannot serve the admin listener on {admin_bind}:{admin_at}: "
+                               f"{exc}") from exc
+        try:
             runner, url = await serve_http(orch, host, api_port, api_keys)
         except OSError as exc:
             raise ApiBindError(f"cannot serve the API on {host}:{api_port}: {exc}") from exc
+        say(f"admin listener at {admin_url} (routes: {', '.join(admin_routes(pipeline))})")
         say(f"API at {url} (routes: {', '.join(api_routes(pipeline))})")
+        if on_admin_ready is not None:
+            on_admin_ready(admin_url)
         if on_ready is not None:
             on_ready(url)
         ok, reason = await _wait_ready(orch, stop)
@@ -212,8 +256,9 @@ async def serve_orchestrator(
         for loop_task in loops:
             loop_task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
-        if runner is not None:
-            runner.app[API_KEY].begin_shutdown()
+        for listening in (runner, admin_runner):
+            if listening is not None:
+                listening.app[API_KEY].begin_shutdown()
         if serving and delay > 0:
             say(f"orchestrator: /readyz fails now; still serving for {delay:g}s "
                 "(shutdown delay) so endpoints drop this instance")
@@ -224,6 +269,8 @@ async def serve_orchestrator(
         if runner is not None:
             await close_gracefully(runner)
             say("orchestrator: drained; HTTP listener closed")
+        if admin_runner is not None:
+            await close_gracefully(admin_runner)
         await membership.stop()  # idempotent; covers a failed orch.start()
         for sig in installed:
             loop.remove_signal_handler(sig)
@@ -252,6 +299,8 @@ def run_orchestrator(
     shutdown_delay: float | None = None,
     api_key_file: str | None = None,
     no_auth: bool = False,
+    admin_port: int | None = None,
+    admin_key_file: str | None = None,
 ) -> int:
     """The `omnistage orchestrator` command; returns the process exit status.
 
@@ -264,6 +313,7 @@ def run_orchestrator(
                                   replicas=replicas, zmq_port=zmq_port)
         shm = ShmConfig.from_env()  # the opt-in: a shared directory with the node's replicas
         curve = keys_from_env()  # the pipeline's Secret, mounted by the operator
+        admin_at = admin_port_for(pipeline, port, admin_port)
     except SpecError as exc:
         print(f"error: invalid pipeline {pipeline_file or '$' + kube.PIPELINE_ENV}:",
               file=sys.stderr)
@@ -277,18 +327,22 @@ def run_orchestrator(
              f"plain ZMQ (no ${CURVE_KEYS_ENV}): any peer that reaches a worker is heard")
     try:
         api_keys, auth_line = resolve_api_keys(
-            api_key_file, no_auth=no_auth, host=bind, strict=False,
-            secret=pipeline.spec.orchestrator.auth.api_key_secret)
+            api_key_file, no_auth=no_auth, host=bind,
+            secret=pipeline.spec.orchestrator.auth.api_key_secret,
+            disabled=pipeline.spec.orchestrator.auth.disabled)
+        admin_keys, admin_line = resolve_admin_keys(admin_key_file, no_auth=no_auth, host=bind)
     except ApiKeyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info("%s", auth_line)
+    log.info("%s", admin_line)
     try:
         return eventloop.run(serve_orchestrator(pipeline, members, bind, port,
                                                 ignore_late_signals=True,
                                                 shutdown_delay=shutdown_delay, shm=shm,
                                                 waker=waker_for(members), api_keys=api_keys,
-                                                curve=curve))
+                                                curve=curve, admin_port=admin_at,
+                                                admin_keys=admin_keys))
     except Exception as exc:  # startup failures: a message, exit 1
         log.error("orchestrator failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
@@ -297,6 +351,8 @@ def run_orchestrator(
 __all__ = [
     "ApiBindError",
     "UsageError",
+    "admin_port_for",
+    "admin_routes",
     "api_routes",
     "make_membership",
     "parse_replica",

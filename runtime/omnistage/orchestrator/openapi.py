@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema
 
-from omnistage.kube import LOAD_PATH
+from omnistage.kube import ADMIN_KEY_HEADER, LOAD_PATH
 from omnistage.media import MEDIA_TYPES
 from omnistage.orchestrator.schemas import (
     ChatCompletion,
@@ -36,7 +36,10 @@ from omnistage.orchestrator.schemas import (
 )
 from omnistage.protocol import PIPELINE_CONTROL_OPS as CONTROL_OPS
 
-__all__ = ["ROUTES", "Route", "openapi_document"]
+__all__ = ["LISTENERS", "ROUTES", "Listener", "Route", "openapi_document", "serves"]
+
+Listener = Literal["public", "admin", "both"]
+LISTENERS: tuple[str, str] = ("public", "admin")
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,13 @@ class Route:
     binary: tuple[str, ...] = ()
     #: Served (and documented) only when the pipeline has a speech stage.
     needs_speech: bool = False
-    #: Needs an API key when the orchestrator has keys (orchestrator/auth.py); False only for
-    #: the ops reads (probes, metrics, the load signal the operator's autoscaler reads) and
-    #: this document, until the admin listener (issue 43) takes them.
+    #: The listener that serves it: "public" (the API port: the OpenAI and pipeline routes),
+    #: "admin" (the admin port: control, the load signal, metrics; docs/security.md) or
+    #: "both" (the probes and each listener's own document).
+    listener: Listener = "public"
+    #: Needs a key when the listener has keys: an API key on the public listener, an admin
+    #: key on the admin one (orchestrator/auth.py). False for the probes, /metrics (the admin
+    #: port is network-restricted, so scrapers need no credential) and the documents.
     keyed: bool = True
 
 
@@ -85,28 +92,35 @@ ROUTES: tuple[Route, ...] = (
           "an arbitrary stage graph", "generic", GenericRequest, GenericResponse,
           errors=_COMMON_ERRORS),
     Route("POST", "/v1/pipelines/{name}/control", "pipeline_control", "Fan a control RPC "
-          f"({', '.join(CONTROL_OPS)}) out to stage replicas", "generic", ControlRequest,
-          ControlResponse, errors=(400, 404, 409, 500, 503)),
+          f"({', '.join(CONTROL_OPS)}) out to stage replicas", None, ControlRequest,
+          ControlResponse, errors=(400, 404, 409, 500, 503), listener="admin"),
     Route("GET", LOAD_PATH, "pipeline_load", "Per-stage load signal over a window (replicas, "
           "in flight, held, arrivals, service time, p95 queue wait and time to first output); "
-          "the autoscaler reads it", response=LoadResponse, keyed=False),
-    Route("GET", "/livez", "livez", "Liveness: the process serves HTTP", keyed=False),
+          "the autoscaler reads it", response=LoadResponse, listener="admin"),
+    Route("GET", "/livez", "livez", "Liveness: the process serves HTTP", keyed=False,
+          listener="both"),
     Route("GET", "/readyz", "readyz", "Readiness: every stage has a routable replica and "
-          "admission is open", errors=(503,), keyed=False),
+          "admission is open", errors=(503,), keyed=False, listener="both"),
     Route("GET", "/metrics", "metrics_route", "Prometheus metrics of the orchestrator and its "
-          "HTTP layer", keyed=False),
+          "HTTP layer", keyed=False, listener="admin"),
     Route("GET", "/openapi.json", "openapi_json", "This document", response=dict[str, Any],
-          keyed=False),
+          keyed=False, listener="both"),
 )
 #: Routes documented here but served by omnistage.sideport, like every process's ops routes.
 OPS_HANDLERS = frozenset({"livez", "readyz", "metrics_route"})
+
+
+def serves(route: Route, listener: str) -> bool:
+    """Whether `listener` ("public" or "admin") serves the route."""
+    return route.listener in (listener, "both")
 
 # What a schema cannot say: when each error status happens.
 _ERRORS: dict[int, str] = {
     400: "Bad input. `param` names the offending field (for example `messages[0].content`, "
          "`size`, `params.denoiser.height`).",
-    401: "No API key, or not one in force (`invalid_api_key`): send `Authorization: Bearer "
-         "KEY`.",
+    401: "No key, or not one in force (`invalid_api_key`): send `Authorization: Bearer KEY` "
+         "(an API key on the public listener; an admin key on the admin listener, which also "
+         "takes it as `X-Omnistage-Admin-Key: KEY`).",
     404: "Unknown model (`model_not_found`), pipeline, route, or an API surface this pipeline "
          "does not enable (`api_not_enabled`).",
     409: "A replica's state forbids the control op now (`control_conflict`: resume while "
@@ -169,11 +183,14 @@ def openapi_document(
     pipeline_name: str | None = None,
     model_name: str | None = None,
     api_keys: bool = False,
+    listener: str = "public",
 ) -> dict[str, Any]:
-    """The document for the routes a pipeline enables (disabled API surfaces are left out);
-    api_keys: the orchestrator has keys, so its keyed routes say so (bearer, 401)."""
+    """The document of one listener ("public" or "admin") for the routes a pipeline enables
+    (disabled API surfaces are left out); api_keys: the listener has keys, so its keyed routes
+    say so (their scheme, 401)."""
     enabled = set(apis)
-    served = [r for r in routes if r.surface is None or r.surface in enabled]
+    served = [r for r in routes if (r.surface is None or r.surface in enabled)
+              and serves(r, listener)]
     types: dict[str, Any] = {"Error": ErrorBody}
     for r in served:
         for part, t in (("body", r.body), ("response", r.response), ("stream", r.stream)):
@@ -208,7 +225,8 @@ def openapi_document(
         op: dict[str, Any] = {"summary": r.summary, "operationId": r.handler,
                               "responses": responses}
         if api_keys and r.keyed:
-            op["security"] = [{"apiKey": []}]
+            op["security"] = ([{"adminKey": []}, {"bearer": []}] if listener == "admin"
+                              else [{"apiKey": []}])
         params = re.findall(r"\{(\w+)", r.path)
         if params:
             op["parameters"] = [{"name": p, "in": "path", "required": True,
@@ -218,7 +236,14 @@ def openapi_document(
                 "application/json": {"schema": refs[f"{r.handler}.body"]}}}
         paths.setdefault(_doc_path(r.path), {})[r.method.lower()] = op
     description = ("OpenAI-compatible front door of an Omnistage pipeline. Errors use OpenAI's "
-                   "JSON error shape; see docs/http-api.md.")
+                   "JSON error shape; see docs/http-api.md." if listener == "public" else
+                   "Admin listener of an Omnistage orchestrator: control, the load signal and "
+                   "metrics, apart from the public API; see docs/security.md.")
+    if listener == "admin":
+        title += " (admin)"
+    schemes = ({"adminKey": {"type": "apiKey", "in": "header", "name": ADMIN_KEY_HEADER},
+                "bearer": {"type": "http", "scheme": "bearer"}} if listener == "admin"
+               else {"apiKey": {"type": "http", "scheme": "bearer"}})
     if pipeline_name:
         description += f" Pipeline: `{pipeline_name}`."
     if model_name:
@@ -228,6 +253,5 @@ def openapi_document(
         "info": {"title": title, "version": version, "description": description},
         "paths": paths,
         "components": {"schemas": components, **(
-            {"securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}}
-            if api_keys else {})},
+            {"securitySchemes": schemes} if api_keys else {})},
     }

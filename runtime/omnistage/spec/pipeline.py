@@ -60,7 +60,8 @@ class FailoverOptions(SpecModel):
 
 
 class OrchestratorAuth(SpecModel):
-    """Who may call the API (docs/http-api.md, "API keys"; docs/security.md)."""
+    """Who may call the API (docs/http-api.md, "API keys"; docs/security.md). Keys are on by
+    default: without apiKeySecret the operator makes a Secret with one key for the pipeline."""
 
     api_key_secret: str | None = Field(
         None,
@@ -69,9 +70,21 @@ class OrchestratorAuth(SpecModel):
         description="A Secret in the pipeline's namespace whose every key holds API keys (one "
         "a line, at least 16 characters each): the OpenAI and pipeline routes then need "
         "Authorization: Bearer KEY with one of them, and a changed Secret takes effect without "
-        "a restart. Unset: no keys (issue 43: keys on by default comes with the admin "
-        "listener).",
+        "a restart. Unset: the operator makes the Secret <pipeline>-api-keys-<uid> with one "
+        "random key (status.apiKeySecret names it) and never changes it after.",
     )
+    disabled: bool = Field(
+        False,
+        description="Serve the API without API keys: anyone who reaches the API port may call "
+        "it. Only where something in front of it authenticates (a gateway, a mesh).",
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> OrchestratorAuth:
+        if self.disabled and self.api_key_secret is not None:
+            raise path_errors([("disabled", "API keys cannot be disabled while apiKeySecret "
+                                            f"({self.api_key_secret!r}) asks for them")])
+        return self
 
 
 class OrchestratorSpec(SpecModel):
@@ -79,6 +92,15 @@ class OrchestratorSpec(SpecModel):
 
     replicas: int = Field(1, ge=0, le=16, description="Number of orchestrator replicas.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API.")
+    admin_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="HTTP port of the admin listener: control (sleep, wake, pause, resume), "
+        "GET /v1/load and /metrics, apart from the public API (docs/security.md); default "
+        "`port` + 1 (8001). The operator and its autoscaler call it with their own "
+        "credential; the pipeline's Service and any gateway route expose only `port`.",
+    )
     api: list[ApiSurface] = Field(
         default_factory=lambda: ["chat", "images", "speech", "generic"],
         min_length=1,
@@ -133,6 +155,19 @@ class OrchestratorSpec(SpecModel):
         _reject_duplicates(value)
         return value
 
+    @property
+    def admin_listen_port(self) -> int:
+        """adminPort, or its default: the port after the API's (before it, at 65535)."""
+        if self.admin_port is not None:
+            return self.admin_port
+        return self.port + 1 if self.port < 65535 else self.port - 1
+
+    @model_validator(mode="after")
+    def _two_ports(self) -> OrchestratorSpec:
+        if self.admin_port == self.port:
+            raise path_errors([("adminPort", f"the admin listener needs a port of its own, "
+                                             f"not the API's port {self.port}")])
+        return self
 
 
 def _reject_duplicates(values: list[str]) -> None:
