@@ -188,5 +188,7 @@ def test_serving_beyond_loopback_without_keys_refuses_before_any_replica(
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "error: the API would listen on 0.0.0.0 without API keys: set $OMNISTAGE_API_KEY or "
-        "--api-key-file PATH to require one, or pass --no-auth to serve without them")
+        "--api-key-file PATH to require one (on a cluster the operator mounts the pipeline's "
+        "key Secret), or pass --no-auth (spec.orchestrator.auth.disabled) to serve without "
+        "them")
     assert not (tmp_path / "logs").exists()  # no replica started
