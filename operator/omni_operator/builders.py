@@ -29,7 +29,13 @@ from omni_operator.release import (
     stored_orders,
 )
 from omnistage import kube
-from omnistage.curve_keys import CURVE_KEYS_ENV, CurveKeys
+from omnistage.curve_keys import (
+    CURVE_GENERATION_ENV,
+    CURVE_KEYS_ENV,
+    CurveKeys,
+    public_file,
+    secret_file,
+)
 from omnistage.curve_keys import PUBLIC_FILE as CURVE_PUBLIC_FILE
 from omnistage.curve_keys import SECRET_FILE as CURVE_SECRET_FILE
 from omnistage.orchestrator.shutdown import shutdown_seconds
@@ -189,7 +195,7 @@ def pool_stage(stage: Stage) -> Obj:
 
 
 def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage,
-               current: Obj | None = None) -> Obj:
+               current: Obj | None = None, curve_generation: int = 0) -> Obj:
     """The stage's StagePool. `current`: the live pool, whose release order is kept while its
     revision stays (omni_operator.release); a new revision gets the pipeline's generation."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
@@ -205,6 +211,8 @@ def stage_pool(owner: Obj, pipeline: OmniPipeline, stage: Stage,
         # The pool's pods mount the pipeline's CurveZMQ pair (pod_template).
         kube.ANNOTATION_CURVE_SECRET: curve_secret_name(name, owner["metadata"].get("uid", "")),
     }
+    if curve_generation:  # which pair of the Secret its pods are (0, the first: unsaid)
+        meta["annotations"][kube.ANNOTATION_CURVE_GENERATION] = str(curve_generation)
     return {
         "apiVersion": API_VERSION,
         "kind": "StagePool",
@@ -252,6 +260,35 @@ def curve_secret(owner: Obj, pipeline: OmniPipeline, keys: CurveKeys) -> Obj:
     secret = curve_secret_name(pipeline.metadata.name, owner["metadata"].get("uid", ""))
     return _pipeline_secret(owner, pipeline, secret, {CURVE_PUBLIC_FILE: keys.public,
                                                       CURVE_SECRET_FILE: keys.secret})
+
+
+def _curve_generation_env(generation: int) -> list[Obj]:
+    """$OMNISTAGE_CURVE_GENERATION: which pair of the mounted Secret is the process's own
+    (omnistage.curve_keys); unsaid for the first, so pods of pipelines never rotated keep their
+    spec (and are not replaced by an operator upgrade)."""
+    return [{"name": CURVE_GENERATION_ENV, "value": str(generation)}] if generation else []
+
+
+def curve_generation_of(pool: Obj) -> int:
+    """The CurveZMQ generation a pool's pods are built with (its annotation; absent: 0)."""
+    text = (pool["metadata"].get("annotations") or {}).get(kube.ANNOTATION_CURVE_GENERATION)
+    try:
+        return int(text) if text else 0
+    except ValueError:
+        return 0
+
+
+def curve_secret_add(generation: int, keys: CurveKeys) -> Obj:
+    """The merge patch that adds a pair to the pipeline's CurveZMQ Secret (never read: a
+    merge patch needs no read; omni_operator.curve_rotation)."""
+    return {"data": {public_file(generation): base64.b64encode(keys.public).decode(),
+                     secret_file(generation): base64.b64encode(keys.secret).decode()}}
+
+
+def curve_secret_drop(generations: Sequence[int]) -> Obj:
+    """The merge patch that removes these generations' pairs from the Secret."""
+    return {"data": {name: None for g in generations
+                     for name in (public_file(g), secret_file(g))}}
 
 
 def _with_curve(pod_spec: Obj, secret: str) -> None:
@@ -325,7 +362,8 @@ def admin_service_name(pipeline: str) -> str:
 def pipeline_children(owner: Obj, pipeline: OmniPipeline,
                       pools: Mapping[str, Obj | None] | None = None, *,
                       network_policy: NetworkPolicySettings | None = None,
-                      admin_key_digests: Sequence[str] = ()) -> list[Obj]:
+                      admin_key_digests: Sequence[str] = (),
+                      curve_generation: int = 0) -> list[Obj]:
     """Everything an OmniPipeline owns, in creation order. `pools`: the live StagePools by
     stage name (their release orders are kept; see stage_pool). network_policy: the
     operator's setting (omni_operator.network_policy); on, the pipeline's NetworkPolicies too,
@@ -334,7 +372,8 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
     the orchestrator's admin listener accepts (omni_operator.admin_credential: the
     reconciler's, for the key the operator presents), handed over in
     $OMNISTAGE_ADMIN_KEY_DIGESTS; the pod never holds a key. Empty: no variable (a pod that
-    listens beyond loopback then refuses to start its admin listener)."""
+    listens beyond loopback then refuses to start its admin listener). curve_generation: the
+    CurveZMQ pair the pods are built with (omni_operator.curve_rotation; 0: the first)."""
     name, ns = pipeline.metadata.name, owner["metadata"]["namespace"]
     orch = pipeline.spec.orchestrator
     oname = orchestrator_name(name)
@@ -376,6 +415,7 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
     ]
     if admin_key_digests:
         env.append({"name": kube.ADMIN_KEY_DIGESTS_ENV, "value": ",".join(admin_key_digests)})
+    env += _curve_generation_env(curve_generation)
     pod_spec: Obj = {
         "serviceAccountName": oname,
         "securityContext": _pod_security(),
@@ -429,7 +469,10 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
             "template": {
                 # The pipeline hash rolls the orchestrator when the spec changes.
                 "metadata": {"labels": olabels,
-                             "annotations": {kube.ANNOTATION_SPEC_HASH: digest(manifest)}},
+                             "annotations": {kube.ANNOTATION_SPEC_HASH: digest(manifest),
+                                             **({kube.ANNOTATION_CURVE_GENERATION:
+                                                 str(curve_generation)}
+                                                if curve_generation else {})}},
                 "spec": pod_spec,
             },
         },
@@ -455,7 +498,7 @@ def pipeline_children(owner: Obj, pipeline: OmniPipeline,
                        "targetPort": admin_port}],
         },
     }
-    children = [stage_pool(owner, pipeline, s, (pools or {}).get(s.name))
+    children = [stage_pool(owner, pipeline, s, (pools or {}).get(s.name), curve_generation)
                 for s in pipeline.spec.stages]
     policies = policies_for(owner, pipeline, network_policy)
     return [config, account, role, binding, service, admin_service, *policies, deployment,
@@ -606,6 +649,7 @@ def pod_template(pool: Obj) -> tuple[Obj, str]:
     curve = (pool["metadata"].get("annotations") or {}).get(kube.ANNOTATION_CURVE_SECRET)
     if curve:  # a pool of a pipeline (one written by hand may have none): CurveZMQ
         _with_curve(pod_spec, curve)
+        pod_spec["containers"][0]["env"] += _curve_generation_env(curve_generation_of(pool))
     if inits:
         pod_spec["initContainers"] = inits
     return pod_spec, digest(pod_spec)
@@ -621,7 +665,9 @@ def pool_pod(pool: Obj, ordinal: int, *, surge: bool = False) -> Obj:
     lbls = {**labels(pipeline, "stage", stage), kube.LABEL_ORDINAL: str(ordinal),
             kube.LABEL_REVISION: pool_revision(pool)}
     annotations = {kube.ANNOTATION_SPEC_HASH: spec_hash,
-                   kube.ANNOTATION_REVISION_ORDER: str(pool_order(pool))}
+                   kube.ANNOTATION_REVISION_ORDER: str(pool_order(pool)),
+                   # Which CurveZMQ pair it is: the orchestrators connect with its public key.
+                   kube.ANNOTATION_CURVE_GENERATION: str(curve_generation_of(pool))}
     if surge:
         annotations[ANNOTATION_SURGE] = "true"
     return {

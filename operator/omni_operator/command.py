@@ -15,6 +15,7 @@ from typing import Any
 
 from omni_operator.network_policy import MONITORING_NAMESPACE
 from omni_operator.replicas_cli import add_cluster_flags
+from omnistage.cli import seconds_between
 
 
 def _positive_float(text: str) -> float:
@@ -142,6 +143,11 @@ def register(sub: Any) -> None:
                         "Each pipeline's key is derived from it, and its orchestrator pods get "
                         "only the digest. Without it a key is made for this run, and an "
                         "operator restart rolls every orchestrator")
+    a.add_argument("--curve-propagation", type=seconds_between(0, 3600), default=None,
+                   metavar="SECONDS",
+                   help="CurveZMQ key rotation: how long after a new pair is added to a "
+                        "pipeline's Secret its pods move to it, so the kubelets refreshed every "
+                        "pod's mount first (default 90: a kubelet's sync period with room)")
     o.add_argument("--leader-elect", action="store_true",
                    help="reconcile only while holding a coordination.k8s.io Lease, so several "
                    "replicas can run and one leads (the Helm chart turns this on)")

@@ -71,10 +71,11 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
               admission: webhook.WebhookSettings | None = None,
               context: str | None = None, *, limits: Limits, autoscaler: bool = True,
               network_policy: NetworkPolicySettings | None = None,
-              admin: AdminCredential | None = None) -> int:
+              admin: AdminCredential | None = None,
+              curve_propagation: float | None = None) -> int:
     """Run the operator; with ``lease`` (namespace, name, identity) only while holding it.
     admin: the root of the orchestrators' admin keys (admin_credential.load; None: one made
-    for this run)."""
+    for this run). curve_propagation: --curve-propagation (None: the default)."""
     admission = admission or webhook.WebhookSettings(enabled=False)
     config = KubeConfig.load(kubeconfig, context)
     write_limit = (WriteLimit(limits.write_qps, limits.write_burst)
@@ -87,6 +88,8 @@ async def run(kubeconfig: str | None, metrics_host: str, metrics_port: int,
         # One credential for the controller: the pipeline reconciler hands each orchestrator
         # pod its digest, and the autoscaler (and the drain's pin wait) presents the key.
         admin=admin or admin_credential.load(None))
+    if curve_propagation is not None:
+        controller.pipeline_reconciler.curve_propagation_s = curve_propagation
     _say_network_policy(network_policy)
     if not autoscaler:
         log.info("the built-in autoscaler is off (--no-autoscaler): pools keep their size")
@@ -277,4 +280,5 @@ def main(args: Any) -> int:
     return asyncio.run(run(args.kubeconfig, args.metrics_host, args.metrics_port,
                            args.resync_seconds, list(args.namespace or []), lease, admission,
                            args.context, limits=limits, autoscaler=args.autoscaler,
-                           network_policy=policies, admin=admin))
+                           network_policy=policies, admin=admin,
+                           curve_propagation=args.curve_propagation))

@@ -4,12 +4,15 @@ its status written; a deleting pipeline shut down in order (orchestrator, pools,
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import secrets
+import time
 
-from omni_operator import builders
+from omni_operator import builders, curve_rotation
 from omni_operator.admin_credential import AdminCredential
+from omni_operator.curve_rotation import CurveKeysState
 from omni_operator.events import now_iso
 from omni_operator.network_policy import NetworkPolicySettings
 from omni_operator.status import (
@@ -18,7 +21,7 @@ from omni_operator.status import (
     transition_event,
     waking_for,
 )
-from omni_operator.status_models import PipelineStatus
+from omni_operator.status_models import CurveKeysStatus, PipelineStatus
 from omni_operator.view import Key, Obj, ObjectView, Scheduler, meta_key
 from omni_operator.writes import Writes, few, owners, owns, removed
 from omnistage import curve_keys, kube
@@ -26,6 +29,37 @@ from omnistage.kubeapi import gather_all, path
 from omnistage.spec import OmniPipeline, SpecError, parse_pipeline
 
 log = logging.getLogger("omnistage.operator")
+
+#: While a CurveZMQ rotation waits for the old pods to go, how often the pipeline is looked at
+#: again (besides the events of its pools and Deployment).
+CURVE_RECHECK_S = 5.0
+#: How long after a pair is added to the Secret the pods move to it: the kubelet refreshes a
+#: mounted Secret within its sync period (about a minute), unobservably (--curve-propagation).
+CURVE_PROPAGATION_S = 90.0
+
+
+def curve_keys_state(doc: Obj | None) -> CurveKeysState:
+    """status.curveKeys as the rotation's state (absent: the first pair only)."""
+    if not doc:
+        return CurveKeysState()
+    added = doc.get("addedAt")
+    try:
+        at = dt.datetime.fromisoformat(added.replace("Z", "+00:00")).timestamp() \
+            if added else None
+    except (AttributeError, ValueError):
+        at = None
+    secret = tuple(int(g) for g in doc.get("secret") or [0])
+    return CurveKeysState(int(doc.get("generation") or 0), secret or (0,), at)
+
+
+def curve_keys_status(state: CurveKeysState) -> CurveKeysStatus | None:
+    """The state as status.curveKeys; None (no field) for a pipeline never rotated."""
+    if state == CurveKeysState():
+        return None
+    added = (dt.datetime.fromtimestamp(state.added_at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+             if state.added_at is not None else None)
+    return CurveKeysStatus(generation=state.generation, secret=list(state.secret),
+                           added_at=added)
 
 FINALIZER = "omnistage.io/ordered-shutdown"
 #: A pipeline's children that run pods, applied once the rest (what their pods reference) is.
@@ -64,6 +98,8 @@ class PipelineReconciler:
         self._terminating: set[str] = set()  # uids of pipelines whose deletion was announced
         self.curve_made: set[str] = set()  # uids of pipelines whose CurveZMQ Secret exists
         self.api_keys_made: set[str] = set()  # uids of pipelines whose API-key Secret exists
+        # --curve-propagation: how long after a pair is added the pods move to it.
+        self.curve_propagation_s = CURVE_PROPAGATION_S
 
     async def reconcile(self, obj: Obj) -> None:
         """Finalizer, children (two waves), pruned pools, status; a deleting pipeline shuts
@@ -85,6 +121,7 @@ class PipelineReconciler:
             await self.writes.apply_finalizers(obj, [FINALIZER])
         await self.ensure_curve_secret(obj, pipeline)
         await self.ensure_api_key_secret(obj, pipeline)
+        curve = await self.rotate_curve_keys(obj, pipeline)
         # Children that differ are applied together, in two waves (each apply waits on the API
         # server; a first reconcile made nine in a row, and the pools' pods waited on them):
         # what the workloads reference (config, account, RBAC, Service) and the network
@@ -95,7 +132,7 @@ class PipelineReconciler:
         children = builders.pipeline_children(obj, pipeline, {
             s.name: pools.get((ns, kube.pool_name(name, s.name)))
             for s in pipeline.spec.stages}, network_policy=self.network_policy,
-            admin_key_digests=(digest,))
+            admin_key_digests=(digest,), curve_generation=curve.generation)
         created: list[tuple[str, str]] = []  # (kind, name) of the workloads this pass created
         try:
             for wave in (False, True):
@@ -124,6 +161,7 @@ class PipelineReconciler:
             now,
             wake_bound_s=bound,
             api_key_secret=builders.api_key_secret_of(pipeline, obj["metadata"].get("uid", "")),
+            curve_keys=curve_keys_status(curve),
         )
         await self.write_status(obj, status)
         # No pool event may come when the bound passes: look again then.
@@ -158,6 +196,39 @@ class PipelineReconciler:
             return
         await self.writes.create_once(builders.curve_secret(obj, pipeline, curve_keys.generate()))
         self.curve_made.add(uid)
+
+    async def rotate_curve_keys(self, obj: Obj, pipeline: OmniPipeline) -> CurveKeysState:
+        """One step of a CurveZMQ key rotation (omni_operator.curve_rotation), from the state
+        the status recorded: the Secret patched first, the status written by the pass, the
+        pods built with the generation returned."""
+        ns, name = meta_key(obj)
+        state = curve_keys_state((obj.get("status") or {}).get("curveKeys"))
+        desired, problem = curve_rotation.desired_generation(
+            obj["metadata"].get("annotations"), state)
+        if problem is not None:
+            self.writes.event(obj, "Warning", "CurveKeysRefused", problem)
+        oname = builders.orchestrator_name(name)
+        groups = [(ns, kube.pool_name(name, s.name)) for s in pipeline.spec.stages]
+        generations = {curve_rotation.pod_generation(pod["metadata"].get("annotations"))
+                       for group in (*groups, (ns, oname))
+                       for pod in (self.view.pods.get(group) or {}).values()}
+        step = curve_rotation.step(state, desired, generations, time.time(),
+                                   self.curve_propagation_s)
+        secret = path("Secret", ns, builders.curve_secret_name(name, obj["metadata"].get(
+            "uid", "")))
+        if step.add is not None:
+            await self.writes.write("Secret", ns, secret, self.writes.api.patch(
+                secret, builders.curve_secret_add(step.add, curve_keys.generate())))
+        if step.drop:
+            await self.writes.write("Secret", ns, secret, self.writes.api.patch(
+                secret, builders.curve_secret_drop(step.drop)))
+        if step.event is not None:
+            self.writes.event(obj, "Normal", *step.event)
+        if step.again_in is not None:
+            self.scheduler.enqueue_later(("OmniPipeline", ns, name), step.again_in + 0.5)
+        elif len(step.state.secret) > 1:  # waiting for the old pods to go: look again
+            self.scheduler.enqueue_later(("OmniPipeline", ns, name), CURVE_RECHECK_S)
+        return step.state
 
     async def ensure_api_key_secret(self, obj: Obj, pipeline: OmniPipeline) -> None:
         """Keys on by default: a pipeline that names no apiKeySecret (and does not say

@@ -36,6 +36,7 @@ from omni_operator.status_models import (
     PHASES,
     AutoscalerStatus,
     Condition,
+    CurveKeysStatus,
     PipelineRevisions,
     PipelineStatus,
     PoolStatus,
@@ -334,6 +335,7 @@ def pipeline_status(
     pipeline: Obj, stages: list[str], pools: dict[str, Obj | None], deployment: Obj | None,
     want_orchestrators: int, endpoint: str, now: str, *,
     wake_bound_s: float = DEFAULT_WAKE_BOUND_S, api_key_secret: str | None = None,
+    curve_keys: CurveKeysStatus | None = None,
 ) -> PipelineStatus:
     """The pipeline's status from its pools and orchestrator Deployment. wake_bound_s: how long
     a stage may wake from zero and still count as serving (the pipeline's
@@ -417,6 +419,7 @@ def pipeline_status(
         stages_ready=f"{ready_n}/{len(stages)}",
         stages=per_stage,
         revisions=_revisions(stable, candidate),
+        curve_keys=curve_keys,
         conditions=[
             condition("Ready", ok, r_reason, r_msg, gen, previous, now),
             condition("Progressing", bool(moving), p_reason, p_msg, gen, previous, now),

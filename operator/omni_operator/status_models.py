@@ -135,6 +135,20 @@ class PipelineRevisions(_Model):
         "The revision a release in progress moves to; absent when no release is in progress.")
 
 
+class CurveKeysStatus(_Model):
+    """The pipeline's CurveZMQ keypairs (omni_operator.curve_rotation): which generation the
+    pods are built with and which the Secret holds. More than one: a rotation is under way."""
+
+    generation: int | None = _count("The generation of the pair the pods are built with (their "
+                                    "annotation omnistage.io/curve-generation).")
+    secret: list[int] | None = Field(
+        None, description="The generations whose pair the Secret holds; every worker admits "
+        "each of them.")
+    added_at: str | None = Field(
+        None, description="When the Secret last gained a pair (RFC 3339); the pods move to it "
+        "once the kubelets had time to refresh their mounts.")
+
+
 class PipelineStatus(_WithConditions):
     """Observed state of the pipeline, written by the operator."""
 
@@ -156,6 +170,9 @@ class PipelineStatus(_WithConditions):
     revisions: PipelineRevisions | None = Field(
         None, description="The stable and the candidate pipeline revision (a release across "
         "stages, docs/architecture.md).")
+    curve_keys: CurveKeysStatus | None = Field(
+        None, description="The CurveZMQ keypairs in use and in the Secret (a rotation: "
+        "docs/security.md).")
 
 
 class AutoscalerStatus(_Model):

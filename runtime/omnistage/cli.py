@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -30,16 +31,21 @@ def _add_stage(sub: Any) -> None:
 
 
 def _run_stage(args: argparse.Namespace) -> int:
+    from omnistage.curve_keys import CurveKeyError
     from omnistage.spec import SpecError
     from omnistage.worker.config import config_from_args
     from omnistage.worker.server import StageWorker
 
     try:
         cfg = config_from_args(args)
+        worker = StageWorker(cfg)  # reads the CurveZMQ keys ($OMNISTAGE_CURVE_KEYS)
     except SpecError as exc:
         print(f"error: invalid stage:\n{exc}", file=sys.stderr)
         return 2
-    return eventloop.run(StageWorker(cfg).serve())
+    except CurveKeyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return eventloop.run(worker.serve())
 
 
 def _add_models(sub: Any) -> None:
@@ -127,15 +133,22 @@ def _add_auth(parser: Any, default: str) -> None:
                              "address")
 
 
-def _seconds(text: str) -> float:
-    """A duration argument: a number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value <= 300:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 300 seconds, got {text}")
-    return value
+def seconds_between(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number of seconds from low to high (the commands' durations)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of seconds, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be between {low:g} and {high:g} seconds, got {text}")
+        return value
+    return parse
+
+
+_seconds = seconds_between(0, 300)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

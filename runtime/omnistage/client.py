@@ -10,11 +10,17 @@ With a SegmentManager, the hello offers this process's shared-memory segment; wh
 can read it (and we can read the worker's), large tensors go through shared memory both ways
 and only their handles cross the socket (see omnistage.shm for who frees what, and when). Each
 handshake (a reconnect included) settles anew which worker segment that is.
+
+With CurveZMQ, a worker's ZAP handler may refuse our key (its mounted key directory does not
+hold our generation yet, while keys rotate). libzmq then gives the connection up for good (it
+reconnects after a lost connection, not after a refusal), so the channel connects again itself
+after REFUSED_RETRY_S, and handshakes again once it is heard.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -34,6 +40,9 @@ from omnistage.zmqio import LoopSocket, Outbox
 
 log = logging.getLogger("omnistage.client")
 _cids = itertools.count(1)
+#: After a worker refused our CurveZMQ key: how long until the channel connects again (a
+#: worker looks at its key directory again once a second).
+REFUSED_RETRY_S = 1.0
 
 Reply = p.Message[p.Reply]
 
@@ -61,8 +70,11 @@ class ReplicaChannel:
         on_disconnect: Callable[[], None] | None = None,
         shm: SegmentManager | None = None,
         curve: CurveKeys | None = None,
+        server_key: bytes | None = None,
     ) -> None:
-        """curve: the pipeline's CurveZMQ pair, when its workers require it (omnistage.curve)."""
+        """curve: the pipeline's CurveZMQ pair, when its workers require it (omnistage.curve);
+        server_key: the worker's public key (its generation's, while keys rotate; default: the
+        pair's own public key)."""
         self.endpoint = endpoint
         self.name = name or endpoint
         self._zctx = zctx or zmq.asyncio.Context.instance()
@@ -73,9 +85,12 @@ class ReplicaChannel:
         self.sock.setsockopt(zmq.IDENTITY, f"c{os.getpid()}-{next(_cids)}".encode())
         # The socket monitor reports a closed connection the moment the peer process dies, so
         # the loss is seen at once instead of at the next missed heartbeat.
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # A refusal of our key is reported too: libzmq does not reconnect after one.
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self.refusals = 0  # connections on which the worker refused our key
         if curve is not None:
-            secure_client(self.sock, curve)
+            secure_client(self.sock, curve, server_key)
         self.sock.connect(endpoint)
         self._streams: dict[str, asyncio.Queue[Reply]] = {}
         self._calls: dict[str, asyncio.Future[Reply]] = {}
@@ -87,6 +102,7 @@ class ReplicaChannel:
         self.shm_peer: str | None = None  # the worker's segment, once each side reads the other
         self._sent: dict[str, list[int]] = {}  # request id -> our blocks the worker reads
         self.closed = False
+        self._retry: asyncio.TimerHandle | None = None  # the reconnect after a refusal
         loop = asyncio.get_running_loop()
         # The worker answers the hello before anything sent after it, so the first hello_reply
         # or id-less error on this channel settles the handshake.
@@ -147,8 +163,29 @@ class ReplicaChannel:
 
     def _drain_link_events(self) -> None:
         while (frames := self._io_monitor.recv(copy=True)) is not None:
-            if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
                 self._link_lost()
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused()
+
+    def _refused(self) -> None:
+        """The worker refused our key (its ZAP handler): connect again in a while."""
+        self.refusals += 1
+        if self.refusals == 1:
+            log.warning("%s at %s refused our CurveZMQ key; connecting again every %.0f s",
+                        self.name, self.endpoint, REFUSED_RETRY_S)
+        if self._retry is None and not self.closed:
+            self._retry = self._loop.call_later(REFUSED_RETRY_S, self._reconnect)
+
+    def _reconnect(self) -> None:
+        self._retry = None
+        if self.closed:
+            return
+        with contextlib.suppress(zmq.ZMQError):  # the refused connection's endpoint
+            self.sock.disconnect(self.endpoint)
+        self.sock.connect(self.endpoint)
+        self.hello()  # what was queued on the refused connection is gone with it
 
     def _link_lost(self) -> None:
         """The connection closed: the process that answered is gone (or cut off). ZMQ
@@ -448,6 +485,9 @@ class ReplicaChannel:
             self._forget_peer_shm()
         self._flush()  # aborts and releases sent just before closing still leave
         self.closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         self._io.close()
         self._io_monitor.close()
         if not self._peer.done():

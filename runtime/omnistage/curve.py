@@ -13,6 +13,14 @@ The keys themselves (made, written, read: omnistage.curve_keys, which needs no Z
 directory with the files `public` and `secret`, the shape of a Kubernetes Secret with those two
 keys mounted as a volume. $OMNISTAGE_CURVE_KEYS names it; `omnistage serve` writes an
 ephemeral pair for its own workers, the operator a Secret per pipeline.
+
+Rotation: a worker and an orchestrator hold a CurveKeyring (curve_keys), their own pair of
+generation $OMNISTAGE_CURVE_GENERATION plus every generation's public key in the directory. A
+worker's identity stays its own pair; its ZAP handler admits any public key in the directory at
+the time of the handshake, so while the pods roll from generation N-1 to N both generations'
+orchestrators are heard, and once N-1's files are gone a new connection with that key is
+refused (a connection already up stays: ZAP is asked only in the handshake). A client names
+the server key of the worker's generation (secure_client's server_key).
 """
 
 from __future__ import annotations
@@ -28,29 +36,40 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from omnistage.curve_keys import (
+    CURVE_GENERATION_ENV,
     CURVE_KEYS_ENV,
     PUBLIC_FILE,
     SECRET_FILE,
     CurveKeyError,
+    CurveKeyring,
     CurveKeys,
     generate,
+    generation_from_env,
+    keyring_from_env,
     keys_from_env,
     load,
+    public_file,
+    secret_file,
     write,
-    z85_decode,
 )
 from omnistage.zmqio import LoopSocket
 
 __all__ = [  # the key names too: callers of the socket side need only this module
+    "CURVE_GENERATION_ENV",
     "CURVE_KEYS_ENV",
     "PUBLIC_FILE",
     "SECRET_FILE",
     "CurveKeyError",
+    "CurveKeyring",
     "CurveKeys",
     "PeerGate",
     "generate",
+    "generation_from_env",
+    "keyring_from_env",
     "keys_from_env",
     "load",
+    "public_file",
+    "secret_file",
     "secure_client",
     "write",
 ]
@@ -63,9 +82,11 @@ _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 
 LOG_EVERY_S = 60
 
 
-def secure_client(sock: zmq.Socket[Any], keys: CurveKeys) -> None:
-    """A connecting socket (before connect): the pipeline's pair is its own and the server's."""
-    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.public)
+def secure_client(sock: zmq.Socket[Any], keys: CurveKeys, server_key: bytes | None = None
+                  ) -> None:
+    """A connecting socket (before connect): the pipeline's pair is its own; the server's key
+    is server_key (the worker's generation's public key, Z85) or, by default, our own public."""
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or keys.public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
 
@@ -81,23 +102,25 @@ _REFUSALS = {
 
 
 class PeerGate:
-    """The worker side: makes a bound socket a CURVE server whose ZAP handler admits only the
-    pipeline's key, and counts the peers refused (by reason, from the socket's monitor).
+    """The worker side: makes a bound socket a CURVE server (the keyring's own pair, for the
+    socket's life) whose ZAP handler admits only the pipeline's keys (keyring.admitted(), asked
+    at each handshake, so a generation added to or removed from the directory counts within
+    about a second), and counts the peers refused (by reason, from the socket's monitor).
 
     Both helper sockets are read from the loop like the worker's own (zmqio.LoopSocket). Create
     it before the socket binds, so no connection arrives before the handler is there.
     """
 
-    def __init__(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any], keys: CurveKeys,
+    def __init__(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any], keyring: CurveKeyring,
                  loop: asyncio.AbstractEventLoop) -> None:
-        self.allowed = z85_decode(keys.public)
+        self.keyring = keyring
         self.refused: Counter[str] = Counter()
         self._said: dict[str, float] = {}
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(_ZAP_ENDPOINT)
         sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keyring.own.secret)
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         self._sock = sock
         self._monitor = sock.get_monitor_socket(
@@ -115,7 +138,8 @@ class PeerGate:
                 continue  # not a ZAP request; libzmq sends none such
             version, request_id, domain, _address, _identity, mechanism = frames[:6]
             key = frames[6] if len(frames) > 6 else b""
-            ok = domain == ZAP_DOMAIN and mechanism == b"CURVE" and key == self.allowed
+            ok = (domain == ZAP_DOMAIN and mechanism == b"CURVE"
+                  and key in self.keyring.admitted())
             status, text = (b"200", b"OK") if ok else (b"400", b"not this pipeline's key")
             self._zap_io.send([version, request_id, status, text, b"" if not ok else b"peer",
                                b""])

@@ -61,6 +61,8 @@ ADMIN_KEY_HEADER = "X-Omnistage-Admin-Key"
 CURVE_KEYS_DIR = "/etc/omnistage/curve"
 #: On a StagePool: the Secret holding its pipeline's CurveZMQ pair, which its pods mount.
 ANNOTATION_CURVE_SECRET = "omnistage.io/curve-secret"
+#: On a stage pod: the generation of that pair it holds ($OMNISTAGE_CURVE_GENERATION; rotation).
+ANNOTATION_CURVE_GENERATION = "omnistage.io/curve-generation"
 
 # Model fetching and loading, as the operator reads them off a stage pod's status.
 MODEL_FETCH_CONTAINER = "model-fetch"  # init container: `omnistage models pull`

@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from omnistage import backoff
 from omnistage.autoscaling import AutoscalerState, Decision, decide
-from omnistage.curve import CURVE_KEYS_ENV, CurveKeys
+from omnistage.curve import CURVE_GENERATION_ENV, CURVE_KEYS_ENV, CurveKeys
 from omnistage.curve import write as write_curve_keys
 from omnistage.metrics import family
 from omnistage.orchestrator.load import PipelineLoad
@@ -261,8 +261,10 @@ class LocalStageRuntime:
         self.progress(f"starting {len(plans)} replica(s) of pipeline "
                       f"{self.pipeline.metadata.name} (logs: {self.log_dir})")
         self._worker_env = self.shm.env() if self.shm is not None else {ENV_DIR: ""}
-        # Set either way: a worker never picks up keys from the environment serve ran in.
+        # Set either way: a worker never picks up keys (or a key generation) from the
+        # environment serve ran in. The pair made for the run is generation 0.
         self._worker_env[CURVE_KEYS_ENV] = ""
+        self._worker_env[CURVE_GENERATION_ENV] = ""
         if self.curve is not None:
             self._curve_dir = write_curve_keys(self.curve)
             self._worker_env[CURVE_KEYS_ENV] = str(self._curve_dir)

@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 from omnistage import eventloop, models, validate
+from omnistage.curve import CurveKeyring
 from omnistage.curve import generate as generate_curve_keys
 from omnistage.local_runtime import (
     LocalAutoscaler,
@@ -27,8 +28,7 @@ from omnistage.local_runtime import (
     ReplicaStartupError,
 )
 from omnistage.orchestrator.auth import ApiKeyError
-from omnistage.orchestrator.auth import resolve as resolve_api_keys
-from omnistage.orchestrator.auth import resolve_admin as resolve_admin_keys
+from omnistage.orchestrator.auth import resolve_both as resolve_keys
 from omnistage.orchestrator.main import (
     ApiBindError,
     UsageError,
@@ -100,18 +100,16 @@ def run_serve(
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
     try:  # before anything starts: a server that would listen without keys says so first
-        api_keys, auth_line = resolve_api_keys(
-            api_key_file, no_auth=no_auth, host=host,
-            secret=pipeline.spec.orchestrator.auth.api_key_secret,
-            disabled=pipeline.spec.orchestrator.auth.disabled)
-        admin_keys, admin_line = resolve_admin_keys(admin_key_file, no_auth=no_auth,
-                                                    host=admin_host)
+        auth = pipeline.spec.orchestrator.auth
+        api_keys, admin_keys, lines = resolve_keys(
+            api_key_file, admin_key_file, no_auth=no_auth, host=host, admin_host=admin_host,
+            secret=auth.api_key_secret, disabled=auth.disabled)
         admin_at = admin_port_for(pipeline, port, admin_port)
     except (ApiKeyError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    _say(auth_line)
-    _say(admin_line)
+    for line in lines:
+        _say(line)
     problems = models.prepare(pipeline.spec.stages, say=_say)
     if problems:  # before any worker starts
         print("error: models unavailable:", file=sys.stderr)
@@ -146,7 +144,8 @@ def run_serve(
                 notes=runtime.notes, collectors=[runtime.collector], shm=runtime.shm,
                 waker=CallbackWaker(autoscaler.wake),
                 background=[lambda orch: autoscaler.run(orch.load)], api_keys=api_keys,
-                curve=keys, admin_host=admin_host, admin_port=admin_at,
+                curve=CurveKeyring.fixed(keys) if keys is not None else None,
+                admin_host=admin_host, admin_port=admin_at,
                 admin_keys=admin_keys))
         except ApiBindError as exc:
             print(f"error: {exc}", file=sys.stderr)

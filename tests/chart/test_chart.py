@@ -346,9 +346,10 @@ def test_the_admin_key_is_a_secret_made_once_and_mounted_read_only() -> None:
     # Off with the network policies too: the key is the operator's, not the policies'.
     off = render("--set=networkPolicy.enabled=false")
     assert "--admin-key-file=/etc/omnistage/admin-key/admin-key" in _args(off)
-    # The operator needs no RBAC for it: the kubelet mounts it; the operator reads no Secret.
+    # The operator needs no RBAC for it: the kubelet mounts it; the operator reads no Secret
+    # (create: the pipelines' Secrets; patch: a CurveZMQ rotation's merge patches).
     rules = one(objs, "ClusterRole")["rules"]
-    assert [r["verbs"] for r in rules if "secrets" in r["resources"]] == [["create"]]
+    assert [r["verbs"] for r in rules if "secrets" in r["resources"]] == [["create", "patch"]]
 
 
 def test_an_existing_secret_replaces_the_chart_s_own() -> None:

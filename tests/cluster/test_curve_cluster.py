@@ -45,9 +45,10 @@ def post_json(url: str, body: dict[str, Any], key: str | None = None) -> tuple[i
         return exc.code, exc.read().decode()
 
 
-def _refused(podrunner: PodRunner, pod: dict[str, Any]) -> float:
+def refused(podrunner: PodRunner, pod: dict[str, Any], reason: str = "handshake") -> float:
+    """The peers a stage pod refused for `reason` (its side port's /metrics)."""
     text = podrunner.http_get(pod, k.WORKER_HTTP_PORT, "/metrics")[1]
-    return sample(text, "omnistage_worker_refused_peers_total", reason="handshake") or 0.0
+    return sample(text, "omnistage_worker_refused_peers_total", reason=reason) or 0.0
 
 
 def test_a_pipeline_serves_over_curve_and_a_keyless_peer_is_refused(
@@ -95,15 +96,15 @@ def test_a_pipeline_serves_over_curve_and_a_keyless_peer_is_refused(
         spec = pod["spec"]
         assert {"name": "curve-keys", "secret": {"secretName": secret_name,
                                                  "defaultMode": 0o440}} in spec["volumes"]
-    before = _refused(podrunner, worker)
+    before = refused(podrunner, worker)
 
     async def knock() -> tuple[bool, float]:
         ch = ReplicaChannel(f"tcp://{worker['status']['podIP']}:{k.WORKER_ZMQ_PORT}",
                             name="keyless")
         try:
-            await until(lambda: _refused(podrunner, worker) > before,
+            await until(lambda: refused(podrunner, worker) > before,
                         what="the stage pod refusing the keyless peer", interval=0.1)
-            return ch.peer is None, _refused(podrunner, worker)
+            return ch.peer is None, refused(podrunner, worker)
         finally:
             await ch.close()
 

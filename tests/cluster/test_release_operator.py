@@ -168,7 +168,9 @@ def test_a_two_stage_release_retires_nothing_old_until_both_stages_serve_the_new
     name = "rel"
     apply(kube, namespace, pipeline_doc(name, [
         _stage("a"), _stage("b", inputs=["a"], finalOutput=True)],
-        orchestrator={"api": ["generic"], "shutdownDelaySeconds": 2}))
+        # Not about keys (test_curve_cluster checks keys on by default).
+        orchestrator={"api": ["generic"], "shutdownDelaySeconds": 2,
+                      "auth": {"disabled": True}}))
     wait_for(lambda: _serving_in_full(kube, namespace, name), 300,
              f"{name} Ready with {REPLICAS} routable replicas per stage", operator.log_tail,
              interval=1)
@@ -255,7 +257,9 @@ def test_a_release_reverted_midway_goes_back_without_dropping_capacity(
     name = "rev"
     apply(kube, namespace, pipeline_doc(name, [
         _stage("a"), _stage("b", inputs=["a"], finalOutput=True)],
-        orchestrator={"api": ["generic"], "shutdownDelaySeconds": 2}))
+        # Not about keys (test_curve_cluster checks keys on by default).
+        orchestrator={"api": ["generic"], "shutdownDelaySeconds": 2,
+                      "auth": {"disabled": True}}))
     wait_for(lambda: _serving_in_full(kube, namespace, name), 300,
              f"{name} Ready with {REPLICAS} routable replicas per stage", operator.log_tail,
              interval=1)

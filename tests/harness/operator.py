@@ -106,6 +106,9 @@ class Operator:
     kubeconfig: Path | None = None
     #: added to its environment (this process's own), e.g. an HTTP proxy it must not use
     env: dict[str, str] = field(default_factory=dict)
+    #: --curve-propagation: the pod runner refreshes mounted Secrets every second, so a
+    #: CurveZMQ rotation need not wait a kubelet's minute here
+    curve_propagation: float = 3.0
 
     @property
     def admin_key_file(self) -> Path:
@@ -128,6 +131,7 @@ class Operator:
             f"--metrics-port={self.port}",
             f"--resync-seconds={self.resync}",
             f"--admin-key-file={key_file}",
+            f"--curve-propagation={self.curve_propagation:g}",
         ]
         if self.webhook:
             cmd += ["--webhook", "--webhook-addr=127.0.0.1", f"--webhook-port={self.webhook_port}"]

@@ -1,7 +1,9 @@
 """CurveZMQ between clients and real `omnistage stage` processes: only a peer holding the
 pipeline's key is heard; everyone else is refused before a message is read, and counted; the
 worker keeps serving through a fuzzing of its socket, authenticated or not, and holds no more
-descriptors afterwards than it did before."""
+descriptors afterwards than it did before. While keys rotate (issue 43), a worker follows its
+key directory (a generation added is admitted, one removed refused for new connections) and
+the orchestrator names each replica's generation's key."""
 
 from __future__ import annotations
 
@@ -234,7 +236,7 @@ async def test_a_local_pipeline_with_curve_serves_and_refuses_others(tmp_path) -
                              "finalOutput": True}]}})
     pair = curve.generate()
     rt = LocalStageRuntime(pipe, base_dir=tmp_path, log_dir=tmp_path / "logs", curve=pair)
-    orch = Orchestrator(pipe, rt.membership, curve=pair)
+    orch = Orchestrator(pipe, rt.membership, curve=curve.CurveKeyring.fixed(pair))
     outsider: ReplicaChannel | None = None
     key_dir = None
     try:
@@ -257,3 +259,127 @@ async def test_a_local_pipeline_with_curve_serves_and_refuses_others(tmp_path) -
         await orch.stop(1)
         rt.shutdown(grace=10)
     assert key_dir is not None and not key_dir.exists()
+
+
+# ---- rotation (issue 43): a key directory that gains and loses generations ----------------
+
+
+async def _refused_now(w: Any, pair: curve.CurveKeys, server_key: bytes) -> ReplicaChannel:
+    """A new channel with `pair` that the worker refuses for its key; one admitted instead
+    (the worker has not looked at its directory again yet: once a second) is closed and
+    another tried. Waits on the worker's counter and the channel's handshake, nothing else."""
+    while True:
+        before = _refused(w, "key")
+        ch = ReplicaChannel(w.zmq, name="probe", curve=pair, server_key=server_key)
+        await until(lambda: _refused(w, "key") > before or ch.peer is not None,  # noqa: B023
+                    what="the new channel refused or admitted", timeout=10)
+        if ch.peer is None:
+            return ch
+        await ch.close()  # admitted under the directory's previous state: try again
+
+
+async def test_a_worker_follows_its_key_directory_while_keys_rotate(start_worker,
+                                                                    tmp_path: Path) -> None:
+    """The operator's rotation as a running generation-0 worker sees it: the kubelet adds
+    `public-1`/`secret-1` to the mounted Secret (a new timestamped folder, `..data` swapped),
+    then removes generation 0's files. A client of pair 1 (naming the worker's own key, of
+    generation 0, as the server's) is admitted within a second or so of the add, pair 0 still
+    is; after the removal a NEW pair-0 connection is refused (reason "key").
+
+    What libzmq does with a session already up: nothing. ZAP is asked once per connection, in
+    its CURVE handshake; an established session is never authenticated again, so the pair-0
+    channel opened before the removal keeps working, on the same connection (no disconnect).
+    Only a reconnect (the connection lost) would be asked again, and refused."""
+    from tests.unit.test_curve_keyring import kubelet_dir, pair_files
+
+    zero, one = curve.generate(), curve.generate()
+    d = kubelet_dir(tmp_path / "curve", pair_files(zero, 0), 0)
+    w = start_worker("echo", env={curve.CURVE_KEYS_ENV: str(d)})
+    old = ReplicaChannel(w.zmq, name="old", curve=zero)
+    opened: list[ReplicaChannel] = [old]
+    try:
+        await old.handshake(30)
+        # Before the add: pair 1 is another pipeline's key to this worker. libzmq gives a
+        # refused connection up; the channel connects again itself (REFUSED_RETRY_S).
+        early = await _refused_now(w, one, zero.public)
+        assert old.disconnects == 0
+        opened.append(early)
+        kubelet_dir(d, {**pair_files(zero, 0), **pair_files(one, 1)}, 1)  # the operator's add
+        # The refused channel retries every 100 ms; it is heard once the worker looked again.
+        await early.handshake(10)  # a far guard: the reload comes within about a second
+        _, final = await early.request("r1", {"prompt": "pair 1"})
+        assert isinstance(final.header, p.Final) and final.header.text == "pair 1"
+        fresh0 = ReplicaChannel(w.zmq, name="fresh0", curve=zero)  # pair 0: still admitted
+        opened.append(fresh0)
+        await fresh0.handshake(10)
+        links = {ch.name: ch.disconnects for ch in (old, fresh0, early)}  # early's refusal: 1
+        kubelet_dir(d, pair_files(one, 1), 2)  # the operator's drop of generation 0
+        late0 = await _refused_now(w, zero, zero.public)
+        opened.append(late0)
+        before = _refused(w, "key")
+        await until(lambda: _refused(w, "key") > before, what="pair 0 refused again on retry")
+        assert late0.peer is None and late0.unsolicited.empty()
+        # The sessions already up keep working on their connections: pair 0's and pair 1's.
+        for ch in (old, fresh0, early):
+            _, final = await ch.request(f"after-{ch.name}", {"prompt": ch.name})
+            assert isinstance(final.header, p.Final) and final.header.text == ch.name
+            assert ch.disconnects == links[ch.name], ch.name
+        # And pair 1 is heard on a new connection after the drop too.
+        new1 = ReplicaChannel(w.zmq, name="new1", curve=one, server_key=zero.public)
+        opened.append(new1)
+        await new1.handshake(10)
+    finally:
+        for ch in opened:
+            await ch.close()
+    assert w.proc.poll() is None
+
+
+async def test_the_orchestrator_names_each_replicas_generation_as_server_key(
+        start_worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mid-rotation, the Secret holds pairs 0 and 1: a worker started at generation 1
+    ($OMNISTAGE_CURVE_GENERATION=1) is a CURVE server with pair 1, one started at 0 with pair
+    0. The orchestrator (itself of generation 1) connects to each with the public key of the
+    replica's generation (ReplicaInfo.curve_generation: `public-1`, `public`), and a request
+    runs through both. Naming the other generation's key fails the handshake's cryptography."""
+    from omnistage.orchestrator import engine
+    from omnistage.orchestrator.membership import ReplicaInfo, StaticMembership
+    from omnistage.orchestrator.requests import PipelineRequest
+    from omnistage.spec import parse_pipeline
+
+    zero, one = curve.generate(), curve.generate()
+    d = curve.write(zero, tmp_path / "curve")
+    curve.write(one, d, generation=1)
+    w1 = start_worker("echo", name="a-0", env={curve.CURVE_KEYS_ENV: str(d),
+                                               curve.CURVE_GENERATION_ENV: "1"})
+    w0 = start_worker("echo", name="b-0", env={curve.CURVE_KEYS_ENV: str(d)})
+    pipe = parse_pipeline({
+        "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+        "metadata": {"name": "rotating"},
+        "spec": {"stages": [{"name": "a", "kind": "echo"},
+                            {"name": "b", "kind": "echo", "inputs": ["a"],
+                             "finalOutput": True}]}})
+    members = StaticMembership([ReplicaInfo("a", "a-0", w1.zmq, curve_generation=1),
+                                ReplicaInfo("b", "b-0", w0.zmq, curve_generation=0)])
+    server_keys: dict[str, bytes | None] = {}
+    real = engine.ReplicaChannel
+
+    def recording(endpoint: str, **kw: Any) -> ReplicaChannel:
+        server_keys[kw["name"]] = kw.get("server_key")
+        return real(endpoint, **kw)
+
+    monkeypatch.setattr(engine, "ReplicaChannel", recording)
+    orch = engine.Orchestrator(pipe, members, curve=curve.CurveKeyring(d, 1))
+    wrong = ReplicaChannel(w1.zmq, name="wrong", curve=one, server_key=zero.public)
+    try:
+        await orch.start()
+        assert server_keys == {"a-0": one.public, "b-0": zero.public}
+        handle = orch.submit(PipelineRequest(prompt="both generations", finals=["b"]))
+        out = await asyncio.wait_for(handle.outcome(), 60)
+        assert out.status == "ok", out
+        before = _refused(w1, "handshake")
+        await until(lambda: _refused(w1, "handshake") > before,
+                    what="a client naming generation 0's key refused by the generation-1 worker")
+        assert wrong.peer is None
+    finally:
+        await wrong.close()
+        await orch.stop(1)

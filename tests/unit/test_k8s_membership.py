@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -124,6 +125,36 @@ def test_replica_from_pod_tolerates_sparse_objects() -> None:
     bare = {"metadata": {"name": "x", "labels": {kube.LABEL_STAGE: "s"}},
             "status": {"podIP": "127.0.0.9"}}
     assert replica_from_pod(bare, PORT) == ReplicaInfo("s", "x", ep("127.0.0.9"), "joining")
+
+
+def test_replica_from_pod_carries_its_curve_generation(caplog: pytest.LogCaptureFixture) -> None:
+    """The pod's omnistage.io/curve-generation annotation (the operator's, rotation) names
+    the key generation its worker holds; absent: None (the orchestrator's own generation); not
+    an integer >= 0: None, warned once per pod and value however often the pod is seen."""
+
+    def annotated(value: str | None, name: str = "p-a-0") -> dict[str, Any]:
+        obj = pod(name)
+        if value is not None:
+            obj["metadata"]["annotations"] = {kube.ANNOTATION_CURVE_GENERATION: value}
+        return obj
+
+    assert kube.ANNOTATION_CURVE_GENERATION == "omnistage.io/curve-generation"
+    assert replica_from_pod(annotated(None), PORT).curve_generation is None  # type: ignore[union-attr]
+    assert replica_from_pod(annotated("0"), PORT).curve_generation == 0  # type: ignore[union-attr]
+    assert replica_from_pod(annotated("3"), PORT).curve_generation == 3  # type: ignore[union-attr]
+    gone = replica_from_pod(annotated("2"), PORT, deleted=True)
+    assert gone is not None and gone.state == "gone" and gone.curve_generation == 2
+    caplog.set_level(logging.WARNING, logger="omnistage.orchestrator.k8s_membership")
+    for _ in range(3):
+        for bad in ("one", "-1", "1.5"):
+            assert replica_from_pod(annotated(bad, "p-a-9"), PORT).curve_generation is None  # type: ignore[union-attr]
+    said = [r.getMessage() for r in caplog.records if "curve-generation" in r.getMessage()]
+    assert len(said) == 3, said
+    assert all(m.startswith("pod p-a-9: annotation omnistage.io/curve-generation=") for m in said)
+    # A change of generation on the same pod is a change to report.
+    known: dict[str, Tracked] = {}
+    assert apply_pod(known, annotated("0"), PORT)[0].curve_generation == 0
+    assert [i.curve_generation for i in apply_pod(known, annotated("1"), PORT)] == [1]
 
 
 # ---- the cache: apply_pod and relist_changes -------------------------------------------------
@@ -428,3 +459,23 @@ def test_cli_usage_errors(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv(kube.PIPELINE_ENV, json.dumps(bad))
     assert main(["orchestrator", "--membership", "static"]) == 2
     assert "invalid pipeline" in capsys.readouterr().err
+
+
+def test_the_orchestrator_command_refuses_a_bad_key_generation(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """$OMNISTAGE_CURVE_GENERATION names the pair of the mounted Secret the orchestrator holds:
+    one that is not an integer, or whose files are not there, is refused at start (exit 2)."""
+    from omnistage import curve_keys
+    from omnistage.cli import main
+
+    monkeypatch.setenv(kube.PIPELINE_ENV, json.dumps(MANIFEST))
+    monkeypatch.setenv(curve_keys.CURVE_KEYS_ENV, str(curve_keys.write(curve_keys.generate(),
+                                                                       tmp_path / "curve")))
+    monkeypatch.setenv(curve_keys.CURVE_GENERATION_ENV, "next")
+    assert main(["orchestrator", "--membership", "static"]) == 2
+    assert "$OMNISTAGE_CURVE_GENERATION: a key generation is an integer >= 0, not 'next'" in \
+        capsys.readouterr().err
+    monkeypatch.setenv(curve_keys.CURVE_GENERATION_ENV, "1")
+    assert main(["orchestrator", "--membership", "static"]) == 2
+    assert "public-1: no such file" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from omni_operator.crd import omnipipeline_crd, stagepool_crd
 from omni_operator.status import PHASES, model_failure, reported_invalid, stage_minimum
 from omni_operator.status_models import (
     Condition,
+    CurveKeysStatus,
     PipelineRevisions,
     PipelineStatus,
     PoolStatus,
@@ -224,7 +225,9 @@ def run(pools: dict[str, Any], dep: dict[str, Any] | None, previous: dict[str, A
         want: int = 1) -> dict[str, Any]:
     return pipeline_status(pipeline(previous), list(pools), pools, dep, want,
                            "http://p-orchestrator.ns.svc:8000", NOW,
-                           api_key_secret="p-api-keys-u1")
+                           api_key_secret="p-api-keys-u1",
+                           curve_keys=CurveKeysStatus(generation=1, secret=[0, 1],
+                                                      added_at=NOW))
 
 
 def test_phases_follow_the_rules() -> None:

@@ -127,12 +127,14 @@ runs the operator with exactly this ServiceAccount and fails on any 403 or on a 
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [list, watch, create, patch]
-# Each pipeline's CurveZMQ keypair (omnistage.curve): created once, with keys made at that
-# moment, and mounted by its pods. Never read, listed, changed or deleted by the operator (the
-# garbage collector deletes it with its pipeline): the operator cannot read any Secret.
+# Each pipeline's CurveZMQ keypair (omnistage.curve) and the API-key Secret of a pipeline that
+# names none: created once, with keys made at that moment, and mounted by its pods. patch: a
+# CurveZMQ key rotation adds the new pair and later drops the old one with merge patches.
+# Never read, listed or deleted by the operator (the garbage collector deletes them with their
+# pipeline): the operator cannot read any Secret.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create]
+  verbs: [create, patch]
 # Events: created, scale, unschedulable, replica lost. Repeats are aggregated on one Event:
 # patch counts one more; get reads the count back when a restarted operator finds the event
 # exists (409 on create).

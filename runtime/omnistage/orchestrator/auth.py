@@ -280,3 +280,16 @@ def resolve_admin(key_file: str | None, *, no_auth: bool, host: str,
         return None, f"admin keys: off (the admin listener is on loopback {host} only; {how})"
     raise ApiKeyError(f"the admin listener would be on {host} without admin keys: {how} (on a "
                       f"cluster the operator sets ${ADMIN_KEY_DIGESTS_ENV}), or pass --no-auth")
+
+
+def resolve_both(key_file: str | None, admin_key_file: str | None, *, no_auth: bool,
+                 host: str, admin_host: str, secret: str | None, disabled: bool,
+                 environ: Mapping[str, str] | None = None
+                 ) -> tuple[ApiKeys | None, ApiKeys | None, list[str]]:
+    """Both listeners' keys (API, admin) and the start lines that say so: what `omnistage
+    serve` and `omnistage orchestrator` resolve before anything starts. Raises ApiKeyError."""
+    api, api_line = resolve(key_file, no_auth=no_auth, host=host, secret=secret,
+                            disabled=disabled, environ=environ)
+    admin, admin_line = resolve_admin(admin_key_file, no_auth=no_auth, host=admin_host,
+                                      environ=environ)
+    return api, admin, [api_line, admin_line]

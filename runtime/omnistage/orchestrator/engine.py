@@ -47,7 +47,6 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from functools import partial
 from typing import Any
 
 import msgspec
@@ -55,7 +54,7 @@ import zmq.asyncio
 
 from omnistage import protocol as p
 from omnistage.client import ReplicaChannel
-from omnistage.curve import CurveKeys
+from omnistage.curve import CurveKeyring
 from omnistage.metrics import new_registry
 from omnistage.orchestrator.failover import Failover
 from omnistage.orchestrator.holds import HoldCause, Holds, Wakes, hold_bounds
@@ -146,14 +145,15 @@ class Orchestrator:
         waker: Waker | None = None,
         revision_rng: random.Random | None = None,
         seed_rng: random.Random | None = None,
-        curve: CurveKeys | None = None,
+        curve: CurveKeyring | None = None,
     ) -> None:
         """notes() adds lines to /readyz's reason, for what the placement knows and the
         orchestrator cannot (a local replica crash-looping). waker: asked to start a stage
         that is at zero replicas while a request is held for it (holds.Wakes). revision_rng:
         the random source of the newest/previous choice at admission (tests seed it).
         seed_rng: where a request without a seed gets one at admission (PipelineRequest.seeded).
-        curve: the pipeline's CurveZMQ pair, for workers that require it (omnistage.curve)."""
+        curve: the pipeline's CurveZMQ keys, for workers that require them (omnistage.curve:
+        our own pair, and each replica's generation's server key)."""
         self.pipeline = pipeline
         self.shm_config = shm
         self.shm: SegmentManager | None = None
@@ -195,8 +195,7 @@ class Orchestrator:
             self.pools, self.counters, heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout, on_reply=self._on_reply,
             fail_bound=self.failover.lost, routable=self._routable, spawn=self._in_background,
-            connect=partial(ReplicaChannel, curve=curve) if curve is not None else ReplicaChannel,
-            clock=time.monotonic)
+            connect=ReplicaChannel, clock=time.monotonic, curve=curve)
         # The collaborators' own state that metrics, GET /v1/load and tests read here.
         self.admissions, self.pinned = self.pins.admissions, self.pins.pinned
         self.suspects, self.startup_s = self.replicas.suspects, self.wakes.startup_s

@@ -62,14 +62,16 @@ def replica_from_pod(
     endpoint = _endpoint(ip, zmq_port) if ip else ""
     revision = labels.get(kube.LABEL_REVISION) or None
     order = revision_order(pod)
+    generation = curve_generation(pod)
     if deleted or status.get("phase") in ("Succeeded", "Failed"):
-        return ReplicaInfo(stage, name, endpoint, "gone", revision, order)
+        return ReplicaInfo(stage, name, endpoint, "gone", revision, order, generation)
     if not ip:
         return None
     if kube.is_draining(pod):
-        return ReplicaInfo(stage, name, endpoint, "draining", revision, order)
+        return ReplicaInfo(stage, name, endpoint, "draining", revision, order, generation)
     ready = kube.condition_status(pod, "Ready") == "True"
-    return ReplicaInfo(stage, name, endpoint, "ready" if ready else "joining", revision, order)
+    return ReplicaInfo(stage, name, endpoint, "ready" if ready else "joining", revision, order,
+                       generation)
 
 
 def revision_order(pod: Mapping[str, Any]) -> int:
@@ -86,6 +88,31 @@ def revision_order(pod: Mapping[str, Any]) -> int:
                         value)
         return 0
     return max(0, order)
+
+
+_said_generation: set[tuple[str, str]] = set()  # (pod, value): a bad annotation, warned once
+
+
+def curve_generation(pod: Mapping[str, Any]) -> int | None:
+    """The generation of the CurveZMQ pair the pod holds (annotation
+    ANNOTATION_CURVE_GENERATION, an integer >= 0); None when absent, or not one (warned once
+    per pod and value): the orchestrator then names its own generation's key."""
+    meta = pod.get("metadata") or {}
+    value = (meta.get("annotations") or {}).get(kube.ANNOTATION_CURVE_GENERATION)
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.isascii() and text.isdigit():
+        return int(text)
+    said = (str(meta.get("name")), text)
+    if said not in _said_generation:
+        if len(_said_generation) >= 1024:  # bounded: a long-lived orchestrator sees many pods
+            _said_generation.clear()
+        _said_generation.add(said)
+        log.warning("pod %s: annotation %s=%r is not a key generation (an integer >= 0); "
+                    "connecting with our own generation's key", said[0],
+                    kube.ANNOTATION_CURVE_GENERATION, value)
+    return None
 
 
 @dataclass(frozen=True)

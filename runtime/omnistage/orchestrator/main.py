@@ -31,10 +31,9 @@ from typing import Any
 from prometheus_client.registry import Collector
 
 from omnistage import eventloop, kube
-from omnistage.curve import CURVE_KEYS_ENV, CurveKeyError, CurveKeys, keys_from_env
+from omnistage.curve import CURVE_KEYS_ENV, CurveKeyError, CurveKeyring, keyring_from_env
 from omnistage.orchestrator.auth import ApiKeyError, ApiKeys
-from omnistage.orchestrator.auth import resolve as resolve_api_keys
-from omnistage.orchestrator.auth import resolve_admin as resolve_admin_keys
+from omnistage.orchestrator.auth import resolve_both as resolve_keys
 from omnistage.orchestrator.membership import Membership, ReplicaInfo, StaticMembership
 from omnistage.orchestrator.shutdown import drain_timeout
 from omnistage.orchestrator.wake import Waker, waker_for
@@ -155,7 +154,7 @@ async def serve_orchestrator(
     waker: Waker | None = None,
     background: Sequence[Callable[[Any], Awaitable[None]]] = (),
     api_keys: ApiKeys | None = None,
-    curve: CurveKeys | None = None,
+    curve: CurveKeyring | None = None,
     admin_host: str | None = None,
     admin_port: int | None = None,
     admin_keys: ApiKeys | None = None,
@@ -175,7 +174,7 @@ async def serve_orchestrator(
     stage at zero replicas (autoscaling) while requests are held for it. background: each is
     called with the Orchestrator once it started and runs until shutdown begins (`omnistage
     serve`'s autoscaler). api_keys: the keys the API's keyed routes need (None: open).
-    curve: the pipeline's CurveZMQ pair its workers require (omnistage.curve; None: plain).
+    curve: the pipeline's CurveZMQ keys its workers require (omnistage.curve; None: plain).
     admin_host/admin_port/admin_keys: the admin listener (control, load, metrics; default the
     API's host and admin_port_for's port; keys None: open); on_admin_ready(url) as on_ready.
     It closes after the API's listener: the operator reads the load of a draining orchestrator.
@@ -312,7 +311,8 @@ def run_orchestrator(
         members = make_membership(membership, pipeline, namespace=namespace,
                                   replicas=replicas, zmq_port=zmq_port)
         shm = ShmConfig.from_env()  # the opt-in: a shared directory with the node's replicas
-        curve = keys_from_env()  # the pipeline's Secret, mounted by the operator
+        # The pipeline's Secret, mounted by the operator, at this pod's key generation.
+        curve = keyring_from_env()
         admin_at = admin_port_for(pipeline, port, admin_port)
     except SpecError as exc:
         print(f"error: invalid pipeline {pipeline_file or '$' + kube.PIPELINE_ENV}:",
@@ -323,19 +323,19 @@ def run_orchestrator(
     except (UsageError, ShmError, CurveKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    log.info("stage workers: %s", "CurveZMQ with the pipeline's key" if curve is not None else
+    log.info("stage workers: %s", f"CurveZMQ with the pipeline's key (generation "
+             f"{curve.generation})" if curve is not None else
              f"plain ZMQ (no ${CURVE_KEYS_ENV}): any peer that reaches a worker is heard")
     try:
-        api_keys, auth_line = resolve_api_keys(
-            api_key_file, no_auth=no_auth, host=bind,
-            secret=pipeline.spec.orchestrator.auth.api_key_secret,
-            disabled=pipeline.spec.orchestrator.auth.disabled)
-        admin_keys, admin_line = resolve_admin_keys(admin_key_file, no_auth=no_auth, host=bind)
+        auth = pipeline.spec.orchestrator.auth
+        api_keys, admin_keys, lines = resolve_keys(
+            api_key_file, admin_key_file, no_auth=no_auth, host=bind, admin_host=bind,
+            secret=auth.api_key_secret, disabled=auth.disabled)
     except ApiKeyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    log.info("%s", auth_line)
-    log.info("%s", admin_line)
+    for line in lines:
+        log.info("%s", line)
     try:
         return eventloop.run(serve_orchestrator(pipeline, members, bind, port,
                                                 ignore_late_signals=True,

@@ -27,6 +27,10 @@ class ReplicaInfo:
     # not know it (the replica's hello then says). The highest order of a stage is its newest.
     revision: str | None = None
     order: int = 0
+    # The generation of the pipeline's CurveZMQ pair the replica holds (on Kubernetes the pod's
+    # annotation; omnistage.curve_keys): the server key to name is that generation's public
+    # key. None: the orchestrator's own generation (a static replica, `omnistage serve`).
+    curve_generation: int | None = None
 
     @property
     def routable(self) -> bool:

@@ -7,6 +7,12 @@ probation: membership still lists it, so it is pinged on a fresh channel and re-
 new binding) once it answers. What is bound to a lost or restarted replica is the engine's to
 fail or fail over (fail_bound); replies for tasks go to the engine (on_reply).
 
+With CurveZMQ, each channel names the server key of the replica's own key generation
+(ReplicaInfo.curve_generation; the keyring's public-N). A replica whose generation's public key
+is not in the key directory yet (the Secret's mount not refreshed) cannot be connected to: it
+goes on probation as a replica that does not answer its hello does, without counting as lost
+(it never joined), and the probe connects once the key is there.
+
 Faults and retirements are counted apart: a replica that was retiring (Replica.retiring: the
 membership said draining, or its process said it drains) and then exits or leaves the
 membership counts in `replicas_retired`, not in `replicas_lost` or `replica_restarts`, so a
@@ -28,6 +34,7 @@ import zmq.asyncio
 
 from omnistage import protocol as p
 from omnistage.client import ChannelClosed, ReplicaChannel
+from omnistage.curve_keys import CurveKeyring
 from omnistage.orchestrator.membership import ReplicaInfo
 from omnistage.orchestrator.pools import Replica, StagePool
 from omnistage.orchestrator.tasks import Reply
@@ -53,10 +60,12 @@ class Replicas:
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
         connect: Callable[..., ReplicaChannel] = ReplicaChannel,
         clock: Callable[[], float] = time.monotonic,
+        curve: CurveKeyring | None = None,
     ) -> None:
         """on_reply: a task's reply; fail_bound: fails the tasks bound to a lost replica;
         routable: a replica of the stage may have become routable (or stopped being);
-        spawn: runs a coroutine the orchestrator's stop() cancels; connect: opens a channel."""
+        spawn: runs a coroutine the orchestrator's stop() cancels; connect: opens a channel;
+        curve: the pipeline's keys, for workers that require them (omnistage.curve)."""
         self.pools = pools
         self.counters = counters
         self.heartbeat_interval = heartbeat_interval
@@ -67,6 +76,8 @@ class Replicas:
         self.spawn = spawn
         self.connect = connect
         self.clock = clock
+        self.curve = curve
+        self._keyless: set[tuple[str, int | None]] = set()  # (replica, generation) said once
         self.suspects: dict[str, ReplicaInfo] = {}  # lost to heartbeats, still in membership
         self.zctx: zmq.asyncio.Context | None = None  # set by the orchestrator's start()
         self.shm: SegmentManager | None = None
@@ -124,11 +135,16 @@ class Replicas:
             current.info = info
             self.routable(info.stage)
             return
+        keys = self._keys_for(info)
+        if keys is None:  # its generation's key is not here yet: probed until it is
+            self.suspects[info.name] = info
+            self.spawn(self._probe(info))
+            return
         replica = Replica(info)
         replica.channel = self.connect(
             info.endpoint, name=info.name, zctx=self.zctx,
             on_message=partial(self._on_message, replica),
-            on_disconnect=partial(self._on_disconnect, replica), shm=self.shm,
+            on_disconnect=partial(self._on_disconnect, replica), shm=self.shm, **keys,
         )
         pool.replicas[info.name] = replica
         replica.handshake = self.spawn(self._handshake(replica))
@@ -265,10 +281,45 @@ class Replicas:
         self.fail_bound(replica, reason)
         self.spawn(replica.channel.close())
 
+    def _keys_for(self, info: ReplicaInfo) -> dict[str, Any] | None:
+        """The CurveZMQ arguments of a channel to this replica: none without keys; None while
+        its generation's public key is not in the key directory (said once per replica and
+        generation)."""
+        if self.curve is None:
+            return {}
+        server_key = self.curve.server_key(info.curve_generation)
+        if server_key is not None:
+            self._keyless.discard((info.name, info.curve_generation))
+            return {"curve": self.curve.own, "server_key": server_key}
+        if (info.name, info.curve_generation) not in self._keyless:
+            if len(self._keyless) >= 1024:
+                self._keyless.clear()
+            self._keyless.add((info.name, info.curve_generation))
+            log.warning("replica %s of stage %s holds CurveZMQ key generation %s, whose public "
+                        "key is not in %s yet (the Secret's mount not refreshed?): connecting "
+                        "once it is", info.name, info.stage, info.curve_generation,
+                        self.curve.directory)
+        return None
+
     async def _probe(self, info: ReplicaInfo) -> None:
-        channel = self.connect(info.endpoint, name=f"probe-{info.name}", zctx=self.zctx)
+        """Ping a suspect on a fresh channel until it answers, then re-admit it. The channel
+        opens once the replica's generation's key is there (and again for a new address)."""
+        target, keys = info, self._keys_for(info)
+        channel = None if keys is None else self.connect(
+            info.endpoint, name=f"probe-{info.name}", zctx=self.zctx, **keys)
         try:
-            while self.suspects.get(info.name) is not None:
+            while (current := self.suspects.get(info.name)) is not None:
+                if channel is None or (target.endpoint, target.curve_generation) != (
+                        current.endpoint, current.curve_generation):
+                    if channel is not None:
+                        await channel.close()
+                        channel = None
+                    target, keys = current, self._keys_for(current)
+                    if keys is None:
+                        await asyncio.sleep(self.heartbeat_interval)
+                        continue
+                    channel = self.connect(current.endpoint, name=f"probe-{info.name}",
+                                           zctx=self.zctx, **keys)
                 try:
                     await channel.ping(timeout=self.heartbeat_timeout)
                 except (TimeoutError, ConnectionError):
@@ -280,7 +331,8 @@ class Replicas:
                     self.on_member(current)
                 return
         finally:
-            await channel.close()
+            if channel is not None:
+                await channel.close()
 
     async def _heartbeats(self) -> None:
         """Ping every replica each interval; one silent for heartbeat_timeout is lost."""

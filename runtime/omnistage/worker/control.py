@@ -45,9 +45,10 @@ class ControlPlane:
         self.drain = drain
         self.snapshot = snapshot
         self.shm: SegmentManager | None = None  # our segment, set by StageWorker.serve
-        # The segment each peer proved in its hello: only such a peer may send handles
-        # (StageWorker._resolve).
-        self.peer_segments: dict[bytes, str] = {}
+        # The peers that proved in their hello that they share our segment directory: only
+        # they may send handles (StageWorker._resolve). A dict as an insertion-ordered set,
+        # so the oldest goes first at MAX_PEERS.
+        self.proved_peers: dict[bytes, None] = {}
         self.paused = False
         self.asleep = False
 
@@ -64,11 +65,11 @@ class ControlPlane:
                         f"{cfg.replica_id} speaks version {p.PROTOCOL_VERSION}"))
             return
         shared = self.shm is not None and self.shm.verify(probe)
-        self.peer_segments.pop(ident, None)
+        self.proved_peers.pop(ident, None)
         if shared and probe is not None:
-            if len(self.peer_segments) >= MAX_PEERS:  # the oldest: a long gone channel
-                self.peer_segments.pop(next(iter(self.peer_segments)))
-            self.peer_segments[ident] = probe.segment
+            if len(self.proved_peers) >= MAX_PEERS:  # the oldest: a long gone channel
+                self.proved_peers.pop(next(iter(self.proved_peers)))
+            self.proved_peers[ident] = None
         self.replies.send(ident, p.HelloReply(
             version=p.PROTOCOL_VERSION, replica=cfg.replica_id, stage=cfg.stage.name,
             kind=cfg.stage.kind, incarnation=self.incarnation, revision=self.revision,

@@ -45,7 +45,7 @@ from omnistage.admission import (
     SerialScheduler,
 )
 from omnistage.batching import BatchScheduler, Emit
-from omnistage.curve import CurveKeys, PeerGate, keys_from_env
+from omnistage.curve import CurveKeyring, PeerGate, keyring_from_env
 from omnistage.executors import (
     BadRequest,
     BatchExecutor,
@@ -79,13 +79,14 @@ class StageWorker:
     def __init__(
         self, cfg: WorkerConfig, executor: Executor | None = None,
         shm: ShmConfig | None = None,
-        curve: CurveKeys | None = None,
+        curve: CurveKeyring | None = None,
     ) -> None:
-        """curve: the pipeline's CurveZMQ pair (default: $OMNISTAGE_CURVE_KEYS, else none);
-        with it only a peer holding the pair is heard (omnistage.curve)."""
+        """curve: the pipeline's CurveZMQ keys (default: $OMNISTAGE_CURVE_KEYS at generation
+        $OMNISTAGE_CURVE_GENERATION, else none); with them only a peer holding a pair of the
+        pipeline's (any generation in the key directory) is heard (omnistage.curve)."""
         self.cfg = cfg
         self.shm_config = shm if shm is not None else ShmConfig.from_env()
-        self.curve = curve if curve is not None else keys_from_env()
+        self.curve = curve if curve is not None else keyring_from_env()
         self.gate: PeerGate | None = None
         self.shm: SegmentManager | None = None
         self.executor = executor
@@ -333,7 +334,7 @@ class StageWorker:
         in its hello that it shares our segment directory (with CurveZMQ, an authenticated
         one). It may name another worker's segment: an orchestrator forwards lent blocks."""
         assert self.shm is not None
-        if desc.segment != self.shm.name and ident not in self.control_plane.peer_segments:
+        if desc.segment != self.shm.name and ident not in self.control_plane.proved_peers:
             raise p.ShmUnavailable(f"segment {desc.segment}: this peer offered no shared "
                                    "memory in its hello, so it may not name a segment")
         return self.shm.resolve(desc, nbytes)
