@@ -44,6 +44,10 @@ NOT_REQUESTS: dict[Grant, str] = {
         "(autoscaled stages only)",
     ("autoscaling", "horizontalpodautoscalers", "list"):
         "the autoscaler refuses pools an HPA scales (autoscaled stages only)",
+    # omni_operator/curve_rotation.py: only for a pipeline asked to rotate its CurveZMQ keys;
+    # tests/cluster/test_curve_rotation_cluster.py drives one.
+    ("", "secrets", "patch"):
+        "a CurveZMQ key rotation adds and drops pairs of a pipeline's Secret by merge patch",
 }
 
 
