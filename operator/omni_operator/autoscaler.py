@@ -36,7 +36,6 @@ ExternalAutoscaler, one Warning event) and leaves the count to the HPA.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import heapq
 import json
 import logging
@@ -50,6 +49,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_operator import builders
+from omni_operator.events import iso, unix
 from omni_operator.loadclient import LoadClient
 from omni_operator.models import desired_replicas
 from omni_operator.placement import unschedulable_message
@@ -281,19 +281,6 @@ def hpa_targets(hpas: list[Obj]) -> dict[str, str]:
     return out
 
 
-def _iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _unix(text: str | None) -> float | None:
-    if not text:
-        return None
-    try:
-        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 class LoadUnavailable(Exception):
     """The pipeline's load could not be read (orchestrator down, proxy refused, bad body)."""
 
@@ -367,7 +354,7 @@ class Autoscaler:
             return
         tracked = self._tracked.get(key) or self._restore(pool)
         self._tracked[key] = tracked
-        at = _unix(wake)
+        at = unix(wake)
         if tracked.woken == wake or at is None:
             return
         down = tracked.state.last_change_at if tracked.state.last_direction == -1 else None
@@ -580,7 +567,7 @@ class Autoscaler:
             stored = None
         state = AutoscalerState()
         if stored is not None and stored.last_direction and stored.last_change_time:
-            at = _unix(stored.last_change_time)
+            at = unix(stored.last_change_time)
             if at is not None:
                 state = AutoscalerState(1 if stored.last_direction == "Up" else -1, at)
         return _Tracked(state=state, report=stored)
@@ -849,7 +836,7 @@ def status_of(decision: Decision, scaling: Autoscaling, now: float, signal: str 
         inputs={k: round(v, 3) for k, v in decision.inputs.items()},
         signal=signal,  # type: ignore[arg-type]
         signal_message=error if signal == "Unavailable" else None,
-        decision_time=_iso(now),
-        last_change_time=_iso(state.last_change_at) if state.last_change_at is not None else None,
+        decision_time=iso(now),
+        last_change_time=iso(state.last_change_at) if state.last_change_at is not None else None,
         last_direction={1: "Up", -1: "Down"}.get(state.last_direction),  # type: ignore[arg-type]
     )

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from omni_operator.curve_rotation import pod_generation
 from omni_operator.metadata import component_selector, labels, orchestrator_name, owner_ref
 from omni_operator.metadata import object_meta as _meta
 from omni_operator.models import API_VERSION, desired_replicas
@@ -271,11 +272,7 @@ def _curve_generation_env(generation: int) -> list[Obj]:
 
 def curve_generation_of(pool: Obj) -> int:
     """The CurveZMQ generation a pool's pods are built with (its annotation; absent: 0)."""
-    text = (pool["metadata"].get("annotations") or {}).get(kube.ANNOTATION_CURVE_GENERATION)
-    try:
-        return int(text) if text else 0
-    except ValueError:
-        return 0
+    return pod_generation(pool["metadata"].get("annotations"))
 
 
 def curve_secret_add(generation: int, keys: CurveKeys) -> Obj:

@@ -81,7 +81,8 @@ def desired_generation(annotations: Mapping[str, str] | None, state: CurveKeysSt
 
 
 def pod_generation(annotations: Mapping[str, str] | None) -> int:
-    """A pod's generation by its annotation (absent or unreadable: 0, the first pair)."""
+    """A pod's (or a StagePool's pods') generation by its annotation (absent or unreadable:
+    0, the first pair)."""
     try:
         return int((annotations or {}).get(kube.ANNOTATION_CURVE_GENERATION, "0"))
     except ValueError:

@@ -27,6 +27,21 @@ def now_iso() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def iso(t: float) -> str:
+    """Epoch seconds as an RFC 3339 time, as statuses and conditions carry it."""
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def unix(text: str | None) -> float | None:
+    """An RFC 3339 time in epoch seconds; None for none or one that does not parse."""
+    if not text:
+        return None
+    try:
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except (AttributeError, ValueError):
+        return None
+
+
 def event_name(obj: Obj, etype: str, reason: str, message: str) -> str:
     """Deterministic: the same thing said about the same object is the same Event."""
     meta = obj["metadata"]

@@ -4,7 +4,6 @@ its status written; a deleting pipeline shut down in order (orchestrator, pools,
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import secrets
@@ -13,7 +12,7 @@ import time
 from omni_operator import builders, curve_rotation
 from omni_operator.admin_credential import AdminCredential
 from omni_operator.curve_rotation import CurveKeysState
-from omni_operator.events import now_iso
+from omni_operator.events import iso, now_iso, unix
 from omni_operator.network_policy import NetworkPolicySettings
 from omni_operator.status import (
     pipeline_status,
@@ -42,12 +41,7 @@ def curve_keys_state(doc: Obj | None) -> CurveKeysState:
     """status.curveKeys as the rotation's state (absent: the first pair only)."""
     if not doc:
         return CurveKeysState()
-    added = doc.get("addedAt")
-    try:
-        at = dt.datetime.fromisoformat(added.replace("Z", "+00:00")).timestamp() \
-            if added else None
-    except (AttributeError, ValueError):
-        at = None
+    at = unix(doc.get("addedAt"))
     secret = tuple(int(g) for g in doc.get("secret") or [0])
     return CurveKeysState(int(doc.get("generation") or 0), secret or (0,), at)
 
@@ -56,8 +50,7 @@ def curve_keys_status(state: CurveKeysState) -> CurveKeysStatus | None:
     """The state as status.curveKeys; None (no field) for a pipeline never rotated."""
     if state == CurveKeysState():
         return None
-    added = (dt.datetime.fromtimestamp(state.added_at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-             if state.added_at is not None else None)
+    added = iso(state.added_at) if state.added_at is not None else None
     return CurveKeysStatus(generation=state.generation, secret=list(state.secret),
                            added_at=added)
 

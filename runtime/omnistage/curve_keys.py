@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omnistage.filewatch import Signature, Throttle, signature, visible_files
+
 __all__ = [
     "CURVE_GENERATION_ENV",
     "CURVE_KEYS_ENV",
@@ -203,28 +205,11 @@ def keyring_from_env(env: Mapping[str, str] | None = None) -> CurveKeyring | Non
         raise CurveKeyError(f"${CURVE_KEYS_ENV}: {exc}") from None
 
 
-Signature = tuple[tuple[str, int, int, int], ...]
-
-
-def _visible(directory: Path) -> list[Path]:
-    """The directory's visible files (a Secret volume's `..data` and timestamped folders are
-    hidden; its visible entries are symlinks into them, followed)."""
-    return sorted(p for p in directory.iterdir() if not p.name.startswith(".") and p.is_file())
-
-
-def _signature(files: list[Path]) -> Signature:
-    out = []
-    for f in files:
-        st = f.stat()  # follows a Secret volume's symlinks to the file in force
-        out.append((f.name, st.st_mtime_ns, st.st_size, st.st_ino))
-    return tuple(out)
-
-
 def _publics(directory: Path) -> tuple[Signature, dict[int, bytes]]:
     """Every generation's public key in the directory, and the signature it was read at.
     CurveKeyError for a bad key or a directory without any; OSError when it cannot be read."""
-    files = _visible(directory)
-    signature = _signature(files)
+    files = visible_files(directory)
+    found = signature(files)
     publics: dict[int, bytes] = {}
     for f in files:
         match = _PUBLIC_NAME.fullmatch(f.name)
@@ -233,7 +218,7 @@ def _publics(directory: Path) -> tuple[Signature, dict[int, bytes]]:
     if not publics:
         raise CurveKeyError(f"{directory}: no public key in it ({PUBLIC_FILE!r} or "
                             f"'{PUBLIC_FILE}-N')")
-    return signature, publics
+    return found, publics
 
 
 class CurveKeyring:
@@ -261,8 +246,7 @@ class CurveKeyring:
             self._signature, publics = _publics(self.directory)
         except OSError as exc:  # pragma: no cover - load() just read it
             raise CurveKeyError(f"{self.directory}: cannot read: {exc.strerror or exc}") from None
-        self._clock, self._reload_s = clock, reload_s
-        self._looked = clock()
+        self._throttle = Throttle(reload_s, clock)
         self._failed: str | None = None  # the reload error logged (once)
         self._set(publics)
 
@@ -272,7 +256,7 @@ class CurveKeyring:
         ring = cls.__new__(cls)
         ring.generation, ring.directory, ring.own = _generation(generation), None, keys
         ring._signature, ring._failed = (), None
-        ring._clock, ring._reload_s, ring._looked = time.monotonic, RELOAD_S, 0.0
+        ring._throttle = Throttle(RELOAD_S)
         ring._set({ring.generation: keys.public})
         return ring
 
@@ -304,14 +288,12 @@ class CurveKeyring:
     def _refresh(self) -> None:
         if self.directory is None:
             return
-        now = self._clock()
-        if now - self._looked < self._reload_s:
+        if not self._throttle.due():
             return
-        self._looked = now
         try:
-            if _signature(_visible(self.directory)) == self._signature:
+            if signature(visible_files(self.directory)) == self._signature:
                 return
-            signature, publics = _publics(self.directory)
+            found, publics = _publics(self.directory)
         except (OSError, CurveKeyError) as exc:
             reason = str(exc) if isinstance(exc, CurveKeyError) else (
                 f"{self.directory}: cannot read: {exc.strerror or exc}")
@@ -325,7 +307,7 @@ class CurveKeyring:
         if publics != self._publics:
             log.info("CurveZMQ keys in %s: generations %s", self.directory,
                      ", ".join(map(str, sorted(publics))))
-        self._signature = signature
+        self._signature = found
         self._set(publics)
 
 

@@ -299,7 +299,7 @@ def test_the_orchestrator_listens_on_an_admin_port_with_the_operator_s_digest() 
     assert "--admin-port" not in container["command"]
     config = _by_name(children, "ConfigMap")["p-pipeline"]
     assert json.loads(config["data"][b.PIPELINE_KEY])["spec"]["orchestrator"]["adminPort"] == 9100
-    keys, _ = resolve_admin(None, no_auth=False, host="10.0.0.7",
+    keys, _ = resolve_admin(None, no_auth=False, host="pod.example",
                             environ={k: v for k, v in env.items() if v is not None})
     assert keys is not None and keys.allows(f"Bearer {key}")
     assert not keys.allows(f"Bearer {credential.key('ns', 'p', 'another-uid')}")

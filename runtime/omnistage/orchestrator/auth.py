@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from omnistage.filewatch import Signature, Throttle, signature, visible_files
 from omnistage.kube import ADMIN_KEY_DIGESTS_ENV, ADMIN_KEY_HEADER, API_KEY_FILE_ENV
 
 log = logging.getLogger(__name__)
@@ -67,33 +68,15 @@ def key_digest_hex(key: str) -> str:
     return _digest(key).hex()
 
 
-Signature = tuple[tuple[str, int, int, int], ...]
-
-
-def _files(path: Path) -> list[Path]:
-    """The files that hold keys: the file itself, or a directory's visible regular files
-    (a Secret volume's `..data` and timestamped folders are hidden)."""
-    if path.is_dir():
-        return sorted(p for p in path.iterdir() if not p.name.startswith(".") and p.is_file())
-    return [path]
-
-
-def _signature(path: Path) -> Signature:
-    out = []
-    for f in _files(path):
-        st = f.stat()  # follows a Secret volume's symlinks to the file in force
-        out.append((f.name, st.st_mtime_ns, st.st_size, st.st_ino))
-    return tuple(out)
-
-
 def _read(path: Path) -> tuple[Signature, list[str]]:
-    signature = _signature(path)
+    files = visible_files(path)
+    found = signature(files)
     keys = []
-    for f in _files(path):
+    for f in files:
         keys += parse_keys(f.read_text(encoding="utf-8", errors="replace"), str(f))
     if not keys:
         raise ApiKeyError(f"{path}: no API key in it")
-    return signature, keys
+    return found, keys
 
 
 class ApiKeys:
@@ -106,8 +89,7 @@ class ApiKeys:
         self._digests = [_digest(k) for k in keys] + list(digests or [])
         self._path = path
         self._signature = signature
-        self._clock = clock
-        self._looked = clock()
+        self._throttle = Throttle(RELOAD_S, clock)
         self._failed: str | None = None  # the last reload error logged (logged once)
 
     @classmethod
@@ -115,10 +97,10 @@ class ApiKeys:
                   clock: Callable[[], float] = time.monotonic) -> ApiKeys:
         p = Path(path)
         try:
-            signature, keys = _read(p)
+            found, keys = _read(p)
         except OSError as exc:
             raise ApiKeyError(f"API key file {p}: {exc.strerror or exc}") from None
-        return cls(keys, f"file {p}", path=p, signature=signature, clock=clock)
+        return cls(keys, f"file {p}", path=p, signature=found, clock=clock)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
@@ -173,14 +155,12 @@ class ApiKeys:
     def _maybe_reload(self) -> None:
         if self._path is None:
             return
-        now = self._clock()
-        if now - self._looked < RELOAD_S:
+        if not self._throttle.due():
             return
-        self._looked = now
         try:
-            if _signature(self._path) == self._signature:
+            if signature(visible_files(self._path)) == self._signature:
                 return
-            signature, keys = _read(self._path)
+            found, keys = _read(self._path)
         except (OSError, ApiKeyError) as exc:
             reason = str(exc) if isinstance(exc, ApiKeyError) else f"{self._path}: {exc}"
             if reason != self._failed:
@@ -189,7 +169,7 @@ class ApiKeys:
                 self._failed = reason
             return
         self._digests = [_digest(k) for k in keys]
-        self._signature = signature
+        self._signature = found
         self._failed = None
         log.info("API keys reloaded from %s: %d in force", self.source, len(keys))
 

@@ -39,6 +39,7 @@ from omnistage.orchestrator.shutdown import drain_timeout
 from omnistage.orchestrator.wake import Waker, waker_for
 from omnistage.shm import ShmConfig, ShmError
 from omnistage.spec import OmniPipeline, SpecError, load_pipeline, parse_pipeline
+from omnistage.spec.pipeline import admin_port_beside
 
 log = logging.getLogger("omnistage.orchestrator")
 
@@ -130,7 +131,7 @@ def admin_port_for(pipeline: OmniPipeline, port: int | None, admin_port: int | N
         elif orch.admin_port is not None:
             admin_port = orch.admin_port
         else:
-            admin_port = api_port + 1 if api_port < 65535 else api_port - 1
+            admin_port = admin_port_beside(api_port)
     if admin_port != 0 and admin_port == api_port:
         raise UsageError(f"admin port {admin_port} is the API's port: give the admin listener "
                          "its own (--admin-port, spec.orchestrator.adminPort)")

@@ -87,6 +87,11 @@ class OrchestratorAuth(SpecModel):
         return self
 
 
+def admin_port_beside(port: int) -> int:
+    """adminPort's default for an API on `port`: the port after it (before it, at 65535)."""
+    return port + 1 if port < 65535 else port - 1
+
+
 class OrchestratorSpec(SpecModel):
     """The API front door: it routes every request through the stage graph."""
 
@@ -158,9 +163,7 @@ class OrchestratorSpec(SpecModel):
     @property
     def admin_listen_port(self) -> int:
         """adminPort, or its default: the port after the API's (before it, at 65535)."""
-        if self.admin_port is not None:
-            return self.admin_port
-        return self.port + 1 if self.port < 65535 else self.port - 1
+        return self.admin_port if self.admin_port is not None else admin_port_beside(self.port)
 
     @model_validator(mode="after")
     def _two_ports(self) -> OrchestratorSpec:
