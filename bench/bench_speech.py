@@ -100,10 +100,8 @@ RPS_GOAL = 2.0
 class FixedLengthTalker(TalkerExecutor):
     """The built-in talker with its end code masked: every answer is engine.maxFrames long."""
 
-    def _sample(self, logits: Any, gen: Any, eos: int) -> int:
-        masked = logits.clone()
-        masked[eos] = float("-inf")
-        return super()._sample(masked, gen, eos)
+    def _sample(self, logits: Any, gen: Any, eos: int, may_end: bool = True) -> int:
+        return super()._sample(logits, gen, eos, may_end=False)
 
 
 class CountingSink(Executor):

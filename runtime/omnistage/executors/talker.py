@@ -334,15 +334,20 @@ class TalkerExecutor(BatchExecutor):
 
             io.emit_chunk(tensors={"codec_codes": np.asarray(frames, dtype=np.int64)})
 
-    def _sample(self, logits: Any, gen: Any, eos: int) -> int:
-        """The frame's first code: top-k sampling over the codebook and the end code only."""
+    def _sample(self, logits: Any, gen: Any, eos: int, may_end: bool = True) -> int:
+        """The frame's first code: top-k sampling over the codebook and the end code only.
+
+        may_end is False for a voice's first frame (generate's min_new_tokens=1: the end code
+        masked before top-k): speech asked for is never an empty waveform (a random-weight
+        talker drew the end code first for ~2% of seeds)."""
         import torch
 
         allowed = torch.full_like(logits, float("-inf"))
         allowed[: self.codebook] = 0.0
-        allowed[eos] = 0.0
+        if may_end:
+            allowed[eos] = 0.0
         logits = logits + allowed
-        top = torch.topk(logits, min(TOP_K, self.codebook + 1))
+        top = torch.topk(logits, min(TOP_K, self.codebook + int(may_end)))
         probs = torch.softmax(top.values / TEMPERATURE, dim=-1).cpu()
         return int(top.indices[int(torch.multinomial(probs, 1, generator=gen))])
 
@@ -605,7 +610,7 @@ class _TalkerBatch:
             if len(voice.frames) >= voice.job.max_frames:
                 self._end(sid, "length", done)
                 continue
-            first = ex._sample(voice.logits, voice.gen, eos)
+            first = ex._sample(voice.logits, voice.gen, eos, may_end=bool(voice.frames))
             if first == eos:
                 self._end(sid, "stop", done)
                 continue

@@ -123,7 +123,8 @@ class EngineOptions(SpecModel):
         ge=1,
         le=65_536,
         description="talker: most codec frames a request may generate (Qwen3-Omni makes 12.5 "
-        "frames a second of speech); the talker also stops at its codec's end code.",
+        "frames a second of speech); the talker also stops at its codec's end code, never "
+        "before the first frame.",
     )
     chunk_frames: Annotated[int, PerRequest()] = Field(
         8,
