@@ -276,3 +276,30 @@ async def test_worker_batches_compatible_diffusion_requests(start_worker, channe
         assert image.shape == (ps["height"], ps["width"], 3)
         _assert_same_images(image[None], ref.tensors["image"].numpy()[None])
     assert await _exec_seconds(batched) - before > 1.5 * wall  # they shared steps
+
+
+async def test_worker_batches_concurrent_thinker_requests_with_mixed_media(start_worker,
+                                                                          channels) -> None:
+    """Text only, an image, audio and both, eight at once on a thinker worker with maxBatchSize
+    8: the same greedy tokens as a worker that runs them one at a time, and shared steps
+    (executor time beyond the wall time)."""
+    rng = np.random.default_rng(5)
+    image = rng.integers(0, 256, (112, 112, 3), dtype=np.uint8)
+    clip = rng.uniform(-0.5, 0.5, 8000).astype(np.float32)
+    media = [{}, {"input_image.0": image}, {"input_audio.0": clip},
+             {"input_image.0": image, "input_audio.0": clip}]
+    requests = [({"prompt": PROMPTS[i], "max_tokens": 30, "ignore_eos": True}, media[i % 4])
+                for i in range(8)]
+    batched = start_worker("thinker", model="tiny-omni-thinker", engine={"maxBatchSize": 8})
+    serial = start_worker("thinker", model="tiny-omni-thinker", engine={"maxBatchSize": 1})
+    ch, ref_ch = channels(batched), channels(serial)
+    reference = [(await ref_ch.request(f"r{i}", ps, ts))[1].header.token_ids
+                 for i, (ps, ts) in enumerate(requests)]
+    before, t0 = await _exec_seconds(batched), time.monotonic()
+    results = await asyncio.gather(*(ch.request(f"r{i}", ps, ts)
+                                     for i, (ps, ts) in enumerate(requests)))
+    wall = time.monotonic() - t0
+    for i, (_, final) in enumerate(results):
+        assert isinstance(final.header, p.Final), final.header
+        assert final.header.token_ids == reference[i], f"request {i} differs from serial"
+    assert await _exec_seconds(batched) - before > 2 * wall

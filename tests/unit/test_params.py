@@ -104,14 +104,21 @@ def _echo(engine: dict[str, Any]) -> Stage:
 
 
 def test_create_executor_gets_the_stages_typed_options() -> None:
-    stage = _echo({"echoDelayMs": 7, "temperature": 1.5})
+    stage = _echo({"echoDelayMs": 7, "echoChunkChars": 2})
     ex = create_executor(stage, None)
     assert isinstance(ex, EchoExecutor) and ex.engine is stage.engine
-    assert (ex.engine.echo_delay_ms, ex.engine.temperature) == (7, 1.5)
+    assert (ex.engine.echo_delay_ms, ex.engine.echo_chunk_chars) == (7, 2)
     with pytest.raises(ValidationError, match="temperature"):
-        _echo({"temperature": 2.5})
+        Stage.model_validate({"name": "a", "kind": "ar", "model": "tiny-llama",
+                              "engine": {"temperature": 2.5}})
     with pytest.raises(ValidationError, match="maxToken"):
         _echo({"maxToken": 5})  # typo: unknown keys are errors
+    # An option of another kind would be ignored: refused, with its path and what echo reads.
+    with pytest.raises(ValidationError, match=r"engine\.temperature: the echo kind does not "
+                       r"read this option \(its engine options: echoDelayMs, echoChunkChars, "
+                       r"echoChunkDelayMs\)"):
+        _echo({"echoDelayMs": 7, "temperature": 1.5})
+    assert _echo({"temperature": 0.0}).engine.temperature == 0.0  # its default: harmless
 
 
 def test_echo_request_params_override_the_stage_default_within_bounds() -> None:

@@ -216,6 +216,12 @@ def test_each_bound_at_its_edge(path: str, value: Any, expected: str | None) -> 
     and its `short_repr(value)` -> `short_repr(None)`, _strict's strict=True -> False (the '30s'
     and bool cases)."""
     doc = one_stage()
+    if path.startswith(ENGINE + "."):  # a stage of a kind that reads the option
+        field = re.sub(r"(?<!^)(?=[A-Z])", "_", path.rsplit(".", 1)[-1]).lower()
+        kind = stage_kinds.get(engine_kinds(field)[0])
+        doc["spec"]["stages"][0].update(kind=kind.name)
+        if kind.needs_model:
+            doc["spec"]["stages"][0]["model"] = kind.builtin_models[0]
     _set(doc, path, value)
     if expected is None:
         assert _get(parse_pipeline(doc).to_manifest(), path) == value
@@ -402,8 +408,8 @@ def test_engine_kinds_of_every_field() -> None:
         "echo_delay_ms": ("echo",), "echo_chunk_chars": ("echo",),
         "echo_chunk_delay_ms": ("echo",), "voices": ("talker",), "voice": ("talker",),
         "max_frames": ("talker",), "chunk_frames": ("talker", "vocoder"),
-        "max_batch_size": ("ar", "diffusion", "talker", "vocoder"),
-        "max_batch_tokens": ("ar",),
+        "max_batch_size": ("ar", "diffusion", "thinker", "talker", "vocoder"),
+        "max_batch_tokens": ("ar", "thinker"),
     }
 
 
@@ -415,10 +421,11 @@ def test_engine_kinds_follow_the_kind_table() -> None:
     probe = stage_kinds.StageKind(name="probe", executor="tests.unit.nowhere:Probe", summary="",
                                   needs_model=False, engine_options=("max_batch_size",))
     with stage_kinds.registered(probe):
-        assert engine_kinds("max_batch_size") == ("ar", "diffusion", "talker", "vocoder",
-                                                  "probe")
+        assert engine_kinds("max_batch_size") == ("ar", "diffusion", "thinker", "talker",
+                                                  "vocoder", "probe")
         assert engine_for_kind(EngineOptions(), "probe") == {"maxBatchSize": 16}
-    assert engine_kinds("max_batch_size") == ("ar", "diffusion", "talker", "vocoder")
+    assert engine_kinds("max_batch_size") == ("ar", "diffusion", "thinker", "talker",
+                                              "vocoder")
     assert all(engine_kinds(name) for name in EngineOptions.model_fields)
     with pytest.raises(KeyError, match="'nope' is not an EngineOptions field"):
         engine_kinds("nope")

@@ -80,6 +80,7 @@ class _Seq:
     next_token: int = -1  # fed at the next decode step
     sent: int = 0  # entries of hidden handed on as chunks (a streaming thinker) ...
     rows_sent: int = 0  # ... and the token rows they held
+    rope_delta: int = 0  # a thinker's multimodal RoPE offset: position = tokens + rope_delta
 
 
 class ARExecutor(BatchExecutor):
@@ -194,6 +195,14 @@ class ARExecutor(BatchExecutor):
         """What a step keeps of its hidden states for downstream stages (one row's)."""
         return layers[-1][row]
 
+    def _prefilled(self, seq: _Seq) -> None:
+        """After a sequence's prompt pass, before the next one: what it must keep of the
+        model's per-sequence state (a thinker: its RoPE offset)."""
+
+    def _decode_positions(self, positions: Any, seqs: list[_Seq]) -> Any:
+        """A decode step's position ids from each row's token count [rows, 1]."""
+        return positions
+
     def _hidden_tensors(self, seq: _Seq) -> dict[str, Any]:
         import torch
 
@@ -292,8 +301,13 @@ class ThinkerExecutor(ARExecutor):
     Payload) and go before the prompt's text (at the start of the last user turn of a
     chat-templated one), each as its placeholder tokens in the form the model was trained on
     (<|vision_start|> <|image_pad|>... <|vision_end|>, likewise for audio), as many as its
-    encoder makes. Requests run one at a time: the model keeps the multimodal
-    RoPE offset of the running sequence on itself.
+    encoder makes.
+
+    Continuous batching as for ar: each prompt pass runs alone (its media, its multimodal
+    RoPE index computed by the model), then the sequence joins the running batch. The model
+    keeps only the last prompt pass's RoPE offset on itself, so each sequence takes its own
+    (`_Seq.rope_delta`) and every decode step passes explicit positions: a text position after
+    the media is the row's token count + its offset, the same in all three RoPE sections.
 
     For a talker, its hidden states are those of the layer Qwen's talker reads (the combined
     checkpoint's talker_config.accept_hidden_layer, else the last), with `token_embeds` (input
@@ -319,7 +333,7 @@ class ThinkerExecutor(ARExecutor):
         self.context_len = int(text.max_position_embeddings)
         self.hidden_size = int(text.hidden_size)
         self.eos = self.tokenizer.eos_token_id
-        self.batchable = False
+        self.batchable = _plain_kv_cache(self.model.config.text_config)
         whole = getattr(self.model, "omni_config", None)
         self.hidden_layer = int(whole.talker_config.accept_hidden_layer) if whole else -1
 
@@ -433,13 +447,26 @@ class ThinkerExecutor(ARExecutor):
 
     def _forward(self, ids: Any, mask: Any, positions: Any, cache: Any, hidden: bool,
                  **extra: Any) -> Any:
-        # Positions are the model's own (multimodal RoPE); the prompt pass needs a mask for it.
+        # A prompt pass (positions None) lets the model compute its multimodal RoPE index,
+        # which needs a mask; decode steps pass positions (_decode_positions).
         import torch
 
         if cache is None and mask is None:
             mask = torch.ones_like(ids)
-        return self.model(input_ids=ids, attention_mask=mask, use_cache=True,
-                          output_hidden_states=hidden, **{self._cache_arg: cache}, **extra)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                          use_cache=True, output_hidden_states=hidden,
+                          **{self._cache_arg: cache}, **extra)
+
+    def _prefilled(self, seq: _Seq) -> None:
+        deltas = getattr(self.model.model, "rope_deltas", None)
+        seq.rope_delta = 0 if deltas is None else int(deltas.reshape(-1)[0])
+
+    def _decode_positions(self, positions: Any, seqs: list[_Seq]) -> Any:
+        """[3, rows, 1]: temporal, height and width positions, equal for generated text."""
+        import torch
+
+        delta = torch.tensor([[s.rope_delta] for s in seqs], device=positions.device)
+        return (positions + delta).unsqueeze(0).expand(3, -1, -1)
 
     def _pick_hidden(self, layers: Any, row: int) -> Any:
         return layers[self.hidden_layer][row], layers[0][row]
@@ -533,6 +560,7 @@ class _ARBatch:
             ids = torch.tensor([seq.job.prompt_ids + seq.job.generated], device=ex.device)
             out = ex._forward(ids, None, None, None, seq.job.return_hidden,
                               **seq.job.prefill_inputs)
+            ex._prefilled(seq)
             logits = out.logits[0, -1].float()
             hidden = ex._pick_hidden(out.hidden_states, 0) if seq.job.return_hidden else None
             outcome = ex._advance(seq, logits, hidden, int(torch.argmax(logits)))
@@ -550,7 +578,8 @@ class _ARBatch:
         ex, rows = self.ex, self.rows
         seqs = [self.seqs[sid] for sid in rows]
         ids = torch.tensor([[s.next_token] for s in seqs], device=ex.device)
-        positions = self.mask.sum(dim=1, keepdim=True)  # each row's own next position
+        # Each row's own next position (its real tokens so far; a thinker adds its offset).
+        positions = ex._decode_positions(self.mask.sum(dim=1, keepdim=True), seqs)
         mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
         want_hidden = any(s.job.return_hidden for s in seqs)
         out = ex._forward(ids, mask if self.padded else None, positions, self.cache,

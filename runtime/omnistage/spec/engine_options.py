@@ -139,16 +139,17 @@ class EngineOptions(SpecModel):
         16,
         ge=1,
         le=1024,
-        description="ar, diffusion, talker, vocoder: most requests that share one forward step "
-        "(ar, talker: continuous batching; diffusion: requests of the same size and guidance; "
-        "vocoder: windows of the same length). 1 runs requests one at a time.",
+        description="ar, thinker, diffusion, talker, vocoder: most requests that share one "
+        "forward step (ar, thinker, talker: continuous batching; diffusion: requests of the "
+        "same size and guidance; vocoder: windows of the same length). 1 runs requests one at "
+        "a time.",
     )
     max_batch_tokens: int | None = Field(
         None,
         ge=1,
         le=2**24,
-        description="ar: most tokens (prompt + max_tokens of each sequence) a running batch may "
-        "hold; a request above it is refused. Unset: only maxBatchSize limits the batch.",
+        description="ar, thinker: most tokens (prompt + max_tokens of each sequence) a running "
+        "batch may hold; a request above it is refused. Unset: only maxBatchSize limits the batch.",
     )
 
 

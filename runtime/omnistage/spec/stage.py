@@ -415,6 +415,23 @@ class Stage(SpecModel):
         return value
 
     @model_validator(mode="after")
+    def _engine_options_its_kind_reads(self) -> Stage:
+        """An engine option the kind does not read would be silently ignored (a thinker's
+        maxBatchSize once was): refused, naming it and what the kind does read."""
+        reads = stage_kinds.get(self.kind).engine_options
+        # Set to something other than its default: a manifest written back (every field, at
+        # its default for the other kinds) still loads.
+        unread = [n for n, f in EngineOptions.model_fields.items()
+                  if n in self.engine.model_fields_set and n not in reads
+                  and getattr(self.engine, n) != f.get_default(call_default_factory=True)]
+        if unread:
+            takes = ", ".join(to_camel(o) for o in reads) or "none"
+            raise path_errors([(f"engine.{to_camel(n)}", f"the {self.kind} kind does not read "
+                                f"this option (its engine options: {takes})")
+                               for n in unread])
+        return self
+
+    @model_validator(mode="after")
     def _one_gpu_per_model(self) -> Stage:
         """A replica loads its model onto one device: spreading one model over several GPUs
         (device_map) is not supported, so asking for it is refused rather than half-used."""
