@@ -224,7 +224,7 @@ async def serve(name: str, pipes: list[Any], log_dir: Path) -> Served:
         # Their endpoints are known once they are ready.
         infos = [ReplicaInfo(stage, w.name, w.zmq) for stage, w in workers.items()]
         for pipe in pipes:
-            orch = Orchestrator(pipe, StaticMembership(infos), curve=keys)
+            orch = Orchestrator(pipe, StaticMembership(infos), curve=curve.CurveKeyring.fixed(keys))
             _watch_audio(orch, served.first_audio)
             await orch.start()
             served.orchs.append(orch)
