@@ -434,6 +434,17 @@ async def bench_pipeline(shape: str, args: argparse.Namespace, frames: int, rate
     return out
 
 
+def _c8_over_c1(results: list[Rtf], shape: str) -> tuple[float | None, float | None]:
+    """A shape's requests/s at --concurrency over one at a time, batching on and off (None:
+    a figure its run did not make)."""
+    on = [r for r in results if r.name == f"{shape} pipeline"]
+    off = [r for r in results if r.name == f"{shape} unbatched"]
+    if not on or not on[0].rps:
+        return None, None
+    return (on[1].rps / on[0].rps if len(on) == 2 else None,
+            off[0].rps / on[0].rps if off else None)
+
+
 def ttfa_line(label: str, seconds: list[float], audio_s: float) -> str:
     return (f"speech ttfa streaming {label} {statistics.median(seconds) * 1000:9.1f} ms "
             f"(median of {len(seconds)}), {audio_s:.2f} s answers")
@@ -510,15 +521,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 results += await run()
             except Exception as exc:
                 print(f"speech {what} failed: {exc!r}", flush=True)
-    tts = [r for r in results if r.name == "tts pipeline"]
-    off = [r for r in results if r.name == "tts unbatched"]
-    rps_ratio = tts[1].rps / tts[0].rps if len(tts) == 2 and tts[0].rps else None
-    off_ratio = off[0].rps / tts[0].rps if off and tts and tts[0].rps else None
-    omni = [r for r in results if r.name == "omni pipeline"]
-    omni_off = [r for r in results if r.name == "omni unbatched"]
-    omni_ratio = omni[1].rps / omni[0].rps if len(omni) == 2 and omni[0].rps else None
-    omni_off_ratio = (omni_off[0].rps / omni[0].rps if omni_off and omni and omni[0].rps
-                      else None)
+    rps_ratio, off_ratio = _c8_over_c1(results, "tts")
+    omni_ratio, omni_off_ratio = _c8_over_c1(results, "omni")
     line, goals = summary(ttfa.ratio, rps_ratio, off_ratio, omni_ratio, omni_off_ratio)
     print(line, flush=True)
     return exit_status(goals, args.check)

@@ -217,7 +217,8 @@ def test_each_bound_at_its_edge(path: str, value: Any, expected: str | None) -> 
     and bool cases)."""
     doc = one_stage()
     if path.startswith(ENGINE + "."):  # a stage of a kind that reads the option
-        field = re.sub(r"(?<!^)(?=[A-Z])", "_", path.rsplit(".", 1)[-1]).lower()
+        alias = path.rsplit(".", 1)[-1]
+        [field] = [n for n, f in EngineOptions.model_fields.items() if f.alias == alias]
         kind = stage_kinds.get(engine_kinds(field)[0])
         doc["spec"]["stages"][0].update(kind=kind.name)
         if kind.needs_model:

@@ -419,16 +419,16 @@ class Stage(SpecModel):
         """An engine option the kind does not read would be silently ignored (a thinker's
         maxBatchSize once was): refused, naming it and what the kind does read."""
         reads = stage_kinds.get(self.kind).engine_options
+        fields = EngineOptions.model_fields
         # Set to something other than its default: a manifest written back (every field, at
         # its default for the other kinds) still loads.
-        unread = [n for n, f in EngineOptions.model_fields.items()
+        unread = [f.alias for n, f in fields.items()
                   if n in self.engine.model_fields_set and n not in reads
                   and getattr(self.engine, n) != f.get_default(call_default_factory=True)]
         if unread:
-            takes = ", ".join(to_camel(o) for o in reads) or "none"
-            raise path_errors([(f"engine.{to_camel(n)}", f"the {self.kind} kind does not read "
-                                f"this option (its engine options: {takes})")
-                               for n in unread])
+            takes = ", ".join(str(fields[o].alias) for o in reads) or "none"
+            raise path_errors([(f"engine.{alias}", f"the {self.kind} kind does not read this "
+                                f"option (its engine options: {takes})") for alias in unread])
         return self
 
     @model_validator(mode="after")
