@@ -177,10 +177,13 @@ def test_diffusion_batch_key_separates_incompatible_requests(diffusion) -> None:
 # ---------------------------------------------------------------------------- worker process
 
 
-def _metric(w: Any, name: str) -> float:
+def _scrape(w: Any) -> str:
     with urllib.request.urlopen(w.http + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    value = sample(text, name)
+        return resp.read().decode()
+
+
+def _metric(w: Any, name: str) -> float:
+    value = sample(_scrape(w), name)
     assert value is not None, name
     return value
 
@@ -242,8 +245,15 @@ async def test_worker_batch_deadline_overload_and_token_budget(start_worker, cha
     _, big = await ch.request("big", {"prompt": "x", "max_tokens": 1021})
     assert isinstance(big.header, p.Error) and big.header.code == "bad_request"
     assert "engine.maxBatchTokens of 1020" in big.header.message
+    # The slow request's deadline must pass mid-answer on any machine: the time 300 tokens
+    # take here, a third of its 900's (a fixed 1 s was once enough for all 900 in CI), and
+    # never so short that the checks below outrun it.
+    started = time.monotonic()
+    _, gauge = await ch.request("gauge", {"prompt": "g", "max_tokens": 300, "ignore_eos": True})
+    assert isinstance(gauge.header, p.Final)
+    deadline = max(0.4, time.monotonic() - started)
     slow = ch.submit("slow", {"prompt": "s", "max_tokens": 900, "ignore_eos": True,
-                              "stream": True}, timeout_s=1.0)
+                              "stream": True}, timeout_s=deadline)
     assert isinstance((await asyncio.wait_for(slow.get(), 60)).header, p.Delta)  # running
     quick = ch.submit("quick", {"prompt": "q", "max_tokens": 30, "ignore_eos": True})
     third = ch.submit("third", {"prompt": "t", "max_tokens": 30, "ignore_eos": True})
@@ -303,3 +313,30 @@ async def test_worker_batches_concurrent_thinker_requests_with_mixed_media(start
         assert isinstance(final.header, p.Final), final.header
         assert final.header.token_ids == reference[i], f"request {i} differs from serial"
     assert await _exec_seconds(batched) - before > 2 * wall
+
+
+async def test_a_worker_reuses_a_shared_prefix_and_counts_it(start_worker, channels) -> None:
+    """Over ZMQ, batched: requests sharing a system prompt get the cache-off worker's tokens,
+    and /metrics says how many prompt tokens came from the cache."""
+    system = "You are a terse assistant who answers every question in one short line. "
+    cached = start_worker("ar", model="tiny-llama", engine={"maxBatchSize": 8})
+    plain = start_worker("ar", model="tiny-llama", engine={"maxBatchSize": 8,
+                                                           "prefixCacheMib": 0})
+    ch, ref_ch = channels(cached), channels(plain)
+    questions = ["why?", "what is the time", "name three colours", "count to four"]
+    params = [{"prompt": system + q, "max_tokens": 10, "ignore_eos": True} for q in questions]
+    refs = [(await ref_ch.request(f"r{i}", ps))[1] for i, ps in enumerate(params)]
+    first = (await ch.request("first", params[0]))[1]  # keeps the system prompt's blocks
+    got = await asyncio.gather(*(ch.request(f"g{i}", ps) for i, ps in enumerate(params)))
+    for i, (ref, (_, msg)) in enumerate(zip(refs, got, strict=True)):
+        assert isinstance(msg.header, p.Final), msg.header
+        assert msg.header.token_ids == ref.header.token_ids, i
+    assert first.header.token_ids == refs[0].header.token_ids
+    shared = len(system) // 16 * 16
+    prefix = "omnistage_worker_prefix_cache_"
+    saved = await asyncio.to_thread(_metric, cached, prefix + "saved_tokens_total")
+    hits = await asyncio.to_thread(_metric, cached, prefix + "hits_total")
+    # Each reused the system prompt's blocks at least (g0, first's twin, its whole prompt's).
+    assert hits == len(questions) and saved >= shared * len(questions)
+    text = await asyncio.to_thread(_scrape, plain)
+    assert "omnistage_worker_ready" in text and prefix not in text  # off: no such families

@@ -282,7 +282,7 @@ def test_engine_defaults() -> None:
         "height": 32, "width": 32, "num_inference_steps": 4, "guidance_scale": 1.0, "seed": None,
         "echo_delay_ms": 0, "echo_chunk_chars": 0, "echo_chunk_delay_ms": 0,
         "voices": None, "voice": None, "max_frames": 256, "chunk_frames": 8,
-        "max_batch_size": 16, "max_batch_tokens": None,
+        "max_batch_size": 16, "max_batch_tokens": None, "prefix_cache_mib": 256,
     }
 
 
@@ -378,7 +378,7 @@ def test_durations_are_plain_seconds() -> None:
 # --------------------------------------------------------------------------- engine by kind
 
 AR = {"dtype": "auto", "maxTokens": 16, "temperature": 0.0, "returnHiddenStates": False,
-      "maxBatchSize": 16}
+      "maxBatchSize": 16, "prefixCacheMib": 256}
 DIFFUSION = {"dtype": "auto", "height": 32, "width": 32, "numInferenceSteps": 4,
              "guidanceScale": 1.0, "maxBatchSize": 16}
 ECHO = {"echoDelayMs": 0, "echoChunkChars": 0, "echoChunkDelayMs": 0}
@@ -410,7 +410,7 @@ def test_engine_kinds_of_every_field() -> None:
         "echo_chunk_delay_ms": ("echo",), "voices": ("talker",), "voice": ("talker",),
         "max_frames": ("talker",), "chunk_frames": ("talker", "vocoder"),
         "max_batch_size": ("ar", "diffusion", "thinker", "talker", "vocoder"),
-        "max_batch_tokens": ("ar", "thinker"),
+        "max_batch_tokens": ("ar", "thinker"), "prefix_cache_mib": ("ar", "thinker"),
     }
 
 

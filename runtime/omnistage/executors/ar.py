@@ -30,6 +30,7 @@ from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
 from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome, StageIO
+from omnistage.executors.prefix_cache import Hit, PrefixCache, PrefixStats, join_rows
 from omnistage.models import load_causal_lm, load_thinker
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -98,10 +99,26 @@ class ARExecutor(BatchExecutor):
         self.hidden_size = int(self.model.config.hidden_size)
         self.eos = self.tokenizer.eos_token_id
         self.batchable = _plain_kv_cache(self.model.config)
+        self._kv_config = self.model.config
+        self.prefix = self._new_prefix_cache()
+
+    def _new_prefix_cache(self) -> PrefixCache | None:
+        """engine.prefixCacheMib's cache, for a model whose KV cache is plain tensors (the
+        blocks are slices of them); None when it is 0 or the model keeps other state."""
+        budget = self.engine.prefix_cache_mib * 2**20
+        return PrefixCache(budget) if budget and self.batchable else None
+
+    def prefix_stats(self) -> PrefixStats | None:
+        prefix = getattr(self, "prefix", None)
+        return None if prefix is None else prefix.stats
 
     def warmup(self) -> None:
         job = self.prepare({"prompt": "warmup", "max_tokens": 2}, {})
-        self.execute(job, ExecutionContext(), lambda _d: None)
+        prefix, self.prefix = self.prefix, None  # its counters are the requests' own
+        try:
+            self.execute(job, ExecutionContext(), lambda _d: None)
+        finally:
+            self.prefix = prefix
 
     def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> ARJob:
         req: Any = self.parse(self.params_model, params)
@@ -199,6 +216,40 @@ class ARExecutor(BatchExecutor):
         """After a sequence's prompt pass, before the next one: what it must keep of the
         model's per-sequence state (a thinker: its RoPE offset)."""
 
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def _prefix_limit(self, job: ARJob) -> int:
+        """How many leading prompt tokens are the same KV in any request that has them."""
+        return len(job.prompt_ids)
+
+    def _prefix_lookup(self, seq: _Seq) -> Hit | None:
+        if self.prefix is None:
+            return None
+        job = seq.job
+        # At least one token of the pass is computed: its logits give the next token.
+        limit = min(self._prefix_limit(job), seq.prefilled - 1)
+        return self.prefix.lookup(job.prompt_ids, limit, want_rows=job.return_hidden)
+
+    def _prefix_store(self, seq: _Seq, cache: Any, rows: Any) -> None:
+        if self.prefix is not None:
+            self.prefix.insert(seq.job.prompt_ids, self._prefix_limit(seq.job),
+                               _kv_layers(cache), rows)
+
+    def _cache_from(self, kv: list[tuple[Any, Any]]) -> Any:
+        """A fresh KV cache holding a hit's keys and values (copies: the blocks stay)."""
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self._kv_config)
+        for i, (k, v) in enumerate(kv):
+            cache.update(k, v, i)
+        return cache
+
+    def _suffix_positions(self, seq: _Seq, start: int) -> Any:
+        """Position ids [1, n] of a prompt pass that starts at token `start` (after a hit)."""
+        import torch
+
+        return torch.arange(start, seq.prefilled, device=self.device).unsqueeze(0)
+
     def _decode_positions(self, positions: Any, seqs: list[_Seq]) -> Any:
         """A decode step's position ids from each row's token count [rows, 1]."""
         return positions
@@ -277,6 +328,8 @@ class ARExecutor(BatchExecutor):
         return self._aborted(job)
 
     def sleep(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
         if self.device.type != "cpu":
             self.model.to("cpu")
         super().sleep()
@@ -334,8 +387,14 @@ class ThinkerExecutor(ARExecutor):
         self.hidden_size = int(text.hidden_size)
         self.eos = self.tokenizer.eos_token_id
         self.batchable = _plain_kv_cache(self.model.config.text_config)
+        self._kv_config = self.model.config.text_config
+        self.prefix = self._new_prefix_cache()
         whole = getattr(self.model, "omni_config", None)
         self.hidden_layer = int(whole.talker_config.accept_hidden_layer) if whole else -1
+        tok = self.tokenizer
+        #: Where media begin: a prompt's KV is shared only up to its first media (after it,
+        #: positions and features are the request's own).
+        self._media_starts = {tok.vision_bos_token_id, tok.audio_bos_token_id}
 
     def prepare(self, params: Mapping[str, Any], tensors: Mapping[str, WireTensor]) -> ARJob:
         images, audio = self._media(tensors)
@@ -461,6 +520,25 @@ class ThinkerExecutor(ARExecutor):
         deltas = getattr(self.model.model, "rope_deltas", None)
         seq.rope_delta = 0 if deltas is None else int(deltas.reshape(-1)[0])
 
+    def _prefix_limit(self, job: ARJob) -> int:
+        ids = job.prompt_ids
+        return next((i for i, t in enumerate(ids) if t in self._media_starts), len(ids))
+
+    def _suffix_positions(self, seq: _Seq, start: int) -> Any:
+        """The model's own multimodal RoPE index of the whole pass, from `start` on; the
+        sequence keeps its offset (the model would keep a stale one from its last pass)."""
+        import torch
+
+        job = seq.job
+        ids = torch.tensor([job.prompt_ids + job.generated], device=self.device)
+        inputs = job.prefill_inputs
+        audio = inputs.get("feature_attention_mask")
+        positions, deltas = self.model.model.get_rope_index(
+            ids, inputs.get("image_grid_thw"), None, torch.ones_like(ids), False,
+            None if audio is None else audio.sum(-1), None)
+        seq.rope_delta = int(deltas.reshape(-1)[0])
+        return positions[:, :, start:]
+
     def _decode_positions(self, positions: Any, seqs: list[_Seq]) -> Any:
         """[3, rows, 1]: temporal, height and width positions, equal for generated text."""
         import torch
@@ -555,19 +633,32 @@ class _ARBatch:
         ex, joined = self.ex, []
         joining, self.joining = self.joining, {}
         for sid, seq in joining.items():
+            job = seq.job
             # A resumed stream's prompt pass takes the tokens already delivered too.
-            seq.prefilled = len(seq.job.prompt_ids) + len(seq.job.generated)
-            ids = torch.tensor([seq.job.prompt_ids + seq.job.generated], device=ex.device)
-            out = ex._forward(ids, None, None, None, seq.job.return_hidden,
-                              **seq.job.prefill_inputs)
-            ex._prefilled(seq)
+            tokens = job.prompt_ids + job.generated
+            seq.prefilled = len(tokens)
+            hit = ex._prefix_lookup(seq)
+            if hit is None:
+                ids = torch.tensor([tokens], device=ex.device)
+                out = ex._forward(ids, None, None, None, job.return_hidden,
+                                  **job.prefill_inputs)
+                ex._prefilled(seq)
+            else:  # only what follows the cached prefix is computed
+                ids = torch.tensor([tokens[hit.tokens:]], device=ex.device)
+                out = ex._forward(ids, None, ex._suffix_positions(seq, hit.tokens),
+                                  ex._cache_from(hit.kv), job.return_hidden,
+                                  **job.prefill_inputs)
+            cache = getattr(out, ex._cache_arg)
             logits = out.logits[0, -1].float()
-            hidden = ex._pick_hidden(out.hidden_states, 0) if seq.job.return_hidden else None
+            hidden = ex._pick_hidden(out.hidden_states, 0) if job.return_hidden else None
+            if hit is not None and hidden is not None:
+                hidden = join_rows(hit.rows, hidden)
+            ex._prefix_store(seq, cache, hidden)
             outcome = ex._advance(seq, logits, hidden, int(torch.argmax(logits)))
             if outcome is not None:
                 done[sid] = outcome
             else:
-                joined.append((sid, seq, getattr(out, ex._cache_arg)))
+                joined.append((sid, seq, cache))
         if joined:
             self._merge(joined)
 

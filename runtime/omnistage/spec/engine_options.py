@@ -151,6 +151,16 @@ class EngineOptions(SpecModel):
         description="ar, thinker: most tokens (prompt + max_tokens of each sequence) a running "
         "batch may hold; a request above it is refused. Unset: only maxBatchSize limits the batch.",
     )
+    prefix_cache_mib: int = Field(
+        256,
+        ge=0,
+        le=1_048_576,
+        description="ar, thinker: memory (MiB, on the stage's device) for the keys and values of "
+        "prompt prefixes kept for reuse: a request that begins with a kept prefix (a system "
+        "prompt, a conversation's earlier turns) computes only the rest of its prompt. Reused "
+        "in blocks of 16 tokens; a thinker's prompt up to its first image or audio; the least "
+        "recently used blocks go first. 0 turns it off.",
+    )
 
 
 def _check_engine_options(kind: stage_kinds.StageKind) -> None:

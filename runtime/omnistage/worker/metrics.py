@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from omnistage.admission import BoundedAdmission, SerialScheduler
 from omnistage.batching import BatchScheduler
+from omnistage.executors.prefix_cache import PrefixStats
 from omnistage.metrics import family, summary
 
 
@@ -22,7 +23,8 @@ class WorkerCollector:
                  admission: BoundedAdmission, scheduler: SerialScheduler | BatchScheduler,
                  requests: Sized,
                  counters: Mapping[str, int], outcomes: Mapping[str, int],
-                 refused: Callable[[], Mapping[str, int]] = dict) -> None:
+                 refused: Callable[[], Mapping[str, int]] = dict,
+                 prefix: Callable[[], PrefixStats | None] = lambda: None) -> None:
         self.common = {"stage": stage, "replica": replica}
         self.ready = ready
         self.admission = admission
@@ -31,6 +33,7 @@ class WorkerCollector:
         self.counters = counters
         self.outcomes = outcomes
         self.refused = refused  # peers the CurveZMQ gate turned away, by reason
+        self.prefix = prefix  # the executor's prefix cache (ar, thinker), None without one
 
     def collect(self) -> Iterator[Metric]:
         c, common = self.counters, self.common
@@ -76,3 +79,31 @@ class WorkerCollector:
                      ["type"])
         yield summary("omnistage_worker_execution_seconds", "Executor time per request", common,
                       stats.completed, stats.exec_seconds_total)
+        yield from self._prefix_families()
+
+    def _prefix_families(self) -> Iterator[Metric]:
+        """The prefix cache's counters (absent on a stage without one). Its hit rate is
+        saved_tokens over prompt_tokens (the share of prompt tokens not computed), or hits
+        over lookups (the share of prompt passes that reused something)."""
+        p = self.prefix()
+        if p is None:
+            return
+        common, gauge, counter = self.common, GaugeMetricFamily, CounterMetricFamily
+        for name, doc, value in (
+                ("lookups_total", "Prompt passes that looked up the prefix cache", p.lookups),
+                ("hits_total", "Prompt passes that reused at least one cached block", p.hits),
+                ("prompt_tokens_total", "Prompt tokens of the passes that looked up",
+                 p.prompt_tokens),
+                ("saved_tokens_total", "Prompt tokens taken from the cache, not computed",
+                 p.saved_tokens),
+                ("evicted_blocks_total", "Blocks dropped to stay within the budget",
+                 p.evicted_blocks)):
+            yield family(counter, f"omnistage_worker_prefix_cache_{name}", doc, common,
+                         [((), value)])
+        yield family(gauge, "omnistage_worker_prefix_cache_blocks", "Blocks kept", common,
+                     [((), p.blocks)])
+        yield family(gauge, "omnistage_worker_prefix_cache_bytes",
+                     "Bytes the kept blocks hold (keys, values, hidden rows)", common,
+                     [((), p.bytes)])
+        yield family(gauge, "omnistage_worker_prefix_cache_capacity_bytes",
+                     "The budget (engine.prefixCacheMib)", common, [((), p.capacity_bytes)])

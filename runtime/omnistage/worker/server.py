@@ -54,6 +54,7 @@ from omnistage.executors import (
     create_executor,
     executor_class,
 )
+from omnistage.executors.prefix_cache import PrefixStats
 from omnistage.kinds import get as get_kind
 from omnistage.metrics import new_registry
 from omnistage.revision import worker_revision
@@ -132,7 +133,8 @@ class StageWorker:
             stage=cfg.stage.name, replica=cfg.replica_id, ready=lambda: self.ready,
             admission=self.admission, scheduler=self.scheduler, requests=self.requests,
             counters=self.counters, outcomes=self.replies.outcomes,
-            refused=lambda: self.gate.refused if self.gate is not None else {}))
+            refused=lambda: self.gate.refused if self.gate is not None else {},
+            prefix=self._prefix_stats))
         self._exit = asyncio.Event()
         self._quiet = asyncio.Event()  # set whenever a request or task finishes
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -225,6 +227,11 @@ class StageWorker:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s\n%s", self.load_error, traceback.format_exc())
             self._exit.set()
+
+    def _prefix_stats(self) -> PrefixStats | None:
+        """The executor's prefix-cache counters, for /metrics (None: no cache, or not loaded)."""
+        stats = getattr(self.executor, "prefix_stats", None)
+        return stats() if stats is not None else None
 
     def _load_blocking(self) -> None:
         """Import, load and warm up off the event loop, so /livez answers meanwhile."""
