@@ -30,7 +30,7 @@ from typing import Any
 
 from omnistage.admission import DeadlineExceeded, ExecutionContext
 from omnistage.executors.base import BadRequest, BatchExecutor, Emit, Outcome, StageIO
-from omnistage.executors.prefix_cache import Hit, PrefixCache, PrefixStats, join_rows
+from omnistage.executors.prefix_cache import Hit, PrefixCache, PrefixStats, cat_rows
 from omnistage.models import load_causal_lm, load_thinker
 from omnistage.params import StageParams, stage_params
 from omnistage.protocol import WireTensor
@@ -87,6 +87,7 @@ class _Seq:
 class ARExecutor(BatchExecutor):
     kind = "ar"
     params_model: type[StageParams] = ARParams
+    prefix: PrefixCache | None = None  # made at load (engine.prefixCacheMib)
 
     def load(self) -> None:
         model = self.model_source or "tiny-llama"
@@ -109,8 +110,7 @@ class ARExecutor(BatchExecutor):
         return PrefixCache(budget) if budget and self.batchable else None
 
     def prefix_stats(self) -> PrefixStats | None:
-        prefix = getattr(self, "prefix", None)
-        return None if prefix is None else prefix.stats
+        return None if self.prefix is None else self.prefix.stats
 
     def warmup(self) -> None:
         job = self.prepare({"prompt": "warmup", "max_tokens": 2}, {})
@@ -236,12 +236,14 @@ class ARExecutor(BatchExecutor):
                                _kv_layers(cache), rows)
 
     def _cache_from(self, kv: list[tuple[Any, Any]]) -> Any:
-        """A fresh KV cache holding a hit's keys and values (copies: the blocks stay)."""
+        """A fresh KV cache that adopts a hit's keys and values (the lookup's own copies, so
+        the blocks stay as they are): each layer is set up empty, then given them."""
         from transformers.cache_utils import DynamicCache
 
         cache = DynamicCache(config=self._kv_config)
         for i, (k, v) in enumerate(kv):
-            cache.update(k, v, i)
+            cache.update(k[..., :0, :], v[..., :0, :], i)
+        _set_kv_layers(cache, kv)
         return cache
 
     def _suffix_positions(self, seq: _Seq, start: int) -> Any:
@@ -652,7 +654,7 @@ class _ARBatch:
             logits = out.logits[0, -1].float()
             hidden = ex._pick_hidden(out.hidden_states, 0) if job.return_hidden else None
             if hit is not None and hidden is not None:
-                hidden = join_rows(hit.rows, hidden)
+                hidden = cat_rows([hit.rows, hidden])
             ex._prefix_store(seq, cache, hidden)
             outcome = ex._advance(seq, logits, hidden, int(torch.argmax(logits)))
             if outcome is not None:

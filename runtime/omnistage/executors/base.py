@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from omnistage.admission import ExecutionContext
 from omnistage.batching import Batch, Emit, run_alone
+from omnistage.executors.prefix_cache import PrefixStats
 from omnistage.params import StageParams, describe
 from omnistage.protocol import WireTensor
 from omnistage.spec import EngineOptions
@@ -255,6 +256,10 @@ class Executor(ABC):
     def aborted_before_start(self, job: Any) -> Outcome:
         """The reply for a request aborted while it was still queued."""
         return Outcome(aborted=True)
+
+    def prefix_stats(self) -> PrefixStats | None:
+        """The prefix cache's counters, for /metrics (None: this executor keeps none)."""
+        return None
 
     def sleep(self) -> None:
         """Release accelerator memory; weights stay in host memory."""

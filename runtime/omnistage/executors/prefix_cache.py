@@ -105,7 +105,7 @@ class PrefixCache:
         layers = len(found[0].kv)
         kv = [(torch.cat([blk.kv[i][0] for blk in found], dim=-2),
                torch.cat([blk.kv[i][1] for blk in found], dim=-2)) for i in range(layers)]
-        rows = _cat_rows([blk.rows for blk in found]) if want_rows else None
+        rows = cat_rows([blk.rows for blk in found]) if want_rows else None
         return Hit(tokens, kv, rows)
 
     def insert(self, ids: Sequence[int], limit: int, kv: list[tuple[Any, Any]],
@@ -162,17 +162,13 @@ def _slice_rows(rows: Any, lo: int, hi: int) -> Any:
     return rows[lo:hi].clone()
 
 
-def _cat_rows(parts: list[Any]) -> Any:
+def cat_rows(parts: list[Any]) -> Any:
+    """Hidden rows one after the other (tensors, or tuples of tensors alike)."""
     import torch
 
     if isinstance(parts[0], tuple):
         return tuple(torch.cat([p[i] for p in parts], dim=0) for i in range(len(parts[0])))
     return torch.cat(parts, dim=0)
-
-
-def join_rows(first: Any, rest: Any) -> Any:
-    """Cached rows followed by a pass's own (tensors, or tuples of tensors alike)."""
-    return _cat_rows([first, rest])
 
 
 def _nbytes(rows: Any) -> int:

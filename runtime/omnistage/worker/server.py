@@ -229,9 +229,8 @@ class StageWorker:
             self._exit.set()
 
     def _prefix_stats(self) -> PrefixStats | None:
-        """The executor's prefix-cache counters, for /metrics (None: no cache, or not loaded)."""
-        stats = getattr(self.executor, "prefix_stats", None)
-        return stats() if stats is not None else None
+        """The executor's prefix-cache counters, for /metrics (None: none, or not made yet)."""
+        return None if self.executor is None else self.executor.prefix_stats()
 
     def _load_blocking(self) -> None:
         """Import, load and warm up off the event loop, so /livez answers meanwhile."""
